@@ -1,0 +1,31 @@
+# `make demo` and `make test` create .venv once and reuse it, so llama-cpp-python's
+# C++ build (several minutes) happens only on the first run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: demo test test-fast bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -e '.[model,test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m nbkv.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check nbkv tests
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(PY) -m nbkv.bench
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,316 @@
+"""A thin, typed layer over llama-cpp-python's low-level bindings.
+
+Only this module (and ``sampling``) touches ``llama_cpp`` directly. It owns the native
+objects (model, context, batch) and frees them; it knows nothing about caching policy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import llama_cpp
+
+from .errors import DecodeError, ModelLoadError, ModelNotFoundError
+
+log = logging.getLogger("nbkv.llama")
+
+# ggml_log_level -> logging level
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_last_level = logging.DEBUG
+_init_lock = threading.Lock()
+_initialized = False
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # llama.cpp logs line fragments; level 5 (CONT) continues the previous level
+    global _last_level
+    lvl = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
+    _last_level = lvl
+    msg = text.decode("utf-8", errors="replace").rstrip("\n")
+    if msg and log.isEnabledFor(lvl):
+        log.log(lvl, "%s", msg)
+
+
+def _init_backend() -> None:
+    global _initialized
+    with _init_lock:
+        if not _initialized:
+            llama_cpp.llama_backend_init()
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            _initialized = True
+
+
+def check_gguf(path: str | os.PathLike) -> Path:
+    """Raise a clear error unless ``path`` is an existing, plausibly whole GGUF file.
+
+    llama.cpp is asked to load a file only after this check, so a wrong path or a truncated
+    download fails in Python with a message instead of deep in native code.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ModelNotFoundError(f"no model file at {p}")
+    size = p.stat().st_size
+    with p.open("rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise ModelLoadError(f"{p} is not a GGUF model file (bad magic, {size} bytes)")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{p}: unsupported GGUF version {version}")
+    return p
+
+
+class Model:
+    """A loaded GGUF model and its vocabulary."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        n_gpu_layers: int = 0,
+        on_progress: Callable[[float], object] | None = None,
+    ) -> None:
+        _init_backend()
+        self.path = check_gguf(path)
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+
+        @llama_cpp.llama_progress_callback
+        def progress(fraction: float, _user: ctypes.c_void_p) -> bool:
+            if on_progress is not None:
+                try:
+                    on_progress(float(fraction))
+                except Exception:  # a UI callback must not abort the load
+                    log.exception("model load progress callback failed")
+            return True
+
+        params.progress_callback = progress  # also silences llama.cpp's default dots
+        ptr = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path} (corrupt, truncated or an unsupported "
+                "architecture; set logging.getLogger('nbkv.llama') to DEBUG for its log)"
+            )
+        self.ptr = ptr
+        self.vocab = llama_cpp.llama_model_get_vocab(ptr)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(ptr)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self._pieces: dict[int, bytes] = {}
+        self.bos_text = self._special_text(llama_cpp.llama_vocab_bos(self.vocab))
+        self.eos_text = self._special_text(llama_cpp.llama_vocab_eos(self.vocab))
+
+    def _special_text(self, token: int) -> str:
+        return self.piece(token).decode("utf-8", errors="replace") if token >= 0 else ""
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None."""
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own ``tokenizer.chat_template``, if it ships one."""
+        return self.meta("tokenizer.chat_template")
+
+    @property
+    def description(self) -> str:
+        """Architecture, size and quantization, as llama.cpp describes the model."""
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self.ptr, buf, 256)
+        return buf.value.decode()
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        """Tokenize ``text``; control tokens such as ``<|im_start|>`` are parsed as special."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, True)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (special tokens rendered as their text), cached."""
+        p = self._pieces.get(token)
+        if p is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
+            p = self._pieces[token] = buf.raw[:n]
+        return p
+
+    def text_piece(self, token: int) -> bytes:
+        """The bytes a token contributes to generated text (control tokens contribute none)."""
+        if llama_cpp.llama_vocab_is_control(self.vocab, token):
+            return b""
+        return self.piece(token)
+
+    def detokenize(self, tokens: Iterable[int]) -> str:
+        """Tokens back to text, special tokens included."""
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        """End-of-generation token (EOS, EOT, ``<|im_end|>``...)."""
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        """Free the model's memory."""
+        if self.ptr:
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Batch:
+    """A reusable ``llama_batch`` for tokens of several sequences."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._b = llama_cpp.llama_batch_init(capacity, 0, 1)
+        self.n = 0
+
+    def clear(self) -> None:
+        """Empty the batch."""
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Append a token; returns its index in the batch (for reading its logits)."""
+        i = self.n
+        if i >= self.capacity:
+            raise OverflowError("batch full")
+        b = self._b
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = logits
+        self.n += 1
+        return i
+
+    def add_run(self, tokens: Sequence[int], start_pos: int, seq: int, logits_last: bool) -> int:
+        """Append consecutive tokens of one sequence; returns the index of the last one."""
+        last = len(tokens) - 1
+        for j, t in enumerate(tokens):
+            self.add(t, start_pos + j, seq, logits_last and j == last)
+        return self.n - 1
+
+    @property
+    def raw(self) -> llama_cpp.llama_batch:
+        """The ``llama_batch`` struct, with ``n_tokens`` set."""
+        self._b.n_tokens = self.n
+        return self._b
+
+    def close(self) -> None:
+        """Free the native arrays."""
+        if self._b is not None:
+            llama_cpp.llama_batch_free(self._b)
+            self._b = None
+
+
+class Context:
+    """One llama.cpp context with ``n_seq_max`` sequences, each with its own KV stream.
+
+    ``kv_unified=False`` gives every sequence a private KV buffer of ``n_ctx / n_seq_max``
+    cells laid out exactly as in a fresh single-sequence context, which keeps cached
+    results bit-identical to from-scratch ones.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int,
+        n_seq_max: int,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        kv_unified: bool = False,
+        flash_attn: int = -1,
+    ) -> None:
+        self.model = model
+        p = llama_cpp.llama_context_default_params()
+        p.flash_attn_type = flash_attn
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = n_batch
+        p.n_seq_max = n_seq_max
+        p.kv_unified = kv_unified
+        threads = n_threads or max(os.cpu_count() or 1, 1)
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.no_perf = True
+        ptr = llama_cpp.llama_init_from_model(model.ptr, p)
+        if not ptr:
+            raise ModelLoadError(
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})"
+            )
+        self.ptr = ptr
+        self.mem = llama_cpp.llama_get_memory(ptr)
+        self.n_ctx = llama_cpp.llama_n_ctx(ptr)
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(ptr)
+        self.n_batch = llama_cpp.llama_n_batch(ptr)
+        self.n_seq_max = n_seq_max
+
+    def decode(self, batch: Batch) -> None:
+        """Run the model on ``batch``; raise :class:`DecodeError` on failure."""
+        rc = llama_cpp.llama_decode(self.ptr, batch.raw)
+        if rc != 0:
+            raise DecodeError(f"llama_decode failed with code {rc} on a batch of {batch.n} tokens")
+
+    def logits(self, index: int) -> ctypes.Array:
+        """Logits row of batch position ``index`` from the last decode (a view, not a copy)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, index)
+        return (ctypes.c_float * self.model.n_vocab).from_address(ctypes.addressof(ptr.contents))
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove positions ``[p0, p1)`` of sequence ``seq`` (-1: open end)."""
+        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, p0, p1):
+            raise DecodeError(f"could not remove positions [{p0}, {p1}) of sequence {seq}")
+
+    def seq_pos_min(self, seq: int) -> int:
+        """Smallest position held by ``seq``, -1 if empty."""
+        return llama_cpp.llama_memory_seq_pos_min(self.mem, seq)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Largest position held by ``seq``, -1 if empty."""
+        return llama_cpp.llama_memory_seq_pos_max(self.mem, seq)
+
+    def state_get(self, seq: int) -> ctypes.Array:
+        """The KV state of sequence ``seq``, as a ctypes byte array (restored without copies)."""
+        size = llama_cpp.llama_state_seq_get_size(self.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        if n != size:
+            raise DecodeError(f"could not read the state of sequence {seq} ({n}/{size} bytes)")
+        return buf
+
+    def state_set(self, seq: int, state: ctypes.Array) -> None:
+        """Load a state from :meth:`state_get` into sequence ``seq`` (which should be empty)."""
+        size = ctypes.sizeof(state)
+        if llama_cpp.llama_state_seq_set_data(self.ptr, state, size, seq) != size:
+            self.seq_rm(seq)
+            raise DecodeError(f"could not restore a saved state into sequence {seq}")
+
+    def clear(self) -> None:
+        """Empty every sequence."""
+        llama_cpp.llama_memory_clear(self.mem, True)
+
+    def close(self) -> None:
+        """Free the context."""
+        if self.ptr:
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None

@@ -1,0 +1,914 @@
+"""The engine: one llama.cpp context, N slots (= sequences), and a scheduler thread.
+
+Every request is prepared in the caller's thread (template, tokens, message hashes), then
+handed to the scheduler thread, the only code that touches the KV cache. It picks a slot
+(:mod:`nbkv.policy`), trims or copies what the slot holds so that exactly the reusable
+prefix remains, then prefills the rest and generates, decoding all active requests in
+shared ``llama_decode`` batches. A slot's ``tokens`` list is the truth about its KV: it is
+extended only after a successful decode, and on any failure the KV is trimmed back to it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from . import policy
+from .backend import Batch, Context, Model
+from .errors import (
+    ContextOverflowError,
+    EngineClosedError,
+    InvalidRequestError,
+    NbkvError,
+    SlotTimeoutError,
+)
+from .events import (
+    GENERATED,
+    PREFILLED,
+    REUSED,
+    EventBus,
+    Progress,
+    RequestFinished,
+    RequestRecord,
+    RequestStarted,
+    Segment,
+    SlotsChanged,
+    Subscriber,
+)
+from .messages import normalize, prefix_hashes, preview
+from .models import resolve_model_path
+from .sampling import Sampler, SamplingParams
+from .templates import CHATML, ChatTemplate
+from .textstream import TextStream
+
+log = logging.getLogger("nbkv")
+
+CACHE_MODES = ("imc", "spc", "off")
+OVERFLOW_POLICIES = ("error", "slide")
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """An immutable snapshot of one slot."""
+
+    index: int
+    seq_id: int
+    capacity: int
+    session: str | None
+    tokens: tuple[int, ...]
+    hashes: tuple[str, ...]
+    msg_ends: tuple[int, ...]
+    last_used: int
+    pending: bool
+    segments: tuple[Segment, ...] = ()
+    last_request: int | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        """KV positions in use."""
+        return len(self.tokens)
+
+    @property
+    def n_messages(self) -> int:
+        """Messages cached (the model's last reply included)."""
+        return len(self.hashes)
+
+    @property
+    def empty(self) -> bool:
+        """True when the slot holds nothing."""
+        return not self.tokens
+
+
+@dataclass
+class _Slot:
+    index: int
+    seq_id: int
+    capacity: int
+    session: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    hashes: list[str] = field(default_factory=list)
+    msg_ends: list[int] = field(default_factory=list)
+    last_used: int = 0
+    pending: bool = False
+    segments: tuple[Segment, ...] = ()
+    last_request: int | None = None
+
+    def snapshot(self) -> SlotInfo:
+        return SlotInfo(
+            self.index, self.seq_id, self.capacity, self.session, tuple(self.tokens),
+            tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
+            self.segments, self.last_request,
+        )
+
+    def reset(self) -> None:
+        self.session = None
+        self.tokens.clear()
+        self.hashes.clear()
+        self.msg_ends.clear()
+        self.segments = ()
+
+
+@dataclass
+class _Prompt:
+    """A request prepared in the caller's thread."""
+
+    messages: list[dict[str, Any]]
+    tokens: tuple[int, ...]
+    hashes: list[str]
+    ends: list[int]  # token index where each message ends (the generation prompt excluded)
+    dropped: int = 0
+
+
+class _Job:
+    """A request inside the scheduler."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, prompt: _Prompt, session: str | None, params: SamplingParams,
+                 timeout: float) -> None:
+        self.id = next(self._ids)
+        self.prompt = prompt
+        self.session = session
+        self.params = params
+        self.deadline = time.monotonic() + timeout
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancel = threading.Event()
+        self.done = threading.Event()
+        self.slot: _Slot | None = None
+        self.todo: list[int] = []  # prompt tokens still to prefill
+        self.reuse = 0
+        self.capture_at: int | None = None  # SPC: save the slot's state at this length
+        self.spc_key: str | None = None
+        self.sampler: Sampler | None = None
+        self.text = TextStream(params.stop)
+        self.generated: list[int] = []
+        self.next_token: int | None = None
+        self.record: RequestRecord | None = None
+        self.t_submit = time.perf_counter()
+        self.t_admit = 0.0
+        self.t_prefill = 0.0
+        self.t_first = 0.0
+        self.t_last_progress = 0.0
+        self.t_served = 0.0  # last time the scheduler gave this request a prefill chunk
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """A finished reply: its text, why it ended, and the request's record."""
+
+    text: str
+    finish_reason: str
+    record: RequestRecord
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def message(self) -> dict[str, str]:
+        """The reply as a message to append to the conversation."""
+        return {"role": "assistant", "content": self.text}
+
+
+class ChatStream:
+    """Iterator over the text deltas of a reply as they are generated.
+
+    After it is exhausted, :attr:`text`, :attr:`finish_reason` and :attr:`record` are set.
+    Closing it early (``close()``, ``break`` with ``with``, garbage collection, or a
+    ``KeyboardInterrupt`` while waiting) cancels the request; the slot keeps what was
+    decoded and stays consistent.
+    """
+
+    def __init__(self, engine: Engine, job: _Job) -> None:
+        self._engine = engine
+        self._job = job
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.record: RequestRecord | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        if self.record is not None:
+            raise StopIteration
+        try:
+            while True:  # a timed wait stays responsive to KeyboardInterrupt
+                try:
+                    kind, value = self._job.out.get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    continue
+        except BaseException:
+            self.close()
+            raise
+        if kind == "delta":
+            self.text += value
+            return value
+        if kind == "error":
+            self.record = self._job.record
+            raise value
+        self.record = value
+        self.finish_reason = value.finish_reason
+        raise StopIteration
+
+    def close(self) -> None:
+        """Cancel the request if still running and wait until the scheduler let it go."""
+        if self.record is not None:
+            return
+        self._job.cancel.set()
+        self._engine._wake()
+        while not self._job.done.wait(0.05):
+            pass
+        self.record = self._job.record
+        self.finish_reason = self.record.finish_reason if self.record else "cancelled"
+        while True:  # keep the text that was generated before the cancel
+            try:
+                kind, value = self._job.out.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "delta":
+                self.text += value
+
+    def result(self) -> ChatResult:
+        """Consume the rest of the stream and return the whole reply."""
+        for _ in self:
+            pass
+        assert self.record is not None
+        return ChatResult(self.text, self.record.finish_reason, self.record)
+
+    def __enter__(self) -> ChatStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if self.record is None and not self._job.done.is_set():
+                self._job.cancel.set()
+                self._engine._wake()
+        except Exception:
+            pass
+
+
+class Engine:
+    """A persistent multi-slot chat engine with Incremental Message and System Prompt Caches.
+
+    Args:
+        model_path: GGUF file; ``None`` uses ``$NBKV_MODEL`` or the embedded SmolLM2-135M.
+        n_slots: conversations kept in KV at once (one llama.cpp sequence each).
+        n_ctx: context budget of each slot, in tokens (rounded up to a multiple of 256).
+        cache: ``"imc"`` (whole conversations), ``"spc"`` (system prompt only) or ``"off"``.
+        cache_min_tokens: IMC: shortest token prefix worth salvaging from another
+            conversation's slot; SPC: shortest system prompt worth caching.
+        n_batch: tokens per ``llama_decode`` call (prefill chunk size).
+        template: a Jinja2 chat template overriding the model's own.
+        overflow: ``"error"`` raises :class:`ContextOverflowError` when a prompt does not fit
+            its slot; ``"slide"`` drops the oldest turns (keeping the system prompt) instead.
+        wait_timeout: seconds a request may wait for a free slot.
+        system_prompt_cache: ``True`` is another way to say ``cache="spc"``.
+        on_load_progress: called with the fraction of the model loaded, 0.0 to 1.0.
+        flash_attn: llama.cpp's CPU flash-attention kernel takes a different path for
+            batches under 64 tokens, so a prompt prefilled in small pieces (what a cache hit
+            does) gets logits up to ~0.7 away from the same prompt prefilled at once. Off by
+            default, which makes cached replies bit-identical to from-scratch ones.
+        exact: keep cached KV bit-identical to a from-scratch prefill (see :meth:`_decode`);
+            costs about 40% of single-stream generation speed. ``False`` decodes faster,
+            and a cached reply may then differ from a from-scratch one at near-ties.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        n_slots: int = 4,
+        n_ctx: int = 4096,
+        cache: str = "imc",
+        cache_min_tokens: int = 100,
+        n_batch: int = 256,
+        n_threads: int | None = None,
+        template: str | None = None,
+        overflow: str = "error",
+        spc_max_entries: int = 4,
+        history_size: int = 1000,
+        wait_timeout: float = 300.0,
+        system_prompt_cache: bool | None = None,
+        on_load_progress: Callable[[float], object] | None = None,
+        flash_attn: bool = False,
+        exact: bool = True,
+    ) -> None:
+        if system_prompt_cache and cache == "imc":
+            raise InvalidRequestError(
+                "the System Prompt Cache and the Incremental Message Cache are mutually "
+                "exclusive (IMC already caches the system prompt): pick cache='imc' or 'spc'"
+            )
+        if system_prompt_cache:
+            cache = "spc"
+        if cache not in CACHE_MODES:
+            raise InvalidRequestError(f"cache must be one of {CACHE_MODES}, not {cache!r}")
+        if overflow not in OVERFLOW_POLICIES:
+            raise InvalidRequestError(f"overflow must be one of {OVERFLOW_POLICIES}")
+        if n_slots < 1:
+            raise InvalidRequestError("n_slots must be >= 1")
+        if exact and flash_attn:
+            raise InvalidRequestError(
+                "exact=True needs flash_attn=False: llama.cpp's CPU flash attention rounds "
+                "differently for batches under 64 tokens"
+            )
+        self.exact = exact
+        self.cache = cache
+        self.cache_min_tokens = cache_min_tokens
+        self.overflow = overflow
+        self.wait_timeout = wait_timeout
+        self.spc_max_entries = spc_max_entries
+        self.model = Model(resolve_model_path(model_path), on_progress=on_load_progress)
+        try:
+            source = template or self.model.chat_template or CHATML
+            self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
+            slot_ctx = -(-max(n_ctx, 256) // 256) * 256
+            self.ctx = Context(self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
+                               flash_attn=1 if flash_attn else 0)
+        except BaseException:
+            self.model.close()
+            raise
+        self.n_ctx = self.ctx.n_ctx_seq
+        self._slots = [_Slot(i, i, self.n_ctx) for i in range(n_slots)]
+        self._spc: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.events = EventBus(history_size)
+        self._batch = Batch(self.ctx.n_batch)
+        self._cv = threading.Condition()
+        self._queue: list[_Job] = []
+        self._active: list[_Job] = []
+        self._control: list[tuple[Callable[[], Any], Future]] = []
+        self._clock = itertools.count(1)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="nbkv-scheduler", daemon=True)
+        self._thread.start()
+        log.info(
+            "nbkv engine: %s, %d slots x %d tokens, cache=%s",
+            self.model.description, n_slots, self.n_ctx, cache,
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def n_slots(self) -> int:
+        """Number of slots."""
+        return len(self._slots)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        session: str | None = None,
+        *,
+        stream: bool = False,
+        overflow: str | None = None,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> ChatResult | ChatStream:
+        """Reply to ``messages`` (the whole conversation so far, ending with the user's turn).
+
+        ``session`` names the conversation for slot ownership and the event records.
+        Sampling keywords: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_p``,
+        ``repeat_penalty``, ``repeat_last_n``, ``seed``, ``max_tokens``, ``stop``.
+        With ``stream=True`` returns a :class:`ChatStream` of text deltas, else a
+        :class:`ChatResult`.
+        """
+        t0 = time.perf_counter()
+        params = SamplingParams.from_kwargs(**sampling)
+        prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
+        job = _Job(prompt, session, params, self.wait_timeout if timeout is None else timeout)
+        job.t_submit = t0
+        self._submit(job)
+        s = ChatStream(self, job)
+        return s if stream else s.result()
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+               ) -> str:
+        """The prompt text the template makes of ``messages``."""
+        return self.template.render(normalize(messages), add_generation_prompt)
+
+    def tokenize_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The exact prompt tokens a request with ``messages`` would feed the model."""
+        return list(self._prepare(messages, "error", 1).tokens)
+
+    def slots(self) -> tuple[SlotInfo, ...]:
+        """An immutable snapshot of every slot."""
+        with self._cv:
+            return tuple(s.snapshot() for s in self._slots)
+
+    def clear(self, slot: int | None = None) -> None:
+        """Empty one slot (or all, and the system prompt cache). A busy slot can't be cleared."""
+        if slot is not None and not 0 <= slot < len(self._slots):
+            raise InvalidRequestError(f"no slot {slot}: slots are 0..{len(self._slots) - 1}")
+
+        def do() -> None:
+            targets = self._slots if slot is None else [self._slots[slot]]
+            busy = [s.index for s in targets if s.pending]
+            if slot is not None and busy:
+                raise NbkvError(f"slot {slot} is serving a request; cancel it first")
+            for s in targets:
+                if not s.pending:
+                    self.ctx.seq_rm(s.seq_id)
+                    s.reset()
+            if slot is None:
+                self._spc.clear()
+        self._call(do)
+        self.events.publish(SlotsChanged("cleared"))
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""
+        return self.events.subscribe(callback)
+
+    @property
+    def history(self) -> list[RequestRecord]:
+        """Records of the most recent requests, oldest first."""
+        return list(self.events.history)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over the request history."""
+        h = self.history
+        prompt = sum(r.prompt_tokens for r in h)
+        reused = sum(r.reused_tokens for r in h)
+        by: dict[str, int] = {}
+        for r in h:
+            by[r.strategy] = by.get(r.strategy, 0) + 1
+        return {
+            "requests": len(h),
+            "strategies": by,
+            "prompt_tokens": prompt,
+            "reused_tokens": reused,
+            "prefilled_tokens": sum(r.prefilled_tokens for r in h),
+            "generated_tokens": sum(r.generated_tokens for r in h),
+            "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
+            "evictions": sum(1 for r in h if r.evicted_session is not None or r.evicted_tokens),
+            "spc_entries": len(self._spc),
+        }
+
+    def close(self) -> None:
+        """Cancel running requests, stop the scheduler and free the model and context."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            for j in self._queue + self._active:
+                j.cancel.set()
+            self._cv.notify_all()
+        self._thread.join()
+        self._batch.close()
+        self.ctx.close()
+        self.model.close()
+        self._spc.clear()
+        self.events.publish(SlotsChanged("closed"))
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------ caller-thread work
+
+    def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str, max_tokens: int
+                 ) -> _Prompt:
+        if self._closed:
+            raise EngineClosedError("this engine is closed")
+        if overflow not in OVERFLOW_POLICIES:
+            raise InvalidRequestError(f"overflow must be one of {OVERFLOW_POLICIES}")
+        msgs = normalize(messages)
+        prompt = self._tokenize(msgs)
+        if len(prompt.tokens) < self.n_ctx:
+            return prompt
+        if overflow == "error":
+            raise ContextOverflowError(len(prompt.tokens), self.n_ctx)
+        reserve = min(max_tokens, self.n_ctx // 4)
+        keep_head = 1 if msgs[0]["role"] == "system" else 0
+        dropped = 0
+        while len(prompt.tokens) + reserve > self.n_ctx:
+            if len(msgs) - keep_head <= 1:
+                raise ContextOverflowError(len(prompt.tokens), self.n_ctx, reserve)
+            # drop the oldest turn: a user message and the replies that follow it
+            n = 1
+            while keep_head + n < len(msgs) - 1 and msgs[keep_head + n]["role"] != "user":
+                n += 1
+            del msgs[keep_head : keep_head + n]
+            dropped += n
+            prompt = self._tokenize(msgs)
+        prompt.dropped = dropped
+        log.info("overflow: dropped the %d oldest messages to fit %d tokens", dropped, self.n_ctx)
+        return prompt
+
+    def _tokenize(self, msgs: list[dict[str, Any]]) -> _Prompt:
+        body = self.template.render(msgs, add_generation_prompt=True)
+        bos = self.model.bos_text
+        head = bos if self.model.add_bos and bos and not body.startswith(bos) else ""
+        tokens = self.model.tokenize(head + body)
+        # where each message ends, in tokens: map the template's character boundaries onto
+        # the byte length of each token's text
+        token_ends, n = [], 0
+        for t in tokens:
+            n += len(self.model.piece(t))
+            token_ends.append(n)
+        skip = len(head.encode())
+        ends = [
+            bisect.bisect_right(token_ends, skip + len(body[:c].encode()))
+            for c in self.template.boundaries(msgs, body)
+        ]
+        return _Prompt(msgs, tuple(tokens), prefix_hashes(msgs), ends)
+
+    def _submit(self, job: _Job) -> None:
+        with self._cv:
+            if self._closed:
+                raise EngineClosedError("this engine is closed")
+            self._queue.append(job)
+            self._cv.notify_all()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the scheduler thread between decode steps; return its result."""
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise EngineClosedError("this engine is closed")
+            self._control.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result()
+
+    # --------------------------------------------------------------- scheduler thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._queue or self._active or self._control or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    jobs, self._queue = self._queue + self._active, []
+                    self._active = []
+                    for _, fut in self._control:
+                        fut.set_exception(EngineClosedError("this engine is closed"))
+                    self._control.clear()
+                    break
+                control, self._control = self._control, []
+            for fn, fut in control:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+            self._admit()
+            if self._active:
+                self._step()
+            elif self._queue:
+                with self._cv:  # every slot busy: wait for a change, or a deadline
+                    self._cv.wait(0.05)
+        for j in jobs:
+            self._finish(j, "cancelled")
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        for job in list(self._queue):
+            if job.cancel.is_set():
+                self._queue.remove(job)
+                self._fail(job, None, "cancelled")
+                continue
+            try:
+                started = self._start(job)
+            except BaseException as e:  # noqa: BLE001 - reported to the requester
+                self._queue.remove(job)
+                self._fail(job, e, "error")
+                continue
+            if started:
+                self._queue.remove(job)
+                self._active.append(job)
+            elif now > job.deadline:
+                self._queue.remove(job)
+                self._fail(job, SlotTimeoutError(
+                    f"no slot became free within the wait limit ({self.n_slots} slots, all busy)"
+                ), "error")
+
+    def _start(self, job: _Job) -> bool:
+        """Pick a slot and prepare its KV; False when no slot is free yet."""
+        p = job.prompt
+        with self._cv:
+            snaps = [s.snapshot() for s in self._slots]
+        strategy = self.cache
+        donor = None
+        evicted, evicted_tokens, matched = None, 0, 0
+        if self.cache == "imc":
+            plan = policy.select(snaps, p.tokens, p.hashes, job.session, self.cache_min_tokens)
+            if plan is None:
+                return False
+            slot, reuse, strategy = self._slots[plan.slot], plan.reuse, plan.strategy
+            donor = plan.donor
+            evicted, evicted_tokens = plan.evicted, plan.evicted_tokens
+            matched = plan.matched_messages
+        else:
+            target = policy.pick_free(snaps, job.session)
+            if target is None:
+                return False
+            slot, reuse = self._slots[target.index], 0
+            if target.tokens and target.session != job.session:
+                evicted, evicted_tokens = target.session, len(target.tokens)
+        t0 = time.perf_counter()
+        prev = list(slot.tokens)
+        prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends else len(prev)
+        with self._cv:
+            slot.pending = True
+        try:
+            if donor is not None:
+                state = self.ctx.state_get(self._slots[donor].seq_id)
+                self.ctx.seq_rm(slot.seq_id)
+                slot.reset()
+                self.ctx.state_set(slot.seq_id, state)
+                slot.tokens = list(self._slots[donor].tokens)
+                prev = list(slot.tokens)
+                log.debug("imc-copy-prefix: slot[%d] -> slot[%d], %d tokens",
+                          donor, slot.index, reuse)
+            if self.cache == "spc":
+                reuse = self._spc_restore(job, slot)
+                strategy = "spc" if reuse else "miss"
+            elif self.cache == "off":
+                self.ctx.seq_rm(slot.seq_id)
+                slot.tokens.clear()
+            trimmed = len(slot.tokens) - reuse if self.cache == "imc" else 0
+            if self.cache == "imc" and trimmed > 0:
+                log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",
+                          slot.index, len(slot.tokens), reuse)
+                self.ctx.seq_rm(slot.seq_id, reuse, -1)
+                del slot.tokens[reuse:]
+        except BaseException:
+            self._resync(slot)
+            with self._cv:
+                slot.pending = False
+            raise
+        restore_s = time.perf_counter() - t0
+        # the previous reply, as generated, against its re-tokenization in this prompt
+        reply_cached = max(len(prev) - prev_prompt_len, 0) if donor is None else 0
+        reply_reused = min(max(reuse - prev_prompt_len, 0), reply_cached)
+        with self._cv:
+            slot.session = job.session
+            slot.hashes = [h for h, e in zip(p.hashes, p.ends) if e <= reuse]
+            slot.msg_ends = p.ends[: len(slot.hashes)]
+            slot.last_used = next(self._clock)
+            slot.last_request = job.id
+        job.slot = slot
+        job.reuse = reuse
+        job.todo = list(p.tokens[reuse:])
+        job.t_admit = time.perf_counter()
+        job.sampler = Sampler(job.params, self.model.n_vocab, p.tokens)
+        job.record = RequestRecord(
+            id=job.id, session=job.session, strategy=strategy, slot=slot.index,
+            prompt_tokens=len(p.tokens), reused_tokens=reuse,
+            prefilled_tokens=len(job.todo), trimmed_tokens=max(trimmed, 0) if self.cache == "imc"
+            else 0,
+            donor_slot=donor, evicted_session=evicted, evicted_tokens=evicted_tokens,
+            matched_messages=matched, reply_tokens_cached=reply_cached,
+            reply_tokens_reused=reply_reused, dropped_messages=p.dropped, capacity=slot.capacity,
+            restore_s=restore_s, started_at=time.time(),
+            segments=self._segments(job, len(p.tokens)),
+        )
+        if reply_cached and reply_reused < reply_cached:
+            log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
+                      slot.index, reply_reused, reply_cached)
+        log.debug("%s: slot[%d] prompt=%d reused=%d prefill=%d", strategy, slot.index,
+                  len(p.tokens), reuse, len(job.todo))
+        self.events.publish(RequestStarted(job.record))
+        return True
+
+    def _spc_restore(self, job: _Job, slot: _Slot) -> int:
+        """SPC: put the system prompt's saved KV into ``slot``; returns the tokens restored.
+
+        On the first request with a given system prompt nothing is restored: the prompt is
+        prefilled as usual and the slot's state is saved when the prefill passes its end.
+        """
+        p = job.prompt
+        self.ctx.seq_rm(slot.seq_id)
+        slot.reset()
+        if p.messages[0]["role"] != "system" or p.ends[0] < self.cache_min_tokens:
+            return 0
+        key = p.hashes[0]
+        entry = self._spc.get(key)
+        if entry is None or tuple(entry[2]) != p.tokens[: entry[1]]:
+            job.capture_at, job.spc_key = p.ends[0], key
+            return 0
+        self._spc.move_to_end(key)
+        state, n, _ = entry
+        self.ctx.state_set(slot.seq_id, state)
+        slot.tokens = list(p.tokens[:n])
+        return n
+
+    def _spc_capture(self, job: _Job) -> None:
+        assert job.slot is not None and job.spc_key is not None
+        n = len(job.slot.tokens)
+        self._spc[job.spc_key] = (self.ctx.state_get(job.slot.seq_id), n, job.slot.tokens[:n])
+        while len(self._spc) > self.spc_max_entries:
+            self._spc.popitem(last=False)
+        job.capture_at = None
+        log.debug("spc: saved system prompt state, %d tokens", n)
+
+    def _step(self) -> None:
+        """Advance every active request: one decode for all generating ones, one prefill chunk.
+
+        Generating requests share one ``llama_decode`` (one token each). Prefill goes one
+        request per call, round-robin, so chunks never split into odd pieces across streams.
+        """
+        for job in list(self._active):
+            if job.cancel.is_set():
+                self._finish(job, "cancelled")
+        gens = [j for j in self._active if j.next_token is not None]
+        if gens:
+            work = []
+            for j in gens:
+                tok, j.next_token = j.next_token, None
+                work.append((j, [tok]))
+            self._decode(work)
+        filling = [j for j in self._active if j.todo]
+        if filling:
+            job = min(filling, key=lambda j: j.t_served)
+            job.t_served = time.perf_counter()
+            take = job.todo[: self._batch.capacity - 1]
+            if job.capture_at is not None:  # SPC: end this chunk exactly at the system prompt
+                take = take[: max(job.capture_at - len(job.slot.tokens), 0)] or take
+            del job.todo[: len(take)]
+            if not job.t_prefill:
+                job.t_prefill = time.perf_counter()
+            self._decode([(job, take)])
+
+    def _decode(self, work: list[tuple[_Job, list[int]]]) -> None:
+        """Decode each job's tokens at the end of its slot, then sample where a prompt is done.
+
+        In exact mode a sequence never contributes a single token to a decode: a throwaway
+        copy of the token is added at the next position and removed right after. llama.cpp's
+        CPU kernels take another code path for one-token batches (ggml's vec_dot instead of
+        llamafile's tinyBLAS for the F16 attention products), which rounds differently and
+        would make cached KV differ from the KV a from-scratch prefill computes.
+        """
+        batch = self._batch
+        batch.clear()
+        plan = []
+        for job, toks in work:
+            pos = len(job.slot.tokens)
+            last = batch.add_run(toks, pos, job.slot.seq_id, not job.todo)
+            pad = self.exact and len(toks) == 1
+            if pad:
+                batch.add(toks[0], pos + 1, job.slot.seq_id, False)
+            plan.append((job, toks, last if not job.todo else None, pad))
+        try:
+            self.ctx.decode(batch)
+            for job, _, _, pad in plan:
+                if pad:
+                    self.ctx.seq_rm(job.slot.seq_id, len(job.slot.tokens) + 1, -1)
+        except BaseException as e:  # noqa: BLE001 - every request in the batch fails cleanly
+            for job, _, _, _ in plan:
+                self._fail(job, e, "error")
+            return
+        for job, toks, _, _ in plan:
+            job.slot.tokens.extend(toks)  # only now are these positions really in the KV
+        for job, _, idx, _ in plan:
+            try:
+                if job.capture_at is not None and len(job.slot.tokens) >= job.capture_at:
+                    self._spc_capture(job)
+                if idx is None:
+                    self._progress(job)
+                else:
+                    self._on_logits(job, idx)
+            except BaseException as e:  # noqa: BLE001
+                self._fail(job, e, "error")
+
+    def _progress(self, job: _Job) -> None:
+        done = job.record.prefilled_tokens - len(job.todo)
+        phase = "extend" if job.reuse else "rebuild"
+        self.events.publish(Progress(job.id, job.slot.index, phase, done,
+                                     job.record.prefilled_tokens))
+
+    def _on_logits(self, job: _Job, idx: int) -> None:
+        now = time.perf_counter()
+        token = job.sampler.sample(self.ctx.ptr, idx)
+        if not job.t_first:
+            job.t_first = now
+        if self.model.is_eog(token):
+            return self._finish(job, "stop")
+        job.generated.append(token)
+        delta = job.text.push(self.model.text_piece(token))
+        if delta:
+            job.out.put(("delta", delta))
+        if job.text.stopped is not None:
+            return self._finish(job, "stop")
+        full = len(job.slot.tokens) + (2 if self.exact else 1) > job.slot.capacity
+        if len(job.generated) >= job.params.max_tokens or full:
+            return self._finish(job, "length")
+        job.next_token = token
+        if now - job.t_last_progress > 0.25:
+            job.t_last_progress = now
+            self.events.publish(Progress(job.id, job.slot.index, "generate",
+                                         len(job.generated), job.params.max_tokens))
+
+    def _finish(self, job: _Job, reason: str, error: BaseException | None = None) -> None:
+        """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
+        if job.done.is_set():
+            return
+        if job in self._active:
+            self._active.remove(job)
+        if job.sampler is not None:
+            job.sampler.close()
+        tail = job.text.flush()
+        if tail:
+            job.out.put(("delta", tail))
+        now = time.perf_counter()
+        slot = job.slot
+        rec = job.record
+        if slot is not None and rec is not None:
+            p = job.prompt
+            n = len(slot.tokens)
+            with self._cv:
+                full = [h for h, e in zip(p.hashes, p.ends) if e <= n]
+                if n >= len(p.tokens):  # the prompt is in KV; so is the reply's start
+                    reply = {"role": "assistant", "content": job.text.text}
+                    full = prefix_hashes(p.messages + [reply], full)
+                    ends = p.ends + [len(p.tokens)]
+                else:
+                    ends = p.ends[: len(full)]
+                slot.hashes, slot.msg_ends = full, ends
+                slot.segments = tuple(s for s in (
+                    replace(s, end=min(s.end, n)) for s in self._segments(job, n)) if s.length > 0)
+                slot.last_used = next(self._clock)
+                slot.pending = False
+            t_first = job.t_first or now
+            rec = replace(
+                rec,
+                generated_tokens=len(job.generated),
+                prefilled_tokens=rec.prefilled_tokens - len(job.todo),
+                ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,
+                prefill_s=(t_first - job.t_prefill) if job.t_prefill and job.t_first else 0.0,
+                decode_s=(now - t_first) if job.t_first else 0.0,
+                finish_reason=reason,
+                error=None if error is None else f"{type(error).__name__}: {error}",
+                segments=slot.segments,
+            )
+            job.record = rec
+            self.events.publish(RequestFinished(rec))
+        if error is not None:
+            job.out.put(("error", error))
+        elif rec is not None:
+            job.out.put(("done", rec))
+        else:
+            job.out.put(("error", NbkvError("request cancelled before it started")))
+        job.done.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _fail(self, job: _Job, error: BaseException | None, reason: str) -> None:
+        if job.slot is not None:
+            self._resync(job.slot)
+        self._finish(job, reason, error)
+
+    def _resync(self, slot: _Slot) -> None:
+        """Make the KV hold exactly ``slot.tokens`` again after a failure."""
+        try:
+            self.ctx.seq_rm(slot.seq_id, len(slot.tokens), -1)
+        except BaseException:  # noqa: BLE001
+            log.exception("slot[%d]: KV trim failed; clearing the slot", slot.index)
+            self.ctx.seq_rm(slot.seq_id)
+            slot.reset()
+        if self.ctx.seq_pos_max(slot.seq_id) + 1 != len(slot.tokens):
+            log.error("slot[%d]: KV and token record disagree; clearing the slot", slot.index)
+            self.ctx.seq_rm(slot.seq_id)
+            slot.reset()
+
+    def _segments(self, job: _Job, n: int) -> tuple[Segment, ...]:
+        """KV map of ``job``'s slot: message spans split by reused / prefilled / generated."""
+        p = job.prompt
+        spans, start = [], 0
+        for i, end in enumerate(p.ends):
+            spans.append((start, end, i, p.messages[i]["role"], preview(p.messages[i])))
+            start = end
+        reply = len(p.messages)
+        spans.append((start, len(p.tokens), reply, "assistant", "(generation prompt)"))
+        spans.append((len(p.tokens), max(n, len(p.tokens)), reply, "assistant",
+                      preview({"content": job.text.text})))
+        out = []
+        cuts = (job.reuse, len(p.tokens))
+        for a, b, i, role, text in spans:
+            for lo, hi, state in ((a, min(b, cuts[0]), REUSED),
+                                  (max(a, cuts[0]), min(b, cuts[1]), PREFILLED),
+                                  (max(a, cuts[1]), b, GENERATED)):
+                if hi > lo:
+                    out.append(Segment(lo, hi, i, role, state, text))
+        return tuple(out)

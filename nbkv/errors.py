@@ -1,0 +1,49 @@
+"""Exceptions raised by nbkv. Every error nbkv raises on purpose is an :class:`NbkvError`."""
+
+from __future__ import annotations
+
+
+class NbkvError(Exception):
+    """Base class of all nbkv errors."""
+
+
+class ModelNotFoundError(NbkvError, FileNotFoundError):
+    """No model file at the given path, or no embedded default model installed."""
+
+
+class ModelLoadError(NbkvError):
+    """llama.cpp could not load the model file (corrupt, truncated, unsupported)."""
+
+
+class TemplateError(NbkvError):
+    """The chat template failed to render the messages."""
+
+
+class InvalidRequestError(NbkvError, ValueError):
+    """The messages or sampling arguments of a request are malformed."""
+
+
+class ContextOverflowError(NbkvError):
+    """A conversation does not fit its slot's context budget."""
+
+    def __init__(self, prompt_tokens: int, capacity: int, reserve: int = 0) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.capacity = capacity
+        self.reserve = reserve
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens (+{reserve} reserved for the reply) does not fit "
+            f"the slot's context budget of {capacity} tokens; raise n_ctx, shorten the "
+            f"conversation, or pass overflow='slide' to drop the oldest turns"
+        )
+
+
+class SlotTimeoutError(NbkvError, TimeoutError):
+    """Every slot stayed busy for longer than the request's wait limit."""
+
+
+class EngineClosedError(NbkvError, RuntimeError):
+    """The engine was closed; create a new one."""
+
+
+class DecodeError(NbkvError, RuntimeError):
+    """llama_decode failed (for example: no room left in the KV cache)."""

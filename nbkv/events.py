@@ -1,0 +1,165 @@
+"""What the engine reports: one record per request, progress while it runs, and a subscriber list.
+
+User interfaces (the notebook widgets, the demo, the benchmark) are built only on these.
+Subscribers are called on the engine's scheduler thread; they must be quick, and an
+exception in one is logged, never raised into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Union
+
+log = logging.getLogger("nbkv.events")
+
+REUSED, PREFILLED, GENERATED = "reused", "prefilled", "generated"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of KV positions ``[start, end)`` that belong to one message and share one state."""
+
+    start: int
+    end: int
+    message: int  # index into the request's messages; len(messages) is the reply
+    role: str
+    state: str  # REUSED, PREFILLED or GENERATED (this request)
+    preview: str = ""
+
+    @property
+    def length(self) -> int:
+        """Number of KV positions in the segment."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """Everything measured about one request."""
+
+    id: int
+    session: str | None
+    strategy: str  # hash-hit, hash-extend, prefix-salvage, miss, spc, off
+    slot: int
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    trimmed_tokens: int
+    generated_tokens: int = 0
+    donor_slot: int | None = None  # slot the reused prefix was copied from
+    evicted_session: str | None = None
+    evicted_tokens: int = 0
+    matched_messages: int = 0
+    reply_tokens_cached: int = 0  # tokens of the previous reply held in the slot
+    reply_tokens_reused: int = 0  # ... of which re-tokenized identically and were reused
+    dropped_messages: int = 0  # oldest messages dropped by overflow='slide'
+    capacity: int = 0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    restore_s: float = 0.0  # SPC restore or prefix copy
+    finish_reason: str = ""  # stop, length, cancelled, error
+    error: str | None = None
+    segments: tuple[Segment, ...] = ()
+    started_at: float = 0.0  # time.time() when the request was admitted
+
+    @property
+    def salvage_pct(self) -> float:
+        """Share of the prompt served from cache, in percent."""
+        return 100.0 * self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        """Prefill throughput (tokens/s); 0 when nothing was prefilled."""
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Generation throughput (tokens/s) after the first token."""
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """The one-line figure shown after a reply."""
+        where = f"slot {self.slot}" + (
+            f" (prefix from slot {self.donor_slot})" if self.donor_slot is not None else "")
+        return (
+            f"{self.strategy} {where} | prompt {self.prompt_tokens} | reused "
+            f"{self.reused_tokens} ({self.salvage_pct:.0f}%) | prefilled {self.prefilled_tokens}"
+            f" | TTFT {self.ttft_s * 1000:.0f} ms | {self.decode_tps:.1f} tok/s"
+        )
+
+
+@dataclass(frozen=True)
+class RequestStarted:
+    """A request was given a slot; ``record`` holds the plan (timings still zero)."""
+
+    record: RequestRecord
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Work done so far on a request: prefill (``phase`` rebuild/extend) or generation."""
+
+    request_id: int
+    slot: int
+    phase: str  # "rebuild", "extend" or "generate"
+    done: int
+    total: int  # tokens to prefill, or max_tokens when generating
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    """A request ended (normally, cancelled or failed); ``record`` is final."""
+
+    record: RequestRecord
+
+
+@dataclass(frozen=True)
+class SlotsChanged:
+    """Slots changed outside a request (cleared, engine closed)."""
+
+    reason: str
+
+
+Event = Union[RequestStarted, Progress, RequestFinished, SlotsChanged]
+Subscriber = Callable[[Event], None]
+
+
+@dataclass
+class EventBus:
+    """A subscriber list plus a bounded history of finished requests."""
+
+    history_size: int = 1000
+    _subs: list[Subscriber] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.history: deque[RequestRecord] = deque(maxlen=self.history_size)
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call ``callback(event)`` for every event; returns a function that unsubscribes."""
+        with self._lock:
+            self._subs.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subs:
+                    self._subs.remove(callback)
+
+        return unsubscribe
+
+    def publish(self, event: Event) -> None:
+        """Deliver ``event`` to every subscriber; record finished requests."""
+        if isinstance(event, RequestFinished):
+            self.history.append(event.record)
+        with self._lock:
+            subs = list(self._subs)
+        for cb in subs:
+            try:
+                cb(event)
+            except Exception:
+                log.exception("nbkv event subscriber %r failed", cb)

@@ -1,0 +1,171 @@
+"""Slot selection, LRU and pending rules, with fake slots and no model."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from nbkv import policy
+from nbkv.messages import prefix_hashes
+
+
+@dataclass
+class FakeSlot:
+    index: int
+    tokens: list = field(default_factory=list)
+    hashes: list = field(default_factory=list)
+    msg_ends: list = field(default_factory=list)
+    session: str | None = None
+    last_used: int = 0
+    pending: bool = False
+
+
+def conv(*contents):
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    return [{"role": r, "content": c} for r, c in zip(roles, contents)]
+
+
+def slot_with(index, msgs, tokens, ends, **kw):
+    return FakeSlot(index, list(tokens), prefix_hashes(msgs), list(ends), **kw)
+
+
+SYS = list(range(1000, 1150))  # 150 system tokens
+
+
+def test_common_prefix():
+    assert policy.common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert policy.common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert policy.common_prefix([], [1]) == 0
+    assert policy.common_prefix((5,), [6]) == 0
+    a = list(range(5000))
+    b = a[:3333] + [-1] + a[3334:]
+    assert policy.common_prefix(a, b) == 3333
+
+
+def test_empty_engine_is_a_miss_on_first_empty_slot():
+    slots = [FakeSlot(0), FakeSlot(1)]
+    msgs = conv("sys", "hi")
+    plan = policy.select(slots, SYS + [1, 2], prefix_hashes(msgs))
+    assert plan.strategy == policy.MISS and plan.slot == 0 and plan.reuse == 0
+
+
+def test_hash_extend_reuses_whole_slot():
+    msgs = conv("sys", "hi", "hello!")
+    cached = SYS + [1, 2] + [7, 7]  # prompt (2 msgs) + generated reply
+    s = slot_with(0, msgs[:3], cached, [150, 152, 152], session="a", last_used=5)
+    req = msgs[:3] + [{"role": "user", "content": "more"}]
+    tokens = cached + [9, 3, 4]
+    plan = policy.select([FakeSlot(1), s], tokens, prefix_hashes(req), session="a")
+    assert plan.strategy == policy.HASH_EXTEND
+    assert plan.slot == 0 and plan.reuse == len(cached) and plan.donor is None
+    assert plan.matched_messages == 3
+
+
+def test_best_hash_coverage_wins():
+    msgs = conv("sys", "q1", "a1", "q2")
+    short = slot_with(0, msgs[:2], SYS + [1], [150, 151], last_used=9)
+    long = slot_with(1, msgs[:4], SYS + [1, 2, 3], [150, 151, 152, 153], last_used=1)
+    plan = policy.select([short, long], SYS + [1, 2, 3, 4], prefix_hashes(msgs))
+    assert plan.slot == 1 and plan.matched_messages == 4
+
+
+def test_pending_slots_are_skipped_and_all_pending_returns_none():
+    msgs = conv("sys", "q1")
+    s0 = slot_with(0, msgs, SYS + [1], [150, 151], pending=True)
+    s1 = FakeSlot(1)
+    more = msgs + [{"role": "user", "content": "x"}]
+    plan = policy.select([s0, s1], SYS + [1, 2], prefix_hashes(more))
+    assert plan.slot == 1  # the matching slot is pending: never shared
+    s1.pending = True
+    assert policy.select([s0, s1], SYS + [1, 2], prefix_hashes(msgs)) is None
+
+
+def test_hash_match_with_drifting_tokens_falls_back_to_prefix_salvage():
+    msgs = conv("sys", "q1")
+    cached = SYS + [1, 2, 3]
+    s = slot_with(0, msgs, cached, [150, 153], session="a")
+    drifted = SYS[:120] + [-5] * 30 + [1, 2, 3, 4]  # same messages, template drift at 120
+    plan = policy.select([s], drifted, prefix_hashes(msgs + [{"role": "user", "content": "n"}]),
+                         session="a", min_tokens=100)
+    assert plan.strategy == policy.PREFIX_SALVAGE and plan.reuse == 120 and plan.slot == 0
+
+
+def test_prefix_below_min_tokens_is_a_miss():
+    s = slot_with(0, conv("sys", "q"), SYS[:50] + [1], [50, 51], session="a", last_used=3)
+    other = conv("other", "x")
+    plan = policy.select([s, FakeSlot(1)], SYS[:50] + [8, 9], prefix_hashes(other),
+                         min_tokens=100)
+    assert plan.strategy == policy.MISS and plan.slot == 1
+
+
+def test_lru_eviction_when_full():
+    a = slot_with(0, conv("a", "q"), [1, 2], [1, 2], session="a", last_used=7)
+    b = slot_with(1, conv("b", "q"), [3, 4], [1, 2], session="b", last_used=2)
+    c = slot_with(2, conv("c", "q"), [5, 6], [1, 2], session="c", last_used=5)
+    plan = policy.select([a, b, c], [9, 9, 9], prefix_hashes(conv("d", "q")), session="d")
+    assert plan.strategy == policy.MISS and plan.slot == 1
+    assert plan.evicted == "b" and plan.evicted_tokens == 2
+
+
+def test_lru_skips_pending():
+    a = FakeSlot(0, [1], session="a", last_used=1, pending=True)
+    b = FakeSlot(1, [2], session="b", last_used=2)
+    assert policy.lru([s for s in (a, b) if not s.pending]).index == 1
+
+
+def test_shared_system_prompt_is_copied_to_an_empty_slot_not_trimmed_in_place():
+    a_msgs = conv("long system", "question A", "answer A")
+    a = slot_with(0, a_msgs, SYS + [1, 2, 3], [150, 152, 153], session="A", last_used=4)
+    b_req = conv("long system", "question B")
+    plan = policy.select([a, FakeSlot(1)], SYS + [5, 6], prefix_hashes(b_req), session="B")
+    assert plan.strategy == policy.HASH_EXTEND  # the system message hash matches
+    assert plan.reuse == 150 and plan.slot == 1 and plan.donor == 0
+
+
+def test_same_session_edit_trims_in_place():
+    msgs = conv("sys", "q1", "a1", "q2", "a2")
+    s = slot_with(0, msgs, SYS + [1, 2, 3, 4], [150, 151, 152, 153, 154], session="A")
+    edited = msgs[:3] + [{"role": "user", "content": "q2 edited"}]
+    plan = policy.select([s, FakeSlot(1)], SYS + [1, 2, 8], prefix_hashes(edited), session="A")
+    assert plan.slot == 0 and plan.donor is None and plan.reuse == 152
+    assert plan.matched_messages == 3
+
+
+def test_copy_into_lru_victim_when_no_empty_slot():
+    a = slot_with(0, conv("sys", "qa", "aa"), SYS + [1, 2], [150, 151, 152], session="A",
+                  last_used=9)
+    z = slot_with(1, conv("z", "q"), [7, 7], [1, 2], session="Z", last_used=1)
+    plan = policy.select([a, z], SYS + [4], prefix_hashes(conv("sys", "qb")), session="B")
+    assert plan.slot == 1 and plan.donor == 0 and plan.reuse == 150 and plan.evicted == "Z"
+
+
+def test_pure_hit_keeps_the_last_prompt_token_for_logits():
+    msgs = conv("sys", "q")
+    tokens = SYS + [1, 2]
+    s = slot_with(0, msgs, tokens + [5, 5], [150, 151], session="A")
+    plan = policy.select([s], tokens, prefix_hashes(msgs), session="A")
+    assert plan.strategy == policy.HASH_HIT and plan.reuse == len(tokens) - 1
+
+
+def test_pick_free_prefers_own_then_empty_then_lru():
+    a = FakeSlot(0, [1], session="a", last_used=5)
+    b = FakeSlot(1, [2], session="b", last_used=1)
+    e = FakeSlot(2)
+    assert policy.pick_free([a, b, e], "a").index == 0
+    assert policy.pick_free([a, b, e], "x").index == 2
+    assert policy.pick_free([a, b], "x").index == 1
+    a.pending = b.pending = True
+    assert policy.pick_free([a, b], "a") is None
+
+
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_prefix_hashes_chain(n):
+    msgs = conv(*[f"m{i}" for i in range(n + 1)])
+    h = prefix_hashes(msgs)
+    assert len(h) == len(msgs) and len(set(h)) == len(h)
+    assert prefix_hashes(msgs, h[:2]) == h
+    changed = [dict(m) for m in msgs]
+    changed[0]["content"] = "other"
+    assert not set(prefix_hashes(changed)) & set(h)
+    role_changed = [dict(m) for m in msgs]
+    role_changed[0]["role"] = "user"
+    assert prefix_hashes(role_changed)[0] != h[0]

@@ -1,0 +1,48 @@
+"""Chat template rendering in the sandbox, without a model."""
+
+import pytest
+
+from nbkv.errors import TemplateError
+from nbkv.templates import CHATML, ChatTemplate
+
+MSGS = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U1"},
+    {"role": "assistant", "content": "A1"},
+    {"role": "user", "content": "U2"},
+]
+
+
+def test_chatml_render_and_generation_prompt():
+    t = ChatTemplate(CHATML)
+    text = t.render(MSGS)
+    assert text.startswith("<|im_start|>system\nS<|im_end|>\n")
+    assert text.endswith("<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n")
+    assert not t.render(MSGS, add_generation_prompt=False).endswith("assistant\n")
+
+
+def test_boundaries_are_message_ends():
+    t = ChatTemplate(CHATML)
+    full = t.render(MSGS)
+    ends = t.boundaries(MSGS, full)
+    assert full[: ends[0]] == "<|im_start|>system\nS<|im_end|>\n"
+    assert full[ends[2] : ends[3]] == "<|im_start|>user\nU2<|im_end|>\n"
+    assert ends == sorted(ends)
+
+
+def test_helpers_available():
+    t = ChatTemplate("{{ bos_token }}{{ messages | tojson }}{{ strftime_now('%Y') | length }}",
+                     bos_token="<s>")
+    out = t.render([{"role": "user", "content": "é"}])
+    assert out.startswith('<s>[{"role": "user", "content": "é"}]') and out.endswith("4")
+
+
+def test_raise_exception_and_sandbox():
+    with pytest.raises(TemplateError, match="nope"):
+        ChatTemplate("{{ raise_exception('nope') }}").render(MSGS)
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}").render(MSGS)
+    with pytest.raises(TemplateError, match="compile"):
+        ChatTemplate("{% if %}")
+    with pytest.raises(TemplateError, match="render"):
+        ChatTemplate("{{ messages[10]['content'] + 1 }}").render(MSGS)
