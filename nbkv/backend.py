@@ -239,7 +239,7 @@ class Context:
         n_batch: int = 512,
         n_threads: int | None = None,
         kv_unified: bool = False,
-        flash_attn: int = -1,
+        flash_attn: int = 0,
     ) -> None:
         self.model = model
         p = llama_cpp.llama_context_default_params()

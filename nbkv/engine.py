@@ -10,6 +10,7 @@ extended only after a successful decode, and on any failure the KV is trimmed ba
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import logging
@@ -54,6 +55,37 @@ log = logging.getLogger("nbkv")
 
 CACHE_MODES = ("imc", "spc", "off")
 OVERFLOW_POLICIES = ("error", "slide")
+
+
+def thrashing(history: Sequence[RequestRecord], n_slots: int, window: int = 24
+              ) -> dict[str, Any]:
+    """Detect cache thrashing: sessions that keep coming back to find their slot evicted.
+
+    Looks at the last ``window`` requests: a *returning miss* is a request of a session whose
+    conversation an earlier request evicted, and that then had to rebuild (strategy ``miss``).
+    """
+    recent = list(history)[-window:]
+    evicted: set[str] = set()
+    returning = 0
+    for r in recent:
+        if r.session is not None and r.session in evicted and r.strategy == policy.MISS:
+            returning += 1
+        if r.session is not None:
+            evicted.discard(r.session)
+        if r.evicted_session is not None:
+            evicted.add(r.evicted_session)
+    active = len({r.session for r in recent if r.session is not None})
+    flagged = returning >= 3 and returning >= 0.25 * len(recent)
+    return {
+        "returning_misses": returning,
+        "active_sessions": active,
+        "thrashing": flagged,
+        "advice": (
+            f"cache thrashing: {active} sessions take turns on {n_slots} slots, so each "
+            f"returning session finds its conversation evicted and rebuilds it from scratch; "
+            f"load the engine with at least {active} slots"
+        ) if flagged else "",
+    }
 
 
 @dataclass(frozen=True)
@@ -260,6 +292,65 @@ class ChatStream:
             pass
 
 
+class AsyncChatStream:
+    """Async iterator over a reply's text deltas (from :meth:`Engine.achat` with ``stream=True``).
+
+    A pump thread moves deltas from the engine into the event loop, so any number of
+    streams can be awaited at once. Cancelling the awaiting task cancels the request.
+    """
+
+    def __init__(self, stream: ChatStream, loop: asyncio.AbstractEventLoop) -> None:
+        self.stream = stream
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        threading.Thread(target=self._pump, name="nbkv-astream", daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for delta in self.stream:
+                self._loop.call_soon_threadsafe(self._q.put_nowait, ("delta", delta))
+            item: tuple[str, Any] = ("done", None)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            item = ("error", e)
+        try:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        except RuntimeError:  # the loop is gone; nobody is listening
+            pass
+
+    def __aiter__(self) -> AsyncChatStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            kind, value = await self._q.get()
+        except asyncio.CancelledError:
+            self.stream._job.cancel.set()
+            self.stream._engine._wake()
+            raise
+        if kind == "delta":
+            return value
+        if kind == "error":
+            raise value
+        raise StopAsyncIteration
+
+    @property
+    def text(self) -> str:
+        """Text received so far."""
+        return self.stream.text
+
+    @property
+    def record(self) -> RequestRecord | None:
+        """The request's record, once finished."""
+        return self.stream.record
+
+    async def result(self) -> ChatResult:
+        """Await the whole reply."""
+        async for _ in self:
+            pass
+        assert self.stream.record is not None
+        return ChatResult(self.stream.text, self.stream.record.finish_reason, self.stream.record)
+
+
 class Engine:
     """A persistent multi-slot chat engine with Incremental Message and System Prompt Caches.
 
@@ -325,6 +416,7 @@ class Engine:
                 "differently for batches under 64 tokens"
             )
         self.exact = exact
+        self.interleave_chunk = 64  # prefill tokens per decode while other requests generate
         self.cache = cache
         self.cache_min_tokens = cache_min_tokens
         self.overflow = overflow
@@ -392,6 +484,51 @@ class Engine:
         s = ChatStream(self, job)
         return s if stream else s.result()
 
+    def chat_many(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        sessions: Sequence[str | None] | None = None,
+        *,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> list[ChatResult] | list[ChatStream]:
+        """Reply to several conversations at once; their tokens share ``llama_decode`` batches.
+
+        Returns results in order, or with ``stream=True`` one :class:`ChatStream` per
+        conversation (each may be consumed from its own thread).
+        """
+        sessions = list(sessions) if sessions is not None else [None] * len(conversations)
+        if len(sessions) != len(conversations):
+            raise InvalidRequestError("sessions must have one entry per conversation")
+        streams: list[ChatStream] = []
+        try:
+            for conv, sess in zip(conversations, sessions):
+                streams.append(self.chat(conv, sess, stream=True, **sampling))  # type: ignore[arg-type]
+            if stream:
+                return streams
+            return [s.result() for s in streams]
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+
+    async def achat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        session: str | None = None,
+        *,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> ChatResult | AsyncChatStream:
+        """:meth:`chat` for asyncio: await a :class:`ChatResult`, or ``async for`` the deltas.
+
+        Many ``achat`` calls in flight at once are decoded together, like :meth:`chat_many`.
+        """
+        loop = asyncio.get_running_loop()
+        s = self.chat(messages, session, stream=True, **sampling)
+        astream = AsyncChatStream(s, loop)  # type: ignore[arg-type]
+        return astream if stream else await astream.result()
+
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
                ) -> str:
         """The prompt text the template makes of ``messages``."""
@@ -425,6 +562,31 @@ class Engine:
         self._call(do)
         self.events.publish(SlotsChanged("cleared"))
 
+    def probe(self, slot: int, token: int) -> list[float]:
+        """Logits the model gives ``token`` appended to ``slot``'s cached tokens (KV unchanged).
+
+        A check of cache integrity: they must equal the logits of the slot's recorded
+        tokens plus ``token`` decoded from scratch.
+        """
+        def do() -> list[float]:
+            s = self._slots[slot]
+            if s.pending:
+                raise NbkvError(f"slot {slot} is serving a request")
+            n = len(s.tokens)
+            if n + 2 > s.capacity:
+                raise NbkvError(f"slot {slot} is full")
+            b = self._batch
+            b.clear()
+            b.add(token, n, s.seq_id, True)
+            if self.exact:
+                b.add(token, n + 1, s.seq_id, False)
+            try:
+                self.ctx.decode(b)
+                return list(self.ctx.logits(0))
+            finally:
+                self.ctx.seq_rm(s.seq_id, n, -1)
+        return self._call(do)
+
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""
         return self.events.subscribe(callback)
@@ -452,6 +614,7 @@ class Engine:
             "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
             "evictions": sum(1 for r in h if r.evicted_session is not None or r.evicted_tokens),
             "spc_entries": len(self._spc),
+            **thrashing(h, self.n_slots),
         }
 
     def close(self) -> None:
@@ -724,32 +887,38 @@ class Engine:
         log.debug("spc: saved system prompt state, %d tokens", n)
 
     def _step(self) -> None:
-        """Advance every active request: one decode for all generating ones, one prefill chunk.
+        """Advance every active request by one ``llama_decode``.
 
-        Generating requests share one ``llama_decode`` (one token each). Prefill goes one
-        request per call, round-robin, so chunks never split into odd pieces across streams.
+        The batch holds the next token of every generating request plus one prefill chunk
+        (requests take turns), so N conversations generate together at little more than the
+        cost of one, and a long prefill never stalls the others for more than one chunk.
         """
         for job in list(self._active):
             if job.cancel.is_set():
                 self._finish(job, "cancelled")
-        gens = [j for j in self._active if j.next_token is not None]
-        if gens:
-            work = []
-            for j in gens:
+        work: list[tuple[_Job, list[int]]] = []
+        for j in self._active:
+            if j.next_token is not None:
                 tok, j.next_token = j.next_token, None
                 work.append((j, [tok]))
-            self._decode(work)
         filling = [j for j in self._active if j.todo]
         if filling:
             job = min(filling, key=lambda j: j.t_served)
             job.t_served = time.perf_counter()
-            take = job.todo[: self._batch.capacity - 1]
+            room = self._batch.capacity - 1 - (2 if self.exact else 1) * len(work)
+            if work:  # keep the prompt's share of a decode small while others are generating
+                room = min(room, self.interleave_chunk)
+            take = job.todo[: max(room, 2)]
             if job.capture_at is not None:  # SPC: end this chunk exactly at the system prompt
                 take = take[: max(job.capture_at - len(job.slot.tokens), 0)] or take
+            if self.exact and work and len(take) == 3:
+                take = take[:2]  # llama.cpp would split 2 + 1: never a lone token (see _decode)
             del job.todo[: len(take)]
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
-            self._decode([(job, take)])
+            work.append((job, take))
+        if work:
+            self._decode(work)
 
     def _decode(self, work: list[tuple[_Job, list[int]]]) -> None:
         """Decode each job's tokens at the end of its slot, then sample where a prompt is done.

@@ -1,0 +1,405 @@
+"""Side-by-side benchmark: nbkv's caches against no cache and llama-cpp-python's own reuse.
+
+``python -m nbkv.bench`` runs every scenario on the same conversations, in one process, and
+prints a table plus JSON (also written to ``--out``). Timings on shared CPUs are noisy, so
+the figures that matter are *ratios between variants measured in the same run*.
+
+Variants:
+  off        nbkv with cache="off": clear the slot and prefill everything, every request
+  llama-cpp  llama_cpp.Llama.create_chat_completion: one sequence, longest-common-prefix reuse
+  imc        nbkv Incremental Message Cache
+  spc        nbkv System Prompt Cache
+  limit      (single scenario) the physical floor: only the new tokens, decoded at that
+             depth on a raw context with nothing else going on
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import templates
+from .backend import Batch, Context, Model
+from .engine import Engine
+from .models import default_model_path
+from .policy import common_prefix
+
+MAX_TOKENS = 16
+TOPICS = [
+    "caches", "compilers", "networks", "databases", "operating systems", "file systems",
+    "graphics cards", "keyboards", "batteries", "satellites", "spreadsheets", "robots",
+    "printers", "web browsers", "encryption", "sensors",
+]
+
+
+def paragraph(seed: int, sentences: int) -> str:
+    """Deterministic filler text about computing, ``sentences`` sentences long."""
+    out = []
+    for i in range(sentences):
+        a = TOPICS[(seed * 7 + i * 3) % len(TOPICS)]
+        b = TOPICS[(seed * 5 + i * 11 + 1) % len(TOPICS)]
+        out.append(
+            f"Point {seed}.{i}: explain how {a} relate to {b}, and give one everyday example "
+            f"that a beginner would recognise."
+        )
+    return " ".join(out)
+
+
+def system_prompt(name: str, sentences: int) -> str:
+    """A long system prompt, distinct per ``name``."""
+    return f"You are {name}, a careful assistant. " + " ".join(
+        f"Rule {i} for {name}: stay accurate about {TOPICS[(i + len(name)) % len(TOPICS)]}, "
+        f"keep answers short, and say when you are unsure."
+        for i in range(sentences)
+    )
+
+
+class NbkvRunner:
+    """An nbkv engine in one cache mode."""
+
+    def __init__(self, path: str, cache: str, slots: int, n_ctx: int, template: str | None = None
+                 ) -> None:
+        self.engine = Engine(path, n_slots=slots, n_ctx=n_ctx, cache=cache, template=template)
+
+    def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
+        res = self.engine.chat(messages, session=session, max_tokens=MAX_TOKENS, temperature=0)
+        r = res.record
+        return {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "reused": r.reused_tokens,
+                "prefilled": r.prefilled_tokens, "generated": r.generated_tokens,
+                "strategy": r.strategy, "restore_s": r.restore_s, "text": res.text}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class LlamaCppRunner:
+    """llama-cpp-python's high-level ``Llama``: one sequence, prefix reuse built in."""
+
+    def __init__(self, path: str, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(path, n_ctx=n_ctx, n_batch=256, n_ubatch=256, verbose=False,
+                         flash_attn=False)
+
+    def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ttft, text = None, ""
+        for chunk in self.llm.create_chat_completion(messages, max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True):
+            delta = chunk["choices"][0]["delta"].get("content")
+            if delta:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text += delta
+        return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": text}
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class LimitRunner:
+    """The physical floor: decode only the new tokens, on a context already holding the rest."""
+
+    def __init__(self, path: str, n_ctx: int) -> None:
+        self.model = Model(path)
+        self.ctx = Context(self.model, n_ctx, 1, 256, flash_attn=0)
+        self.batch = Batch(256)
+        self.tokens: list[int] = []
+
+    def _decode(self, tokens: list[int]) -> int:
+        last = -1
+        for i in range(0, len(tokens), 255):
+            chunk = tokens[i : i + 255]
+            self.batch.clear()
+            last = self.batch.add_run(chunk, len(self.tokens), 0, True)
+            if len(chunk) == 1:  # the same two-token rule as nbkv's exact mode
+                self.batch.add(chunk[0], len(self.tokens) + 1, 0, False)
+            self.ctx.decode(self.batch)
+            self.ctx.seq_rm(0, len(self.tokens) + len(chunk), -1)
+            self.tokens.extend(chunk)
+        return last
+
+    def turn(self, prompt: list[int], new: int) -> float:
+        keep = common_prefix(self.tokens, prompt[: len(prompt) - new])
+        self.ctx.seq_rm(0, keep, -1)
+        del self.tokens[keep:]
+        self._decode(prompt[keep : len(prompt) - new])  # untimed: the cached part
+        t0 = time.perf_counter()
+        last = self._decode(prompt[len(prompt) - new :])
+        max(self.ctx.logits(last))  # read the logits, as a greedy sampler would
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.batch.close()
+        self.ctx.close()
+        self.model.close()
+
+
+def run_conversations(
+    runner: Any, convs: dict[str, list[dict]], turns: list[tuple[str, str]], replies: dict | None
+) -> list[dict[str, Any]]:
+    """Play ``turns`` (session, user text) against ``runner``; replies come from ``replies``
+    when given (so every variant sees the same conversation), else from the runner itself."""
+    hist = {k: [dict(m) for m in v] for k, v in convs.items()}
+    out = []
+    for i, (session, text) in enumerate(turns):
+        msgs = hist[session]
+        msgs.append({"role": "user", "content": text})
+        r = runner.turn(msgs, session)
+        reply = replies[i] if replies is not None else r["text"]
+        msgs.append({"role": "assistant", "content": reply})
+        r.update(session=session, turn=i)
+        out.append(r)
+    return out
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def scenario_single(path: str, quick: bool) -> dict[str, Any]:
+    """One conversation of 12 turns growing past 2,000 tokens."""
+    n_turns = 6 if quick else 12
+    convs = {"solo": [{"role": "system", "content": system_prompt("Ada", 6)}]}
+    turns = [("solo", paragraph(t, 4)) for t in range(n_turns)]
+    imc = NbkvRunner(path, "imc", 1, 4096)
+    limit = LimitRunner(path, 4096)
+    # imc and the physical floor run in lockstep, turn by turn, so that both see the same
+    # machine load; the floor decodes only the minimum: every token that the previous
+    # prompt and the reply to it did not already hold
+    hist = [dict(m) for m in convs["solo"]]
+    base, floor, minimum = [], [], []
+    held: list[int] = []
+    for i, (_, text) in enumerate(turns):
+        hist.append({"role": "user", "content": text})
+        prompt = imc.engine.tokenize_prompt(hist)
+        new = len(prompt) - common_prefix(held, prompt)
+        r = imc.turn(hist, "solo")
+        r.update(session="solo", turn=i)
+        floor.append({"ttft": limit.turn(prompt, new), "prefilled": new})
+        base.append(r)
+        minimum.append(new)
+        held = prompt + imc.engine.model.tokenize(r["text"])
+        hist.append({"role": "assistant", "content": r["text"]})
+    imc.close()
+    limit.close()
+    replies = [r["text"] for r in base]
+    results: dict[str, list] = {"imc": base, "limit": floor}
+    for name, make in (("off", lambda: NbkvRunner(path, "off", 1, 4096)),
+                       ("spc", lambda: NbkvRunner(path, "spc", 1, 4096)),
+                       ("llama-cpp", lambda: LlamaCppRunner(path, 4096))):
+        r = make()
+        results[name] = run_conversations(r, convs, turns, replies)
+        r.close()
+    later = slice(1, None)
+    summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
+    imc_pref = [r["prefilled"] for r in base[later]]
+    return {
+        "turns": n_turns,
+        "final_prompt_tokens": base[-1]["prompt"],
+        "mean_ttft_s_turns_2_on": summary,
+        "final_turn_ttft_s": {v: rs[-1]["ttft"] for v, rs in results.items()},
+        "imc_prefilled_per_turn": imc_pref,
+        "minimum_per_turn": minimum[1:],
+        "ratios": {
+            "imc_vs_llama_cpp_ttft": summary["llama-cpp"] / summary["imc"],
+            "imc_vs_off_ttft": summary["off"] / summary["imc"],
+            "imc_over_limit_ttft": summary["imc"] / summary["limit"],
+            "imc_prefilled_over_minimum": sum(imc_pref) / max(sum(minimum[1:]), 1),
+        },
+    }
+
+
+def scenario_interleaved(path: str, quick: bool) -> dict[str, Any]:
+    """Four sessions with distinct system prompts, round-robin, on four slots."""
+    rounds = 2 if quick else 4
+    names = ["Ada", "Brook", "Cyd", "Dale"]
+    convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
+    turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(names)]
+    imc = NbkvRunner(path, "imc", 4, 2048)
+    base = run_conversations(imc, convs, turns, None)
+    imc.close()
+    replies = [r["text"] for r in base]
+    results: dict[str, list] = {"imc": base}
+    for name, make in (("off", lambda: NbkvRunner(path, "off", 4, 2048)),
+                       ("spc", lambda: NbkvRunner(path, "spc", 4, 2048)),
+                       ("llama-cpp", lambda: LlamaCppRunner(path, 2048))):
+        r = make()
+        results[name] = run_conversations(r, convs, turns, replies)
+        r.close()
+    later = slice(len(names), None)
+    summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
+    return {
+        "sessions": len(names), "rounds": rounds,
+        "mean_prompt_tokens": mean([r["prompt"] for r in base]),
+        "mean_ttft_s_rounds_2_on": summary,
+        "ratios": {"imc_vs_llama_cpp_ttft": summary["llama-cpp"] / summary["imc"],
+                   "imc_vs_off_ttft": summary["off"] / summary["imc"]},
+    }
+
+
+TIMED_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{% if m['role'] == 'system' %}{{ '\\nCurrent time: ' + strftime_now('%H:%M:%S') }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def scenario_drift(path: str, quick: bool) -> dict[str, Any]:
+    """A template that renders the time into the system turn: no two calls render alike."""
+    n_turns = 4 if quick else 8
+    clock = {"t": datetime.datetime(2026, 1, 1, 9, 0, 0)}
+    saved = templates._now
+    templates._now = lambda: clock["t"]
+    try:
+        convs = {"drift": [{"role": "system", "content": system_prompt("Eve", 8)}]}
+        turns = [("drift", paragraph(t, 1)) for t in range(n_turns)]
+        results: dict[str, list] = {}
+        replies = None
+        for variant in ("imc", "off"):
+            clock["t"] = datetime.datetime(2026, 1, 1, 9, 0, 0)
+            runner = NbkvRunner(path, variant, 1, 4096, template=TIMED_TEMPLATE)
+            orig = runner.turn
+
+            def ticking(msgs, session, orig=orig):
+                clock["t"] += datetime.timedelta(minutes=1, seconds=7)
+                return orig(msgs, session)
+
+            runner.turn = ticking  # type: ignore[method-assign]
+            results[variant] = run_conversations(runner, convs, turns, replies)
+            replies = [r["text"] for r in results["imc"]]
+            runner.close()
+        # the shared prefix, computed independently of the engine's records: what two
+        # renderings of the same messages, a minute apart, have in common
+        eng = Engine(path, n_slots=1, n_ctx=4096, cache="off", template=TIMED_TEMPLATE)
+        msgs = convs["drift"] + [{"role": "user", "content": turns[0][1]}]
+        a = eng.tokenize_prompt(msgs)
+        clock["t"] += datetime.timedelta(minutes=1)
+        b = eng.tokenize_prompt(msgs)
+        eng.close()
+        shared = common_prefix(a, b)
+    finally:
+        templates._now = saved
+    imc = results["imc"][1:]
+    salvage = mean([min(r["reused"], shared) / shared for r in imc])
+    summary = {v: mean([r["ttft"] for r in rs[1:]]) for v, rs in results.items()}
+    return {
+        "turns": n_turns, "shared_prefix_tokens": shared,
+        "imc_strategies": [r["strategy"] for r in results["imc"]],
+        "imc_reused_per_turn": [r["reused"] for r in imc],
+        "mean_ttft_s_turns_2_on": summary,
+        "ratios": {"salvage_of_shared_prefix": salvage,
+                   "imc_vs_off_ttft": summary["off"] / summary["imc"]},
+    }
+
+
+def scenario_shared_system(path: str, quick: bool) -> dict[str, Any]:
+    """A 1,000-token system prompt shared by many short one-turn chats."""
+    n_chats = 4 if quick else 8
+    sys_text = system_prompt("Sam", 30)
+    convs = {f"u{i}": [{"role": "system", "content": sys_text}] for i in range(n_chats)}
+    turns = [(f"u{i}", paragraph(i, 1)) for i in range(n_chats)]
+    results: dict[str, list] = {}
+    for name, make in (("spc", lambda: NbkvRunner(path, "spc", 2, 2048)),
+                       ("imc", lambda: NbkvRunner(path, "imc", 2, 2048)),
+                       ("off", lambda: NbkvRunner(path, "off", 2, 2048)),
+                       ("llama-cpp", lambda: LlamaCppRunner(path, 2048))):
+        r = make()
+        results[name] = run_conversations(r, convs, turns, None)
+        if name == "spc":
+            sys_tokens = len(r.engine.tokenize_prompt(convs["u0"])) - 3
+        r.close()
+    later = slice(1, None)
+    summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
+    restores = [r["restore_s"] for r in results["spc"][later]]
+    return {
+        "chats": n_chats, "system_prompt_tokens": sys_tokens,
+        "mean_ttft_s_chats_2_on": summary,
+        "spc_restore_ms": {"mean": 1000 * mean(restores), "max": 1000 * max(restores)},
+        "ratios": {"spc_vs_off_ttft": summary["off"] / summary["spc"],
+                   "spc_vs_llama_cpp_ttft": summary["llama-cpp"] / summary["spc"],
+                   "imc_vs_llama_cpp_ttft": summary["llama-cpp"] / summary["imc"]},
+    }
+
+
+SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
+    "single": scenario_single,
+    "interleaved": scenario_interleaved,
+    "drift": scenario_drift,
+    "shared-system": scenario_shared_system,
+}
+
+TARGETS = [
+    ("single", "imc_vs_llama_cpp_ttft", ">=", 1.0),
+    ("single", "imc_over_limit_ttft", "<=", 1.15),
+    ("single", "imc_prefilled_over_minimum", "<=", 1.05),
+    ("interleaved", "imc_vs_llama_cpp_ttft", ">=", 5.0),
+    ("drift", "salvage_of_shared_prefix", ">=", 0.90),
+]
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Check the issue's targets against a report."""
+    out = []
+    for scen, key, op, want in TARGETS:
+        if scen not in report:
+            continue
+        got = report[scen]["ratios"][key]
+        ok = got >= want if op == ">=" else got <= want
+        out.append({"scenario": scen, "ratio": key, "target": f"{op} {want}", "got": got,
+                    "met": ok})
+    if "shared-system" in report:
+        got = report["shared-system"]["spc_restore_ms"]["max"]
+        out.append({"scenario": "shared-system", "ratio": "spc_restore_ms_max",
+                    "target": "< 10", "got": got, "met": got < 10})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nbkv.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file (default: embedded SmolLM2-135M)")
+    ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
+                    help="run only these (repeatable); default: all")
+    ap.add_argument("--quick", action="store_true", help="fewer turns (a smoke run)")
+    ap.add_argument("--out", default="bench-results.json", help="where to write the JSON")
+    args = ap.parse_args(argv)
+    path = str(args.model or default_model_path())
+    report: dict[str, Any] = {"model": path, "max_tokens": MAX_TOKENS}
+    for name in args.scenario or list(SCENARIOS):
+        t0 = time.perf_counter()
+        print(f"== {name} ...", file=sys.stderr, flush=True)
+        report[name] = SCENARIOS[name](path, args.quick)
+        report[name]["wall_s"] = time.perf_counter() - t0
+        print(json.dumps(report[name]["ratios"], indent=1), file=sys.stderr, flush=True)
+    report["targets"] = targets(report)
+    print()
+    print(f"{'scenario':<14} {'variant':<10} {'mean TTFT (ms)':>15}")
+    for name in SCENARIOS:
+        if name not in report:
+            continue
+        key = next(k for k in report[name] if k.startswith("mean_ttft"))
+        for variant, v in report[name][key].items():
+            print(f"{name:<14} {variant:<10} {1000 * v:>15.1f}")
+    print()
+    print(f"{'target':<42} {'want':>8} {'got':>9}  met")
+    for t in report["targets"]:
+        print(f"{t['scenario'] + ': ' + t['ratio']:<42} {t['target']:>8} {t['got']:>9.3f}  "
+              f"{'yes' if t['met'] else 'NO'}")
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nJSON written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
