@@ -29,6 +29,7 @@ from .errors import (
     ContextOverflowError,
     EngineClosedError,
     InvalidRequestError,
+    MediaError,
     NbkvError,
     SlotTimeoutError,
 )
@@ -44,6 +45,14 @@ from .events import (
     Segment,
     SlotsChanged,
     Subscriber,
+)
+from .media import (
+    EmbeddingCache,
+    MediaUnit,
+    contains_images,
+    extract_images,
+    position_units,
+    snap_to_media_boundary,
 )
 from .messages import normalize, prefix_hashes, preview
 from .models import resolve_model_path
@@ -151,13 +160,27 @@ class _Slot:
 
 @dataclass
 class _Prompt:
-    """A request prepared in the caller's thread."""
+    """A request prepared in the caller's thread.
 
-    messages: list[dict[str, Any]]
-    tokens: tuple[int, ...]
+    ``tokens`` has one entry per KV position: a token id, or a :class:`~nbkv.media.MediaUnit`
+    for each position an image occupies (so prefix comparisons see images by content hash).
+    """
+
+    messages: list[dict[str, Any]]  # as hashed: images named by content hash
+    tokens: tuple[Any, ...]
     hashes: list[str]
-    ends: list[int]  # token index where each message ends (the generation prompt excluded)
+    ends: list[int]  # KV position where each message ends (the generation prompt excluded)
     dropped: int = 0
+    media: Any = None  # nbkv.mtmd.MediaPrompt when the prompt has images
+
+    def chunk_for(self, unit: MediaUnit) -> Any:
+        """The image chunk a media position belongs to."""
+        return next(c for c in self.media.chunks if c.is_image and c.key == unit.key)
+
+    @property
+    def image_chunks(self) -> int:
+        """Image chunks in the prompt."""
+        return len(self.media.image_chunks()) if self.media is not None else 0
 
 
 class _Job:
@@ -191,6 +214,8 @@ class _Job:
         self.t_first = 0.0
         self.t_last_progress = 0.0
         self.t_served = 0.0  # last time the scheduler gave this request a prefill chunk
+        self.encoder_runs = 0  # images this request sent through the vision encoder
+        self.embedding_hits = 0  # images whose embeddings came from the cache
 
 
 @dataclass(frozen=True)
@@ -375,6 +400,13 @@ class Engine:
         exact: keep cached KV bit-identical to a from-scratch prefill (see :meth:`_decode`);
             costs about 40% of single-stream generation speed. ``False`` decodes faster,
             and a cached reply may then differ from a from-scratch one at near-ties.
+        mmproj: a vision projector GGUF matching the model: messages may then carry images
+            (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
+            It is checked before llama.cpp sees it; a mismatch raises
+            :class:`~nbkv.errors.ProjectorError`.
+        embedding_cache: where image embeddings are kept by content hash (share one between
+            engines if you like); default a private 256 MiB LRU.
+        trust_projector: accept projector types nbkv cannot validate ahead of time.
     """
 
     def __init__(
@@ -396,6 +428,9 @@ class Engine:
         on_load_progress: Callable[[float], object] | None = None,
         flash_attn: bool = False,
         exact: bool = True,
+        mmproj: str | None = None,
+        embedding_cache: EmbeddingCache | None = None,
+        trust_projector: bool = False,
     ) -> None:
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
@@ -432,6 +467,18 @@ class Engine:
         except BaseException:
             self.model.close()
             raise
+        self.projector = None
+        if mmproj is not None:
+            from .mtmd import Projector
+
+            try:
+                self.projector = Projector(mmproj, self.model, cache=embedding_cache,
+                                           n_threads=n_threads, trust_projector=trust_projector,
+                                           flash_attn=1 if flash_attn else 0)
+            except BaseException:
+                self.ctx.close()
+                self.model.close()
+                raise
         self.n_ctx = self.ctx.n_ctx_seq
         self._slots = [_Slot(i, i, self.n_ctx) for i in range(n_slots)]
         self._spc: OrderedDict[str, tuple[Any, int]] = OrderedDict()
@@ -628,6 +675,8 @@ class Engine:
             self._cv.notify_all()
         self._thread.join()
         self._batch.close()
+        if self.projector is not None:
+            self.projector.close()  # it points into the model: free it first
         self.ctx.close()
         self.model.close()
         self._spc.clear()
@@ -677,22 +726,39 @@ class Engine:
         return prompt
 
     def _tokenize(self, msgs: list[dict[str, Any]]) -> _Prompt:
+        media, images = None, None
+        hashed = msgs
+        if contains_images(msgs):
+            if self.projector is None:
+                raise MediaError(
+                    "the messages contain images but this engine has no vision projector: "
+                    "create it with Engine(model, mmproj='...mmproj.gguf')"
+                )
+            mm = extract_images(msgs, self.projector.marker)
+            msgs, hashed, images = mm.messages, mm.for_hashing(), mm.images
         body = self.template.render(msgs, add_generation_prompt=True)
         bos = self.model.bos_text
         head = bos if self.model.add_bos and bos and not body.startswith(bos) else ""
-        tokens = self.model.tokenize(head + body)
-        # where each message ends, in tokens: map the template's character boundaries onto
-        # the byte length of each token's text
-        token_ends, n = [], 0
-        for t in tokens:
-            n += len(self.model.piece(t))
-            token_ends.append(n)
+        if images is not None:
+            media = self.projector.tokenize(head + body, images)
+            units: list[Any] = position_units(media.keys())
+        else:
+            units = self.model.tokenize(head + body)
+        # where each message ends, in KV positions: map the template's character boundaries
+        # onto the byte length of each position's text (an image stands for its marker)
+        unit_ends, n = [], 0
+        for u in units:
+            if isinstance(u, MediaUnit):
+                n += len(self.projector.marker.encode()) if u.offset == 0 else 0
+            else:
+                n += len(self.model.piece(u))
+            unit_ends.append(n)
         skip = len(head.encode())
         ends = [
-            bisect.bisect_right(token_ends, skip + len(body[:c].encode()))
+            bisect.bisect_right(unit_ends, skip + len(body[:c].encode()))
             for c in self.template.boundaries(msgs, body)
         ]
-        return _Prompt(msgs, tuple(tokens), prefix_hashes(msgs), ends)
+        return _Prompt(hashed, tuple(units), prefix_hashes(hashed), ends, media=media)
 
     def _submit(self, job: _Job) -> None:
         with self._cv:
@@ -778,7 +844,8 @@ class Engine:
             plan = policy.select(snaps, p.tokens, p.hashes, job.session, self.cache_min_tokens)
             if plan is None:
                 return False
-            slot, reuse, strategy = self._slots[plan.slot], plan.reuse, plan.strategy
+            slot, strategy = self._slots[plan.slot], plan.strategy
+            reuse = snap_to_media_boundary(p.tokens, plan.reuse)  # an image is kept whole
             donor = plan.donor
             evicted, evicted_tokens = plan.evicted, plan.evicted_tokens
             matched = plan.matched_messages
@@ -835,7 +902,8 @@ class Engine:
         job.reuse = reuse
         job.todo = list(p.tokens[reuse:])
         job.t_admit = time.perf_counter()
-        job.sampler = Sampler(job.params, self.model.n_vocab, p.tokens)
+        job.sampler = Sampler(job.params, self.model.n_vocab,
+                              [t for t in p.tokens if isinstance(t, int)])
         job.record = RequestRecord(
             id=job.id, session=job.session, strategy=strategy, slot=slot.index,
             prompt_tokens=len(p.tokens), reused_tokens=reuse,
@@ -846,6 +914,9 @@ class Engine:
             reply_tokens_reused=reply_reused, dropped_messages=p.dropped, capacity=slot.capacity,
             restore_s=restore_s, started_at=time.time(),
             segments=self._segments(job, len(p.tokens)),
+            media_chunks=p.image_chunks,
+            media_reused=sum(1 for u in p.tokens[:reuse]
+                             if isinstance(u, MediaUnit) and u.offset == 0),
         )
         if reply_cached and reply_reused < reply_cached:
             log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
@@ -902,23 +973,54 @@ class Engine:
                 tok, j.next_token = j.next_token, None
                 work.append((j, [tok]))
         filling = [j for j in self._active if j.todo]
+        image_job = None
         if filling:
             job = min(filling, key=lambda j: j.t_served)
             job.t_served = time.perf_counter()
+            if not job.t_prefill:
+                job.t_prefill = time.perf_counter()
+            if isinstance(job.todo[0], MediaUnit):  # an image: its own decode, after the tokens
+                image_job, filling = job, []
+        if filling:
             room = self._batch.capacity - 1 - (2 if self.exact else 1) * len(work)
             if work:  # keep the prompt's share of a decode small while others are generating
                 room = min(room, self.interleave_chunk)
             take = job.todo[: max(room, 2)]
+            first_image = next((i for i, u in enumerate(take) if isinstance(u, MediaUnit)), None)
+            if first_image is not None:  # text up to the next image
+                take = take[:first_image]
             if job.capture_at is not None:  # SPC: end this chunk exactly at the system prompt
                 take = take[: max(job.capture_at - len(job.slot.tokens), 0)] or take
             if self.exact and work and len(take) == 3:
                 take = take[:2]  # llama.cpp would split 2 + 1: never a lone token (see _decode)
             del job.todo[: len(take)]
-            if not job.t_prefill:
-                job.t_prefill = time.perf_counter()
             work.append((job, take))
         if work:
             self._decode(work)
+        if image_job is not None and not image_job.done.is_set():
+            self._decode_image(image_job)
+
+    def _decode_image(self, job: _Job) -> None:
+        """Decode the image at the head of ``job``'s prefill: embeddings cached, else encoded."""
+        unit = job.todo[0]
+        chunk = job.prompt.chunk_for(unit)
+        n = chunk.n_pos
+        if n >= len(job.todo):
+            return self._fail(job, MediaError("a prompt must not end with an image"), "error")
+        slot = job.slot
+        if chunk.sub_index == 0:
+            cached = self.projector.cache.peek((self.projector.identity, chunk.image.hash))
+            if cached is None:
+                job.encoder_runs += 1
+            else:
+                job.embedding_hits += 1
+        try:
+            self.projector.decode_chunk(self.ctx, chunk, slot.seq_id, len(slot.tokens))
+        except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
+            return self._fail(job, e, "error")
+        slot.tokens.extend(job.todo[:n])
+        del job.todo[:n]
+        self._progress(job)
 
     def _decode(self, work: list[tuple[_Job, list[int]]]) -> None:
         """Decode each job's tokens at the end of its slot, then sample where a prompt is done.
@@ -1028,6 +1130,8 @@ class Engine:
                 prefill_s=(t_first - job.t_prefill) if job.t_prefill and job.t_first else 0.0,
                 decode_s=(now - t_first) if job.t_first else 0.0,
                 finish_reason=reason,
+                encoder_runs=job.encoder_runs,
+                embedding_cache_hits=job.embedding_hits,
                 error=None if error is None else f"{type(error).__name__}: {error}",
                 segments=slot.segments,
             )
@@ -1080,4 +1184,31 @@ class Engine:
                                   (max(a, cuts[1]), b, GENERATED)):
                 if hi > lo:
                     out.append(Segment(lo, hi, i, role, state, text))
-        return tuple(out)
+        runs = _image_runs(p.tokens)
+        if not runs:
+            return tuple(out)
+        marker = self.projector.marker if self.projector is not None else "\0"
+        split = []
+        for seg in out:
+            seg = replace(seg, preview=seg.preview.replace(marker, "[image]"))
+            pos = seg.start
+            for a, b, h in runs:
+                lo, hi = max(a, seg.start), min(b, seg.end)
+                if hi <= lo:
+                    continue
+                if lo > pos:
+                    split.append(replace(seg, start=pos, end=lo))
+                split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h))
+                pos = hi
+            if pos < seg.end:
+                split.append(replace(seg, start=pos, end=seg.end))
+        return tuple(split)
+
+
+def _image_runs(units: Sequence[Any]) -> list[tuple[int, int, str]]:
+    """``(start, end, image hash)`` of every image in a list of KV position units."""
+    runs = []
+    for i, u in enumerate(units):
+        if isinstance(u, MediaUnit) and u.offset == 0:
+            runs.append((i, i + u.key.n_pos, u.key.image_hash))
+    return runs

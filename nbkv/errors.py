@@ -47,3 +47,19 @@ class EngineClosedError(NbkvError, RuntimeError):
 
 class DecodeError(NbkvError, RuntimeError):
     """llama_decode failed (for example: no room left in the KV cache)."""
+
+
+class MediaError(NbkvError, ValueError):
+    """An image could not be read or used.
+
+    An unreadable file, corrupt data, an unsupported input type, a refused (network) URL, or
+    an image sent to an engine that has no vision projector.
+    """
+
+
+class ProjectorError(ModelLoadError):
+    """A vision projector (mmproj) file is unusable or does not fit the text model.
+
+    Checked in Python, before llama.cpp sees the file: a wrong projector must never reach
+    native code paths that abort the process.
+    """

@@ -29,6 +29,8 @@ class Segment:
     role: str
     state: str  # REUSED, PREFILLED or GENERATED (this request)
     preview: str = ""
+    kind: str = "text"  # "text", or "image" for the positions an image's embeddings occupy
+    image_hash: str | None = None
 
     @property
     def length(self) -> int:
@@ -56,6 +58,10 @@ class RequestRecord:
     reply_tokens_cached: int = 0  # tokens of the previous reply held in the slot
     reply_tokens_reused: int = 0  # ... of which re-tokenized identically and were reused
     dropped_messages: int = 0  # oldest messages dropped by overflow='slide'
+    media_chunks: int = 0  # image chunks in the prompt
+    media_reused: int = 0  # ... of which were already in the slot's KV
+    encoder_runs: int = 0  # images sent through the vision encoder by this request
+    embedding_cache_hits: int = 0  # images decoded from cached embeddings instead
     capacity: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
