@@ -10,16 +10,18 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -e '.[model,test]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -e '.[model,notebook,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 demo: $(STAMP)
 	$(PY) -m nbkv.demo
 
+# the notebooks run too (nbval, in this environment's kernel); tests/test_browser.py needs
+# Debian's chromium, which .ci/run installs
 test: $(STAMP)
 	$(PY) -m ruff check nbkv tests
-	$(PY) -m pytest
+	$(PY) -m pytest --nbval-lax --nbval-current-env tests notebooks
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"

@@ -1,15 +1,36 @@
-"""nbkv: a persistent multi-slot llama.cpp engine whose KV cache is fast and visible."""
+"""nbkv: a persistent multi-slot llama.cpp engine whose KV cache is fast and visible.
+
+In Jupyter or IPython, ``%load_ext nbkv`` adds the ``%kvcache`` and ``%%chat`` magics.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "ChatResult", "ChatStream", "SlotInfo", "__version__"]
+__all__ = [
+    "Engine", "ChatResult", "ChatStream", "SlotInfo", "session", "current_engine",
+    "load_ipython_extension", "unload_ipython_extension", "__version__",
+]
 
 if TYPE_CHECKING:
     from .engine import ChatResult, ChatStream, Engine, SlotInfo
+    from .sessions import current_engine, session
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbkv``: register the ``%kvcache`` and ``%%chat`` magics."""
+    from .magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbkv``: remove the magics and close the engine they loaded."""
+    from .magics import unload
+
+    unload(ipython)
 
 
 def __getattr__(name: str):
@@ -18,4 +39,8 @@ def __getattr__(name: str):
         from . import engine
 
         return getattr(engine, name)
+    if name in ("session", "current_engine"):
+        from . import sessions
+
+        return getattr(sessions, name)
     raise AttributeError(f"module 'nbkv' has no attribute {name!r}")

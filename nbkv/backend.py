@@ -6,6 +6,7 @@ objects (model, context, batch) and frees them; it knows nothing about caching p
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -24,17 +25,30 @@ _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERR
 _last_level = logging.DEBUG
 _init_lock = threading.Lock()
 _initialized = False
+_errors: collections.deque[str] = collections.deque(maxlen=20)
 
 
 @llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+def log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    """Route llama.cpp's (and libmtmd's) log to the ``nbkv.llama`` logger; keep its errors."""
     # llama.cpp logs line fragments; level 5 (CONT) continues the previous level
     global _last_level
     lvl = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
     _last_level = lvl
     msg = text.decode("utf-8", errors="replace").rstrip("\n")
-    if msg and log.isEnabledFor(lvl):
+    if not msg:
+        return
+    if lvl >= logging.ERROR:
+        _errors.append(msg.strip())
+    if log.isEnabledFor(lvl):
         log.log(lvl, "%s", msg)
+
+
+def take_native_errors() -> str:
+    """The last error lines native code logged since the previous call (for messages)."""
+    msgs = list(_errors)
+    _errors.clear()
+    return "; ".join(msgs[-3:])
 
 
 def _init_backend() -> None:
@@ -42,7 +56,7 @@ def _init_backend() -> None:
     with _init_lock:
         if not _initialized:
             llama_cpp.llama_backend_init()
-            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            llama_cpp.llama_log_set(log_callback, ctypes.c_void_p(0))
             _initialized = True
 
 

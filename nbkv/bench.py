@@ -159,6 +159,19 @@ def run_conversations(
     return out
 
 
+def baselines(path: str, slots: int, n_ctx: int, convs: dict, turns: list, replies: list
+              ) -> dict[str, list]:
+    """The same conversations through nbkv off, nbkv SPC and llama-cpp-python's ``Llama``."""
+    out = {}
+    for name, make in (("off", lambda: NbkvRunner(path, "off", slots, n_ctx)),
+                       ("spc", lambda: NbkvRunner(path, "spc", slots, n_ctx)),
+                       ("llama-cpp", lambda: LlamaCppRunner(path, n_ctx))):
+        r = make()
+        out[name] = run_conversations(r, convs, turns, replies)
+        r.close()
+    return out
+
+
 def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
@@ -191,12 +204,7 @@ def scenario_single(path: str, quick: bool) -> dict[str, Any]:
     limit.close()
     replies = [r["text"] for r in base]
     results: dict[str, list] = {"imc": base, "limit": floor}
-    for name, make in (("off", lambda: NbkvRunner(path, "off", 1, 4096)),
-                       ("spc", lambda: NbkvRunner(path, "spc", 1, 4096)),
-                       ("llama-cpp", lambda: LlamaCppRunner(path, 4096))):
-        r = make()
-        results[name] = run_conversations(r, convs, turns, replies)
-        r.close()
+    results.update(baselines(path, 1, 4096, convs, turns, replies))
     later = slice(1, None)
     summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
     imc_pref = [r["prefilled"] for r in base[later]]
@@ -227,12 +235,7 @@ def scenario_interleaved(path: str, quick: bool) -> dict[str, Any]:
     imc.close()
     replies = [r["text"] for r in base]
     results: dict[str, list] = {"imc": base}
-    for name, make in (("off", lambda: NbkvRunner(path, "off", 4, 2048)),
-                       ("spc", lambda: NbkvRunner(path, "spc", 4, 2048)),
-                       ("llama-cpp", lambda: LlamaCppRunner(path, 2048))):
-        r = make()
-        results[name] = run_conversations(r, convs, turns, replies)
-        r.close()
+    results.update(baselines(path, 4, 2048, convs, turns, replies))
     later = slice(len(names), None)
     summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
     return {
@@ -242,16 +245,6 @@ def scenario_interleaved(path: str, quick: bool) -> dict[str, Any]:
         "ratios": {"imc_vs_llama_cpp_ttft": summary["llama-cpp"] / summary["imc"],
                    "imc_vs_off_ttft": summary["off"] / summary["imc"]},
     }
-
-
-TIMED_TEMPLATE = (
-    "{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-    "{% if m['role'] == 'system' %}{{ '\\nCurrent time: ' + strftime_now('%H:%M:%S') }}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 def scenario_drift(path: str, quick: bool) -> dict[str, Any]:
@@ -267,7 +260,7 @@ def scenario_drift(path: str, quick: bool) -> dict[str, Any]:
         replies = None
         for variant in ("imc", "off"):
             clock["t"] = datetime.datetime(2026, 1, 1, 9, 0, 0)
-            runner = NbkvRunner(path, variant, 1, 4096, template=TIMED_TEMPLATE)
+            runner = NbkvRunner(path, variant, 1, 4096, template=templates.CLOCK_CHATML)
             orig = runner.turn
 
             def ticking(msgs, session, orig=orig):
@@ -280,7 +273,7 @@ def scenario_drift(path: str, quick: bool) -> dict[str, Any]:
             runner.close()
         # the shared prefix, computed independently of the engine's records: what two
         # renderings of the same messages, a minute apart, have in common
-        eng = Engine(path, n_slots=1, n_ctx=4096, cache="off", template=TIMED_TEMPLATE)
+        eng = Engine(path, n_slots=1, n_ctx=4096, cache="off", template=templates.CLOCK_CHATML)
         msgs = convs["drift"] + [{"role": "user", "content": turns[0][1]}]
         a = eng.tokenize_prompt(msgs)
         clock["t"] += datetime.timedelta(minutes=1)
@@ -331,11 +324,179 @@ def scenario_shared_system(path: str, quick: bool) -> dict[str, Any]:
     }
 
 
+def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
+    """Four sub-agents with distinct system prompts, 8 turns each: batched vs. one by one."""
+    import threading
+
+    n_agents, n_turns, max_tokens = 4, (3 if quick else 8), 32
+    names = ["Ada", "Brook", "Cyd", "Dale"][:n_agents]
+    systems = {n: system_prompt(n, 8) for n in names}
+
+    def agent_turns(name: str) -> list[str]:
+        return [f"{name}, task {t}: " + paragraph(t + len(name), 1) for t in range(n_turns)]
+
+    def play(engine: Engine, name: str, log: list, lock: threading.Lock) -> None:
+        msgs = [{"role": "system", "content": systems[name]}]
+        for text in agent_turns(name):
+            msgs.append({"role": "user", "content": text})
+            res = engine.chat(msgs, session=name, max_tokens=max_tokens, temperature=0)
+            msgs.append(res.message)
+            with lock:
+                log.append(res.record)
+
+    out: dict[str, Any] = {}
+    for mode in ("sequential", "batched"):
+        engine = Engine(path, n_slots=n_agents, n_ctx=2048)
+        log: list = []
+        lock = threading.Lock()
+        t0 = time.perf_counter()
+        if mode == "batched":
+            threads = [threading.Thread(target=play, args=(engine, n, log, lock)) for n in names]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:  # the same turns, one request at a time, agents taking turns
+            hists = {n: [{"role": "system", "content": systems[n]}] for n in names}
+            turns = {n: agent_turns(n) for n in names}
+            for t in range(n_turns):
+                for n in names:
+                    hists[n].append({"role": "user", "content": turns[n][t]})
+                    res = engine.chat(hists[n], session=n, max_tokens=max_tokens, temperature=0)
+                    hists[n].append(res.message)
+                    log.append(res.record)
+        wall = time.perf_counter() - t0
+        engine.close()
+        gen = sum(r.generated_tokens for r in log)
+        out[mode] = {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
+                     "mean_ttft_s": mean([r.ttft_s for r in log]),
+                     "max_ttft_s": max(r.ttft_s for r in log)}
+    # llama-cpp-python's Llama serving the agents one by one (one sequence: no reuse across them)
+    llm = LlamaCppRunner(path, 2048)
+    hists = {n: [{"role": "system", "content": systems[n]}] for n in names}
+    turns = {n: agent_turns(n) for n in names}
+    t0, ttfts = time.perf_counter(), []
+    for t in range(n_turns):
+        for n in names:
+            hists[n].append({"role": "user", "content": turns[n][t]})
+            r = llm.turn(hists[n], n)
+            ttfts.append(r["ttft"])
+            hists[n].append({"role": "assistant", "content": r["text"]})
+    out["llama-cpp"] = {"wall_s": time.perf_counter() - t0, "mean_ttft_s": mean(ttfts)}
+    llm.close()
+    return {
+        "agents": n_agents, "turns": n_turns, "max_tokens": max_tokens, **out,
+        "mean_ttft_s": {k: v["mean_ttft_s"] for k, v in out.items()},
+        "ratios": {
+            "batched_over_sequential_tokens_per_s":
+                out["batched"]["tokens_per_s"] / out["sequential"]["tokens_per_s"],
+            "batched_ttft_over_single_session_ttft":
+                out["batched"]["mean_ttft_s"] / out["sequential"]["mean_ttft_s"],
+            "batched_vs_llama_cpp_wall": out["llama-cpp"]["wall_s"] / out["batched"]["wall_s"],
+        },
+    }
+
+
+class LlavaRunner:
+    """llama-cpp-python's multimodal chat: ``Llava15ChatHandler`` clears the KV cache and
+    re-encodes every image on every turn."""
+
+    def __init__(self, path: str, mmproj: str, n_ctx: int) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_chat_format import Llava15ChatHandler
+
+        self.handler = Llava15ChatHandler(clip_model_path=mmproj, verbose=False)
+        self.llm = Llama(path, chat_handler=self.handler, n_ctx=n_ctx, n_batch=1024,
+                         n_ubatch=1024, verbose=False, flash_attn=False)
+        self.turn = LlamaCppRunner.turn.__get__(self)  # same streaming TTFT measurement
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _png_data_uri(seed: int, size: int) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image as PILImage
+
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    PILImage.fromarray(a).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def scenario_vision(path: str, quick: bool, kind: str = "tiny") -> dict[str, Any]:
+    """An image conversation of 6 turns: nbkv IMC vs. llama-cpp's Llava15ChatHandler vs. off."""
+    from .fixtures import make_mmproj
+    from .media import EmbeddingCache
+
+    projector = "mlp" if kind == "tiny" else "gemma3"
+    mmproj = str(make_mmproj(kind=kind, projector=projector))
+    size = 32 if kind == "tiny" else 512
+    n_turns = 3 if quick else 6
+    uri = _png_data_uri(7, size)
+    first = {"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": uri}}]}
+    followups = ["Describe its colours.", "Is it a photo?", "What is two plus two?",
+                 "Back to the picture: is it bright?", "Summarize."]
+    convs = {"v": [{"role": "system", "content": "You describe pictures briefly."}]}
+    results: dict[str, list] = {}
+    encodes: dict[str, int] = {}
+    for variant in ("imc", "off", "llava-handler"):
+        if variant == "llava-handler":
+            runner: Any = LlavaRunner(path, mmproj, 4096)
+        else:
+            runner = NbkvRunner.__new__(NbkvRunner)
+            runner.engine = Engine(path, n_slots=1, n_ctx=4096, cache=variant, mmproj=mmproj,
+                                   n_batch=1024,
+                                   embedding_cache=EmbeddingCache(0 if variant == "off" else
+                                                                  256 << 20))
+        hist = [dict(m) for m in convs["v"]]
+        out = []
+        for t in range(n_turns):
+            hist.append(first if t == 0 else {"role": "user", "content": followups[t - 1]})
+            if isinstance(runner, NbkvRunner):
+                res = runner.engine.chat(hist, session="v", max_tokens=MAX_TOKENS, temperature=0)
+                r = {"ttft": res.record.ttft_s, "encoder_runs": res.record.encoder_runs,
+                     "prompt": res.record.prompt_tokens, "reused": res.record.reused_tokens,
+                     "text": res.text}
+            else:
+                r = runner.turn(hist, "v")
+                r["encoder_runs"] = 1  # the handler encodes every image of the prompt, every turn
+            hist.append({"role": "assistant", "content": r["text"]})
+            out.append(r)
+        results[variant] = out
+        encodes[variant] = sum(r["encoder_runs"] for r in out)
+        runner.close()
+    final = {v: rs[-1]["ttft"] for v, rs in results.items()}
+    return {
+        "projector": f"{kind} {projector}", "turns": n_turns,
+        "first_turn_prompt_positions": results["imc"][0]["prompt"],
+        "ttft_s_per_turn": {v: [r["ttft"] for r in rs] for v, rs in results.items()},
+        "encoder_runs": encodes,
+        "mean_ttft_s": {v: mean([r["ttft"] for r in rs[1:]]) for v, rs in results.items()},
+        "ratios": {"imc_vs_handler_final_turn_ttft": final["llava-handler"] / final["imc"],
+                   "imc_vs_off_final_turn_ttft": final["off"] / final["imc"]},
+    }
+
+
+def scenario_vision_realistic(path: str, quick: bool) -> dict[str, Any]:
+    """The same with a SmolVLM-sized projector (768 wide, 12 blocks, 512-px images)."""
+    return scenario_vision(path, quick, kind="realistic")
+
+
 SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "single": scenario_single,
     "interleaved": scenario_interleaved,
     "drift": scenario_drift,
     "shared-system": scenario_shared_system,
+    "vision": scenario_vision,
+    "vision-realistic": scenario_vision_realistic,
+    "subagents": scenario_subagents,
 }
 
 TARGETS = [
@@ -344,6 +505,10 @@ TARGETS = [
     ("single", "imc_prefilled_over_minimum", "<=", 1.05),
     ("interleaved", "imc_vs_llama_cpp_ttft", ">=", 5.0),
     ("drift", "salvage_of_shared_prefix", ">=", 0.90),
+    ("vision", "imc_vs_handler_final_turn_ttft", ">=", 10.0),
+    ("vision-realistic", "imc_vs_handler_final_turn_ttft", ">=", 10.0),
+    ("subagents", "batched_over_sequential_tokens_per_s", ">=", 2.0),
+    ("subagents", "batched_ttft_over_single_session_ttft", "<=", 2.0),
 ]
 
 
@@ -387,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in SCENARIOS:
         if name not in report:
             continue
-        key = next(k for k in report[name] if k.startswith("mean_ttft"))
+        key = next(k for k in report[name] if k.startswith("mean_ttft"))  # turns 2 on
         for variant, v in report[name][key].items():
             print(f"{name:<14} {variant:<10} {1000 * v:>15.1f}")
     print()

@@ -128,6 +128,11 @@ class SlotInfo:
         """True when the slot holds nothing."""
         return not self.tokens
 
+    @property
+    def n_media(self) -> int:
+        """Image chunks held in the slot's KV."""
+        return sum(1 for u in self.tokens if isinstance(u, MediaUnit) and u.offset == 0)
+
 
 @dataclass
 class _Slot:
@@ -247,6 +252,7 @@ class ChatStream:
     def __init__(self, engine: Engine, job: _Job) -> None:
         self._engine = engine
         self._job = job
+        self.request_id = job.id  # the ``id`` of this request's events and record
         self.text = ""
         self.finish_reason: str | None = None
         self.record: RequestRecord | None = None
@@ -1136,6 +1142,9 @@ class Engine:
                 segments=slot.segments,
             )
             job.record = rec
+            if rec.strategy == policy.PREFIX_SALVAGE:
+                log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
+                          "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
             self.events.publish(RequestFinished(rec))
         if error is not None:
             job.out.put(("error", error))

@@ -16,7 +16,6 @@ special tokens the text model lacks, a non-causal image larger than the micro-ba
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import hashlib
 import logging
@@ -32,7 +31,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from .backend import Batch, Context, Model, check_gguf
+from .backend import Batch, Context, Model, check_gguf, log_callback, take_native_errors
 from .errors import ContextOverflowError, DecodeError, MediaError, ModelLoadError, ProjectorError
 from .media import (
     MARKER,
@@ -47,26 +46,9 @@ from .media import (
 
 log = logging.getLogger("nbkv.mtmd")
 
-_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-_last_level = logging.DEBUG
-_errors: collections.deque[str] = collections.deque(maxlen=20)
 _log_lock = threading.Lock()
 _log_installed = False
 _mtmd: Any = None
-
-
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    global _last_level
-    lvl = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
-    _last_level = lvl
-    msg = text.decode("utf-8", errors="replace").rstrip("\n")
-    if not msg:
-        return
-    if lvl >= logging.ERROR:
-        _errors.append(msg.strip())
-    if log.isEnabledFor(lvl):
-        log.log(lvl, "%s", msg)
 
 
 def _lib() -> Any:
@@ -78,16 +60,13 @@ def _lib() -> Any:
 
             _mtmd = mtmd_cpp
         if not _log_installed:
-            _mtmd.mtmd_log_set(_log_callback, ctypes.c_void_p(0))
-            _mtmd.mtmd_helper_log_set(_log_callback, ctypes.c_void_p(0))
+            _mtmd.mtmd_log_set(log_callback, ctypes.c_void_p(0))
+            _mtmd.mtmd_helper_log_set(log_callback, ctypes.c_void_p(0))
             _log_installed = True
     return _mtmd
 
 
-def _native_errors() -> str:
-    msgs = list(_errors)
-    _errors.clear()
-    return "; ".join(msgs[-3:])
+_native_errors = take_native_errors
 
 
 # -- pre-flight ------------------------------------------------------------------------------

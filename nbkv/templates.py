@@ -25,6 +25,19 @@ CHATML = (
 )
 
 
+#: ChatML that renders the current time into the system turn, so the same messages render
+#: differently on every call (as some real templates do): a demo of prefix salvage.
+CLOCK_CHATML = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{% if m['role'] == 'system' %}{{ '\\nCurrent time: ' + strftime_now('%H:%M:%S') }}"
+    "{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def _now() -> datetime.datetime:
     """The clock templates see (tests replace it to make time-dependent templates repeatable)."""
     return datetime.datetime.now()

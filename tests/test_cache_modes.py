@@ -10,16 +10,7 @@ from conftest import MAX_TOKENS, QUESTIONS, SYSTEM, assert_consistent, scratch_r
 from nbkv import Engine, policy, templates
 from nbkv.errors import ModelLoadError, ModelNotFoundError
 
-# ChatML with the current time rendered into the system turn, after the system prompt:
-# the same messages render differently on every call, like GPT-OSS-style templates do
-TIMED = (
-    "{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-    "{% if m['role'] == 'system' %}{{ '\\nCurrent time: ' + strftime_now('%H:%M:%S') }}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+TIMED = templates.CLOCK_CHATML  # renders the time: no two calls render alike
 
 
 @pytest.fixture

@@ -1,0 +1,164 @@
+"""Engine events to widget redraws, without ever slowing the engine or blocking the kernel.
+
+The engine calls :meth:`Feed._on_event` on its scheduler thread: it only queues the event.
+A render thread applies queued events to a :class:`LiveState` and redraws the attached
+views at most once per ``interval`` seconds, always once more after the last event (so the
+final state of a request is shown). A view that fails shows its error; nothing is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..events import Progress, RequestFinished, RequestRecord, RequestStarted, SlotsChanged
+
+log = logging.getLogger("nbkv.widgets")
+
+
+@dataclass
+class Running:
+    """A request in flight: its plan and how far it got."""
+
+    record: RequestRecord
+    phase: str = ""
+    done: int = 0
+    total: int = 0
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens prefilled so far."""
+        if self.phase == "generate":
+            return self.record.prefilled_tokens
+        return self.done if self.phase in ("rebuild", "extend") else 0
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far (as last reported)."""
+        return self.done if self.phase == "generate" else 0
+
+
+@dataclass
+class LiveState:
+    """What the events said: requests in flight, the last finished request of each slot."""
+
+    running: dict[int, Running] = field(default_factory=dict)
+    last_by_slot: dict[int, RequestRecord] = field(default_factory=dict)
+    events: int = 0
+    closed: bool = False
+
+    def apply(self, event: Any) -> None:
+        """Update from one engine event."""
+        self.events += 1
+        if isinstance(event, RequestStarted):
+            self.running[event.record.id] = Running(event.record)
+        elif isinstance(event, Progress):
+            run = self.running.get(event.request_id)
+            if run is not None:
+                run.phase, run.done, run.total = event.phase, event.done, event.total
+        elif isinstance(event, RequestFinished):
+            self.running.pop(event.record.id, None)
+            self.last_by_slot[event.record.slot] = event.record
+        elif isinstance(event, SlotsChanged):
+            if event.reason == "closed":
+                self.closed = True
+                self.running.clear()
+            if event.reason in ("cleared", "closed"):
+                self.last_by_slot.clear()
+
+    def running_on(self, slot: int) -> Running | None:
+        """The request in flight on ``slot``, if any."""
+        for run in self.running.values():
+            if run.record.slot == slot:
+                return run
+        return None
+
+
+class View(Protocol):
+    """What a feed redraws."""
+
+    def render(self, state: LiveState) -> None:
+        """Redraw from the engine's snapshot and ``state``."""
+
+    def show_error(self, message: str) -> None:
+        """Show that a redraw failed."""
+
+
+class Feed:
+    """Subscribes to an engine and redraws views, throttled, on its own thread."""
+
+    def __init__(self, engine: Any, interval: float = 0.25, live: bool = True) -> None:
+        self.engine = engine
+        self.interval = interval
+        self.state = LiveState()
+        self.renders = 0
+        self._views: list[View] = []
+        self._queue: list[Any] = []
+        self._lock = threading.Lock()
+        self._render_lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._last = 0.0
+        self._unsubscribe = engine.subscribe(self._on_event)
+        self._thread: threading.Thread | None = None
+        if live:
+            self._thread = threading.Thread(target=self._run, name="nbkv-widgets", daemon=True)
+            self._thread.start()
+
+    def attach(self, view: View) -> None:
+        """Redraw ``view`` from now on (and once right away)."""
+        self._views.append(view)
+        self._draw(view)
+
+    def _on_event(self, event: Any) -> None:  # engine thread: queue and return
+        with self._lock:
+            self._queue.append(event)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            delay = self._last + self.interval - time.monotonic()
+            if delay > 0 and self._stop.wait(delay):
+                break
+            if self._stop.is_set():
+                break
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the queued events and redraw every view now."""
+        with self._lock:
+            events, self._queue = self._queue, []
+        with self._render_lock:
+            for ev in events:
+                self.state.apply(ev)
+            self._last = time.monotonic()
+            for view in list(self._views):
+                self._draw(view)
+            self.renders += 1
+        if self.state.closed:
+            self.close()
+
+    def _draw(self, view: View) -> None:
+        with self._render_lock:
+            try:
+                view.render(self.state)
+            except Exception as e:  # noqa: BLE001 - a broken view must not stop the others
+                log.exception("nbkv widget redraw failed")
+                try:
+                    view.show_error(f"redraw failed: {type(e).__name__}: {e}")
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def close(self) -> None:
+        """Stop listening to the engine and stop the render thread."""
+        self._unsubscribe()
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2)

@@ -1,0 +1,188 @@
+"""The quickstart notebook in a real browser: JupyterLab on localhost, headless Chromium.
+
+Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
+cards and plotly figures rendered, without JavaScript errors. The screenshot goes to
+``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("NBKV_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+RUN_TIMEOUT = 600  # seconds for the whole notebook
+# console errors that concern what we render (JupyterLab logs unrelated noise too)
+OURS = re.compile(r"widget|plotly|anywidget|nbkv|comm|model not found|render", re.I)
+
+pytestmark = pytest.mark.slow
+
+
+def _need_browser():
+    missing = []
+    if not Path(CHROMIUM).exists():
+        missing.append(f"chromium ({CHROMIUM})")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        missing.append("playwright")
+    if missing:
+        msg = "browser test needs " + " and ".join(missing)
+        if os.environ.get("CI"):
+            pytest.fail(msg + " (.ci/run installs them)")
+        pytest.skip(msg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 with a token, serving a copy of the notebooks."""
+    _need_browser()
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", root)
+    home = tmp_path_factory.mktemp("jupyter-home")
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ,
+               JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "run"),
+               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"))
+    # render every cell (JupyterLab 4 only attaches the cells in view by default)
+    tracker = home / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+         "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+        + (["--allow-root"] if os.geteuid() == 0 else []),
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    pytest.fail("JupyterLab did not start:\n" +
+                                (home / "server.log").read_text()[-3000:])
+                time.sleep(0.5)
+        yield base, token, root
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the server and the kernels it started (its own process group)."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    base, token, root = lab
+    shots = Path(os.environ.get("NBKV_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    errors, console = [], []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch_persistent_context(  # a fresh profile directory
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
+            args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000})
+        try:
+            page = browser.pages[0] if browser.pages else browser.new_page()
+            page.set_default_timeout(60_000)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+            page.goto(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                                   timeout=120_000)
+            _dismiss_toasts(page)
+            page.locator(".jp-NotebookPanel .jp-Cell").first.click()  # focus the notebook
+            page.keyboard.press("Escape")
+            page.click("li.lm-MenuBar-item:has-text('Run')")
+            page.click("li.lm-Menu-item[data-command='runmenu:run-all']")
+            n_code = page.locator(".jp-CodeCell").count()
+            _wait_until_done(page, n_code)
+            dash = page.locator(".nbkv-dashboard")
+            dash.wait_for(timeout=30_000)
+            dash.scroll_into_view_if_needed()
+            page.wait_for_timeout(1500)  # the last throttled redraw
+            _dismiss_toasts(page)
+            dash.screenshot(path=str(shots / "quickstart-dashboard.png"))
+            page.screenshot(path=str(shots / "quickstart.png"))
+            cards = page.locator(".nbkv-dashboard .nbkv-slot-card .nbkv-card")
+            assert cards.count() == 2
+            texts = [cards.nth(i).inner_text() for i in range(2)]
+            assert all("/2048 tokens" in t for t in texts) and any("bob" in t for t in texts)
+            assert page.locator(".nbkv-kvmap .js-plotly-plot").count() == 1
+            assert page.locator(".nbkv-timeline .js-plotly-plot").count() == 1
+            assert page.locator(".nbkv-kvmap .js-plotly-plot .barlayer .point").count() > 4
+            assert page.locator(".nbkv-timeline .js-plotly-plot .barlayer .point").count() > 4
+            # the %%chat replies and figures lines rendered too
+            assert page.locator(".nbkv-figures").count() >= 4
+            body = page.locator(".jp-Notebook").inner_text()
+            assert "Error displaying widget" not in body and "Traceback" not in body
+        finally:
+            browser.close()
+    print("screenshots:", shots)
+    assert not errors, f"JavaScript errors: {errors}"
+    ours = [c for c in console if OURS.search(c)]
+    assert not ours, f"console errors from the widgets: {ours}"
+
+
+def _dismiss_toasts(page) -> None:
+    """Answer JupyterLab's "receive official Jupyter news?" toast, if it is showing."""
+    no = page.get_by_role("button", name="No", exact=True)
+    if no.count():
+        no.first.click()
+
+
+def _wait_until_done(page, n_code: int) -> None:
+    """Wait until every code cell has an execution count (bounded)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline:
+        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        done = [p for p in prompts if re.search(r"\[\d+\]", p)]
+        if len(done) == n_code and not any("*" in p for p in prompts):
+            return
+        page.wait_for_timeout(1000)
+    raise AssertionError(f"notebook did not finish in {RUN_TIMEOUT} s: {prompts}")

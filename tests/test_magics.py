@@ -1,0 +1,288 @@
+"""%kvcache and %%chat through a real IPython shell, on the real default model."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
+
+import nbkv
+from nbkv.events import Progress
+from nbkv.sessions import STORE
+
+SYSTEM = "You are a concise assistant. Answer in one short sentence."
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "nbkv")
+    shell.run_line_magic("config", "Nbkv.frontend = 'terminal'")
+    shell.run_line_magic("config", "Nbkv.max_tokens = 8")
+    STORE.clear()
+    yield shell
+    shell.run_line_magic("kvcache", "unload")
+    shell.run_line_magic("unload_ext", "nbkv")
+    STORE.clear()
+
+
+@pytest.fixture(scope="module")
+def loaded(ip):
+    ip.run_line_magic("kvcache", "load --slots 2 --ctx 1024")
+    return ip
+
+
+def chat(ip, line, body):
+    return ip.run_cell_magic("chat", line, body)
+
+
+def test_no_engine_says_how_to_load(ip):
+    ip.run_line_magic("kvcache", "unload")
+    with pytest.raises(UsageError, match="%kvcache load"):
+        chat(ip, "", "hello")
+    out = ip.run_line_magic("kvcache", "status")
+    assert "%kvcache load" in str(out)
+
+
+def test_autoload_loads_the_configured_default(ip, capsys):
+    ip.run_line_magic("config", "Nbkv.autoload = True")
+    ip.run_line_magic("config", "Nbkv.slots = 2")
+    ip.run_line_magic("config", "Nbkv.ctx = 1024")
+    try:
+        chat(ip, "auto --max-tokens 4", "Say hi.")
+    finally:
+        ip.run_line_magic("config", "Nbkv.autoload = False")
+    e = nbkv.current_engine()
+    assert e is not None and e.n_slots == 2 and e.n_ctx == 1024
+    assert len(nbkv.session("auto").messages) == 2
+    assert "slot" in capsys.readouterr().out
+
+
+def test_conversation_continues_across_cells(loaded, capsys):
+    chat(loaded, f'alice --new --system "{SYSTEM}"', "What is a CPU?")
+    first = capsys.readouterr().out
+    chat(loaded, "alice", "And what is memory?")
+    out = capsys.readouterr().out
+    s = nbkv.session("alice")
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "user",
+                                                "assistant"]
+    assert s.messages[0]["content"] == SYSTEM  # quotes removed by the parser
+    assert s.messages[2]["content"] and s.messages[2]["content"] in first
+    r1, r2 = s.records
+    assert r2.strategy == "hash-extend" and r2.slot == r1.slot
+    assert r2.reused_tokens > r1.prompt_tokens  # the first reply stayed in KV
+    assert r2.prefilled_tokens < 25
+    # the figures line: prompt | reused (salvage %) | prefilled | TTFT | tok/s, with strategy
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("hash-extend · slot")
+    for word in ("prompt", "reused", "%)", "prefilled", "TTFT", "tok/s"):
+        assert word in line
+
+
+def test_new_starts_over_and_no_stats_hides_figures(loaded, capsys):
+    chat(loaded, "alice --new --no-stats", "Name a colour.")
+    out = capsys.readouterr().out
+    s = nbkv.session("alice")
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant"]
+    assert s.messages[0]["content"] == SYSTEM  # --new keeps the system prompt
+    assert "TTFT" not in out and s.messages[2]["content"] in out
+
+
+def test_out_and_interpolation(loaded):
+    loaded.user_ns["topic"] = "the moon"
+    loaded.user_ns["n"] = 3
+    chat(loaded, "bob --new --out answer --max-tokens 6", "Tell me {n} facts about {topic}. "
+                                                          "Use {{braces}} literally.")
+    s = nbkv.session("bob")
+    assert s.messages[-2]["content"] == ("Tell me 3 facts about the moon. "
+                                         "Use {braces} literally.")
+    answer = loaded.user_ns["answer"]
+    assert isinstance(answer, str) and answer == s.messages[-1]["content"]
+    assert answer.record.session == "bob" and answer.record.generated_tokens <= 6
+    assert answer.finish_reason in ("stop", "length")
+
+
+def test_edited_message_is_salvaged(loaded):
+    s = nbkv.session("alice")
+    chat(loaded, "alice --no-stats", "And a fruit?")
+    s.messages[3]["content"] = "And an animal?"  # edit the second user message
+    chat(loaded, "alice --no-stats", "Thanks.")
+    rec = s.records[-1]
+    assert rec.strategy == "hash-extend" and 0 < rec.reused_tokens < rec.prompt_tokens
+    assert rec.trimmed_tokens > 0  # the old turn after the edit was cut from the KV
+
+
+@pytest.mark.parametrize("line, body, match", [
+    ("--bogus", "hi", "unrecognized arguments"),
+    ("--max-tokens x", "hi", "invalid int"),
+    ("--max-tokens 0", "hi", "max-tokens"),
+    ("--out 1x", "hi", "not a valid variable name"),
+    ("--temp -1", "hi", "temperature"),
+    ("", "   ", "cell is empty"),
+    ("", "about {undefined_thing}", "undefined_thing"),
+    ("", "json {\"a\": 1}", "literal braces"),
+    ("--image no/such/cat.png", "what is this?", "no file at"),
+    ('--system "unclosed', "hi", "cannot parse"),
+])
+def test_bad_chat_arguments_raise_usage_errors(loaded, line, body, match):
+    with pytest.raises(UsageError, match=match):
+        chat(loaded, line, body)
+
+
+@pytest.mark.parametrize("line, match", [
+    ("bogus", "invalid choice"),
+    ("stats --slots 3", "does not take --slots"),
+    ("slots 1", "takes no argument"),
+    ("clear 9", "no slot 9"),
+    ("clear x", "must be a number"),
+    ("clear 0 --all", "not both"),
+    ("load /nonexistent/model.gguf", "no model file"),
+    ("load --mmproj no/such/proj.gguf", "no projector file"),
+    ("load --template /nonexistent.jinja", "cannot read"),
+])
+def test_bad_kvcache_arguments_raise_usage_errors(loaded, line, match):
+    engine = nbkv.current_engine()
+    with pytest.raises(UsageError, match=match):
+        loaded.run_line_magic("kvcache", line)
+    assert nbkv.current_engine() is engine  # a failed load keeps the engine
+
+
+def test_kvcache_commands_render_html_and_text(loaded):
+    for cmd, word in [("", "served from cache"), ("status", "imc"), ("slots", "alice"),
+                      ("stats", "salvage_pct"), ("history -n 3", "hash-extend"),
+                      ("config", "Nbkv.slots")]:
+        out = loaded.run_line_magic("kvcache", cmd)
+        assert word in out._repr_html_() and word in str(out), cmd
+        assert "<table" in out._repr_html_()
+    assert len(loaded.run_line_magic("kvcache", "history -n 3").rows) == 3
+    assert "cleared slot 1" in str(loaded.run_line_magic("kvcache", "clear 1"))
+    assert nbkv.current_engine().slots()[1].empty
+    dash = loaded.run_line_magic("kvcache", "widget")
+    try:
+        assert type(dash).__name__ == "CacheDashboard"
+    finally:
+        dash.close()
+
+
+def test_config_traits(loaded):
+    loaded.run_line_magic("config", "Nbkv.max_tokens = 5")
+    try:
+        chat(loaded, "cfg --new --no-stats", "Count from one to twenty.")
+        assert nbkv.session("cfg").records[-1].generated_tokens <= 5
+    finally:
+        loaded.run_line_magic("config", "Nbkv.max_tokens = 8")
+    magics = loaded.magics_manager.registry["Nbkv"]
+    loaded.run_line_magic("config", "Nbkv.slots = 0")  # %config logs the TraitError
+    assert magics.slots == 2
+    magics.refresh = 0.05
+    with pytest.raises(Exception, match="refresh must be >= 0"):
+        magics.refresh = -1
+
+
+def test_interrupt_keeps_partial_reply_and_next_cell_works(loaded, capsys):
+    engine = nbkv.current_engine()
+    sent = []
+
+    def interrupt(event):
+        if isinstance(event, Progress) and event.phase == "generate" and not sent:
+            sent.append(event)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    unsubscribe = engine.subscribe(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            chat(loaded, "carol --new --max-tokens 200 --out part",
+                 "Write a long story about a dragon who learns to cook.")
+    finally:
+        unsubscribe()
+    out = capsys.readouterr().out
+    assert sent
+    s = nbkv.session("carol")
+    part = loaded.user_ns["part"]
+    assert part.finish_reason == "cancelled" and 0 < part.record.generated_tokens < 200
+    assert s.messages[-1] == {"role": "assistant", "content": str(part)}
+    assert str(part) in out and "[interrupted]" in out
+    for slot in engine.slots():
+        assert not slot.pending
+        assert engine.ctx.seq_pos_max(slot.seq_id) + 1 == slot.n_tokens
+    chat(loaded, "carol --max-tokens 4", "Continue.")
+    rec = s.records[-1]
+    assert rec.finish_reason in ("stop", "length") and rec.strategy == "hash-extend"
+    assert len(s.messages) == 4
+
+
+def test_notebook_frontend_streams_markdown_with_progress(loaded):
+    loaded.run_line_magic("config", "Nbkv.frontend = 'notebook'")
+    long = " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}."
+                    for i in range(60))
+    try:
+        with capture_output() as cap:
+            chat(loaded, "dave --new --max-tokens 6", long + "\nHow many facts?")
+    finally:
+        loaded.run_line_magic("config", "Nbkv.frontend = 'terminal'")
+    outs = cap.outputs
+    rec = nbkv.session("dave").records[-1]
+    assert rec.prefilled_tokens > 256  # long enough to report progress
+    progress = [o for o in outs if "text/html" in o.data and "nbkv-progress" in o.data["text/html"]]
+    assert progress and "prefilled" in progress[0].data["text/plain"]
+    md = [o for o in outs if "text/markdown" in o.data]
+    reply = nbkv.session("dave").messages[-1]["content"]
+    assert md and md[-1].data["text/markdown"] == reply + "\n\n*[stopped at --max-tokens]*"
+    assert outs.index(progress[-1]) < outs.index(md[0])  # progress, then the reply
+    assert all(o.update for o in progress + md)  # one display, updated in place
+    fig = outs[-1].data
+    assert "nbkv-figures" in fig["text/html"] and "prefilled" in fig["text/plain"]
+
+
+def test_loading_again_replaces_the_engine(loaded, capsys):
+    old = nbkv.current_engine()
+    loaded.run_line_magic("kvcache", "load --slots 1 --ctx 512 --mode spc --min-tokens 10")
+    new = nbkv.current_engine()
+    assert new is not old and old._closed
+    assert (new.n_slots, new.n_ctx, new.cache, new.cache_min_tokens) == (1, 512, "spc", 10)
+    chat(loaded, "alice --no-stats --max-tokens 4", "One more?")  # sessions outlive engines
+    assert nbkv.session("alice").records[-1].strategy in ("miss", "spc")
+    assert "loading" in capsys.readouterr().out
+
+
+def _png(path, seed=0):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_images_need_a_projector(loaded, tmp_path):
+    img = _png(tmp_path / "pic.png")
+    with pytest.raises(UsageError, match="vision projector"):
+        chat(loaded, f"alice --image {img}", "What is this?")
+
+
+def test_images_through_the_magics(loaded, tmp_path):
+    from nbkv.display import media_chunks, slots_table
+    from nbkv.fixtures import make_mmproj
+
+    proj = make_mmproj(kind="tiny")
+    img = _png(tmp_path / "pic.png")
+    loaded.run_line_magic("kvcache", f"load --mmproj {proj} --slots 1 --ctx 1024")
+    try:
+        chat(loaded, f"eve --new --image {img} --max-tokens 4 --no-stats", "Describe it.")
+        chat(loaded, "eve --max-tokens 4 --no-stats", "Shorter?")
+        s = nbkv.session("eve")
+        first, second = s.records
+        assert first.media_chunks == 1 and first.encoder_runs == 1
+        assert second.media_chunks == 1 and second.media_reused == 1
+        assert second.strategy == "hash-extend" and second.encoder_runs == 0
+        assert s.messages[0]["content"][0]["type"] == "image_url"
+        slot = nbkv.current_engine().slots()[second.slot]
+        assert media_chunks(slot) == 1
+        strip = slots_table(nbkv.current_engine()).rows[second.slot][-1].text
+        assert "I" in strip or "i" in strip  # the image span in the KV map
+    finally:
+        loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024")

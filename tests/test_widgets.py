@@ -1,0 +1,312 @@
+"""Widgets at the model level: traits, figure data and comm messages follow engine events."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import comm
+import pytest
+
+from nbkv.engine import SlotInfo
+from nbkv.events import (
+    EventBus,
+    Progress,
+    RequestFinished,
+    RequestRecord,
+    RequestStarted,
+    Segment,
+    SlotsChanged,
+)
+from nbkv.widgets import CacheDashboard, Feed, KVMap, SlotCards, Timeline
+
+
+class RecordingComm:
+    """Stands in for a kernel comm and records what the widgets send."""
+
+    def __init__(self, sent, **kw):
+        self.comm_id = kw.get("comm_id") or f"c{len(sent)}-{id(self)}"
+        self.kernel = "fake"
+        self.sent = sent
+
+    def open(self, *a, **kw):
+        pass
+
+    def on_msg(self, *a, **kw):
+        pass
+
+    def on_close(self, *a, **kw):
+        pass
+
+    def send(self, data=None, metadata=None, buffers=None):
+        self.sent.append((threading.current_thread().name, data))
+
+    def close(self, *a, **kw):
+        pass
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    log = []
+    monkeypatch.setattr(comm, "create_comm", lambda **kw: RecordingComm(log, **kw))
+    return log
+
+
+class FakeEngine:
+    n_slots, n_ctx, cache, cache_min_tokens = 2, 512, "imc", 100
+    model = SimpleNamespace(description="fake 1M")
+
+    def __init__(self):
+        self.bus = EventBus()
+        self._slots = [SlotInfo(i, i, self.n_ctx, None, (), (), (), 0, False) for i in range(2)]
+        self.fail = False
+
+    def subscribe(self, cb):
+        return self.bus.subscribe(cb)
+
+    def publish(self, event):
+        self.bus.publish(event)
+
+    def slots(self):
+        if self.fail:
+            raise RuntimeError("snapshot broke")
+        return tuple(self._slots)
+
+    @property
+    def history(self):
+        return list(self.bus.history)
+
+    def stats(self):
+        h = self.history
+        p = sum(r.prompt_tokens for r in h)
+        return {"requests": len(h),
+                "salvage_pct": 100 * sum(r.reused_tokens for r in h) / p if p else 0.0}
+
+    def set_slot(self, i, **kw):
+        self._slots[i] = replace(self._slots[i], **kw)
+
+
+SEGS = (
+    Segment(0, 40, 0, "system", "reused", "Be brief."),
+    Segment(40, 60, 1, "user", "reused", "What is a CPU?"),
+    Segment(60, 80, 2, "assistant", "reused", "A processor."),
+    Segment(80, 100, 3, "user", "prefilled", "And memory?"),
+    Segment(100, 104, 4, "assistant", "prefilled", "(generation prompt)"),
+)
+
+
+def record(id=1, **kw):
+    base = dict(id=id, session="alice", strategy="hash-extend", slot=0, prompt_tokens=104,
+                reused_tokens=80, prefilled_tokens=24, trimmed_tokens=6, capacity=512,
+                segments=SEGS)
+    base.update(kw)
+    return RequestRecord(**base)
+
+
+def bars(trace):
+    return sorted(zip(trace.y, trace.base, [b + x for b, x in zip(trace.base, trace.x)]))
+
+
+def test_slot_cards_follow_a_request(sent):
+    eng = FakeEngine()
+    cards = SlotCards(eng, Feed(eng, live=False))
+    assert "free" in cards.cards[0].value and "0/512 tokens" in cards.cards[0].value
+    eng.set_slot(0, session="alice", pending=True, tokens=tuple(range(80)),
+                 hashes=("a", "b", "c"), last_used=1)
+    eng.publish(RequestStarted(record()))
+    eng.publish(Progress(1, 0, "extend", 10, 24))
+    cards.feed.flush()
+    card = cards.cards[0].value
+    assert "alice" in card and "busy" in card and "prefilling 10/24" in card
+    assert "3 messages" in card and "80/512 tokens" in card and "media chunks: 0" in card
+    assert cards.busy == 1 and cards.used == 80
+    eng.publish(Progress(1, 0, "generate", 3, 8))
+    cards.feed.flush()
+    assert "generating: 3 tokens" in cards.cards[0].value
+    eng.set_slot(0, pending=False, tokens=tuple(range(110)), last_used=2)
+    eng.set_slot(1, session="bob", tokens=tuple(range(30)), hashes=("x",), last_used=1)
+    eng.publish(RequestFinished(record(generated_tokens=6)))
+    n = len(sent)
+    cards.feed.flush()
+    assert "busy" not in cards.cards[0].value and "LRU 1 of 2" in cards.cards[0].value
+    assert "LRU 2 of 2" in cards.cards[1].value and cards.busy == 0
+    # the redraw reached the front end as widget state messages
+    assert any(d and d.get("method") == "update" and "LRU 1 of 2" in str(d)
+               for _, d in sent[n:])
+
+
+def test_kv_map_shows_messages_states_and_progress():
+    eng = FakeEngine()
+    kv = KVMap(eng, Feed(eng, live=False))
+    t = kv.traces
+    assert list(t["capacity"].x) == [512] * 4 and kv.segments == 0
+    eng.publish(RequestStarted(record()))
+    eng.publish(Progress(1, 0, "extend", 10, 24))
+    kv.feed.flush()
+    # message row: coloured by role, one bar per message
+    assert bars(t["system"]) == [("slot 0", 0, 40)]
+    assert bars(t["user"]) == [("slot 0", 40, 60), ("slot 0", 80, 100)]
+    assert bars(t["assistant"]) == [("slot 0", 60, 80), ("slot 0", 100, 104)]
+    assert list(t["user"].marker.opacity) == [0.7, 0.7]  # odd messages shaded
+    # request row: reused, prefilled so far, still to prefill
+    req = "slot 0 · request"
+    assert bars(t["reused"]) == [(req, 0, 40), (req, 40, 60), (req, 60, 80)]
+    assert bars(t["prefilled"]) == [(req, 80, 90)]
+    assert bars(t["to prefill"]) == [(req, 90, 100), (req, 100, 104)]
+    assert bars(t["trimmed"]) == [(req, 80, 86)]
+    # hover: message index, role, token range, preview
+    assert list(t["user"].customdata[0]) == [1, "user", 40, 60, "What is a CPU?"]
+    eng.publish(Progress(1, 0, "generate", 5, 16))
+    kv.feed.flush()
+    assert bars(t["to prefill"]) == [] and bars(t["generated"]) == [(req, 104, 109)]
+    final = SEGS + (Segment(104, 110, 4, "assistant", "generated", "Stores data."),)
+    eng.set_slot(0, segments=final, tokens=tuple(range(110)), session="alice")
+    eng.publish(RequestFinished(record(segments=final, generated_tokens=6)))
+    kv.feed.flush()
+    assert bars(t["generated"]) == [(req, 104, 110)]
+    assert bars(t["assistant"]) == [("slot 0", 60, 80), ("slot 0", 100, 110)]
+    assert bars(t["trimmed"]) == [(req, 80, 86)] and bars(t["media"]) == []
+    eng.publish(SlotsChanged("cleared"))
+    eng.set_slot(0, segments=(), tokens=())
+    kv.feed.flush()
+    assert kv.segments == 0
+
+
+def test_timeline_plots_salvage_ttft_and_no_cache_estimate():
+    eng = FakeEngine()
+    tl = Timeline(eng, Feed(eng, live=False), max_requests=2)
+    recs = [
+        record(1, strategy="miss", reused_tokens=0, prefilled_tokens=200, prompt_tokens=200,
+               ttft_s=1.0, prefill_s=1.0),
+        record(2, strategy="hash-extend", reused_tokens=200, prefilled_tokens=20,
+               prompt_tokens=220, ttft_s=0.1, prefill_s=0.1),
+        record(3, strategy="prefix-salvage", reused_tokens=100, prefilled_tokens=140,
+               prompt_tokens=240, ttft_s=0.7, prefill_s=0.7),
+    ]
+    for r in recs:
+        eng.publish(RequestFinished(r))
+    tl.feed.flush()
+    t = tl.traces
+    assert tl.shown == 2  # max_requests
+    assert list(t["hash-extend"].x) == [2] and list(t["prefix-salvage"].x) == [3]
+    assert list(t["miss"].x) == []
+    assert t["hash-extend"].y[0] == pytest.approx(100 * 200 / 220)
+    assert list(t["TTFT"].y) == pytest.approx([100, 700])
+    # 200 tokens/s observed: reusing 200 tokens saved ~1 s
+    assert list(t["no-cache estimate"].y) == pytest.approx([1100, 1200])
+    assert list(t["prefilled"].y) == [20, 140] and list(t["reused"].y) == [200, 100]
+    with pytest.raises(Exception, match="max_requests must be >= 1"):
+        tl.max_requests = 0
+
+
+def test_live_feed_is_throttled_cheap_and_ends_on_the_final_state(sent):
+    eng = FakeEngine()
+    dash = CacheDashboard(eng, interval=0.25)
+    try:
+        eng.publish(RequestStarted(record()))
+        t0 = time.perf_counter()
+        cost = 0.0
+        for i in range(1, 101):  # ~1.2 s of progress events
+            a = time.perf_counter()
+            eng.publish(Progress(1, 0, "generate", i, 100))
+            cost += time.perf_counter() - a
+            time.sleep(0.012)
+        elapsed = time.perf_counter() - t0
+        eng.publish(RequestFinished(record(generated_tokens=100)))
+        deadline = time.monotonic() + 5
+        while dash.timeline.shown != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert dash.timeline.shown == 1  # the final update arrived
+        assert dash.feed.renders <= elapsed / 0.25 + 3
+        assert cost / 100 < 0.001  # the engine thread only queues the event
+        # redraws happen on the widget thread, never on the engine's
+        assert {name for name, _ in sent} - {"MainThread"} <= {"nbkv-widgets"}
+        assert "1 requests" in dash.header.value
+    finally:
+        dash.close()
+    assert not dash.feed._thread.is_alive()
+
+
+def test_a_failing_redraw_is_shown_not_raised():
+    eng = FakeEngine()
+    dash = CacheDashboard(eng, live=False)
+    eng.fail = True
+    eng.publish(SlotsChanged("cleared"))
+    dash.feed.flush()  # no exception
+    assert "snapshot broke" in dash.slots.note.value
+    assert "snapshot broke" in dash.kvmap.note.value
+    eng.fail = False
+    eng.publish(SlotsChanged("cleared"))
+    dash.feed.flush()
+    assert dash.slots.note.value == ""
+
+
+def test_engine_closed_stops_the_feed():
+    eng = FakeEngine()
+    dash = CacheDashboard(eng, interval=0.05)
+    eng.publish(SlotsChanged("closed"))
+    deadline = time.monotonic() + 5
+    while dash.feed._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not dash.feed._thread.is_alive()
+    assert "engine closed" in dash.header.value and "engine closed" in dash.slots.note.value
+    assert not eng.bus._subs  # unsubscribed
+
+
+# ------------------------------------------------------------------ real engine
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    from nbkv import Engine
+
+    with Engine(model_path, n_slots=2, n_ctx=1024) as e:
+        yield e
+
+
+def test_dashboard_follows_a_real_conversation(engine):
+    dash = CacheDashboard(engine, interval=0.1)
+    try:
+        msgs = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is a CPU?"}]
+        res = engine.chat(msgs, session="real", max_tokens=6, temperature=0)
+        msgs += [res.message, {"role": "user", "content": "And memory?"}]
+        res2 = engine.chat(msgs, session="real", max_tokens=6, temperature=0)
+        deadline = time.monotonic() + 10
+        while dash.timeline.shown < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert dash.timeline.shown == 2
+        slot = res2.record.slot
+        card = dash.slots.cards[slot].value
+        assert "real" in card and f"{engine.slots()[slot].n_tokens}/1024" in card
+        t = dash.kvmap.traces
+        req = f"slot {slot} · request"
+        reused = [b for b in bars(t["reused"]) if b[0] == req]
+        assert reused and reused[-1][2] == res2.record.reused_tokens
+        gen = [b for b in bars(t["generated"]) if b[0] == req]
+        # the last sampled token is never decoded, so the KV ends one short of the reply
+        assert gen == [(req, res2.record.prompt_tokens, engine.slots()[slot].n_tokens)]
+        assert list(dash.timeline.traces["hash-extend"].x) == [res2.record.id]
+    finally:
+        dash.close()
+
+
+def test_images_show_as_media_spans_and_chunks():
+    eng = FakeEngine()
+    feed = Feed(eng, live=False)
+    cards, kv = SlotCards(eng, feed), KVMap(eng, feed)
+    segs = (
+        Segment(0, 5, 0, "user", "reused", "Describe"),
+        Segment(5, 69, 0, "user", "reused", "", kind="image", image_hash="ab" * 16),
+        Segment(69, 80, 0, "user", "prefilled", "it."),
+        Segment(80, 90, 1, "assistant", "generated", "A cat."),
+    )
+    eng.set_slot(0, session="eve", tokens=tuple(range(90)), segments=segs, last_used=1)
+    feed.flush()
+    assert bars(kv.traces["media"]) == [("slot 0", 5, 69)]
+    assert bars(kv.traces["user"]) == [("slot 0", 0, 5), ("slot 0", 69, 80)]
+    assert kv.traces["media"].customdata[0][4] == "image " + "ab" * 6
+    assert "media chunks: 1" in cards.cards[0].value
