@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import inspect
 import keyword
+import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -235,7 +236,7 @@ class Nbkv(Magics):
         text = self._interpolate(cell.strip())
         if not text:
             raise UsageError("the cell is empty: write the message under %%chat")
-        content: Any = _with_images(text, args.image) if args.image else text
+        content: Any = _with_images(text, args.image or [])
         engine = self._engine(autoload=self.autoload)
         session = self.store.get(args.session or self.session)
         if args.new:
@@ -317,15 +318,37 @@ class Nbkv(Magics):
                              "(write {{ and }} for literal braces)") from None
 
 
-def _with_images(text: str, paths: list[str]) -> list[dict[str, Any]]:
-    """The user message as content parts: the images (in order), then the text."""
-    parts: list[dict[str, Any]] = []
-    for p in paths:
-        path = Path(p).expanduser()
-        if not path.is_file():
-            raise UsageError(f"--image: no file at {p}")
-        parts.append({"type": "image_url", "image_url": {"url": str(path.resolve())}})
-    return parts + [{"type": "text", "text": text}]
+_MD_IMAGE = re.compile(r"!\[([^\]]*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _image_part(where: str) -> dict[str, Any]:
+    if where.lower().startswith(("http://", "https://")):
+        raise UsageError(f"{where}: images are not fetched from the network; save the file "
+                         "and give its local path")
+    path = Path(where).expanduser()
+    if not path.is_file():
+        raise UsageError(f"no image file at {where}")
+    return {"type": "image_url", "image_url": {"url": str(path.resolve())}}
+
+
+def _with_images(text: str, paths: list[str]) -> str | list[dict[str, Any]]:
+    """The user message: plain text, or content parts when it carries images.
+
+    ``--image`` files come first, then the cell's text with each Markdown image
+    ``![alt](path)`` in its place.
+    """
+    parts: list[dict[str, Any]] = [_image_part(p) for p in paths]
+    at = 0
+    for m in _MD_IMAGE.finditer(text):
+        if text[at : m.start()].strip():
+            parts.append({"type": "text", "text": text[at : m.start()]})
+        parts.append(_image_part(m.group(2)))
+        at = m.end()
+    if not parts:
+        return text
+    if text[at:].strip():
+        parts.append({"type": "text", "text": text[at:]})
+    return parts
 
 
 class _ProgressRelay:

@@ -125,7 +125,7 @@ def test_edited_message_is_salvaged(loaded):
     ("", "   ", "cell is empty"),
     ("", "about {undefined_thing}", "undefined_thing"),
     ("", "json {\"a\": 1}", "literal braces"),
-    ("--image no/such/cat.png", "what is this?", "no file at"),
+    ("--image no/such/cat.png", "what is this?", "no image file at"),
     ('--system "unclosed', "hi", "cannot parse"),
 ])
 def test_bad_chat_arguments_raise_usage_errors(loaded, line, body, match):
@@ -284,5 +284,13 @@ def test_images_through_the_magics(loaded, tmp_path):
         assert media_chunks(slot) == 1
         strip = slots_table(nbkv.current_engine()).rows[second.slot][-1].text
         assert "I" in strip or "i" in strip  # the image span in the KV map
+        # a Markdown image in the cell body is an image too, in its place in the text
+        chat(loaded, "md --new --max-tokens 4 --no-stats", f"Look: ![a cat]({img}) What is it?")
+        md = nbkv.session("md")
+        parts = md.messages[0]["content"]
+        assert [p["type"] for p in parts] == ["text", "image_url", "text"]
+        assert md.records[0].encoder_runs == 0 and md.records[0].embedding_cache_hits == 1
+        with pytest.raises(UsageError, match="not fetched from the network"):
+            chat(loaded, "md", "![x](https://example.com/cat.png)")
     finally:
         loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024")
