@@ -546,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         report[name] = SCENARIOS[name](path, args.quick)
         report[name]["wall_s"] = time.perf_counter() - t0
         print(json.dumps(report[name]["ratios"], indent=1), file=sys.stderr, flush=True)
+        with open(args.out, "w") as f:  # after every scenario, so a long run keeps its figures
+            json.dump(report, f, indent=1)
     report["targets"] = targets(report)
     print()
     print(f"{'scenario':<14} {'variant':<10} {'mean TTFT (ms)':>15}")

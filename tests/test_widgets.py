@@ -20,6 +20,7 @@ from nbkv.events import (
     Segment,
     SlotsChanged,
 )
+from nbkv.media import MediaKey, MediaUnit
 from nbkv.widgets import CacheDashboard, Feed, KVMap, SlotCards, Timeline
 
 
@@ -304,7 +305,9 @@ def test_images_show_as_media_spans_and_chunks():
         Segment(69, 80, 0, "user", "prefilled", "it."),
         Segment(80, 90, 1, "assistant", "generated", "A cat."),
     )
-    eng.set_slot(0, session="eve", tokens=tuple(range(90)), segments=segs, last_used=1)
+    image = MediaKey("ab" * 16, 0, 64, 64)
+    tokens = (*range(5), *(MediaUnit(image, i) for i in range(64)), *range(69, 90))
+    eng.set_slot(0, session="eve", tokens=tokens, segments=segs, last_used=1)
     feed.flush()
     assert bars(kv.traces["media"]) == [("slot 0", 5, 69)]
     assert bars(kv.traces["user"]) == [("slot 0", 0, 5), ("slot 0", 69, 80)]
