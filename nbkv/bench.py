@@ -180,7 +180,7 @@ def scenario_single(path: str, quick: bool) -> dict[str, Any]:
     """One conversation of 12 turns growing past 2,000 tokens."""
     n_turns = 6 if quick else 12
     convs = {"solo": [{"role": "system", "content": system_prompt("Ada", 6)}]}
-    turns = [("solo", paragraph(t, 4)) for t in range(n_turns)]
+    turns = [("solo", paragraph(t, 6)) for t in range(n_turns)]
     imc = NbkvRunner(path, "imc", 1, 4096)
     limit = LimitRunner(path, 4096)
     # imc and the physical floor run in lockstep, turn by turn, so that both see the same
@@ -298,7 +298,7 @@ def scenario_drift(path: str, quick: bool) -> dict[str, Any]:
 def scenario_shared_system(path: str, quick: bool) -> dict[str, Any]:
     """A 1,000-token system prompt shared by many short one-turn chats."""
     n_chats = 4 if quick else 8
-    sys_text = system_prompt("Sam", 30)
+    sys_text = system_prompt("Sam", 43)  # ~1,000 tokens
     convs = {f"u{i}": [{"role": "system", "content": sys_text}] for i in range(n_chats)}
     turns = [(f"u{i}", paragraph(i, 1)) for i in range(n_chats)]
     results: dict[str, list] = {}

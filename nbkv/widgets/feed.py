@@ -8,6 +8,7 @@ final state of a request is shown). A view that fails shows its error; nothing i
 
 from __future__ import annotations
 
+import html
 import logging
 import threading
 import time
@@ -162,3 +163,24 @@ class Feed:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2)
+
+
+class FeedView:
+    """Mixin of the dashboard pieces: an error note, and closing what they own."""
+
+    note: Any  # an ipywidgets.HTML under the piece
+    feed: Feed
+    _own_feed: bool
+    figure: Any = None  # a plotly FigureWidget, for the pieces that draw one
+
+    def show_error(self, message: str) -> None:
+        """Show a redraw failure under the piece (never raised into the engine)."""
+        self.note.value = f'<span style="color:#c00">{html.escape(message)}</span>'
+
+    def close(self) -> None:
+        """Close the piece (and its feed, if it owns it)."""
+        if self._own_feed:
+            self.feed.close()
+        if self.figure is not None:
+            self.figure.close()
+        super().close()  # type: ignore[misc]

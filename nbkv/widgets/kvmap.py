@@ -20,7 +20,7 @@ from ..display import COLORS, MEDIA_COLOR
 from ..display import ROLE_COLORS as _ROLES
 from ..display import is_media as _is_media
 from ..events import GENERATED, PREFILLED, REUSED, RequestRecord, Segment
-from .feed import Feed, LiveState, Running
+from .feed import Feed, FeedView, LiveState, Running
 
 ROLE_COLORS = {**_ROLES, "other": "#999999"}
 TODO = "to prefill"
@@ -34,7 +34,7 @@ def _label(slot: int, row: str) -> str:
     return f"slot {slot}" if row == "messages" else f"slot {slot} · request"
 
 
-class KVMap(W.VBox):
+class KVMap(FeedView, W.VBox):
     """A plotly map of every slot's KV positions, redrawn as events arrive.
 
     With ``fit`` (default) the x axis spans the positions in use (at least an eighth of the
@@ -118,16 +118,7 @@ class KVMap(W.VBox):
         self.segments = sum(len(rows) for rows in bars.values())
         self.note.value = "engine closed" if state.closed else ""
 
-    def show_error(self, message: str) -> None:
-        """Show a redraw failure under the map."""
-        self.note.value = f'<span style="color:#c00">{html.escape(message)}</span>'
 
-    def close(self) -> None:
-        """Close the map (and its feed, if it owns it)."""
-        if self._own_feed:
-            self.feed.close()
-        self.figure.close()
-        super().close()
 
 
 def _hover(seg: Segment) -> list[Any]:

@@ -9,13 +9,13 @@ import ipywidgets as W
 from traitlets import Int
 
 from ..display import COLORS, media_chunks
-from .feed import Feed, LiveState
+from .feed import Feed, FeedView, LiveState
 
 CARD = ("border:1px solid #d0d7de;border-radius:6px;padding:6px 10px;width:210px;"
         "font:12px sans-serif;line-height:1.5")
 
 
-class SlotCards(W.VBox):
+class SlotCards(FeedView, W.VBox):
     """A card per slot, redrawn from the engine's slot snapshot as events arrive."""
 
     busy = Int(0, help="Slots serving a request at the last redraw")
@@ -47,15 +47,7 @@ class SlotCards(W.VBox):
             self.used = sum(s.n_tokens for s in slots)
             self.note.value = "engine closed" if state.closed else ""
 
-    def show_error(self, message: str) -> None:
-        """Show a redraw failure under the cards."""
-        self.note.value = f'<span style="color:#c00">{html.escape(message)}</span>'
 
-    def close(self) -> None:
-        """Close the cards (and their feed, if they own it)."""
-        if self._own_feed:
-            self.feed.close()
-        super().close()
 
 
 def _card(s: Any, rank: int | None, n_used: int, run: Any) -> str:

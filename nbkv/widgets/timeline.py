@@ -6,7 +6,6 @@ would have taken to prefill at the prefill speed observed so far.
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 import ipywidgets as W
@@ -16,7 +15,7 @@ from traitlets import Int, validate
 
 from ..display import COLORS
 from ..events import RequestRecord
-from .feed import Feed, LiveState
+from .feed import Feed, FeedView, LiveState
 
 STRATEGY_COLORS = {"hash-hit": "#1b7e3c", "hash-extend": "#2e9e5b", "prefix-salvage": "#8cc63f",
                    "spc": "#3b7dd8", "miss": "#d9534f", "off": "#999999"}
@@ -34,7 +33,7 @@ def no_cache_ttft(record: RequestRecord, rate: float) -> float | None:
     return record.ttft_s + record.reused_tokens / rate if rate > 0 else None
 
 
-class Timeline(W.VBox):
+class Timeline(FeedView, W.VBox):
     """Per-request salvage %, TTFT (with the no-cache estimate) and prefilled tokens."""
 
     max_requests = Int(50, help="Most recent requests shown")
@@ -122,13 +121,4 @@ class Timeline(W.VBox):
         self.shown = len(recs)
         self.note.value = "engine closed" if state.closed else ""
 
-    def show_error(self, message: str) -> None:
-        """Show a redraw failure under the figure."""
-        self.note.value = f'<span style="color:#c00">{html.escape(message)}</span>'
 
-    def close(self) -> None:
-        """Close the timeline (and its feed, if it owns it)."""
-        if self._own_feed:
-            self.feed.close()
-        self.figure.close()
-        super().close()
