@@ -214,7 +214,6 @@ class _Job:
         self.next_token: int | None = None
         self.record: RequestRecord | None = None
         self.t_submit = time.perf_counter()
-        self.t_admit = 0.0
         self.t_prefill = 0.0
         self.t_first = 0.0
         self.t_last_progress = 0.0
@@ -907,7 +906,6 @@ class Engine:
         job.slot = slot
         job.reuse = reuse
         job.todo = list(p.tokens[reuse:])
-        job.t_admit = time.perf_counter()
         job.sampler = Sampler(job.params, self.model.n_vocab,
                               [t for t in p.tokens if isinstance(t, int)])
         job.record = RequestRecord(
