@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast bench lint clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,15 @@ demo: $(STAMP)
 
 # the notebooks run too (nbval, in this environment's kernel); tests/test_browser.py needs
 # Debian's chromium, which .ci/run installs
-test: $(STAMP)
+# Debian's chromium for tests/test_browser.py (test tools may not download browsers)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO="sudo"; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends chromium fonts-liberation >/dev/null; }
+
+test: $(STAMP) browser
 	$(PY) -m ruff check nbkv tests
 	$(PY) -m pytest --nbval-lax --nbval-current-env tests notebooks
 
