@@ -81,16 +81,17 @@ class NbkvRunner:
 class LlamaCppRunner:
     """llama-cpp-python's high-level ``Llama``: one sequence, prefix reuse built in."""
 
-    def __init__(self, path: str, n_ctx: int) -> None:
+    def __init__(self, path: str, n_ctx: int, max_tokens: int = MAX_TOKENS) -> None:
         from llama_cpp import Llama
 
+        self.max_tokens = max_tokens
         self.llm = Llama(path, n_ctx=n_ctx, n_batch=256, n_ubatch=256, verbose=False,
                          flash_attn=False)
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         ttft, text = None, ""
-        for chunk in self.llm.create_chat_completion(messages, max_tokens=MAX_TOKENS,
+        for chunk in self.llm.create_chat_completion(messages, max_tokens=self.max_tokens,
                                                      temperature=0, stream=True):
             delta = chunk["choices"][0]["delta"].get("content")
             if delta:
@@ -324,6 +325,42 @@ def scenario_shared_system(path: str, quick: bool) -> dict[str, Any]:
     }
 
 
+def batching_ceiling(path: str, n_streams: int, depth: int, reps: int = 9) -> dict[str, float]:
+    """What batching can buy on this machine: one decode step of ``n_streams`` sequences
+    against one step of a single sequence (two positions each, as in exact mode), on a raw
+    context at ``depth`` tokens; the best case for the tokens/s ratio is ``n * t1 / tn``."""
+    model = Model(path)
+    ctx = Context(model, 2048 * n_streams, n_streams, 256, flash_attn=0)
+    batch = Batch(256)
+    try:
+        filler = [model.tokenize(paragraph(i, 6)) for i in range(n_streams)]
+        for s in range(n_streams):
+            toks = (filler[s] * (depth // len(filler[s]) + 1))[:depth]
+            for i in range(0, depth, 256):
+                batch.clear()
+                batch.add_run(toks[i : i + 256], i, s, False)
+                ctx.decode(batch)
+        times: dict[int, list[float]] = {1: [], n_streams: []}
+        for _ in range(reps):  # alternate, so both see the same machine load
+            for n in times:
+                batch.clear()
+                for s in range(n):
+                    batch.add(filler[s][0], depth, s, True)
+                    batch.add(filler[s][1], depth + 1, s, True)
+                t0 = time.perf_counter()
+                ctx.decode(batch)
+                times[n].append(time.perf_counter() - t0)
+                for s in range(n):
+                    ctx.seq_rm(s, depth, -1)
+        t1, tn = statistics.median(times[1]), statistics.median(times[n_streams])
+        return {"depth": depth, "step_ms_1": 1000 * t1, f"step_ms_{n_streams}": 1000 * tn,
+                "tokens_per_s_ratio": n_streams * t1 / tn}
+    finally:
+        batch.close()
+        ctx.close()
+        model.close()
+
+
 def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
     """Four sub-agents with distinct system prompts, 8 turns each: batched vs. one by one."""
     import threading
@@ -337,14 +374,15 @@ def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
 
     def play(engine: Engine, name: str, log: list, lock: threading.Lock) -> None:
         msgs = [{"role": "system", "content": systems[name]}]
-        for text in agent_turns(name):
+        for t, text in enumerate(agent_turns(name)):
             msgs.append({"role": "user", "content": text})
             res = engine.chat(msgs, session=name, max_tokens=max_tokens, temperature=0)
             msgs.append(res.message)
             with lock:
-                log.append(res.record)
+                log.append((t, res.record))
 
     out: dict[str, Any] = {}
+    depth = 0
     for mode in ("sequential", "batched"):
         engine = Engine(path, n_slots=n_agents, n_ctx=2048)
         log: list = []
@@ -364,15 +402,23 @@ def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
                     hists[n].append({"role": "user", "content": turns[n][t]})
                     res = engine.chat(hists[n], session=n, max_tokens=max_tokens, temperature=0)
                     hists[n].append(res.message)
-                    log.append(res.record)
+                    log.append((t, res.record))
         wall = time.perf_counter() - t0
         engine.close()
-        gen = sum(r.generated_tokens for r in log)
-        out[mode] = {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
-                     "mean_ttft_s": mean([r.ttft_s for r in log]),
-                     "max_ttft_s": max(r.ttft_s for r in log)}
+        recs = [r for _, r in log]
+        gen = sum(r.generated_tokens for r in recs)
+        depth = max(depth, max(r.prompt_tokens for r in recs))
+        out[mode] = {
+            "wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall,
+            "mean_ttft_s": mean([r.ttft_s for r in recs]),
+            "mean_ttft_s_turns_2_on": mean([r.ttft_s for t, r in log if t > 0]),
+            "first_turn_ttft_s": sorted(r.ttft_s for t, r in log if t == 0),
+            "max_ttft_s": max(r.ttft_s for r in recs),
+            "guesses_accepted": sum(r.draft_accepted for r in recs),
+            "guesses": sum(r.draft_tokens for r in recs),
+        }
     # llama-cpp-python's Llama serving the agents one by one (one sequence: no reuse across them)
-    llm = LlamaCppRunner(path, 2048)
+    llm = LlamaCppRunner(path, 2048, max_tokens)
     hists = {n: [{"role": "system", "content": systems[n]}] for n in names}
     turns = {n: agent_turns(n) for n in names}
     t0, ttfts = time.perf_counter(), []
@@ -384,15 +430,19 @@ def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
             hists[n].append({"role": "assistant", "content": r["text"]})
     out["llama-cpp"] = {"wall_s": time.perf_counter() - t0, "mean_ttft_s": mean(ttfts)}
     llm.close()
+    ceiling = batching_ceiling(path, n_agents, depth // 2)
+    seq, bat = out["sequential"], out["batched"]
     return {
         "agents": n_agents, "turns": n_turns, "max_tokens": max_tokens, **out,
         "mean_ttft_s": {k: v["mean_ttft_s"] for k, v in out.items()},
+        "decode_step_ceiling": ceiling,
         "ratios": {
-            "batched_over_sequential_tokens_per_s":
-                out["batched"]["tokens_per_s"] / out["sequential"]["tokens_per_s"],
-            "batched_ttft_over_single_session_ttft":
-                out["batched"]["mean_ttft_s"] / out["sequential"]["mean_ttft_s"],
-            "batched_vs_llama_cpp_wall": out["llama-cpp"]["wall_s"] / out["batched"]["wall_s"],
+            "batched_over_sequential_tokens_per_s": bat["tokens_per_s"] / seq["tokens_per_s"],
+            "decode_batching_ceiling": ceiling["tokens_per_s_ratio"],
+            "batched_ttft_over_single_session_ttft": bat["mean_ttft_s"] / seq["mean_ttft_s"],
+            "batched_ttft_over_single_session_ttft_turns_2_on":
+                bat["mean_ttft_s_turns_2_on"] / seq["mean_ttft_s_turns_2_on"],
+            "batched_vs_llama_cpp_wall": out["llama-cpp"]["wall_s"] / bat["wall_s"],
         },
     }
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from . import policy
 from .backend import Batch, Context, Model
+from .drafts import NgramDrafter
 from .errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -217,7 +218,9 @@ class _Job:
         self.t_prefill = 0.0
         self.t_first = 0.0
         self.t_last_progress = 0.0
-        self.t_served = 0.0  # last time the scheduler gave this request a prefill chunk
+        self.drafter: NgramDrafter | None = None
+        self.drafted = 0  # guesses decoded (speculative, exact mode)
+        self.accepted = 0  # ... that the model confirmed
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
 
@@ -402,9 +405,12 @@ class Engine:
             batches under 64 tokens, so a prompt prefilled in small pieces (what a cache hit
             does) gets logits up to ~0.7 away from the same prompt prefilled at once. Off by
             default, which makes cached replies bit-identical to from-scratch ones.
-        exact: keep cached KV bit-identical to a from-scratch prefill (see :meth:`_decode`);
-            costs about 40% of single-stream generation speed. ``False`` decodes faster,
+        exact: keep cached KV bit-identical to a from-scratch prefill (see :meth:`_decode`):
+            every generating sequence decodes two positions per step. ``False`` decodes one,
             and a cached reply may then differ from a from-scratch one at near-ties.
+        speculative: in exact mode, fill the second position with a prompt-lookup guess of
+            the next token (:mod:`nbkv.drafts`) instead of a throwaway copy; a right guess
+            yields two tokens from one decode. Replies are the same either way.
         mmproj: a vision projector GGUF matching the model: messages may then carry images
             (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
             It is checked before llama.cpp sees it; a mismatch raises
@@ -433,6 +439,7 @@ class Engine:
         on_load_progress: Callable[[float], object] | None = None,
         flash_attn: bool = False,
         exact: bool = True,
+        speculative: bool = True,
         mmproj: str | None = None,
         embedding_cache: EmbeddingCache | None = None,
         trust_projector: bool = False,
@@ -456,7 +463,8 @@ class Engine:
                 "differently for batches under 64 tokens"
             )
         self.exact = exact
-        self.interleave_chunk = 64  # prefill tokens per decode while other requests generate
+        self.speculative = speculative
+        self.interleave_chunk = n_batch  # prefill tokens per decode while others generate
         self.cache = cache
         self.cache_min_tokens = cache_min_tokens
         self.overflow = overflow
@@ -531,6 +539,8 @@ class Engine:
         params = SamplingParams.from_kwargs(**sampling)
         prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
         job = _Job(prompt, session, params, self.wait_timeout if timeout is None else timeout)
+        if self.exact and self.speculative:
+            job.drafter = NgramDrafter(prompt.tokens)
         job.t_submit = t0
         self._submit(job)
         s = ChatStream(self, job)
@@ -653,6 +663,8 @@ class Engine:
         h = self.history
         prompt = sum(r.prompt_tokens for r in h)
         reused = sum(r.reused_tokens for r in h)
+        drafted = sum(r.draft_tokens for r in h)
+        accepted = sum(r.draft_accepted for r in h)
         by: dict[str, int] = {}
         for r in h:
             by[r.strategy] = by.get(r.strategy, 0) + 1
@@ -664,6 +676,9 @@ class Engine:
             "prefilled_tokens": sum(r.prefilled_tokens for r in h),
             "generated_tokens": sum(r.generated_tokens for r in h),
             "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
+            "draft_tokens": drafted,
+            "draft_accepted": accepted,
+            "draft_acceptance_pct": 100.0 * accepted / drafted if drafted else 0.0,
             "evictions": sum(1 for r in h if r.evicted_session is not None or r.evicted_tokens),
             "spc_entries": len(self._spc),
             **thrashing(h, self.n_slots),
@@ -965,28 +980,33 @@ class Engine:
         """Advance every active request by one ``llama_decode``.
 
         The batch holds the next token of every generating request plus one prefill chunk
-        (requests take turns), so N conversations generate together at little more than the
-        cost of one, and a long prefill never stalls the others for more than one chunk.
+        (shortest remaining prompt first, which minimises the mean time to first token: a
+        short chat turn does not wait behind a long document), so N conversations generate
+        together and a long prefill stalls the others for at most one chunk at a time. A
+        chunk that finishes a prompt runs alone: its first token waits for nobody else's.
         """
         for job in list(self._active):
             if job.cancel.is_set():
                 self._finish(job, "cancelled")
-        work: list[tuple[_Job, list[int]]] = []
-        for j in self._active:
-            if j.next_token is not None:
-                tok, j.next_token = j.next_token, None
-                work.append((j, [tok]))
         filling = [j for j in self._active if j.todo]
+        # shortest remaining prompt first (ties: first come): the least mean time to first token
+        job = min(filling, key=lambda j: (len(j.todo), j.id)) if filling else None
         image_job = None
-        if filling:
-            job = min(filling, key=lambda j: j.t_served)
-            job.t_served = time.perf_counter()
+        if job is not None:
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
             if isinstance(job.todo[0], MediaUnit):  # an image: its own decode, after the tokens
                 image_job, filling = job, []
+        last_chunk = bool(filling) and len(job.todo) < self._batch.capacity and not any(
+            isinstance(u, MediaUnit) for u in job.todo)
+        work: list[tuple[_Job, list[int]]] = []
+        for j in self._active:
+            if j.next_token is not None and not last_chunk:
+                tok, j.next_token = j.next_token, None
+                work.append((j, [tok]))
+        n_gen = len(work)
         if filling:
-            room = self._batch.capacity - 1 - (2 if self.exact else 1) * len(work)
+            room = self._batch.capacity - 1 - (2 if self.exact else 1) * n_gen
             if work:  # keep the prompt's share of a decode small while others are generating
                 room = min(room, self.interleave_chunk)
             take = job.todo[: max(room, 2)]
@@ -1000,6 +1020,9 @@ class Engine:
             del job.todo[: len(take)]
             work.append((job, take))
         if work:
+            # llama.cpp puts sequences in one micro-batch only in increasing, consecutive
+            # id order: sorted, N generating slots cost one graph evaluation instead of N
+            work.sort(key=lambda w: w[0].slot.seq_id)
             self._decode(work)
         if image_job is not None and not image_job.done.is_set():
             self._decode_image(image_job)
@@ -1029,11 +1052,12 @@ class Engine:
     def _decode(self, work: list[tuple[_Job, list[int]]]) -> None:
         """Decode each job's tokens at the end of its slot, then sample where a prompt is done.
 
-        In exact mode a sequence never contributes a single token to a decode: a throwaway
-        copy of the token is added at the next position and removed right after. llama.cpp's
+        In exact mode a sequence never contributes a single token to a decode. llama.cpp's
         CPU kernels take another code path for one-token batches (ggml's vec_dot instead of
         llamafile's tinyBLAS for the F16 attention products), which rounds differently and
-        would make cached KV differ from the KV a from-scratch prefill computes.
+        would make cached KV differ from the KV a from-scratch prefill computes. The second
+        position holds a guess of the next token (see :mod:`nbkv.drafts`), or a throwaway
+        copy when there is no guess; a wrong guess is removed like the copy.
         """
         batch = self._batch
         batch.clear()
@@ -1041,22 +1065,22 @@ class Engine:
         for job, toks in work:
             pos = len(job.slot.tokens)
             last = batch.add_run(toks, pos, job.slot.seq_id, not job.todo)
-            pad = self.exact and len(toks) == 1
-            if pad:
-                batch.add(toks[0], pos + 1, job.slot.seq_id, False)
-            plan.append((job, toks, last if not job.todo else None, pad))
+            extra = guess = None  # batch index of the second position; the guessed token
+            if self.exact and len(toks) == 1:
+                if job.drafter is not None and not job.todo:  # generating, or prompt done
+                    guess = job.drafter.draft()
+                extra = batch.add(toks[0] if guess is None else guess, pos + 1,
+                                  job.slot.seq_id, guess is not None)
+            plan.append((job, toks, last if not job.todo else None, extra, guess))
         try:
             self.ctx.decode(batch)
-            for job, _, _, pad in plan:
-                if pad:
-                    self.ctx.seq_rm(job.slot.seq_id, len(job.slot.tokens) + 1, -1)
         except BaseException as e:  # noqa: BLE001 - every request in the batch fails cleanly
-            for job, _, _, _ in plan:
+            for job, *_ in plan:
                 self._fail(job, e, "error")
             return
-        for job, toks, _, _ in plan:
+        for job, toks, *_ in plan:
             job.slot.tokens.extend(toks)  # only now are these positions really in the KV
-        for job, _, idx, _ in plan:
+        for job, _, idx, extra, guess in plan:
             try:
                 if job.capture_at is not None and len(job.slot.tokens) >= job.capture_at:
                     self._spc_capture(job)
@@ -1064,6 +1088,15 @@ class Engine:
                     self._progress(job)
                 else:
                     self._on_logits(job, idx)
+                if guess is not None:
+                    job.drafted += 1
+                if guess is not None and not job.done.is_set() and job.next_token == guess:
+                    job.accepted += 1
+                    job.next_token = None
+                    job.slot.tokens.append(guess)
+                    self._on_logits(job, extra)
+                elif extra is not None:
+                    self.ctx.seq_rm(job.slot.seq_id, len(job.slot.tokens), -1)
             except BaseException as e:  # noqa: BLE001
                 self._fail(job, e, "error")
 
@@ -1081,6 +1114,8 @@ class Engine:
         if self.model.is_eog(token):
             return self._finish(job, "stop")
         job.generated.append(token)
+        if job.drafter is not None:
+            job.drafter.append(token)
         delta = job.text.push(self.model.text_piece(token))
         if delta:
             job.out.put(("delta", delta))
@@ -1109,6 +1144,8 @@ class Engine:
         now = time.perf_counter()
         slot = job.slot
         rec = job.record
+        if slot is not None and self.ctx.ptr:  # a guessed or padding position may follow
+            self.ctx.seq_rm(slot.seq_id, len(slot.tokens), -1)
         if slot is not None and rec is not None:
             p = job.prompt
             n = len(slot.tokens)
@@ -1136,6 +1173,8 @@ class Engine:
                 finish_reason=reason,
                 encoder_runs=job.encoder_runs,
                 embedding_cache_hits=job.embedding_hits,
+                draft_tokens=job.drafted,
+                draft_accepted=job.accepted,
                 error=None if error is None else f"{type(error).__name__}: {error}",
                 segments=slot.segments,
             )

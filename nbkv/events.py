@@ -62,6 +62,8 @@ class RequestRecord:
     media_reused: int = 0  # ... of which were already in the slot's KV
     encoder_runs: int = 0  # images sent through the vision encoder by this request
     embedding_cache_hits: int = 0  # images decoded from cached embeddings instead
+    draft_tokens: int = 0  # guessed next tokens decoded alongside (speculative, exact mode)
+    draft_accepted: int = 0  # ... that the model confirmed: two tokens from one decode
     capacity: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -96,6 +98,8 @@ class RequestRecord:
             f"{self.strategy} {where} | prompt {self.prompt_tokens} | reused "
             f"{self.reused_tokens} ({self.salvage_pct:.0f}%) | prefilled {self.prefilled_tokens}"
             f" | TTFT {self.ttft_s * 1000:.0f} ms | {self.decode_tps:.1f} tok/s"
+            + (f" | guesses {self.draft_accepted}/{self.draft_tokens}" if self.draft_tokens
+               else "")
         )
 
 

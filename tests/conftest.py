@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from nbkv.backend import Batch, Context
 from nbkv.models import default_model_path
 
 # a system prompt of ~150 tokens, so that salvage thresholds (100 tokens) matter
@@ -48,3 +50,25 @@ def assert_consistent(engine):
         assert not s.pending, f"slot {s.index} left pending"
         assert engine.ctx.seq_pos_max(s.seq_id) + 1 == s.n_tokens, f"slot {s.index} KV mismatch"
         assert engine.ctx.seq_pos_min(s.seq_id) == (0 if s.n_tokens else -1)
+
+
+def fresh_probe(model, tokens, probe):
+    """Logits of ``probe`` after ``tokens``, decoded from scratch (never a lone-token batch)."""
+    seq = list(tokens) + [probe, probe]
+    target = len(tokens)
+    cuts = list(range(0, len(seq), 200)) + [len(seq)]
+    if cuts[-1] - cuts[-2] == 1:
+        cuts[-2] -= 1
+    ctx, batch = Context(model, 2048, 1, 256), Batch(256)
+    try:
+        for a, z in zip(cuts, cuts[1:]):
+            batch.clear()
+            for j in range(a, z):
+                batch.add(seq[j], j, 0, j == target)
+            ctx.decode(batch)
+            if a <= target < z:
+                out = np.array(ctx.logits(target - a))
+        return out
+    finally:
+        batch.close()
+        ctx.close()

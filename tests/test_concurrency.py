@@ -10,11 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SYSTEM, assert_consistent
+from conftest import SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine
-from nbkv.backend import Batch, Context
 from nbkv.errors import SlotTimeoutError
-from nbkv.events import RequestFinished, RequestStarted
+from nbkv.events import Progress, RequestFinished, RequestStarted
 
 MAX = 10
 
@@ -182,32 +181,34 @@ def test_stress_threads_random_cancels(model_path):
                 assert np.array_equal(fresh_probe(e.model, s.tokens, 13), cached), s.index
 
 
-def fresh_probe(model, tokens, probe):
-    """Logits of ``probe`` after ``tokens``, decoded from scratch (never a lone-token batch)."""
-    seq = list(tokens) + [probe, probe]
-    target = len(tokens)
-    cuts = list(range(0, len(seq), 200)) + [len(seq)]
-    if cuts[-1] - cuts[-2] == 1:
-        cuts[-2] -= 1
-    ctx, batch = Context(model, 2048, 1, 256), Batch(256)
-    try:
-        for a, z in zip(cuts, cuts[1:]):
-            batch.clear()
-            for j in range(a, z):
-                batch.add(seq[j], j, 0, j == target)
-            ctx.decode(batch)
-            if a <= target < z:
-                out = np.array(ctx.logits(target - a))
-        return out
-    finally:
-        batch.close()
-        ctx.close()
-
-
 def test_probe_matches_a_fresh_decode(engine):
     engine.clear()
     engine.chat(conv(5, turns=2), session="p", max_tokens=MAX, temperature=0)
     s = next(s for s in engine.slots() if s.session == "p")
     cached = np.array(engine.probe(s.index, 42))
     assert np.array_equal(cached, fresh_probe(engine.model, s.tokens, 42))
+    assert_consistent(engine)
+
+
+def test_a_short_turn_does_not_wait_behind_a_long_prefill(engine):
+    """Shortest remaining prompt first: a chat turn arriving while a long document is being
+    prefilled gets its first token before the document's prefill ends."""
+    engine.clear()
+    doc = " ".join(f"Line {i}: the cache keeps what the model has already read." for i in range(60))
+    long_msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc}]
+    assert len(engine.tokenize_prompt(long_msgs)) > 3 * engine.ctx.n_batch
+    first_chunk = threading.Event()
+    unsub = engine.subscribe(
+        lambda ev: isinstance(ev, Progress) and ev.phase == "rebuild" and first_chunk.set())
+    try:
+        t_long = time.perf_counter()
+        stream = engine.chat(long_msgs, session="doc", stream=True, max_tokens=4, temperature=0)
+        assert first_chunk.wait(60)
+        t_short = time.perf_counter()
+        short = engine.chat(conv(7), session="short", max_tokens=4, temperature=0)
+        stream.result()
+    finally:
+        unsub()
+    assert t_short + short.record.ttft_s < t_long + stream.record.ttft_s
+    assert stream.record.prefilled_tokens > 3 * engine.ctx.n_batch
     assert_consistent(engine)

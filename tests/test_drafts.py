@@ -1,0 +1,46 @@
+"""Prompt-lookup drafter: pure logic, no model."""
+
+from nbkv.drafts import NgramDrafter
+from nbkv.media import MediaKey, MediaUnit
+
+
+def test_no_guess_without_an_earlier_match():
+    assert NgramDrafter().draft() is None
+    assert NgramDrafter([1, 2, 3]).draft() is None
+
+
+def test_guess_is_the_token_after_the_latest_match():
+    d = NgramDrafter([5, 1, 7, 5, 1, 8, 5, 1])
+    assert d.draft() == 8  # "5 1" was last followed by 8, not 7
+
+
+def test_longest_match_wins():
+    # the 1-gram (2) was last followed by 9; the 3-gram (0 1 2) by 4
+    d = NgramDrafter([0, 1, 2, 4, 3, 2, 9, 0, 1, 2])
+    assert d.draft() == 4
+
+
+def test_history_grows_with_generated_tokens():
+    d = NgramDrafter([10, 11, 12, 13])
+    d.append(10)
+    assert d.draft() == 11
+    d.append(11)
+    assert d.draft() == 12
+    d.append(99)
+    assert d.draft() is None
+
+
+def test_image_positions_are_matched_but_never_proposed():
+    key = MediaKey("h", 0, 2, 2)
+    units = [3, MediaUnit(key, 0), MediaUnit(key, 1), 4, 3]
+    d = NgramDrafter(units)
+    assert d.draft() is None  # 3 was followed by an image position
+    d.append(MediaUnit(key, 0))
+    d.append(MediaUnit(key, 1))
+    assert d.draft() == 4
+
+
+def test_matches_only_up_to_max_n():
+    d = NgramDrafter([1, 2, 3, 4, 5, 0, 2, 3, 4], max_n=2)
+    assert d.draft() == 5  # "3 4" -> 5
+    assert len(d._tail) == 2
