@@ -774,11 +774,12 @@ class Engine:
                 n += len(self.model.piece(u))
             unit_ends.append(n)
         skip = len(head.encode())
+        hashes = prefix_hashes(hashed)
         ends = [
             bisect.bisect_right(unit_ends, skip + len(body[:c].encode()))
-            for c in self.template.boundaries(msgs, body)
+            for c in self.template.boundaries(msgs, body, hashes)
         ]
-        return _Prompt(hashed, tuple(units), prefix_hashes(hashed), ends, media=media)
+        return _Prompt(hashed, tuple(units), hashes, ends, media=media)
 
     def _submit(self, job: _Job) -> None:
         with self._cv:

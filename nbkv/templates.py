@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +58,9 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         self.source = source
+        self.remember = 4096  # renderings of message prefixes kept by :meth:`boundaries`
+        self._seen: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (length, hash)
+        self._lock = threading.Lock()
         self.bos_token = bos_token
         self.eos_token = eos_token
         env = ImmutableSandboxedEnvironment(
@@ -89,17 +94,38 @@ class ChatTemplate:
         except Exception as e:  # jinja2 errors, and anything a template's own code raises
             raise TemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
 
-    def boundaries(self, messages: Sequence[Mapping[str, Any]], full: str) -> list[int]:
+    def boundaries(self, messages: Sequence[Mapping[str, Any]], full: str,
+                   keys: Sequence[str] | None = None) -> list[int]:
         """Character offset in ``full`` where each message's rendering ends.
 
         ``full`` is the rendering of all of ``messages``. Offset ``k`` is how much of ``full``
         the rendering of ``messages[:k + 1]`` (without a generation prompt) shares with it;
         for templates that render prefixes stably that is exactly where message ``k`` ends.
+        ``keys`` (one per message, identifying ``messages[:k + 1]``, e.g. cumulative prefix
+        hashes) let earlier renderings be remembered: a growing conversation then renders
+        only its new messages instead of every prefix again. A remembered rendering is used
+        only if ``full`` still starts with it, so time-dependent templates stay correct.
         """
         out = []
         for k in range(1, len(messages) + 1):
-            part = self.render(messages[:k], add_generation_prompt=False)
-            n = len(part) if full.startswith(part) else _common_prefix_len(part, full)
+            n = None
+            key = keys[k - 1] if keys is not None else None
+            if key is not None:
+                with self._lock:
+                    seen = self._seen.get(key)
+                    if seen is not None:
+                        self._seen.move_to_end(key)
+                if seen is not None and hash(full[: seen[0]]) == seen[1]:
+                    n = seen[0]
+            if n is None:
+                part = self.render(messages[:k], add_generation_prompt=False)
+                stable = full.startswith(part)
+                n = len(part) if stable else _common_prefix_len(part, full)
+                if key is not None and stable:
+                    with self._lock:
+                        self._seen[key] = (n, hash(part))
+                        while len(self._seen) > self.remember:
+                            self._seen.popitem(last=False)
             out.append(max(n, out[-1] if out else 0))
         return out
 

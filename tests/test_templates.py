@@ -1,9 +1,13 @@
 """Chat template rendering in the sandbox, without a model."""
 
+import datetime
+
 import pytest
 
+from nbkv import templates
 from nbkv.errors import TemplateError
-from nbkv.templates import CHATML, ChatTemplate
+from nbkv.messages import prefix_hashes
+from nbkv.templates import CHATML, CLOCK_CHATML, ChatTemplate
 
 MSGS = [
     {"role": "system", "content": "S"},
@@ -28,6 +32,34 @@ def test_boundaries_are_message_ends():
     assert full[: ends[0]] == "<|im_start|>system\nS<|im_end|>\n"
     assert full[ends[2] : ends[3]] == "<|im_start|>user\nU2<|im_end|>\n"
     assert ends == sorted(ends)
+
+
+def test_boundaries_remember_prefix_renderings():
+    t = ChatTemplate(CHATML)
+    keys = prefix_hashes(MSGS)
+    full = t.render(MSGS)
+    assert t.boundaries(MSGS, full, keys) == t.boundaries(MSGS, full)
+    renders = []
+    plain = t.render
+    t.render = lambda m, **kw: renders.append(len(m)) or plain(m, **kw)
+    longer = MSGS + [{"role": "assistant", "content": "A2"}, {"role": "user", "content": "U3"}]
+    full2 = plain(longer)
+    ends = t.boundaries(longer, full2, prefix_hashes(longer))
+    assert renders == [5, 6]  # only the two new prefixes were rendered
+    t.render = plain
+    assert ends == t.boundaries(longer, full2)
+
+
+def test_remembered_boundaries_follow_a_time_dependent_template(monkeypatch):
+    clock = {"t": datetime.datetime(2026, 1, 1, 9, 0, 0)}
+    monkeypatch.setattr(templates, "_now", lambda: clock["t"])
+    t = ChatTemplate(CLOCK_CHATML)
+    keys = prefix_hashes(MSGS)
+    t.boundaries(MSGS, t.render(MSGS), keys)
+    clock["t"] += datetime.timedelta(minutes=1)
+    full = t.render(MSGS)
+    assert t.boundaries(MSGS, full, keys) == t.boundaries(MSGS, full)
+    assert full[: t.boundaries(MSGS, full, keys)[0]].endswith("09:01:00<|im_end|>\n")
 
 
 def test_helpers_available():
