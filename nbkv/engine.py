@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -221,6 +221,8 @@ class _Job:
         self.drafter: NgramDrafter | None = None
         self.drafted = 0  # guesses decoded (speculative, exact mode)
         self.accepted = 0  # ... that the model confirmed
+        self.encoding: Future | None = None  # the vision encoder working for this request
+        self.embeddings: dict[str, Any] = {}  # image hash -> its embeddings, once known
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
 
@@ -503,6 +505,7 @@ class Engine:
         self._control: list[tuple[Callable[[], Any], Future]] = []
         self._clock = itertools.count(1)
         self._closed = False
+        self._encoder: ThreadPoolExecutor | None = None  # vision encoding, off the scheduler
         self._thread = threading.Thread(target=self._run, name="nbkv-scheduler", daemon=True)
         self._thread.start()
         log.info(
@@ -694,6 +697,8 @@ class Engine:
                 j.cancel.set()
             self._cv.notify_all()
         self._thread.join()
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True)
         self._batch.close()
         if self.projector is not None:
             self.projector.close()  # it points into the model: free it first
@@ -824,7 +829,9 @@ class Engine:
                     fut.set_exception(e)
             self._admit()
             if self._active:
-                self._step()
+                if not self._step():  # every active request waits for the vision encoder
+                    with self._cv:
+                        self._cv.wait(0.05)
             elif self._queue:
                 with self._cv:  # every slot busy: wait for a change, or a deadline
                     self._cv.wait(0.05)
@@ -977,19 +984,22 @@ class Engine:
         job.capture_at = None
         log.debug("spc: saved system prompt state, %d tokens", n)
 
-    def _step(self) -> None:
-        """Advance every active request by one ``llama_decode``.
+    def _step(self) -> bool:
+        """Advance every active request by one ``llama_decode``; False if nothing could run.
 
         The batch holds the next token of every generating request plus one prefill chunk
         (shortest remaining prompt first, which minimises the mean time to first token: a
         short chat turn does not wait behind a long document), so N conversations generate
         together and a long prefill stalls the others for at most one chunk at a time. A
         chunk that finishes a prompt runs alone: its first token waits for nobody else's.
+        Images are encoded on the encoder thread; meanwhile their request waits and the
+        others go on.
         """
         for job in list(self._active):
             if job.cancel.is_set():
                 self._finish(job, "cancelled")
-        filling = [j for j in self._active if j.todo]
+        filling = [j for j in self._active
+                   if j.todo and (j.encoding is None or j.encoding.done())]
         # shortest remaining prompt first (ties: first come): the least mean time to first token
         job = min(filling, key=lambda j: (len(j.todo), j.id)) if filling else None
         image_job = None
@@ -1026,29 +1036,60 @@ class Engine:
             work.sort(key=lambda w: w[0].slot.seq_id)
             self._decode(work)
         if image_job is not None and not image_job.done.is_set():
-            self._decode_image(image_job)
+            return self._decode_image(image_job) or bool(work)
+        return bool(work)
 
-    def _decode_image(self, job: _Job) -> None:
-        """Decode the image at the head of ``job``'s prefill: embeddings cached, else encoded."""
+    def _decode_image(self, job: _Job) -> bool:
+        """Decode the image at the head of ``job``'s prefill, if its embeddings are ready.
+
+        Embeddings come from the cache, else the encoder runs on its own thread (the other
+        requests keep decoding meanwhile). False while the encoder is still at work.
+        """
         unit = job.todo[0]
         chunk = job.prompt.chunk_for(unit)
         n = chunk.n_pos
         if n >= len(job.todo):
-            return self._fail(job, MediaError("a prompt must not end with an image"), "error")
-        slot = job.slot
-        if chunk.sub_index == 0:
-            cached = self.projector.cache.peek((self.projector.identity, chunk.image.hash))
-            if cached is None:
+            self._fail(job, MediaError("a prompt must not end with an image"), "error")
+            return True
+        h = chunk.image.hash
+        emb = job.embeddings.get(h)
+        if emb is None and job.encoding is not None:  # done: _step skips it until then
+            fut, job.encoding = job.encoding, None
+            try:
+                emb = fut.result()
+            except BaseException as e:  # noqa: BLE001
+                self._fail(job, e, "error")
+                return True
+        elif emb is None:
+            image, media = chunk.image, job.prompt.media
+            if self.projector.cache.peek((self.projector.identity, h)) is None:
                 job.encoder_runs += 1
-            else:
-                job.embedding_hits += 1
+                if self._encoder is None:
+                    self._encoder = ThreadPoolExecutor(1, thread_name_prefix="nbkv-encoder")
+                job.encoding = self._encoder.submit(self.projector.embedding, image,
+                                                    _prompt=media)
+                job.encoding.add_done_callback(lambda _: self._wake())
+                return False
+            job.embedding_hits += 1
+            try:
+                emb = self.projector.embedding(image, _prompt=media)
+            except BaseException as e:  # noqa: BLE001
+                self._fail(job, e, "error")
+                return True
+        elif chunk.sub_index == 0:  # the same picture again in this prompt
+            job.embedding_hits += 1
+        job.embeddings[h] = emb
+        slot = job.slot
         try:
-            self.projector.decode_chunk(self.ctx, chunk, slot.seq_id, len(slot.tokens))
+            self.projector.decode_chunk(self.ctx, chunk, slot.seq_id, len(slot.tokens),
+                                        embedding=emb)
         except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
-            return self._fail(job, e, "error")
+            self._fail(job, e, "error")
+            return True
         slot.tokens.extend(job.todo[:n])
         del job.todo[:n]
         self._progress(job)
+        return True
 
     def _decode(self, work: list[tuple[_Job, list[int]]]) -> None:
         """Decode each job's tokens at the end of its slot, then sample where a prompt is done.

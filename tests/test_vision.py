@@ -190,3 +190,66 @@ def test_wrong_projectors_are_refused_before_native_code(model_path):
         Engine(model_path, mmproj=str(make_mmproj(kind="tiny", text_width=960)))
     with pytest.raises(ProjectorError):
         Engine(model_path, mmproj=model_path)  # a text model is not a projector
+
+
+def test_other_sessions_keep_generating_while_an_image_is_encoded(engine, monkeypatch):
+    """The encoder runs on its own thread: a slow encode holds up only its own request."""
+    import threading
+    import time
+
+    engine.clear()
+    window = {}
+    encode = engine.projector.embedding
+
+    def slow(*a, **kw):
+        window["start"] = time.perf_counter()
+        time.sleep(1.5)
+        try:
+            return encode(*a, **kw)
+        finally:
+            window["end"] = time.perf_counter()
+
+    monkeypatch.setattr(engine.projector, "embedding", slow)
+    text = engine.chat([{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "Count slowly from one to forty."}],
+                       session="text", stream=True, max_tokens=40, temperature=0)
+    first = next(iter(text))
+    deltas = []
+    reader = threading.Thread(target=lambda: deltas.extend((time.perf_counter(), d) for d in text))
+    reader.start()
+    pic = picture(99)  # never seen: not in the embedding cache
+    r = engine.chat([{"role": "system", "content": SYSTEM}, image_msg("What is this?", pic)],
+                    session="image", max_tokens=4, temperature=0)
+    reader.join(60)
+    assert first and r.record.encoder_runs == 1
+    during = [t for t, _ in deltas if window["start"] < t < window["end"]]
+    assert len(during) >= 3, (len(deltas), window)
+    assert_consistent(engine)
+
+
+def test_cancel_while_the_image_is_encoded(engine, monkeypatch):
+    import time
+
+    engine.clear()
+    started = []
+    encode = engine.projector.embedding
+
+    def slow(*a, **kw):
+        started.append(time.perf_counter())
+        time.sleep(0.8)
+        return encode(*a, **kw)
+
+    monkeypatch.setattr(engine.projector, "embedding", slow)
+    msgs = [{"role": "system", "content": SYSTEM}, image_msg("And this?", picture(123))]
+    s = engine.chat(msgs, session="gone", stream=True, max_tokens=4, temperature=0)
+    deadline = time.monotonic() + 30
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.close()  # cancelled while the encoder works
+    assert s.finish_reason == "cancelled"
+    assert_consistent(engine)
+    monkeypatch.undo()
+    engine._encoder.submit(lambda: None).result()  # the encode went on and was cached
+    r = engine.chat(msgs, session="gone", max_tokens=4, temperature=0)
+    assert r.record.encoder_runs == 0 and r.record.embedding_cache_hits == 1
+    assert_consistent(engine)
