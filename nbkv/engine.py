@@ -1187,7 +1187,10 @@ class Engine:
         slot = job.slot
         rec = job.record
         if slot is not None and self.ctx.ptr:  # a guessed or padding position may follow
-            self.ctx.seq_rm(slot.seq_id, len(slot.tokens), -1)
+            try:
+                self.ctx.seq_rm(slot.seq_id, len(slot.tokens), -1)
+            except BaseException:  # noqa: BLE001 - the request must still end
+                log.exception("slot[%d]: could not trim past its tokens", slot.index)
         if slot is not None and rec is not None:
             p = job.prompt
             n = len(slot.tokens)
