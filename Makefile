@@ -17,8 +17,6 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m nbkv.demo
 
-# the notebooks run too (nbval, in this environment's kernel); tests/test_browser.py needs
-# Debian's chromium, which .ci/run installs
 # Debian's chromium for tests/test_browser.py (test tools may not download browsers)
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -27,6 +25,7 @@ browser:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    --no-install-recommends chromium fonts-liberation >/dev/null; }
 
+# the notebooks run too (nbval, in this environment's kernel)
 test: $(STAMP) browser
 	$(PY) -m ruff check nbkv tests
 	$(PY) -m pytest --nbval-lax --nbval-current-env tests notebooks

@@ -74,16 +74,20 @@ def system_prompt(name: str, sentences: int) -> str:
 class NbkvRunner:
     """An nbkv engine in one cache mode."""
 
-    def __init__(self, path: str, cache: str, slots: int, n_ctx: int, template: str | None = None
-                 ) -> None:
-        self.engine = Engine(path, n_slots=slots, n_ctx=n_ctx, cache=cache, template=template)
+    def __init__(self, path: str, cache: str, slots: int, n_ctx: int, template: str | None = None,
+                 max_tokens: int = MAX_TOKENS, **engine_kw: Any) -> None:
+        self.max_tokens = max_tokens
+        self.engine = Engine(path, n_slots=slots, n_ctx=n_ctx, cache=cache, template=template,
+                             **engine_kw)
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
-        res = self.engine.chat(messages, session=session, max_tokens=MAX_TOKENS, temperature=0)
+        res = self.engine.chat(messages, session=session, max_tokens=self.max_tokens,
+                               temperature=0)
         r = res.record
         return {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "reused": r.reused_tokens,
                 "prefilled": r.prefilled_tokens, "generated": r.generated_tokens,
-                "strategy": r.strategy, "restore_s": r.restore_s, "text": res.text}
+                "strategy": r.strategy, "restore_s": r.restore_s, "decode_s": r.decode_s,
+                "guesses": r.draft_tokens, "accepted": r.draft_accepted, "text": res.text}
 
     def close(self) -> None:
         self.engine.close()
@@ -378,74 +382,63 @@ def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
 
     n_agents, n_turns, max_tokens = 4, (3 if quick else 8), 32
     names = ["Ada", "Brook", "Cyd", "Dale"][:n_agents]
-    systems = {n: system_prompt(n, 8) for n in names}
+    convs = {n: [{"role": "system", "content": system_prompt(n, 8)}] for n in names}
+    tasks = {n: [f"{n}, task {t}: " + paragraph(t + len(n), 1) for t in range(n_turns)]
+             for n in names}
+    # one request at a time, agents taking turns
+    in_turns = [(n, tasks[n][t]) for t in range(n_turns) for n in names]
 
-    def agent_turns(name: str) -> list[str]:
-        return [f"{name}, task {t}: " + paragraph(t + len(name), 1) for t in range(n_turns)]
-
-    def play(engine: Engine, name: str, log: list, lock: threading.Lock) -> None:
-        msgs = [{"role": "system", "content": systems[name]}]
-        for t, text in enumerate(agent_turns(name)):
-            msgs.append({"role": "user", "content": text})
-            res = engine.chat(msgs, session=name, max_tokens=max_tokens, temperature=0)
-            msgs.append(res.message)
-            with lock:
-                log.append((t, res.record))
-
-    out: dict[str, Any] = {}
-    depth = 0
-    runs: dict[str, list[tuple[float, list]]] = {"sequential": [], "batched": []}
-    # A B B A: timings on shared machines drift, and this order cancels a steady drift
-    for mode in ("sequential", "batched", "batched", "sequential"):
-        engine = Engine(path, n_slots=n_agents, n_ctx=2048)
-        log: list = []
-        lock = threading.Lock()
+    def run(mode: str) -> tuple[float, list[dict]]:
+        runner = NbkvRunner(path, "imc", n_agents, 2048, max_tokens=max_tokens)
         t0 = time.perf_counter()
-        if mode == "batched":
-            threads = [threading.Thread(target=play, args=(engine, n, log, lock)) for n in names]
+        if mode == "sequential":
+            log = run_conversations(runner, convs, in_turns, None)
+        else:  # every agent on its own thread, all at once
+            per_agent: dict[str, list] = {}
+
+            def play(n: str) -> None:
+                per_agent[n] = run_conversations(runner, {n: convs[n]},
+                                                 [(n, x) for x in tasks[n]], None)
+
+            threads = [threading.Thread(target=play, args=(n,)) for n in names]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-        else:  # the same turns, one request at a time, agents taking turns
-            hists = {n: [{"role": "system", "content": systems[n]}] for n in names}
-            turns = {n: agent_turns(n) for n in names}
-            for t in range(n_turns):
-                for n in names:
-                    hists[n].append({"role": "user", "content": turns[n][t]})
-                    res = engine.chat(hists[n], session=n, max_tokens=max_tokens, temperature=0)
-                    hists[n].append(res.message)
-                    log.append((t, res.record))
-        runs[mode].append((time.perf_counter() - t0, log))
-        engine.close()
+            log = [r for n in names for r in per_agent[n]]
+        wall = time.perf_counter() - t0
+        runner.close()
+        for r in log:  # each agent's own turn number
+            r["agent_turn"] = r["turn"] // n_agents if mode == "sequential" else r["turn"]
+        return wall, log
+
+    out: dict[str, Any] = {}
+    runs: dict[str, list[tuple[float, list]]] = {"sequential": [], "batched": []}
+    # A B B A: timings on shared machines drift, and this order cancels a steady drift
+    for mode in ("sequential", "batched", "batched", "sequential"):
+        runs[mode].append(run(mode))
+    depth = 0
     for mode, pairs in runs.items():
-        log = [x for _, lg in pairs for x in lg]
-        recs = [r for _, r in log]
-        gen = sum(r.generated_tokens for r in recs)
+        log = [r for _, lg in pairs for r in lg]
         wall = sum(w for w, _ in pairs)
-        depth = max(depth, max(r.prompt_tokens for r in recs))
+        gen = sum(r["generated"] for r in log)
+        depth = max(depth, max(r["prompt"] for r in log))
         out[mode] = {
             "runs": len(pairs), "wall_s": wall, "walls_s": [w for w, _ in pairs],
             "generated_tokens": gen, "tokens_per_s": gen / wall,
-            "mean_ttft_s": mean([r.ttft_s for r in recs]),
-            "mean_ttft_s_turns_2_on": mean([r.ttft_s for t, r in log if t > 0]),
-            "first_turn_ttft_s": sorted(r.ttft_s for t, r in log if t == 0),
-            "max_ttft_s": max(r.ttft_s for r in recs),
-            "guesses_accepted": sum(r.draft_accepted for r in recs),
-            "guesses": sum(r.draft_tokens for r in recs),
+            "mean_ttft_s": mean([r["ttft"] for r in log]),
+            "mean_ttft_s_turns_2_on": mean([r["ttft"] for r in log if r["agent_turn"] > 0]),
+            "first_turn_ttft_s": sorted(r["ttft"] for r in log if r["agent_turn"] == 0),
+            "max_ttft_s": max(r["ttft"] for r in log),
+            "guesses_accepted": sum(r["accepted"] for r in log),
+            "guesses": sum(r["guesses"] for r in log),
         }
     # llama-cpp-python's Llama serving the agents one by one (one sequence: no reuse across them)
     llm = LlamaCppRunner(path, 2048, max_tokens)
-    hists = {n: [{"role": "system", "content": systems[n]}] for n in names}
-    turns = {n: agent_turns(n) for n in names}
-    t0, ttfts = time.perf_counter(), []
-    for t in range(n_turns):
-        for n in names:
-            hists[n].append({"role": "user", "content": turns[n][t]})
-            r = llm.turn(hists[n], n)
-            ttfts.append(r["ttft"])
-            hists[n].append({"role": "assistant", "content": r["text"]})
-    out["llama-cpp"] = {"wall_s": time.perf_counter() - t0, "mean_ttft_s": mean(ttfts)}
+    t0 = time.perf_counter()
+    log = run_conversations(llm, convs, in_turns, None)
+    out["llama-cpp"] = {"wall_s": time.perf_counter() - t0,
+                        "mean_ttft_s": mean([r["ttft"] for r in log])}
     llm.close()
     ceiling = batching_ceiling(path, n_agents, depth // 2)
     seq, bat = out["sequential"], out["batched"]
@@ -471,6 +464,7 @@ def scenario_speculative(path: str, quick: bool) -> dict[str, Any]:
     short open questions, and sub-agent tasks (whose replies tend to restate the task)."""
     n_turns, max_tokens = (2 if quick else 4), 48
     names = ["Ada", "Brook"]
+    convs = {n: [{"role": "system", "content": system_prompt(n, 8)}] for n in names}
     styles = {"questions": lambda n, t: QUESTIONS[(t + 3 * len(n)) % len(QUESTIONS)],
               "tasks": lambda n, t: f"{n}, task {t}: " + paragraph(t + len(n), 1)}
     variants = {"guesses": {}, "copies": {"speculative": False}, "inexact": {"exact": False}}
@@ -478,26 +472,19 @@ def scenario_speculative(path: str, quick: bool) -> dict[str, Any]:
     ratios: dict[str, float] = {}
     identical = True
     for style, user in styles.items():
+        turns = [(n, user(n, t)) for n in names for t in range(n_turns)]
         res_style: dict[str, Any] = {}
         replies: dict[str, list[str]] = {}
         for variant, kw in variants.items():
-            engine = Engine(path, n_slots=2, n_ctx=2048, **kw)
-            recs, texts = [], []
-            for n in names:
-                msgs = [{"role": "system", "content": system_prompt(n, 8)}]
-                for t in range(n_turns):
-                    msgs.append({"role": "user", "content": user(n, t)})
-                    res = engine.chat(msgs, session=n, max_tokens=max_tokens, temperature=0)
-                    msgs.append(res.message)
-                    recs.append(res.record)
-                    texts.append(res.text)
-            engine.close()
-            replies[variant] = texts
-            decoded = sum(max(r.generated_tokens - 1, 0) for r in recs)
+            runner = NbkvRunner(path, "imc", 2, 2048, max_tokens=max_tokens, **kw)
+            log = run_conversations(runner, convs, turns, None)
+            runner.close()
+            replies[variant] = [r["text"] for r in log]
+            decoded = sum(max(r["generated"] - 1, 0) for r in log)
             res_style[variant] = {
-                "decode_tokens_per_s": decoded / sum(r.decode_s for r in recs),
-                "guesses": sum(r.draft_tokens for r in recs),
-                "guesses_accepted": sum(r.draft_accepted for r in recs)}
+                "decode_tokens_per_s": decoded / sum(r["decode_s"] for r in log),
+                "guesses": sum(r["guesses"] for r in log),
+                "guesses_accepted": sum(r["accepted"] for r in log)}
         identical = identical and replies["guesses"] == replies["copies"]
         out[style] = res_style
         g = res_style["guesses"]
@@ -506,7 +493,7 @@ def scenario_speculative(path: str, quick: bool) -> dict[str, Any]:
             g["decode_tokens_per_s"] / res_style["copies"]["decode_tokens_per_s"])
         ratios[f"{style}_guesses_over_inexact_decode"] = (
             g["decode_tokens_per_s"] / res_style["inexact"]["decode_tokens_per_s"])
-    return {"turns": len(names) * n_turns, "max_tokens": max_tokens, **out,
+    return {"turns": len(turns), "max_tokens": max_tokens, **out,
             "exact_replies_identical": identical, "ratios": ratios}
 
 

@@ -466,7 +466,6 @@ class Engine:
             )
         self.exact = exact
         self.speculative = speculative
-        self.interleave_chunk = n_batch  # prefill tokens per decode while others generate
         self.cache = cache
         self.cache_min_tokens = cache_min_tokens
         self.overflow = overflow
@@ -1018,8 +1017,6 @@ class Engine:
         n_gen = len(work)
         if filling:
             room = self._batch.capacity - 1 - (2 if self.exact else 1) * n_gen
-            if work:  # keep the prompt's share of a decode small while others are generating
-                room = min(room, self.interleave_chunk)
             take = job.todo[: max(room, 2)]
             first_image = next((i for i, u in enumerate(take) if isinstance(u, MediaUnit)), None)
             if first_image is not None:  # text up to the next image
@@ -1137,7 +1134,7 @@ class Engine:
                     job.next_token = None
                     job.slot.tokens.append(guess)
                     self._on_logits(job, extra)
-                elif extra is not None:
+                elif extra is not None and not job.done.is_set():  # _finish trimmed it
                     self.ctx.seq_rm(job.slot.seq_id, len(job.slot.tokens), -1)
             except BaseException as e:  # noqa: BLE001
                 self._fail(job, e, "error")

@@ -253,3 +253,21 @@ def test_cancel_while_the_image_is_encoded(engine, monkeypatch):
     r = engine.chat(msgs, session="gone", max_tokens=4, temperature=0)
     assert r.record.encoder_runs == 0 and r.record.embedding_cache_hits == 1
     assert_consistent(engine)
+
+
+def test_an_encoder_failure_fails_only_its_request(engine, monkeypatch):
+    engine.clear()
+
+    def broken(*a, **kw):
+        raise MediaError("the vision encoder failed on a test image (code 1)")
+
+    monkeypatch.setattr(engine.projector, "embedding", broken)
+    msgs = [{"role": "system", "content": SYSTEM}, image_msg("What now?", picture(321))]
+    with pytest.raises(MediaError, match="vision encoder failed"):
+        engine.chat(msgs, session="broken", max_tokens=4, temperature=0)
+    assert engine.history[-1].finish_reason == "error"
+    assert_consistent(engine)
+    monkeypatch.undo()
+    r = engine.chat(msgs, session="broken", max_tokens=4, temperature=0)
+    assert r.record.encoder_runs == 1 and r.finish_reason in ("stop", "length")
+    assert_consistent(engine)
