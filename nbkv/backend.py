@@ -20,6 +20,8 @@ from .errors import DecodeError, ModelLoadError, ModelNotFoundError
 
 log = logging.getLogger("nbkv.llama")
 
+STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
 # ggml_log_level -> logging level
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _last_level = logging.DEBUG
@@ -184,6 +186,31 @@ class Model:
         """End-of-generation token (EOS, EOT, ``<|im_end|>``...)."""
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
+    @property
+    def is_recurrent(self) -> bool:
+        """Every layer keeps a recurrent state (Mamba, RWKV): no KV positions to trim."""
+        return bool(llama_cpp.llama_model_is_recurrent(self.ptr))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Attention layers mixed with recurrent ones (LFM2, Granite-H, Jamba, Qwen3-Next)."""
+        return bool(llama_cpp.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def n_swa(self) -> int:
+        """Sliding-window size of the model's SWA layers; 0 when it has none."""
+        return int(llama_cpp.llama_model_n_swa(self.ptr))
+
+    @property
+    def has_encoder(self) -> bool:
+        """An encoder-decoder model (T5 and the like)."""
+        return bool(llama_cpp.llama_model_has_encoder(self.ptr))
+
+    @property
+    def has_decoder(self) -> bool:
+        """The model can generate text."""
+        return bool(llama_cpp.llama_model_has_decoder(self.ptr))
+
     def close(self) -> None:
         """Free the model's memory."""
         if self.ptr:
@@ -254,6 +281,7 @@ class Context:
         n_threads: int | None = None,
         kv_unified: bool = False,
         flash_attn: int = 0,
+        swa_full: bool = True,
     ) -> None:
         self.model = model
         p = llama_cpp.llama_context_default_params()
@@ -263,6 +291,10 @@ class Context:
         p.n_ubatch = n_batch
         p.n_seq_max = n_seq_max
         p.kv_unified = kv_unified
+        # a full-size SWA cache keeps every position of the sliding-window layers, so that a
+        # trim can go back further than the window (a trim below what a window-sized cache
+        # still holds returns true but gives wrong logits)
+        p.swa_full = swa_full
         threads = n_threads or max(os.cpu_count() or 1, 1)
         p.n_threads = threads
         p.n_threads_batch = threads
@@ -290,9 +322,13 @@ class Context:
         ptr = llama_cpp.llama_get_logits_ith(self.ptr, index)
         return (ctypes.c_float * self.model.n_vocab).from_address(ctypes.addressof(ptr.contents))
 
+    def try_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions ``[p0, p1)`` of ``seq``; False when the memory cannot do it."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Remove positions ``[p0, p1)`` of sequence ``seq`` (-1: open end)."""
-        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, p0, p1):
+        if not self.try_seq_rm(seq, p0, p1):
             raise DecodeError(f"could not remove positions [{p0}, {p1}) of sequence {seq}")
 
     def seq_pos_min(self, seq: int) -> int:
@@ -303,19 +339,36 @@ class Context:
         """Largest position held by ``seq``, -1 if empty."""
         return llama_cpp.llama_memory_seq_pos_max(self.mem, seq)
 
-    def state_get(self, seq: int) -> ctypes.Array:
-        """The KV state of sequence ``seq``, as a ctypes byte array (restored without copies)."""
-        size = llama_cpp.llama_state_seq_get_size(self.ptr, seq)
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Copy all of sequence ``src`` into ``dst``.
+
+        Only whole sequences: with non-unified KV a partial range aborts the process.
+        """
+        llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+
+    def state_get(self, seq: int, partial: bool = False) -> ctypes.Array:
+        """The state of sequence ``seq``, as a ctypes byte array (restored without copies).
+
+        ``partial`` keeps only what a trim cannot restore (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY):
+        the recurrent state, or the sliding-window layers' window: a *checkpoint*.
+        """
+        flags = STATE_PARTIAL if partial else 0
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
         if n != size:
             raise DecodeError(f"could not read the state of sequence {seq} ({n}/{size} bytes)")
         return buf
 
-    def state_set(self, seq: int, state: ctypes.Array) -> None:
-        """Load a state from :meth:`state_get` into sequence ``seq`` (which should be empty)."""
+    def state_set(self, seq: int, state: ctypes.Array, partial: bool = False) -> None:
+        """Load a state from :meth:`state_get` into sequence ``seq``.
+
+        A whole state goes into an empty sequence; a partial one over a sequence that holds
+        at least the positions it was taken at (trim past them afterwards).
+        """
         size = ctypes.sizeof(state)
-        if llama_cpp.llama_state_seq_set_data(self.ptr, state, size, seq) != size:
+        flags = STATE_PARTIAL if partial else 0
+        if llama_cpp.llama_state_seq_set_data_ext(self.ptr, state, size, seq, flags) != size:
             self.seq_rm(seq)
             raise DecodeError(f"could not restore a saved state into sequence {seq}")
 

@@ -224,7 +224,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
                               f"({s['salvage_pct']:.0f}%)"),
         ("guessed tokens", f"{s['draft_accepted']}/{s['draft_tokens']} right "
                            f"({s['draft_acceptance_pct']:.0f}%): each a token for free"
-         if s["draft_tokens"] else "none yet" if engine.exact and engine.speculative else "off"),
+         if s["draft_tokens"] else "none yet" if engine.speculative else "off"),
         ("sessions", ", ".join(names) or "none"),
     )
     return Table("nbkv engine", ("", ""), rows, note=s.get("advice") or "")

@@ -1,8 +1,7 @@
 """Draft tokens for speculative decoding by prompt lookup (n-gram matching).
 
-In exact mode every generating sequence decodes two positions per step anyway (see
-:meth:`nbkv.engine.Engine._decode`). Instead of a throwaway copy, the second position gets a
-guess of the next token: the token that followed the latest earlier occurrence of the
+With ``Engine(speculative=True)`` a generating sequence decodes a second position beside its
+next token: a guess of the token after it, the token that followed the latest earlier occurrence of the
 sequence's last ``n`` tokens (longest ``n`` first). When the sampled token equals the guess,
 the guess's KV and logits are already computed and the request advances two tokens in one
 decode; when it does not, the guess is removed from the KV and nothing else changes. Chat

@@ -25,6 +25,7 @@ from typing import Any
 
 from . import policy
 from .backend import Batch, Context, Model
+from .batching import Prefilling, chunk_length, plan_step
 from .drafts import NgramDrafter
 from .errors import (
     ContextOverflowError,
@@ -44,6 +45,7 @@ from .events import (
     RequestRecord,
     RequestStarted,
     Segment,
+    SlotRewritten,
     SlotsChanged,
     Subscriber,
 )
@@ -58,6 +60,7 @@ from .media import (
 from .messages import normalize, prefix_hashes, preview
 from .models import resolve_model_path
 from .sampling import Sampler, SamplingParams
+from .slot_kv import SlotKV, probe_memory
 from .templates import CHATML, ChatTemplate
 from .textstream import TextStream
 
@@ -113,6 +116,11 @@ class SlotInfo:
     pending: bool
     segments: tuple[Segment, ...] = ()
     last_request: int | None = None
+    settled: int = 0  # leading positions whose KV equals a batched prefill of the tokens
+    checkpoints: tuple[int, ...] = ()  # positions with a checkpoint (hybrid/recurrent models)
+    checkpoint_bytes: int = 0
+    memory: str = "plain"  # the model's memory class (nbkv.slot_kv)
+    rewriting: int = 0  # trailing positions out of the KV while a reply's KV is rewritten
 
     @property
     def n_tokens(self) -> int:
@@ -137,28 +145,44 @@ class SlotInfo:
 
 @dataclass
 class _Slot:
+    """A slot: its KV (the one owner of tokens == KV) and what the cache knows about it."""
+
     index: int
-    seq_id: int
+    kv: SlotKV
     capacity: int
     session: str | None = None
-    tokens: list[int] = field(default_factory=list)
     hashes: list[str] = field(default_factory=list)
     msg_ends: list[int] = field(default_factory=list)
     last_used: int = 0
     pending: bool = False
     segments: tuple[Segment, ...] = ()
     last_request: int | None = None
+    redo: list[Any] = field(default_factory=list)  # positions being rewritten (settling)
+    rewrite_n: int = 0  # positions the current rewrite covers
+    rewrite_s: float = 0.0  # ... and the time it has taken so far
+
+    @property
+    def seq_id(self) -> int:
+        return self.kv.seq_id
+
+    @property
+    def tokens(self) -> list[Any]:
+        return self.kv.tokens
 
     def snapshot(self) -> SlotInfo:
+        kv = self.kv  # a reply being rewritten is still this slot's (see Engine._settle)
         return SlotInfo(
-            self.index, self.seq_id, self.capacity, self.session, tuple(self.tokens),
+            self.index, kv.seq_id, self.capacity, self.session, (*kv.tokens, *self.redo),
             tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-            self.segments, self.last_request,
+            self.segments, self.last_request, kv.settled, kv.checkpoints.positions,
+            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo),
         )
 
     def reset(self) -> None:
+        """Forget everything (the KV too)."""
+        self.kv.clear()
+        self.redo.clear()
         self.session = None
-        self.tokens.clear()
         self.hashes.clear()
         self.msg_ends.clear()
         self.segments = ()
@@ -225,6 +249,7 @@ class _Job:
         self.embeddings: dict[str, Any] = {}  # image hash -> its embeddings, once known
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
+        self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
 
 
 @dataclass(frozen=True)
@@ -407,12 +432,20 @@ class Engine:
             batches under 64 tokens, so a prompt prefilled in small pieces (what a cache hit
             does) gets logits up to ~0.7 away from the same prompt prefilled at once. Off by
             default, which makes cached replies bit-identical to from-scratch ones.
-        exact: keep cached KV bit-identical to a from-scratch prefill (see :meth:`_decode`):
-            every generating sequence decodes two positions per step. ``False`` decodes one,
-            and a cached reply may then differ from a from-scratch one at near-ties.
-        speculative: in exact mode, fill the second position with a prompt-lookup guess of
-            the next token (:mod:`nbkv.drafts`) instead of a throwaway copy; a right guess
-            yields two tokens from one decode. Replies are the same either way.
+        exact: keep cached KV bit-identical to a from-scratch prefill. Replies are generated
+            one token per step, as plain llama.cpp does; a one-token decode rounds slightly
+            differently from a batched prefill, so once a reply has streamed its KV is
+            rewritten as a batch in the scheduler's idle time (or by the next request that
+            reuses it). ``False`` keeps the token-by-token KV: no rewrite, and a cached reply
+            may then differ from a from-scratch one at near-ties.
+        speculative: decode a prompt-lookup guess of the next token beside each generated
+            one (:mod:`nbkv.drafts`); a right guess yields two tokens from one decode. The
+            guess is checked against the token sampled the ordinary way. Off by default: a
+            two-row decode costs ~1.6 rows' time on a CPU, and rounds differently from a
+            one-row decode (so replies equal plain llama.cpp's only without guesses).
+            Ignored on hybrid and recurrent models, whose state cannot drop a wrong guess.
+        max_checkpoints: per slot, on models whose KV cannot be trimmed (hybrid, recurrent):
+            partial states kept at message boundaries (least recently used evicted).
         mmproj: a vision projector GGUF matching the model: messages may then carry images
             (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
             It is checked before llama.cpp sees it; a mismatch raises
@@ -441,7 +474,8 @@ class Engine:
         on_load_progress: Callable[[float], object] | None = None,
         flash_attn: bool = False,
         exact: bool = True,
-        speculative: bool = True,
+        speculative: bool = False,
+        max_checkpoints: int = 8,
         mmproj: str | None = None,
         embedding_cache: EmbeddingCache | None = None,
         trust_projector: bool = False,
@@ -465,7 +499,6 @@ class Engine:
                 "differently for batches under 64 tokens"
             )
         self.exact = exact
-        self.speculative = speculative
         self.cache = cache
         self.cache_min_tokens = cache_min_tokens
         self.overflow = overflow
@@ -481,6 +514,18 @@ class Engine:
         except BaseException:
             self.model.close()
             raise
+        self._batch = Batch(self.ctx.n_batch)
+        try:
+            self.memory = probe_memory(self.model, self.ctx, self._batch)
+        except BaseException:
+            self._batch.close()
+            self.ctx.close()
+            self.model.close()
+            raise
+        self.speculative = speculative and self.memory.can_trim
+        if speculative and not self.speculative:
+            log.info("speculative guesses are off: %s memory cannot drop a wrong guess",
+                     self.memory.kind)
         self.projector = None
         if mmproj is not None:
             from .mtmd import Projector
@@ -490,14 +535,15 @@ class Engine:
                                            n_threads=n_threads, trust_projector=trust_projector,
                                            flash_attn=1 if flash_attn else 0)
             except BaseException:
+                self._batch.close()
                 self.ctx.close()
                 self.model.close()
                 raise
         self.n_ctx = self.ctx.n_ctx_seq
-        self._slots = [_Slot(i, i, self.n_ctx) for i in range(n_slots)]
+        self._slots = [_Slot(i, SlotKV(self.ctx, i, self.memory, max_checkpoints), self.n_ctx)
+                       for i in range(n_slots)]
         self._spc: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         self.events = EventBus(history_size)
-        self._batch = Batch(self.ctx.n_batch)
         self._cv = threading.Condition()
         self._queue: list[_Job] = []
         self._active: list[_Job] = []
@@ -508,8 +554,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="nbkv-scheduler", daemon=True)
         self._thread.start()
         log.info(
-            "nbkv engine: %s, %d slots x %d tokens, cache=%s",
-            self.model.description, n_slots, self.n_ctx, cache,
+            "nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
+            self.model.description, self.memory.kind, n_slots, self.n_ctx, cache,
         )
 
     # ------------------------------------------------------------------ public API
@@ -541,7 +587,7 @@ class Engine:
         params = SamplingParams.from_kwargs(**sampling)
         prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
         job = _Job(prompt, session, params, self.wait_timeout if timeout is None else timeout)
-        if self.exact and self.speculative:
+        if self.speculative:
             job.drafter = NgramDrafter(prompt.tokens)
         job.t_submit = t0
         self._submit(job)
@@ -619,7 +665,6 @@ class Engine:
                 raise NbkvError(f"slot {slot} is serving a request; cancel it first")
             for s in targets:
                 if not s.pending:
-                    self.ctx.seq_rm(s.seq_id)
                     s.reset()
             if slot is None:
                 self._spc.clear()
@@ -636,20 +681,35 @@ class Engine:
             s = self._slots[slot]
             if s.pending:
                 raise NbkvError(f"slot {slot} is serving a request")
-            n = len(s.tokens)
+            while s.redo or (self.exact and s.kv.unsettled):  # the KV as it will be served
+                self._settle(s)
+            kv = s.kv
+            n = len(kv)
             if n + 2 > s.capacity:
                 raise NbkvError(f"slot {slot} is full")
+            kv.checkpoint()  # a recurrent state can only go back to a checkpoint
             b = self._batch
             b.clear()
             b.add(token, n, s.seq_id, True)
-            if self.exact:
-                b.add(token, n + 1, s.seq_id, False)
+            b.add(token, n + 1, s.seq_id, False)  # two rows: the batched kernels' rounding
             try:
                 self.ctx.decode(b)
                 return list(self.ctx.logits(0))
             finally:
-                self.ctx.seq_rm(s.seq_id, n, -1)
+                kv.resync()
         return self._call(do)
+
+    def settle(self) -> None:
+        """Rewrite every finished reply's KV now instead of in idle time (exact mode).
+
+        Afterwards every idle slot's KV equals a batched prefill of its tokens. The engine
+        does this on its own when it has nothing else to do; call it to measure, or before
+        reading the KV directly.
+        """
+        def do() -> None:
+            while (slot := self._settling_slot()) is not None:
+                self._settle(slot)
+        self._call(do)
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""
@@ -811,7 +871,8 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._queue or self._active or self._control or self._closed):
+                while not (self._queue or self._active or self._control or self._closed
+                           or self._settling_slot() is not None):
                     self._cv.wait()
                 if self._closed:
                     jobs, self._queue = self._queue + self._active, []
@@ -834,6 +895,10 @@ class Engine:
             elif self._queue:
                 with self._cv:  # every slot busy: wait for a change, or a deadline
                     self._cv.wait(0.05)
+            else:  # idle: rewrite one chunk of a finished reply's KV (see exact)
+                slot = self._settling_slot()
+                if slot is not None:
+                    self._settle(slot)
         for j in jobs:
             self._finish(j, "cancelled")
 
@@ -872,7 +937,8 @@ class Engine:
             if plan is None:
                 return False
             slot, strategy = self._slots[plan.slot], plan.strategy
-            reuse = snap_to_media_boundary(p.tokens, plan.reuse)  # an image is kept whole
+            # the last prompt chunk has two positions at least: a lone one rounds differently
+            reuse = snap_to_media_boundary(p.tokens, min(plan.reuse, len(p.tokens) - 2))
             donor = plan.donor
             evicted, evicted_tokens = plan.evicted, plan.evicted_tokens
             matched = plan.matched_messages
@@ -884,40 +950,44 @@ class Engine:
             if target.tokens and target.session != job.session:
                 evicted, evicted_tokens = target.session, len(target.tokens)
         t0 = time.perf_counter()
-        prev = list(slot.tokens)
-        prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends else len(prev)
+        kv = slot.kv
+        source_slot = self._slots[donor] if donor is not None else slot
+        source = source_slot.kv
+        prev_len = len(source) + len(source_slot.redo)
+        prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends and donor is None else prev_len
+        wanted = reuse  # ... if every cached position were servable as it is
+        if self.exact:  # a reply decoded token by token is not servable before its rewrite
+            reuse = min(reuse, source.settled)
+        absorbed = max(min(wanted, prev_len) - reuse, 0)
+        target = reuse
         with self._cv:
             slot.pending = True
+            slot.redo.clear()
         try:
             if donor is not None:
-                state = self.ctx.state_get(self._slots[donor].seq_id)
-                self.ctx.seq_rm(slot.seq_id)
-                slot.reset()
-                self.ctx.state_set(slot.seq_id, state)
-                slot.tokens = list(self._slots[donor].tokens)
-                prev = list(slot.tokens)
+                reuse = kv.copy_from(source, reuse)
                 log.debug("imc-copy-prefix: slot[%d] -> slot[%d], %d tokens",
                           donor, slot.index, reuse)
             if self.cache == "spc":
                 reuse = self._spc_restore(job, slot)
                 strategy = "spc" if reuse else "miss"
             elif self.cache == "off":
-                self.ctx.seq_rm(slot.seq_id)
-                slot.tokens.clear()
-            trimmed = len(slot.tokens) - reuse if self.cache == "imc" else 0
+                kv.clear()
+                reuse = 0
+            trimmed = len(kv) - reuse if self.cache == "imc" else 0
             if self.cache == "imc" and trimmed > 0:
                 log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",
-                          slot.index, len(slot.tokens), reuse)
-                self.ctx.seq_rm(slot.seq_id, reuse, -1)
-                del slot.tokens[reuse:]
+                          slot.index, len(kv), reuse)
+                reuse = kv.trim_to(reuse)
         except BaseException:
-            self._resync(slot)
+            kv.resync()
             with self._cv:
                 slot.pending = False
             raise
+        restored = kv.last_restore
         restore_s = time.perf_counter() - t0
         # the previous reply, as generated, against its re-tokenization in this prompt
-        reply_cached = max(len(prev) - prev_prompt_len, 0) if donor is None else 0
+        reply_cached = max(prev_len - prev_prompt_len, 0) if donor is None else 0
         reply_reused = min(max(reuse - prev_prompt_len, 0), reply_cached)
         with self._cv:
             slot.session = job.session
@@ -928,6 +998,8 @@ class Engine:
         job.slot = slot
         job.reuse = reuse
         job.todo = list(p.tokens[reuse:])
+        if self.memory.checkpoints:  # checkpoints at message boundaries and the prompt's end
+            job.stops = tuple(e for e in (*p.ends, len(p.tokens)) if e > reuse)
         job.sampler = Sampler(job.params, self.model.n_vocab,
                               [t for t in p.tokens if isinstance(t, int)])
         job.record = RequestRecord(
@@ -943,6 +1015,9 @@ class Engine:
             media_chunks=p.image_chunks,
             media_reused=sum(1 for u in p.tokens[:reuse]
                              if isinstance(u, MediaUnit) and u.offset == 0),
+            checkpoint_pos=restored,
+            reprefilled_tokens=max(target - reuse, 0) if self.cache == "imc" else 0,
+            rewrite_absorbed=absorbed,
         )
         if reply_cached and reply_reused < reply_cached:
             log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
@@ -959,8 +1034,7 @@ class Engine:
         prefilled as usual and the slot's state is saved when the prefill passes its end.
         """
         p = job.prompt
-        self.ctx.seq_rm(slot.seq_id)
-        slot.reset()
+        slot.kv.clear()
         if p.messages[0]["role"] != "system" or p.ends[0] < self.cache_min_tokens:
             return 0
         key = p.hashes[0]
@@ -970,71 +1044,56 @@ class Engine:
             return 0
         self._spc.move_to_end(key)
         state, n, _ = entry
-        self.ctx.state_set(slot.seq_id, state)
-        slot.tokens = list(p.tokens[:n])
-        return n
+        slot.kv.load_state(state, p.tokens[:n])
+        return len(slot.kv)
 
     def _spc_capture(self, job: _Job) -> None:
         assert job.slot is not None and job.spc_key is not None
-        n = len(job.slot.tokens)
-        self._spc[job.spc_key] = (self.ctx.state_get(job.slot.seq_id), n, job.slot.tokens[:n])
+        kv = job.slot.kv
+        self._spc[job.spc_key] = (kv.save_state(), len(kv), list(kv.tokens))
         while len(self._spc) > self.spc_max_entries:
             self._spc.popitem(last=False)
         job.capture_at = None
-        log.debug("spc: saved system prompt state, %d tokens", n)
+        log.debug("spc: saved system prompt state, %d tokens", len(kv))
 
     def _step(self) -> bool:
-        """Advance every active request by one ``llama_decode``; False if nothing could run.
+        """Advance the active requests by one step (:func:`nbkv.batching.plan_step`).
 
-        The batch holds the next token of every generating request plus one prefill chunk
-        (shortest remaining prompt first, which minimises the mean time to first token: a
-        short chat turn does not wait behind a long document), so N conversations generate
-        together and a long prefill stalls the others for at most one chunk at a time. A
-        chunk that finishes a prompt runs alone: its first token waits for nobody else's.
-        Images are encoded on the encoder thread; meanwhile their request waits and the
-        others go on.
+        False if nothing could run (every active request waits for the vision encoder).
         """
         for job in list(self._active):
             if job.cancel.is_set():
                 self._finish(job, "cancelled")
-        filling = [j for j in self._active
-                   if j.todo and (j.encoding is None or j.encoding.done())]
-        # shortest remaining prompt first (ties: first come): the least mean time to first token
-        job = min(filling, key=lambda j: (len(j.todo), j.id)) if filling else None
-        image_job = None
-        if job is not None:
+        by_id = {j.id: j for j in self._active}
+        generating = [j for j in self._active if j.next_token is not None]
+        prefilling = []
+        for j in self._active:
+            if not j.todo:
+                continue
+            pos = len(j.slot.kv)
+            hard = [i for i, u in enumerate(j.todo) if isinstance(u, MediaUnit) and u.offset == 0]
+            if j.capture_at is not None:
+                hard.append(j.capture_at - pos)
+            prefilling.append(Prefilling(
+                j.id, len(j.todo), j.encoding is None or j.encoding.done(),
+                isinstance(j.todo[0], MediaUnit), tuple(hard),
+                tuple(e - pos for e in j.stops if e > pos)))
+        plan = plan_step(prefilling, len(generating), self._batch.capacity)
+        if plan.prefill is not None:
+            job = by_id[plan.prefill]
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
-            if isinstance(job.todo[0], MediaUnit):  # an image: its own decode, after the tokens
-                image_job, filling = job, []
-        last_chunk = bool(filling) and len(job.todo) < self._batch.capacity and not any(
-            isinstance(u, MediaUnit) for u in job.todo)
-        work: list[tuple[_Job, list[int]]] = []
-        for j in self._active:
-            if j.next_token is not None and not last_chunk:
-                tok, j.next_token = j.next_token, None
-                work.append((j, [tok]))
-        n_gen = len(work)
-        if filling:
-            room = self._batch.capacity - 1 - (2 if self.exact else 1) * n_gen
-            take = job.todo[: max(room, 2)]
-            first_image = next((i for i, u in enumerate(take) if isinstance(u, MediaUnit)), None)
-            if first_image is not None:  # text up to the next image
-                take = take[:first_image]
-            if job.capture_at is not None:  # SPC: end this chunk exactly at the system prompt
-                take = take[: max(job.capture_at - len(job.slot.tokens), 0)] or take
-            if self.exact and work and len(take) == 3:
-                take = take[:2]  # llama.cpp would split 2 + 1: never a lone token (see _decode)
-            del job.todo[: len(take)]
-            work.append((job, take))
-        if work:
-            # llama.cpp puts sequences in one micro-batch only in increasing, consecutive
-            # id order: sorted, N generating slots cost one graph evaluation instead of N
-            work.sort(key=lambda w: w[0].slot.seq_id)
-            self._decode(work)
-        if image_job is not None and not image_job.done.is_set():
-            return self._decode_image(image_job) or bool(work)
-        return bool(work)
+        if plan.image:
+            ran = self._decode_image(by_id[plan.prefill])
+        elif plan.prefill is not None:
+            self._prefill(by_id[plan.prefill], plan.take)
+            ran = True
+        else:
+            ran = False
+        if plan.generate:
+            self._generate([j for j in generating if not j.done.is_set()])
+            ran = True
+        return ran
 
     def _decode_image(self, job: _Job) -> bool:
         """Decode the image at the head of ``job``'s prefill, if its embeddings are ready.
@@ -1078,66 +1137,144 @@ class Engine:
         job.embeddings[h] = emb
         slot = job.slot
         try:
-            self.projector.decode_chunk(self.ctx, chunk, slot.seq_id, len(slot.tokens),
+            self.projector.decode_chunk(self.ctx, chunk, slot.seq_id, len(slot.kv),
                                         embedding=emb)
         except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
             self._fail(job, e, "error")
             return True
-        slot.tokens.extend(job.todo[:n])
+        slot.kv.extend(job.todo[:n])
         del job.todo[:n]
+        slot.kv.checkpoint()  # a follow-up question never re-decodes the image
         self._progress(job)
         return True
 
-    def _decode(self, work: list[tuple[_Job, list[int]]]) -> None:
-        """Decode each job's tokens at the end of its slot, then sample where a prompt is done.
+    def _prefill(self, job: _Job, take: int) -> None:
+        """Decode the next ``take`` prompt positions of ``job`` as one batch."""
+        kv = job.slot.kv
+        toks = job.todo[:take]
+        batch = self._batch
+        batch.clear()
+        done = take >= len(job.todo)
+        last = batch.add_run(toks, len(kv), kv.seq_id, done)
+        try:
+            self.ctx.decode(batch)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(job, e, "error")
+            return
+        kv.extend(toks)  # only now are these positions really in the KV
+        del job.todo[:take]
+        try:
+            if len(kv) in job.stops:
+                kv.checkpoint()
+            if job.capture_at is not None and len(kv) >= job.capture_at:
+                self._spc_capture(job)
+            if done:
+                self._on_logits(job, last)
+            else:
+                self._progress(job)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(job, e, "error")
 
-        In exact mode a sequence never contributes a single token to a decode. llama.cpp's
-        CPU kernels take another code path for one-token batches (ggml's vec_dot instead of
-        llamafile's tinyBLAS for the F16 attention products), which rounds differently and
-        would make cached KV differ from the KV a from-scratch prefill computes. The second
-        position holds a guess of the next token (see :mod:`nbkv.drafts`), or a throwaway
-        copy when there is no guess; a wrong guess is removed like the copy.
+    def _generate(self, jobs: list[_Job]) -> None:
+        """Decode the next token of every generating request: one row per sequence.
+
+        Exactly what plain llama.cpp does, so replies equal its replies. With speculative
+        decoding a guess of the following token rides along (:mod:`nbkv.drafts`): if the
+        model then samples that very token, its KV and logits are already there; if not,
+        the guess's position is removed.
         """
+        if not jobs:
+            return
+        jobs.sort(key=lambda j: j.slot.seq_id)  # one micro-batch (see nbkv.batching)
         batch = self._batch
         batch.clear()
         plan = []
-        for job, toks in work:
-            pos = len(job.slot.tokens)
-            last = batch.add_run(toks, pos, job.slot.seq_id, not job.todo)
-            extra = guess = None  # batch index of the second position; the guessed token
-            if self.exact and len(toks) == 1:
-                if job.drafter is not None and not job.todo:  # generating, or prompt done
-                    guess = job.drafter.draft()
-                extra = batch.add(toks[0] if guess is None else guess, pos + 1,
-                                  job.slot.seq_id, guess is not None)
-            plan.append((job, toks, last if not job.todo else None, extra, guess))
+        for job in jobs:
+            tok, job.next_token = job.next_token, None
+            kv = job.slot.kv
+            idx = batch.add(tok, len(kv), kv.seq_id, True)
+            guess = extra = None
+            if job.drafter is not None and len(kv) + 2 < job.slot.capacity:
+                guess = job.drafter.draft()
+                if guess is not None:
+                    extra = batch.add(guess, len(kv) + 1, kv.seq_id, True)
+            plan.append((job, tok, idx, guess, extra))
         try:
             self.ctx.decode(batch)
         except BaseException as e:  # noqa: BLE001 - every request in the batch fails cleanly
             for job, *_ in plan:
                 self._fail(job, e, "error")
             return
-        for job, toks, *_ in plan:
-            job.slot.tokens.extend(toks)  # only now are these positions really in the KV
-        for job, _, idx, extra, guess in plan:
+        for job, tok, *_ in plan:
+            job.slot.kv.extend([tok], settled=False)
+        for job, _, idx, guess, extra in plan:
+            kv = job.slot.kv
             try:
-                if job.capture_at is not None and len(job.slot.tokens) >= job.capture_at:
-                    self._spc_capture(job)
-                if idx is None:
-                    self._progress(job)
-                else:
-                    self._on_logits(job, idx)
+                self._on_logits(job, idx)
                 if guess is not None:
                     job.drafted += 1
                 if guess is not None and not job.done.is_set() and job.next_token == guess:
                     job.accepted += 1
                     job.next_token = None
-                    job.slot.tokens.append(guess)
+                    kv.extend([guess], settled=False)
                     self._on_logits(job, extra)
-                elif extra is not None and not job.done.is_set():  # _finish trimmed it
-                    self.ctx.seq_rm(job.slot.seq_id, len(job.slot.tokens), -1)
+                elif guess is not None and not job.done.is_set():
+                    kv.resync()  # drop the wrong guess's position
             except BaseException as e:  # noqa: BLE001
                 self._fail(job, e, "error")
+
+    # ------------------------------------------------------------- rewriting replies
+
+    def _settling_slot(self) -> _Slot | None:
+        """An idle slot whose KV still holds token-by-token decodes (exact mode)."""
+        if not self.exact:
+            return None
+        for s in self._slots:
+            if not s.pending and (s.redo or s.kv.unsettled):
+                return s
+        return None
+
+    def _settle(self, slot: _Slot) -> None:
+        """Rewrite one chunk of ``slot``'s token-by-token KV as a batched prefill.
+
+        Called when the scheduler has nothing else to do, so it never delays a token. The
+        first call trims the slot back to its settled prefix (a checkpoint on hybrid and
+        recurrent models); each call then prefills one chunk of what was trimmed.
+        """
+        kv = slot.kv
+        t0 = time.perf_counter()
+        if not slot.redo:
+            tokens = list(kv.tokens)
+            start = kv.settled
+            if len(tokens) - start < 2:  # never a lone token: take one settled position too
+                start = max(start - 1, 0)
+            with self._cv:  # slots() sees the tokens and the KV change together
+                kept = kv.trim_to(start)
+                slot.redo = tokens[kept:]
+            slot.rewrite_s = 0.0
+            slot.rewrite_n = len(slot.redo)
+        take = chunk_length(len(slot.redo), self._batch.capacity)
+        toks = slot.redo[:take]
+        batch = self._batch
+        batch.clear()
+        batch.add_run(toks, len(kv), kv.seq_id, False)
+        try:
+            self.ctx.decode(batch)
+        except BaseException:  # noqa: BLE001 - drop the tail; the next request prefills it
+            log.exception("slot[%d]: rewriting a reply's KV failed", slot.index)
+            slot.redo.clear()
+            kv.resync()
+            return
+        with self._cv:
+            kv.extend(toks)
+            del slot.redo[:take]
+        slot.rewrite_s += time.perf_counter() - t0
+        if not slot.redo:
+            kv.checkpoint()  # the next turn reuses the whole conversation
+            self.events.publish(SlotRewritten(slot.index, slot.last_request, slot.rewrite_n,
+                                              slot.rewrite_s))
+            log.debug("slot[%d]: rewrote %d positions in %.0f ms", slot.index,
+                      slot.rewrite_n, slot.rewrite_s * 1000)
 
     def _progress(self, job: _Job) -> None:
         done = job.record.prefilled_tokens - len(job.todo)
@@ -1160,7 +1297,7 @@ class Engine:
             job.out.put(("delta", delta))
         if job.text.stopped is not None:
             return self._finish(job, "stop")
-        full = len(job.slot.tokens) + (2 if self.exact else 1) > job.slot.capacity
+        full = len(job.slot.kv) + 1 > job.slot.capacity
         if len(job.generated) >= job.params.max_tokens or full:
             return self._finish(job, "length")
         job.next_token = token
@@ -1183,11 +1320,12 @@ class Engine:
         now = time.perf_counter()
         slot = job.slot
         rec = job.record
-        if slot is not None and self.ctx.ptr:  # a guessed or padding position may follow
+        if slot is not None and self.ctx.ptr:  # a guessed position may follow
             try:
-                self.ctx.seq_rm(slot.seq_id, len(slot.tokens), -1)
+                slot.kv.resync()
             except BaseException:  # noqa: BLE001 - the request must still end
                 log.exception("slot[%d]: could not trim past its tokens", slot.index)
+                slot.reset()
         if slot is not None and rec is not None:
             p = job.prompt
             n = len(slot.tokens)
@@ -1237,21 +1375,8 @@ class Engine:
 
     def _fail(self, job: _Job, error: BaseException | None, reason: str) -> None:
         if job.slot is not None:
-            self._resync(job.slot)
+            job.slot.kv.resync()
         self._finish(job, reason, error)
-
-    def _resync(self, slot: _Slot) -> None:
-        """Make the KV hold exactly ``slot.tokens`` again after a failure."""
-        try:
-            self.ctx.seq_rm(slot.seq_id, len(slot.tokens), -1)
-        except BaseException:  # noqa: BLE001
-            log.exception("slot[%d]: KV trim failed; clearing the slot", slot.index)
-            self.ctx.seq_rm(slot.seq_id)
-            slot.reset()
-        if self.ctx.seq_pos_max(slot.seq_id) + 1 != len(slot.tokens):
-            log.error("slot[%d]: KV and token record disagree; clearing the slot", slot.index)
-            self.ctx.seq_rm(slot.seq_id)
-            slot.reset()
 
     def _segments(self, job: _Job, n: int) -> tuple[Segment, ...]:
         """KV map of ``job``'s slot: message spans split by reused / prefilled / generated."""

@@ -64,6 +64,9 @@ class RequestRecord:
     embedding_cache_hits: int = 0  # images decoded from cached embeddings instead
     draft_tokens: int = 0  # guessed next tokens decoded alongside (speculative, exact mode)
     draft_accepted: int = 0  # ... that the model confirmed: two tokens from one decode
+    checkpoint_pos: int | None = None  # the checkpoint restored (hybrid/recurrent models)
+    reprefilled_tokens: int = 0  # matched positions re-prefilled: the KV could not be cut there
+    rewrite_absorbed: int = 0  # previous reply positions re-prefilled before their rewrite ran
     capacity: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -129,13 +132,23 @@ class RequestFinished:
 
 
 @dataclass(frozen=True)
+class SlotRewritten:
+    """A finished reply's KV was rewritten as a batched prefill (exact mode, idle time)."""
+
+    slot: int
+    request_id: int | None  # the request whose reply it was
+    tokens: int  # positions rewritten
+    seconds: float
+
+
+@dataclass(frozen=True)
 class SlotsChanged:
     """Slots changed outside a request (cleared, engine closed)."""
 
     reason: str
 
 
-Event = Union[RequestStarted, Progress, RequestFinished, SlotsChanged]
+Event = Union[RequestStarted, Progress, RequestFinished, SlotRewritten, SlotsChanged]
 Subscriber = Callable[[Event], None]
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine
+from nbkv.engine import ChatStream
 from nbkv.errors import SlotTimeoutError
 from nbkv.events import Progress, RequestFinished, RequestStarted
 
@@ -192,23 +193,79 @@ def test_probe_matches_a_fresh_decode(engine):
 
 def test_a_short_turn_does_not_wait_behind_a_long_prefill(engine):
     """Shortest remaining prompt first: a chat turn arriving while a long document is being
-    prefilled gets its first token before the document's prefill ends."""
+    prefilled gets its first token before the document's prefill ends.
+
+    Told by the order of the engine's events, not by clocks: the scheduler is held after the
+    document's first chunk until the short turn is queued; from then on the document still
+    has several chunks to prefill, and the short turn's first token (``max_tokens=1``: its
+    ``RequestFinished``) must come before the document's remaining chunks and its own first
+    token.
+    """
     engine.clear()
     doc = " ".join(f"Line {i}: the cache keeps what the model has already read." for i in range(60))
     long_msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc}]
     assert len(engine.tokenize_prompt(long_msgs)) > 3 * engine.ctx.n_batch
-    first_chunk = threading.Event()
-    unsub = engine.subscribe(
-        lambda ev: isinstance(ev, Progress) and ev.phase == "rebuild" and first_chunk.set())
+    events, ids = [], {}
+    held, queued = threading.Event(), threading.Event()
+
+    def on_event(ev):
+        events.append(ev)
+        if isinstance(ev, RequestStarted):
+            ids[ev.record.session] = ev.record.id
+        elif (isinstance(ev, Progress) and ev.request_id == ids.get("doc")
+              and not held.is_set()):
+            held.set()  # the document's first chunk is decoded: hold the scheduler here
+            queued.wait(60)
+
+    unsub = engine.subscribe(on_event)
     try:
-        t_long = time.perf_counter()
-        stream = engine.chat(long_msgs, session="doc", stream=True, max_tokens=4, temperature=0)
-        assert first_chunk.wait(60)
-        t_short = time.perf_counter()
-        short = engine.chat(conv(7), session="short", max_tokens=4, temperature=0)
-        stream.result()
+        stream = engine.chat(long_msgs, session="doc", stream=True, max_tokens=1,
+                             temperature=0)
+        assert held.wait(60), "the document's prefill reported no progress"
+        short = engine.chat(conv(7), session="short", stream=True, max_tokens=1,
+                            temperature=0)
+        queued.set()
+        short_reply, long_reply = short.result(), stream.result()
     finally:
+        queued.set()
         unsub()
-    assert t_short + short.record.ttft_s < t_long + stream.record.ttft_s
-    assert stream.record.prefilled_tokens > 3 * engine.ctx.n_batch
+
+    def finished(session):
+        return next(i for i, ev in enumerate(events)
+                    if isinstance(ev, RequestFinished) and ev.record.session == session)
+
+    chunks_after = [ev for ev in events[finished("short"):]
+                    if isinstance(ev, Progress) and ev.request_id == ids["doc"]]
+    assert finished("short") < finished("doc")
+    assert len(chunks_after) >= 1  # the document was still being prefilled
+    assert short_reply.record.generated_tokens == long_reply.record.generated_tokens == 1
+    assert long_reply.record.prefilled_tokens > 3 * engine.ctx.n_batch
+    assert_consistent(engine)
+
+
+def test_chat_many_streams_from_threads_equal_sequential_replies(engine):
+    convs = [conv(i + 20) for i in range(3)]
+    sessions = [f"m{i}" for i in range(3)]
+    engine.clear()
+    alone = sequential(engine, convs)
+    engine.clear()
+    together = [r.text for r in engine.chat_many(convs, sessions, max_tokens=MAX,
+                                                  temperature=0)]
+    engine.clear()
+    streams = engine.chat_many(convs, sessions, stream=True, max_tokens=MAX, temperature=0)
+    assert [type(s) for s in streams] == [ChatStream] * 3
+    deltas = [[] for _ in streams]
+    readers = [threading.Thread(target=deltas[i].extend, args=(s,))
+               for i, s in enumerate(streams)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in readers)
+    streamed = ["".join(d) for d in deltas]
+    assert streamed == [s.text for s in streams]
+    assert streamed == together == alone
+    assert all(s.finish_reason in ("stop", "length") for s in streams)
+    assert [s.record.session for s in streams] == sessions
+    assert len({s.record.slot for s in streams}) == 3  # each conversation in its own slot
     assert_consistent(engine)

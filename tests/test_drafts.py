@@ -41,6 +41,14 @@ def test_image_positions_are_matched_but_never_proposed():
 
 
 def test_matches_only_up_to_max_n():
-    d = NgramDrafter([1, 2, 3, 4, 5, 0, 2, 3, 4], max_n=2)
-    assert d.draft() == 5  # "3 4" -> 5
-    assert len(d._tail) == 2
+    # "2 3 4" was followed by 5; the later "3 4" (after a 7) by 8
+    history = [2, 3, 4, 5, 7, 3, 4, 8, 2, 3, 4]
+    assert NgramDrafter(history, max_n=3).draft() == 5  # the 3-gram wins when it may match
+    assert NgramDrafter(history, max_n=2).draft() == 8  # at most 2 tokens are matched
+    assert NgramDrafter(history, max_n=1).draft() == 8
+    # the same when the history grows token by token (generated tokens)
+    two, three = NgramDrafter(history[:8], max_n=2), NgramDrafter(history[:8], max_n=3)
+    for t in history[8:]:
+        two.append(t)
+        three.append(t)
+    assert (two.draft(), three.draft()) == (8, 5)

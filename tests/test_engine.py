@@ -92,7 +92,8 @@ def test_regenerating_the_same_request_is_a_pure_hit(engine, model_path):
     again = engine.chat(msgs, session="regen", max_tokens=MAX_TOKENS, temperature=0)
     assert again.text == first.text
     assert again.record.strategy == policy.HASH_HIT
-    assert again.record.prefilled_tokens == 1  # only the last prompt token, for its logits
+    # only the last two prompt tokens: their logits, and never a lone-token prefill
+    assert again.record.prefilled_tokens == 2
     assert again.record.trimmed_tokens > 0  # the previous reply was cut off
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+from html import escape
 
 import pytest
 from IPython.core.error import UsageError
@@ -11,6 +13,8 @@ from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
 import nbkv
+from conftest import assert_consistent
+from nbkv.display import Figures
 from nbkv.events import Progress
 from nbkv.sessions import STORE
 
@@ -58,8 +62,15 @@ def test_autoload_loads_the_configured_default(ip, capsys):
         ip.run_line_magic("config", "Nbkv.autoload = False")
     e = nbkv.current_engine()
     assert e is not None and e.n_slots == 2 and e.n_ctx == 1024
-    assert len(nbkv.session("auto").messages) == 2
-    assert "slot" in capsys.readouterr().out
+    s = nbkv.session("auto")
+    assert s.messages[0] == {"role": "user", "content": "Say hi."}
+    reply, rec = s.messages[1]["content"], s.records[-1]
+    assert rec.generated_tokens <= 4 and e.history[-1] == rec
+    out = capsys.readouterr().out
+    # the loading progress, then the reply and its figures line
+    assert "loading default model: 100%" in out
+    assert out.endswith(reply + (" [stopped at --max-tokens]" if rec.finish_reason == "length"
+                                 else "") + "\n" + Figures(rec).text() + "\n")
 
 
 def test_conversation_continues_across_cells(loaded, capsys):
@@ -76,11 +87,17 @@ def test_conversation_continues_across_cells(loaded, capsys):
     assert r2.strategy == "hash-extend" and r2.slot == r1.slot
     assert r2.reused_tokens > r1.prompt_tokens  # the first reply stayed in KV
     assert r2.prefilled_tokens < 25
-    # the figures line: prompt | reused (salvage %) | prefilled | TTFT | tok/s, with strategy
+    assert first.endswith(Figures(r1).text() + "\n")
+    # the figures line of the second turn, with this request's own numbers
     line = out.strip().splitlines()[-1]
-    assert line.startswith("hash-extend · slot")
-    for word in ("prompt", "reused", "%)", "prefilled", "TTFT", "tok/s"):
-        assert word in line
+    assert line == Figures(r2).text()
+    fields = line.split(" | ")
+    assert fields[0] == f"hash-extend · slot {r2.slot}"
+    assert fields[1:4] == [f"prompt {r2.prompt_tokens}",
+                           f"reused {r2.reused_tokens} ({r2.salvage_pct:.0f}%)",
+                           f"prefilled {r2.prefilled_tokens}"]
+    assert fields[4] == f"TTFT {r2.ttft_s * 1000:.0f} ms"
+    assert s.messages[4]["content"] and out.startswith(s.messages[4]["content"])
 
 
 def test_new_starts_over_and_no_stats_hides_figures(loaded, capsys):
@@ -89,7 +106,10 @@ def test_new_starts_over_and_no_stats_hides_figures(loaded, capsys):
     s = nbkv.session("alice")
     assert [m["role"] for m in s.messages] == ["system", "user", "assistant"]
     assert s.messages[0]["content"] == SYSTEM  # --new keeps the system prompt
-    assert "TTFT" not in out and s.messages[2]["content"] in out
+    rec = s.records[-1]
+    assert len(s.records) == 1 and rec.matched_messages == 1  # only the system prompt matched
+    note = " [stopped at --max-tokens]" if rec.finish_reason == "length" else ""
+    assert out == s.messages[2]["content"] + note + "\n"  # the reply, and no figures line
 
 
 def test_out_and_interpolation(loaded):
@@ -151,19 +171,56 @@ def test_bad_kvcache_arguments_raise_usage_errors(loaded, line, match):
     assert nbkv.current_engine() is engine  # a failed load keeps the engine
 
 
+def rendered(table):
+    """Every cell of a table as text, checked to appear in both its HTML and text forms."""
+    html, text = table._repr_html_(), str(table)
+    assert "<table" in html
+    for row in table.rows:
+        for cell in row:
+            cell_html = cell.html if hasattr(cell, "html") else escape(str(cell))
+            assert cell_html in html and str(cell) in text, cell
+    return [tuple(str(c) for c in row) for row in table.rows]
+
+
 def test_kvcache_commands_render_html_and_text(loaded):
-    for cmd, word in [("", "served from cache"), ("status", "imc"), ("slots", "alice"),
-                      ("stats", "salvage_pct"), ("history -n 3", "hash-extend"),
-                      ("config", "Nbkv.slots")]:
-        out = loaded.run_line_magic("kvcache", cmd)
-        assert word in out._repr_html_() and word in str(out), cmd
-        assert "<table" in out._repr_html_()
-    assert len(loaded.run_line_magic("kvcache", "history -n 3").rows) == 3
-    assert "cleared slot 1" in str(loaded.run_line_magic("kvcache", "clear 1"))
-    assert nbkv.current_engine().slots()[1].empty
+    e = nbkv.current_engine()
+    stats = e.stats()
+    status = dict(rendered(loaded.run_line_magic("kvcache", "status")))
+    assert rendered(loaded.run_line_magic("kvcache", "")) == list(status.items())
+    assert status["model"] == e.model.description
+    assert status["slots"] == "2 x 1024 tokens"
+    assert status["cache"] == f"imc (min {e.cache_min_tokens} tokens)"
+    used = sum(s.n_tokens for s in e.slots())
+    assert status["KV in use"] == f"{used}/2048 tokens"
+    assert status["served from cache"] == (f"{stats['reused_tokens']}/{stats['prompt_tokens']} "
+                                           f"prompt tokens ({stats['salvage_pct']:.0f}%)")
+    assert "alice" in status["sessions"].split(", ")
+
+    slots = rendered(loaded.run_line_magic("kvcache", "slots"))
+    assert [row[:4] for row in slots] == [
+        (str(s.index), s.session or "-", str(s.n_messages), f"{s.n_tokens}/{s.capacity}")
+        for s in e.slots()]
+    assert any(row[1] == "alice" for row in slots)
+
+    assert dict(rendered(loaded.run_line_magic("kvcache", "stats")))["requests"] == str(
+        stats["requests"])
+
+    history = rendered(loaded.run_line_magic("kvcache", "history -n 3"))
+    last = e.history[-3:]
+    assert [row[:5] for row in history] == [
+        (str(r.id), r.session or "-", r.strategy, str(r.slot), str(r.prompt_tokens))
+        for r in last]
+    assert [row[11] for row in history] == [r.finish_reason for r in last]
+
+    config = {row[0]: row[1] for row in rendered(loaded.run_line_magic("kvcache", "config"))}
+    magics = loaded.magics_manager.registry["Nbkv"]
+    assert config["Nbkv.slots"] == repr(magics.slots) and config["Nbkv.max_tokens"] == "8"
+
+    assert str(loaded.run_line_magic("kvcache", "clear 1")) == "cleared slot 1"
+    assert e.slots()[1].empty
     dash = loaded.run_line_magic("kvcache", "widget")
     try:
-        assert type(dash).__name__ == "CacheDashboard"
+        assert type(dash).__name__ == "CacheDashboard" and dash.engine is e
     finally:
         dash.close()
 
@@ -179,7 +236,7 @@ def test_config_traits(loaded):
     loaded.run_line_magic("config", "Nbkv.slots = 0")  # %config logs the TraitError
     assert magics.slots == 2
     magics.refresh = 0.05
-    with pytest.raises(Exception, match="refresh must be >= 0"):
+    with pytest.raises(ValueError, match="refresh must be >= 0"):
         magics.refresh = -1
 
 
@@ -205,10 +262,9 @@ def test_interrupt_keeps_partial_reply_and_next_cell_works(loaded, capsys):
     part = loaded.user_ns["part"]
     assert part.finish_reason == "cancelled" and 0 < part.record.generated_tokens < 200
     assert s.messages[-1] == {"role": "assistant", "content": str(part)}
-    assert str(part) in out and "[interrupted]" in out
-    for slot in engine.slots():
-        assert not slot.pending
-        assert engine.ctx.seq_pos_max(slot.seq_id) + 1 == slot.n_tokens
+    assert s.records[-1] == part.record
+    assert out.endswith(f"{part} [interrupted]\n{Figures(part.record).text()}\n")
+    assert_consistent(engine)
     chat(loaded, "carol --max-tokens 4", "Continue.")
     rec = s.records[-1]
     assert rec.finish_reason in ("stop", "length") and rec.strategy == "hash-extend"
@@ -228,14 +284,22 @@ def test_notebook_frontend_streams_markdown_with_progress(loaded):
     rec = nbkv.session("dave").records[-1]
     assert rec.prefilled_tokens > 256  # long enough to report progress
     progress = [o for o in outs if "text/html" in o.data and "nbkv-progress" in o.data["text/html"]]
-    assert progress and "prefilled" in progress[0].data["text/plain"]
+    assert progress
+    what = "extending" if rec.reused_tokens else "rebuilding"  # the slot's prefix was reused
+    for o in progress:  # the prefill so far, out of this request's prefill
+        m = re.fullmatch(what + r" the cache: prefilled (\d+)/(\d+) tokens \((\d+)%\)",
+                         o.data["text/plain"])
+        assert m, o.data["text/plain"]
+        done, total, pct = map(int, m.groups())
+        assert 0 < done < total == rec.prefilled_tokens and pct == round(100 * done / total)
     md = [o for o in outs if "text/markdown" in o.data]
     reply = nbkv.session("dave").messages[-1]["content"]
     assert md and md[-1].data["text/markdown"] == reply + "\n\n*[stopped at --max-tokens]*"
     assert outs.index(progress[-1]) < outs.index(md[0])  # progress, then the reply
     assert all(o.update for o in progress + md)  # one display, updated in place
     fig = outs[-1].data
-    assert "nbkv-figures" in fig["text/html"] and "prefilled" in fig["text/plain"]
+    assert fig["text/plain"] == Figures(rec).text()
+    assert fig["text/html"] == Figures(rec)._repr_html_()
 
 
 def test_loading_again_replaces_the_engine(loaded, capsys):
@@ -246,7 +310,9 @@ def test_loading_again_replaces_the_engine(loaded, capsys):
     assert (new.n_slots, new.n_ctx, new.cache, new.cache_min_tokens) == (1, 512, "spc", 10)
     chat(loaded, "alice --no-stats --max-tokens 4", "One more?")  # sessions outlive engines
     assert nbkv.session("alice").records[-1].strategy in ("miss", "spc")
-    assert "loading" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "loading default model: 100%" in out
+    assert len(nbkv.session("alice").records[-1].segments) > 0
 
 
 def _png(path, seed=0):
@@ -282,8 +348,10 @@ def test_images_through_the_magics(loaded, tmp_path):
         assert s.messages[0]["content"][0]["type"] == "image_url"
         slot = nbkv.current_engine().slots()[second.slot]
         assert media_chunks(slot) == 1
+        images = [seg for seg in slot.segments if seg.kind == "image"]
+        assert [(seg.length, seg.state) for seg in images] == [(16, "reused")]
         strip = slots_table(nbkv.current_engine()).rows[second.slot][-1].text
-        assert "I" in strip or "i" in strip  # the image span in the KV map
+        assert "I" in strip and "i" not in strip  # the image span, reused by the last turn
         # a Markdown image in the cell body is an image too, in its place in the text
         chat(loaded, "md --new --max-tokens 4 --no-stats", f"Look: ![a cat]({img}) What is it?")
         md = nbkv.session("md")

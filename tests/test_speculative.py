@@ -1,4 +1,4 @@
-"""Guesses in the second decode position (exact mode): same replies, two tokens per decode."""
+"""Prompt-lookup guesses (speculative=True): checked against the sampled token, KV exact."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ ECHO = [
 
 @pytest.fixture(scope="module")
 def engines(model_path):
-    with Engine(model_path, n_slots=2, n_ctx=1024) as on, \
-            Engine(model_path, n_slots=2, n_ctx=1024, speculative=False) as off:
+    with Engine(model_path, n_slots=2, n_ctx=1024, speculative=True) as on, \
+            Engine(model_path, n_slots=2, n_ctx=1024) as off:
         yield on, off
 
 
@@ -31,14 +31,28 @@ def two_turns(engine, **sampling):
     return [first, second]
 
 
-def test_greedy_replies_equal_without_guesses_and_guesses_pay(engines):
+def fresh_reply(model_path, messages, **sampling):
+    with Engine(model_path, n_slots=1, n_ctx=1024, cache="off", speculative=True) as e:
+        return e.chat(messages, max_tokens=24, **sampling).text
+
+
+def test_cached_replies_with_guesses_equal_fresh_ones_and_guesses_pay(engines, model_path):
+    # A token decoded beside its guess is a two-row decode, which llama.cpp's CPU kernels
+    # round differently from a one-row decode: replies with guesses are compared with
+    # replies with guesses computed from scratch, not with replies without guesses.
     on, off = engines
-    with_guesses, without = two_turns(on, temperature=0), two_turns(off, temperature=0)
-    assert [r.text for r in with_guesses] == [r.text for r in without]
+    on.clear()
+    with_guesses = two_turns(on, temperature=0)
+    msgs = [dict(m) for m in ECHO]
+    assert with_guesses[0].text == fresh_reply(model_path, msgs, temperature=0)
+    msgs += [with_guesses[0].message, {"role": "user", "content": "Now copy it once more."}]
+    assert with_guesses[1].record.reused_tokens > 100
+    assert with_guesses[1].text == fresh_reply(model_path, msgs, temperature=0)
     recs = [r.record for r in with_guesses]
     assert sum(r.draft_accepted for r in recs) >= 5  # the echo is guessed right
     assert all(0 <= r.draft_accepted <= r.draft_tokens for r in recs)
-    assert all(r.draft_tokens == 0 for r in (r.record for r in without))
+    without = two_turns(off, temperature=0)
+    assert all(r.record.draft_tokens == 0 for r in without)
     assert "guesses" in recs[0].summary()
     stats = on.stats()
     assert stats["draft_accepted"] == sum(r.draft_accepted for r in recs)
@@ -47,10 +61,13 @@ def test_greedy_replies_equal_without_guesses_and_guesses_pay(engines):
         assert_consistent(e)
 
 
-def test_seeded_sampling_is_unchanged_by_guesses(engines):
-    on, off = engines
+def test_seeded_sampling_with_guesses_is_reproducible(engines):
+    on, _ = engines
     kw = dict(temperature=0.9, top_k=20, seed=11)
-    assert [r.text for r in two_turns(on, **kw)] == [r.text for r in two_turns(off, **kw)]
+    on.clear()
+    first = [r.text for r in two_turns(on, **kw)]
+    on.clear()
+    assert [r.text for r in two_turns(on, **kw)] == first
 
 
 def test_kv_after_accepted_guesses_equals_a_fresh_decode(engines):
@@ -61,4 +78,4 @@ def test_kv_after_accepted_guesses_equals_a_fresh_decode(engines):
     assert_consistent(on)
     slot = next(s for s in on.slots() if s.session == "echo")
     cached = np.array(on.probe(slot.index, 42))
-    assert np.array_equal(cached, fresh_probe(on.model, slot.tokens, 42))
+    assert np.array_equal(cached, fresh_probe(on.model, on.slots()[slot.index].tokens, 42))

@@ -198,36 +198,129 @@ def test_timeline_plots_salvage_ttft_and_no_cache_estimate():
     # 200 tokens/s observed: reusing 200 tokens saved ~1 s
     assert list(t["no-cache estimate"].y) == pytest.approx([1100, 1200])
     assert list(t["prefilled"].y) == [20, 140] and list(t["reused"].y) == [200, 100]
-    with pytest.raises(Exception, match="max_requests must be >= 1"):
+    with pytest.raises(ValueError, match="max_requests must be >= 1"):
         tl.max_requests = 0
 
 
-def test_live_feed_is_throttled_cheap_and_ends_on_the_final_state(sent):
+class ManualClock:
+    """The feed's clock, moved only by the test: ``time.monotonic`` and timed event waits.
+
+    Installed as the ``time`` and ``threading.Event`` of :mod:`nbkv.widgets.feed`, so the
+    render thread's throttle (``interval`` seconds between redraws) runs on this clock.
+    """
+
+    def __init__(self, now=1000.0):
+        self.now = now
+        self.cv = threading.Condition()
+
+    def monotonic(self):
+        with self.cv:
+            return self.now
+
+    def advance(self, seconds):
+        with self.cv:
+            self.now += seconds
+            self.cv.notify_all()
+
+    def __getattr__(self, name):  # anything else the feed takes from ``time``
+        return getattr(time, name)
+
+
+class ClockEvent:
+    """``threading.Event`` whose ``wait(timeout)`` times out on a :class:`ManualClock`."""
+
+    def __init__(self, clock):
+        self.clock, self.flag = clock, False
+
+    def is_set(self):
+        return self.flag
+
+    def set(self):
+        with self.clock.cv:
+            self.flag = True
+            self.clock.cv.notify_all()
+
+    def clear(self):
+        with self.clock.cv:
+            self.flag = False
+
+    def wait(self, timeout=None):
+        with self.clock.cv:
+            end = None if timeout is None else self.clock.now + timeout
+            while not self.flag and (end is None or self.clock.now < end):
+                self.clock.cv.wait()
+            return self.flag
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from nbkv.widgets import feed as feed_module
+
+    c = ManualClock()
+
+    class Threading:
+        def Event(self):  # noqa: N802 - stands in for threading.Event
+            return ClockEvent(c)
+
+        def __getattr__(self, name):
+            return getattr(threading, name)
+
+    monkeypatch.setattr(feed_module, "time", c)
+    monkeypatch.setattr(feed_module, "threading", Threading())
+    return c
+
+
+class Draws:
+    """A view that records each redraw: the thread it ran on and the events applied so far."""
+
+    def __init__(self):
+        self.seen = []
+        self.cv = threading.Condition()
+
+    def render(self, state):
+        with self.cv:
+            self.seen.append((threading.current_thread().name, state.events))
+            self.cv.notify_all()
+
+    def show_error(self, message):
+        raise AssertionError(message)
+
+    def wait_for(self, n):
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.seen) >= n, timeout=30), self.seen
+        return self.seen[n - 1]
+
+
+def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(sent, clock):
     eng = FakeEngine()
     dash = CacheDashboard(eng, interval=0.25)
+    draws = Draws()
+    dash.feed.attach(draws)  # drawn once right away, on this thread
     try:
-        eng.publish(RequestStarted(record()))
-        t0 = time.perf_counter()
-        cost = 0.0
-        for i in range(1, 101):  # ~1.2 s of progress events
-            a = time.perf_counter()
+        eng.publish(RequestStarted(record()))  # the first event is drawn at once
+        assert draws.wait_for(2) == ("nbkv-widgets", 1)
+        for i in range(1, 51):  # 50 events within 0.2 s of that redraw
+            clock.advance(0.004)
             eng.publish(Progress(1, 0, "generate", i, 100))
-            cost += time.perf_counter() - a
-            time.sleep(0.012)
-        elapsed = time.perf_counter() - t0
+        assert len(draws.seen) == 2  # the feed waits for the interval to pass
+        clock.advance(0.1)  # 0.3 s since the last redraw: one redraw for all 50
+        assert draws.wait_for(3) == ("nbkv-widgets", 51)
+        for i in range(51, 101):
+            clock.advance(0.004)
+            eng.publish(Progress(1, 0, "generate", i, 100))
         eng.publish(RequestFinished(record(generated_tokens=100)))
-        deadline = time.monotonic() + 5
-        while dash.timeline.shown != 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert dash.timeline.shown == 1  # the final update arrived
-        assert dash.feed.renders <= elapsed / 0.25 + 3
-        assert cost / 100 < 0.001  # the engine thread only queues the event
-        # redraws happen on the widget thread, never on the engine's
+        assert len(draws.seen) == 3
+        clock.advance(0.1)  # the final state, once more after the last event
+        assert draws.wait_for(4) == ("nbkv-widgets", 102)
+        assert dash.feed.renders == 3  # 102 events, 3 redraws
+        assert dash.timeline.shown == 1 and "1 requests" in dash.header.value
+        assert "generating" not in dash.slots.cards[0].value  # the request ended
+        # publishing only queues: every redraw after the first ran on the widget thread
+        assert [name for name, _ in draws.seen] == ["MainThread"] + ["nbkv-widgets"] * 3
         assert {name for name, _ in sent} - {"MainThread"} <= {"nbkv-widgets"}
-        assert "1 requests" in dash.header.value
     finally:
         dash.close()
-    assert not dash.feed._thread.is_alive()
+    assert len(draws.seen) == 4  # closing draws nothing more
 
 
 def test_a_failing_redraw_is_shown_not_raised():
@@ -278,8 +371,8 @@ def test_dashboard_follows_a_real_conversation(engine):
         deadline = time.monotonic() + 10
         while dash.timeline.shown < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.3)
-        assert dash.timeline.shown == 2
+        assert dash.timeline.shown == 2  # the live feed drew both requests on its own
+        dash.feed.flush()  # the final state, drawn now whatever the throttle
         slot = res2.record.slot
         card = dash.slots.cards[slot].value
         assert "real" in card and f"{engine.slots()[slot].n_tokens}/1024" in card

@@ -1,0 +1,336 @@
+"""The KV layer: the one owner of "a slot's recorded tokens == its KV".
+
+A slot is one llama.cpp sequence. What can be done to a sequence exactly depends on the kind
+of memory the model has (:func:`classify`):
+
+- ``plain`` attention: any trim is exact (``seq_rm(n, -1)``).
+- ``sliding-window`` (Gemma 3): the SWA layers keep positions only as long as the window
+  needs them; a trim is exact while the SWA cache still holds the window before the cut
+  (checked with ``seq_pos_min``), else the slot is rebuilt.
+- ``hybrid`` (LFM2, Granite-H, Qwen3-Next) and ``recurrent`` (Mamba, RWKV): a recurrent
+  state cannot be rolled back. The slot keeps *checkpoints*, partial states
+  (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) taken at prefill-chunk boundaries; a trim restores
+  the newest checkpoint at or before the target and the caller prefills the gap.
+
+Every operation ends by verifying ``seq_pos_max`` (and ``seq_pos_min`` where it means
+something) against the recorded tokens; on any disagreement the slot is cleared: KV that
+cannot be proven is never served.
+
+``settled`` counts the leading positions whose KV is exactly what a batched prefill of the
+recorded tokens computes. Generated tokens are decoded one at a time, which llama.cpp's CPU
+kernels compute slightly differently; the engine rewrites them later (see
+:meth:`SlotKV.unsettled`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backend import Batch, Context, Model
+from .errors import ModelLoadError
+
+log = logging.getLogger("nbkv")
+
+PLAIN, SWA, HYBRID, RECURRENT = "plain", "sliding-window", "hybrid", "recurrent"
+MEMORY_CLASSES = (PLAIN, SWA, HYBRID, RECURRENT)
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """What a model's memory allows, as llama.cpp reports it (never guessed from a name)."""
+
+    kind: str  # one of MEMORY_CLASSES
+    n_swa: int = 0
+    can_trim: bool = True  # seq_rm(p0 > 0, -1) works (probed on a real sequence at load)
+
+    @property
+    def checkpoints(self) -> bool:
+        """Trims go through checkpoints (the memory cannot drop a sequence's tail)."""
+        return not self.can_trim
+
+    def describe(self) -> str:
+        """One line for status tables."""
+        extra = {
+            PLAIN: "any trim is exact",
+            SWA: f"window {self.n_swa}, full-size SWA cache",
+            HYBRID: "attention + recurrent layers, checkpoints at message boundaries",
+            RECURRENT: "recurrent state, checkpoints at message boundaries",
+        }[self.kind]
+        return f"{self.kind} ({extra})"
+
+
+def classify(model: Model) -> str:
+    """The model's memory class, from llama.cpp's own flags.
+
+    Raises :class:`ModelLoadError` for models nbkv cannot serve as a chat engine.
+    """
+    if model.has_encoder or not model.has_decoder:
+        raise ModelLoadError(
+            f"{model.path.name} is an encoder-decoder or encoder-only model: nbkv serves "
+            "decoder-only chat models (its KV cache holds one decoder sequence per slot)"
+        )
+    if model.is_hybrid:
+        return HYBRID
+    if model.is_recurrent:
+        return RECURRENT
+    if model.n_swa > 0:
+        return SWA
+    return PLAIN
+
+
+def probe_memory(model: Model, ctx: Context, batch: Batch, seq: int = 0) -> MemoryInfo:
+    """Classify the model and check on a real sequence whether its tail can be trimmed.
+
+    As llama-server does at load: decode two tokens, try to remove the second. A model
+    classified as attention-only that cannot trim is served with checkpoints, and a
+    recurrent one that claims it can is not trusted (its state would be silently wrong).
+    """
+    kind = classify(model)
+    tok = max(model.n_vocab // 2, 1)
+    batch.clear()
+    batch.add(tok, 0, seq, False)
+    batch.add(tok, 1, seq, False)
+    ctx.decode(batch)
+    can_trim = ctx.try_seq_rm(seq, 1, -1)
+    ctx.try_seq_rm(seq, -1, -1)
+    if ctx.seq_pos_max(seq) != -1:
+        raise ModelLoadError("could not empty a sequence after the load-time memory probe")
+    if kind in (HYBRID, RECURRENT):
+        can_trim = False
+    elif not can_trim:
+        log.warning("%s memory cannot trim a sequence's tail: serving it with checkpoints", kind)
+    return MemoryInfo(kind, model.n_swa, can_trim)
+
+
+@dataclass
+class Checkpoint:
+    """A partial state of a sequence holding its first ``pos`` positions."""
+
+    pos: int
+    data: Any  # opaque to this module's pure parts (a ctypes byte array in practice)
+    nbytes: int
+    used: int = 0  # logical clock of the last use (creation or restore)
+
+
+@dataclass
+class CheckpointSet:
+    """A slot's checkpoints, bounded in number, least recently used evicted first.
+
+    Pure bookkeeping: no llama.cpp here, so the choice of checkpoint is tested without one.
+    """
+
+    max_entries: int = 8
+    items: list[Checkpoint] = field(default_factory=list)  # sorted by pos
+    _clock: Any = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Positions with a checkpoint, ascending."""
+        return tuple(c.pos for c in self.items)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the checkpoints take."""
+        return sum(c.nbytes for c in self.items)
+
+    def add(self, pos: int, data: Any, nbytes: int) -> list[int]:
+        """Keep a checkpoint at ``pos`` (replacing one there); returns evicted positions."""
+        self.items = [c for c in self.items if c.pos != pos]
+        self.items.append(Checkpoint(pos, data, nbytes, next(self._clock)))
+        self.items.sort(key=lambda c: c.pos)
+        evicted = []
+        while len(self.items) > self.max_entries:
+            # least recently used; the newest position is the one the next turn needs most
+            newest = self.items[-1]
+            victim = min((c for c in self.items if c is not newest), key=lambda c: c.used)
+            self.items.remove(victim)
+            evicted.append(victim.pos)
+        return evicted
+
+    def at_or_before(self, n: int) -> Checkpoint | None:
+        """The newest checkpoint at or before position ``n`` (marked used), or None."""
+        best = None
+        for c in self.items:
+            if c.pos <= n:
+                best = c
+        if best is not None:
+            best.used = next(self._clock)
+        return best
+
+    def drop_after(self, n: int) -> None:
+        """Forget checkpoints past position ``n`` (their positions are gone)."""
+        self.items = [c for c in self.items if c.pos <= n]
+
+    def copy(self) -> CheckpointSet:
+        """An independent set sharing the (immutable) checkpoint data."""
+        out = CheckpointSet(self.max_entries, _clock=self._clock)
+        out.items = [Checkpoint(c.pos, c.data, c.nbytes, c.used) for c in self.items]
+        return out
+
+    def clear(self) -> None:
+        """Forget every checkpoint."""
+        self.items.clear()
+
+
+class SlotKV:
+    """One sequence's KV and the tokens it holds, kept equal by every operation.
+
+    ``tokens`` has one entry per KV position (a token id, or a media unit for image
+    positions). Only this class changes the sequence's memory; the scheduler decodes into
+    it and then calls :meth:`extend` with what was decoded.
+    """
+
+    def __init__(self, ctx: Context, seq_id: int, memory: MemoryInfo,
+                 max_checkpoints: int = 8) -> None:
+        self.ctx = ctx
+        self.seq_id = seq_id
+        self.memory = memory
+        self.tokens: list[Any] = []
+        self.settled = 0
+        self.checkpoints = CheckpointSet(max_checkpoints)
+        self.last_restore: int | None = None  # position of the checkpoint the last trim used
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def unsettled(self) -> int:
+        """Trailing positions decoded one token at a time, not yet rewritten."""
+        return len(self.tokens) - self.settled
+
+    # ------------------------------------------------------------------ operations
+
+    def extend(self, units: Sequence[Any], settled: bool = True) -> None:
+        """Record ``units`` as decoded at the end of the sequence (after a successful decode).
+
+        ``settled=False`` marks them as decoded token by token (see :attr:`settled`).
+        """
+        if settled and self.settled == len(self.tokens):
+            self.settled += len(units)
+        self.tokens.extend(units)
+
+    def trim_to(self, n: int) -> int:
+        """Keep at most the first ``n`` positions; returns how many remain (maybe fewer).
+
+        Plain and sliding-window memory cut at ``n`` exactly (when the window allows);
+        checkpointed memory goes back to the newest checkpoint at or before ``n``; with no
+        way to cut exactly the slot is emptied.
+        """
+        self.last_restore = None
+        n = max(0, min(n, len(self.tokens)))
+        if n == len(self.tokens):
+            return n
+        return self._cut(n)
+
+    def _cut(self, n: int) -> int:
+        """Drop every position from ``n`` on, exactly, or as close below as possible."""
+        if n == 0:
+            self.clear()
+            return 0
+        if self.memory.can_trim and self._window_holds(n):
+            if not self.ctx.try_seq_rm(self.seq_id, n, -1):
+                log.warning("seq %d: llama.cpp refused a trim to %d; rebuilding", self.seq_id, n)
+                self.clear()
+                return 0
+            kept = n
+        else:
+            cp = self.checkpoints.at_or_before(n) if self.memory.checkpoints else None
+            if cp is None:
+                log.debug("seq %d: no exact way back to %d tokens; clearing", self.seq_id, n)
+                self.clear()
+                return 0
+            self.ctx.state_set(self.seq_id, cp.data, partial=True)
+            if not self.ctx.try_seq_rm(self.seq_id, cp.pos, -1):
+                self.clear()
+                return 0
+            kept = self.last_restore = cp.pos
+            log.debug("checkpoint-restore: seq %d back to %d (asked %d)", self.seq_id, kept, n)
+        del self.tokens[kept:]
+        self.checkpoints.drop_after(kept)
+        self.settled = min(self.settled, kept)
+        if not self.verify():
+            log.error("seq %d: KV and tokens disagree after a trim; clearing", self.seq_id)
+            self.clear()
+            return 0
+        return kept
+
+    def copy_from(self, donor: SlotKV, n: int) -> int:
+        """Hold the first ``n`` positions of ``donor`` (a whole-sequence copy, then a trim).
+
+        Returns the positions kept. The donor is unchanged.
+        """
+        self.clear()
+        self.ctx.seq_cp(donor.seq_id, self.seq_id)
+        self.tokens = list(donor.tokens)
+        self.settled = donor.settled
+        self.checkpoints = donor.checkpoints.copy()
+        return self.trim_to(n)
+
+    def checkpoint(self) -> bool:
+        """Save a checkpoint at the current end, where the memory needs them."""
+        if not self.memory.checkpoints or not self.tokens:
+            return False
+        n = len(self.tokens)
+        if self.checkpoints.positions and self.checkpoints.positions[-1] == n:
+            return False
+        data = self.ctx.state_get(self.seq_id, partial=True)
+        for pos in self.checkpoints.add(n, data, ctypes.sizeof(data)):
+            log.debug("seq %d: checkpoint at %d evicted", self.seq_id, pos)
+        return True
+
+    def save_state(self) -> Any:
+        """The whole state, for :meth:`load_state` into another (empty) slot."""
+        return self.ctx.state_get(self.seq_id)
+
+    def load_state(self, state: Any, tokens: Sequence[Any]) -> None:
+        """Replace the slot with a whole state saved by :meth:`save_state` holding ``tokens``."""
+        self.clear()
+        self.ctx.state_set(self.seq_id, state)
+        self.tokens = list(tokens)
+        self.settled = len(self.tokens)
+        if not self.verify():
+            self.clear()
+            return
+        self.checkpoint()
+
+    def clear(self) -> None:
+        """Empty the sequence."""
+        self.ctx.try_seq_rm(self.seq_id, -1, -1)
+        self.tokens.clear()
+        self.settled = 0
+        self.checkpoints.clear()
+
+    def resync(self) -> None:
+        """After a failed or partial decode: make the KV hold exactly :attr:`tokens` again."""
+        n = len(self.tokens)
+        if self.ctx.seq_pos_max(self.seq_id) + 1 == n and self.verify():
+            return
+        if self.memory.can_trim and self.ctx.try_seq_rm(self.seq_id, n, -1) and self.verify():
+            return
+        if self.memory.checkpoints and n and self._cut(n):
+            return  # the recurrent state moved past the tokens: back to a checkpoint
+        log.error("seq %d: KV and token record disagree; clearing the slot", self.seq_id)
+        self.clear()
+
+    # ------------------------------------------------------------------ checks
+
+    def verify(self) -> bool:
+        """The memory holds exactly positions ``0..len(tokens)-1`` of this sequence."""
+        n = len(self.tokens)
+        if self.ctx.seq_pos_max(self.seq_id) + 1 != n:
+            return False
+        if self.memory.kind == PLAIN:
+            return self.ctx.seq_pos_min(self.seq_id) == (0 if n else -1)
+        return True
+
+    def _window_holds(self, n: int) -> bool:
+        """Sliding window: the SWA cache still holds every position a token at ``n`` sees."""
+        if self.memory.kind != SWA:
+            return True
+        lo = self.ctx.seq_pos_min(self.seq_id)
+        return 0 <= lo <= max(0, n - self.memory.n_swa)
