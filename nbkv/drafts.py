@@ -1,10 +1,10 @@
 """Draft tokens for speculative decoding by prompt lookup (n-gram matching).
 
-With ``Engine(speculative=True)`` a generating sequence decodes a second position beside its
-next token: a guess of the token after it, the token that followed the latest earlier occurrence of the
-sequence's last ``n`` tokens (longest ``n`` first). When the sampled token equals the guess,
-the guess's KV and logits are already computed and the request advances two tokens in one
-decode; when it does not, the guess is removed from the KV and nothing else changes. Chat
+With ``Engine(speculative=True)`` a generating sequence decodes a second position beside
+its next token: a guess of the token after it, the one that followed the latest earlier
+occurrence of the sequence's last ``n`` tokens (longest ``n`` first). When the sampled
+token equals the guess, the guess's KV and logits are already computed and the request
+advances two tokens in one decode; when it does not, the guess is removed from the KV. Chat
 replies often quote the conversation (names, code, the question itself), which is what makes
 such cheap guesses pay off.
 """
