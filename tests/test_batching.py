@@ -1,0 +1,103 @@
+"""Step planning and checkpoint choice: pure logic, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbkv.batching import Prefilling, StepPlan, chunk_length, plan_step
+from nbkv.slot_kv import CheckpointSet
+
+
+@pytest.mark.parametrize(
+    ("remaining", "capacity", "hard", "soft", "expected"),
+    [
+        (10, 256, (), (), 10),  # the whole prompt fits
+        (300, 256, (), (), 256),
+        (257, 256, (), (), 255),  # never leave a lone token for the last chunk
+        (1, 256, (), (), 1),  # a one-token prompt remainder has no choice
+        (50, 256, (20,), (), 20),  # an image or the system-prompt end: always a chunk end
+        (50, 256, (1,), (), 1),
+        (50, 256, (), (12, 30), 12),  # the first checkpoint boundary
+        (50, 256, (), (1, 30), 30),  # ... unless it would be a lone-token chunk
+        (50, 256, (), (49,), 50),  # ... or leave a lone token after it
+        (50, 256, (40,), (12,), 12),
+        (600, 256, (), (300,), 256),  # beyond the batch: the batch decides
+    ],
+)
+def test_chunk_length(remaining, capacity, hard, soft, expected):
+    assert chunk_length(remaining, capacity, hard, soft) == expected
+
+
+def test_chunks_never_leave_or_take_a_lone_token_without_stops():
+    for remaining in range(2, 800):
+        left, sizes = remaining, []
+        while left:
+            n = chunk_length(left, 256)
+            sizes.append(n)
+            left -= n
+        assert min(sizes) >= 2, (remaining, sizes)
+
+
+def test_shortest_prompt_first_and_last_chunk_alone():
+    long = Prefilling(key=1, remaining=900)
+    short = Prefilling(key=2, remaining=40)
+    plan = plan_step([long, short], generating=3, capacity=256)
+    # the short prompt finishes in this chunk: it runs alone, its first token waits for nobody
+    assert plan == StepPlan(prefill=2, take=40, image=False, generate=False)
+    plan = plan_step([long], generating=3, capacity=256)
+    assert plan == StepPlan(prefill=1, take=256, image=False, generate=True)
+
+
+def test_ties_go_to_the_first_come_and_waiting_requests_are_skipped():
+    a, b = Prefilling(key=5, remaining=40), Prefilling(key=3, remaining=40)
+    assert plan_step([a, b], 0, 256).prefill == 3
+    waiting = Prefilling(key=3, remaining=10, ready=False)
+    assert plan_step([a, waiting], 0, 256).prefill == 5
+
+
+def test_images_and_idle_steps():
+    img = Prefilling(key=1, remaining=20, image_next=True)
+    assert plan_step([img], 2, 256) == StepPlan(prefill=1, take=0, image=True, generate=True)
+    assert plan_step([], 2, 256) == StepPlan(generate=True)
+    assert plan_step([], 0, 256).idle
+    assert plan_step([Prefilling(key=1, remaining=20, ready=False)], 0, 256).idle
+
+
+def test_checkpoint_choice_is_the_newest_at_or_before_the_target():
+    cps = CheckpointSet(max_entries=8)
+    for pos in (40, 10, 25):
+        cps.add(pos, object(), 100)
+    assert cps.positions == (10, 25, 40)
+    assert cps.at_or_before(9) is None
+    assert cps.at_or_before(10).pos == 10
+    assert cps.at_or_before(39).pos == 25
+    assert cps.at_or_before(1000).pos == 40
+    assert cps.nbytes == 300
+    cps.drop_after(30)
+    assert cps.positions == (10, 25)
+
+
+def test_checkpoints_are_bounded_least_recently_used_first_and_the_newest_stays():
+    cps = CheckpointSet(max_entries=3)
+    for pos in (10, 20, 30):
+        cps.add(pos, pos, 1)
+    cps.at_or_before(10)  # 10 used: 20 is now the least recently used
+    assert cps.add(40, 40, 1) == [20]
+    assert cps.positions == (10, 30, 40)
+    cps.at_or_before(15)
+    cps.at_or_before(35)
+    assert cps.add(50, 50, 1) == [40]  # 40 was used least recently (added, never restored)
+    assert cps.positions == (10, 30, 50)
+    cps.add(30, "new", 1)  # same position: replaced, not duplicated
+    assert cps.positions == (10, 30, 50)
+    assert cps.at_or_before(30).data == "new"
+
+
+def test_a_copied_set_is_independent():
+    cps = CheckpointSet(max_entries=4)
+    cps.add(5, "a", 1)
+    other = cps.copy()
+    other.add(9, "b", 1)
+    other.drop_after(4)
+    assert cps.positions == (5,)
+    assert other.positions == ()

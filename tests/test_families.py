@@ -1,0 +1,206 @@
+"""Exact caching on every model family: plain, sliding-window, hybrid and recurrent.
+
+Tiny random-weight models (``nbkv.fixtures.make_text_model``) with SmolLM2's tokenizer, and
+SmolLM2 itself. A reply's text is a weak check on random weights (different KV often gives
+the same argmax), so after every scenario each slot's KV is also compared with a
+from-scratch decode of its recorded tokens: the probe token's logits, ``np.array_equal``.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+import pytest
+
+from conftest import SYSTEM, assert_consistent, fresh_probe
+from nbkv import Engine, policy, templates
+from nbkv.events import Progress
+from nbkv.models import default_model_path
+
+FAMILIES = ("smollm2", "gemma3", "lfm2", "mamba2", "granitehybrid")
+CLASSES = {"smollm2": "plain", "gemma3": "sliding-window", "lfm2": "hybrid",
+           "mamba2": "recurrent", "granitehybrid": "hybrid"}
+MAX = 8
+QUESTIONS = ["What is a CPU?", "And memory?", "Why is a cache fast?", "What is a bit?",
+             "And a byte?", "Summarize."]
+
+
+def model_for(family):
+    if family == "smollm2":
+        return str(default_model_path())
+    from nbkv.fixtures import make_text_model
+
+    return str(make_text_model(family))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def path(family):
+    return model_for(family)
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    with Engine(path, n_slots=2, n_ctx=1024, cache_min_tokens=20) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def scratch(path):
+    """The oracle: the same request with nothing cached (a fresh context per reply)."""
+    def reply(messages, template=None):
+        with Engine(path, n_slots=1, n_ctx=1024, cache="off", template=template) as e:
+            return e.chat(messages, max_tokens=MAX, temperature=0).text
+    return reply
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assert_kv_exact(engine):
+    """Every slot's KV equals a from-scratch decode of its tokens (probe logits)."""
+    engine.settle()
+    assert_consistent(engine)
+    for s in engine.slots():
+        if s.empty:
+            continue
+        cached = np.array(engine.probe(s.index, 42))
+        tokens = engine.slots()[s.index].tokens
+        fresh = fresh_probe(engine.model, tokens, 42)
+        assert np.array_equal(cached, fresh), (
+            f"slot {s.index} ({s.memory}): KV differs from a fresh decode, "
+            f"max |diff| {np.abs(cached - fresh).max()}")
+
+
+def test_the_memory_class_comes_from_llama_cpp(engine, family):
+    assert engine.memory.kind == CLASSES[family]
+    assert engine.memory.checkpoints == (CLASSES[family] in ("hybrid", "recurrent"))
+    assert all(s.memory == CLASSES[family] for s in engine.slots())
+
+
+def test_six_turns_are_exact_and_prefill_only_the_new_message(engine, scratch, family):
+    engine.clear()
+    msgs = [{"role": "system", "content": SYSTEM}]
+    records = []
+    for q in QUESTIONS:
+        msgs.append(user(q))
+        res = engine.chat(msgs, session="six", max_tokens=MAX, temperature=0)
+        assert res.text == scratch(msgs), f"{family}: turn {len(records) + 1} differs"
+        records.append(res.record)
+        msgs.append(res.message)
+        engine.settle()  # the user reads: the reply's KV is rewritten meanwhile
+    for prev, r in zip(records, records[1:]):
+        assert r.strategy == policy.HASH_EXTEND
+        # never seen before: the new message and the template's glue around it
+        minimum = r.prompt_tokens - prev.prompt_tokens - prev.generated_tokens
+        assert r.prefilled_tokens <= max(minimum * 1.1, minimum + 1), (
+            family, r.prefilled_tokens, minimum)
+        assert r.reprefilled_tokens == 0 and r.rewrite_absorbed == 0
+        if engine.memory.checkpoints:
+            assert r.checkpoint_pos == r.reused_tokens  # a checkpoint at the reply's end
+    slot = next(s for s in engine.slots() if s.session == "six")
+    if engine.memory.checkpoints:
+        assert slot.checkpoints and slot.checkpoints[-1] == slot.n_tokens
+        assert len(slot.checkpoints) <= 8 and slot.checkpoint_bytes > 0
+    assert_kv_exact(engine)
+
+
+def test_three_sessions_on_two_slots_evict_and_copy_the_shared_prefix(engine, scratch):
+    engine.clear()
+    convs = {n: [{"role": "system", "content": SYSTEM}] for n in "ABC"}
+    donors, evictions = 0, 0
+    for rnd in range(2):
+        for name, msgs in convs.items():
+            msgs.append(user(f"{QUESTIONS[rnd]} ({name})"))
+            res = engine.chat(msgs, session=name, max_tokens=MAX, temperature=0)
+            assert res.text == scratch(msgs)
+            msgs.append(res.message)
+            donors += res.record.donor_slot is not None
+            evictions += res.record.evicted_session is not None
+            assert_consistent(engine)
+    assert donors >= 1 and evictions >= 1
+    assert_kv_exact(engine)
+
+
+def test_an_edited_earlier_message_reuses_what_precedes_it(engine, scratch):
+    engine.clear()
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for q in QUESTIONS[:3]:
+        msgs.append(user(q))
+        msgs.append(engine.chat(msgs, session="edit", max_tokens=MAX, temperature=0).message)
+    engine.settle()
+    edited = msgs[:3] + [user("What does a disk do?")]
+    res = engine.chat(edited, session="edit", max_tokens=MAX, temperature=0)
+    assert res.text == scratch(edited)
+    assert res.record.strategy == policy.HASH_EXTEND
+    sys_and_first = len(engine.tokenize_prompt(msgs[:3])) - 3
+    assert res.record.reused_tokens >= sys_and_first
+    assert_kv_exact(engine)
+
+
+def test_a_template_that_renders_the_time_salvages_the_prefix(path, monkeypatch):
+    now = {"t": datetime.datetime(2026, 1, 1, 9, 0, 0)}
+    monkeypatch.setattr(templates, "_now", lambda: now["t"])
+    timed = templates.CLOCK_CHATML
+    with Engine(path, n_slots=2, n_ctx=1024, template=timed, cache_min_tokens=20) as e:
+        msgs = [{"role": "system", "content": SYSTEM}]
+        for q in QUESTIONS[:3]:
+            msgs.append(user(q))
+            now["t"] += datetime.timedelta(minutes=1)
+            res = e.chat(msgs, session="t", max_tokens=MAX, temperature=0)
+            with Engine(path, n_slots=1, n_ctx=1024, cache="off", template=timed) as f:
+                assert res.text == f.chat(msgs, max_tokens=MAX, temperature=0).text
+            msgs.append(res.message)
+            if len(msgs) > 3:
+                assert res.record.strategy == policy.PREFIX_SALVAGE
+                assert res.record.reused_tokens > 0
+        assert_kv_exact(e)
+
+
+def test_spc_restores_the_system_prompt(path, scratch):
+    with Engine(path, n_slots=2, n_ctx=1024, cache="spc", cache_min_tokens=20) as e:
+        for q in QUESTIONS[:3]:
+            msgs = [{"role": "system", "content": SYSTEM}, user(q)]
+            res = e.chat(msgs, max_tokens=MAX, temperature=0)
+            assert res.text == scratch(msgs)
+        assert res.record.strategy == "spc" and res.record.reused_tokens > 100
+        assert_kv_exact(e)
+
+
+@pytest.mark.parametrize("where", ["prefill", "generation"])
+def test_an_interrupt_leaves_every_slot_exact(engine, scratch, where):
+    engine.clear()
+    doc = " ".join(f"Fact {i}: caches keep what was read." for i in range(60))
+    msgs = [{"role": "system", "content": SYSTEM}, user(doc)]
+    holder = []
+
+    def on_event(ev):  # on the scheduler thread: the cancel lands right after this chunk
+        if (where == "prefill" and isinstance(ev, Progress) and ev.phase != "generate"
+                and ev.done > 0 and holder):
+            holder[0]._job.cancel.set()
+    unsubscribe = engine.subscribe(on_event)
+    try:
+        stream = engine.chat(msgs, session="int", stream=True, max_tokens=64, temperature=0)
+        holder.append(stream)
+        if where == "generation":
+            next(stream)
+            stream.close()
+        else:
+            assert list(stream) == []  # cancelled before its first token
+    finally:
+        unsubscribe()
+    rec = stream.record
+    if where == "prefill":
+        assert rec.finish_reason == "cancelled"
+        assert 0 < rec.prefilled_tokens < rec.prompt_tokens - rec.reused_tokens
+    assert_kv_exact(engine)
+    res = engine.chat(msgs, session="int", max_tokens=MAX, temperature=0)
+    assert res.text == scratch(msgs)
+    assert res.record.reused_tokens > 0
+    assert_kv_exact(engine)
