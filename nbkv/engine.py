@@ -67,6 +67,8 @@ from .textstream import TextStream
 log = logging.getLogger("nbkv")
 
 CACHE_MODES = ("imc", "spc", "off")
+CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
+REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
 OVERFLOW_POLICIES = ("error", "slide")
 
 
@@ -445,7 +447,7 @@ class Engine:
             one-row decode (so replies equal plain llama.cpp's only without guesses).
             Ignored on hybrid and recurrent models, whose state cannot drop a wrong guess.
         max_checkpoints: per slot, on models whose KV cannot be trimmed (hybrid, recurrent):
-            partial states kept at message boundaries (least recently used evicted).
+            partial states kept at message boundaries (thinned where densest).
         mmproj: a vision projector GGUF matching the model: messages may then carry images
             (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
             It is checked before llama.cpp sees it; a mismatch raises
@@ -960,6 +962,7 @@ class Engine:
             reuse = min(reuse, source.settled)
         absorbed = max(min(wanted, prev_len) - reuse, 0)
         target = reuse
+        kv.last_restore = None
         with self._cv:
             slot.pending = True
             slot.redo.clear()
@@ -998,8 +1001,13 @@ class Engine:
         job.slot = slot
         job.reuse = reuse
         job.todo = list(p.tokens[reuse:])
-        if self.memory.checkpoints:  # checkpoints at message boundaries and the prompt's end
-            job.stops = tuple(e for e in (*p.ends, len(p.tokens)) if e > reuse)
+        if self.memory.checkpoints:
+            # checkpoints at message boundaries, the prompt's end, and every
+            # CHECKPOINT_INTERVAL positions (what a template drift inside a long message
+            # can still salvage)
+            every = range(CHECKPOINT_INTERVAL, len(p.tokens), CHECKPOINT_INTERVAL)
+            job.stops = tuple(sorted({e for e in (*p.ends, *every, len(p.tokens))
+                                      if e > reuse}))
         job.sampler = Sampler(job.params, self.model.n_vocab,
                               [t for t in p.tokens if isinstance(t, int)])
         job.record = RequestRecord(
@@ -1253,7 +1261,11 @@ class Engine:
                 slot.redo = tokens[kept:]
             slot.rewrite_s = 0.0
             slot.rewrite_n = len(slot.redo)
-        take = chunk_length(len(slot.redo), self._batch.capacity)
+        # on checkpointed memory, one more checkpoint a few positions before the reply's end:
+        # a reply whose last word re-tokenizes differently next turn still reuses the rest
+        near_end = len(slot.redo) - REPLY_TAIL if kv.memory.checkpoints else 0
+        take = chunk_length(len(slot.redo), self._batch.capacity, (),
+                            (near_end,) if near_end > 0 else ())
         toks = slot.redo[:take]
         batch = self._batch
         batch.clear()
@@ -1268,6 +1280,8 @@ class Engine:
         with self._cv:
             kv.extend(toks)
             del slot.redo[:take]
+        if slot.redo:
+            kv.checkpoint()
         slot.rewrite_s += time.perf_counter() - t0
         if not slot.redo:
             kv.checkpoint()  # the next turn reuses the whole conversation

@@ -21,13 +21,22 @@ Projector heads: ``mlp`` (LLaVA-1.5: ``mm.0`` -> GELU -> ``mm.2``), ``gemma3`` (
 RMS norm, ``mm.input_projection``) and ``idefics3`` (SmolVLM's pixel shuffle + ``mm.model.fc``;
 it needs image special tokens that SmolLM2 lacks, which is what makes it a useful *wrong*
 projector in tests). llama.cpp's ``tools/mtmd/clip.cpp`` is the authority on keys and shapes.
+
+:func:`make_text_model` writes tiny text models (~14 MB, 64 wide, 4 layers) of the memory
+classes SmolLM2 does not cover, with SmolLM2's tokenizer: ``gemma3`` (sliding-window
+attention), ``lfm2`` (short convolutions + attention), ``mamba2`` (recurrent) and
+``granitehybrid`` (Mamba-2 + attention). Their loaders in llama.cpp's ``src/models/`` are the
+authority on keys and shapes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -138,20 +147,94 @@ def make_mmproj(
     return target
 
 
-def _is_valid(path: Path, spec: FixtureSpec) -> bool:
+def _is_valid(path: Path, spec: FixtureSpec | TextModelSpec) -> bool:
     if not path.is_file():
         return False
     try:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        field = reader.get_field("nbkv.fixture.digest")
-        if field is None or field.contents() != spec.digest:
-            return False
-        size = path.stat().st_size
-        return all(t.data_offset + t.n_bytes <= size for t in reader.tensors)
+        kv, end = _scan_gguf(path, lambda key: key == "nbkv.fixture.digest")
+        field = kv.get("nbkv.fixture.digest")
+        return field is not None and field[2] == spec.digest and end <= path.stat().st_size
     except Exception:  # truncated, not a GGUF, unreadable: regenerate
         return False
+
+
+# GGUF metadata value types (gguf.GGUFValueType) with a fixed-size struct format
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+               10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _scan_gguf(path: Path, keep: Callable[[str], bool]) -> tuple[dict[str, tuple], int]:
+    """Read a GGUF header quickly, without ``gguf.GGUFReader``.
+
+    Returns ``{key: (type, array item type, value)}`` for the keys ``keep`` accepts, and the
+    end offset of the last tensor's data. ``gguf.GGUFReader`` takes seconds on a file with a
+    49k-token vocabulary; this skips what it is not asked for.
+    """
+    import gguf
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def unpack(fmt: str):
+            nonlocal pos
+            value = struct.unpack_from(fmt, buf, pos)[0]
+            pos += struct.calcsize(fmt)
+            return value
+
+        def string(decode: bool = True):
+            nonlocal pos
+            n = unpack("<Q")
+            raw = buf[pos:pos + n] if decode else None
+            pos += n
+            if pos > len(buf):
+                raise ValueError("truncated string")
+            return raw.decode("utf-8") if decode else None
+
+        def value(vtype: int, decode: bool):
+            nonlocal pos
+            if vtype == _STRING:
+                return string(decode)
+            if vtype in _SCALAR_FMT:
+                return unpack(_SCALAR_FMT[vtype])
+            if vtype != _ARRAY:
+                raise ValueError(f"unknown GGUF value type {vtype}")
+            sub, n = unpack("<I"), unpack("<Q")
+            if sub == _STRING:
+                return [string(decode) for _ in range(n)]
+            if sub == _ARRAY:
+                return [value(_ARRAY, decode) for _ in range(n)]
+            dtype = np.dtype(_SCALAR_FMT[sub])
+            items = np.frombuffer(buf, dtype=dtype, count=n, offset=pos) if decode else None
+            pos += n * dtype.itemsize
+            return items.tolist() if decode else None
+
+        if buf[:4] != b"GGUF":
+            raise ValueError("not a GGUF file")
+        pos = 4
+        unpack("<I")  # version
+        n_tensors, n_kv = unpack("<Q"), unpack("<Q")
+        kv: dict[str, tuple] = {}
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            vtype = unpack("<I")
+            sub = struct.unpack_from("<I", buf, pos)[0] if vtype == _ARRAY else None
+            wanted = keep(key) or key == "general.alignment"
+            v = value(vtype, wanted)
+            if key == "general.alignment":
+                alignment = int(v)
+            if keep(key):
+                kv[key] = (vtype, sub, v)
+        extents = []
+        for _ in range(n_tensors):
+            string(False)
+            dims = [unpack("<Q") for _ in range(unpack("<I"))]
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(unpack("<I"))]
+            extents.append((unpack("<Q"), int(np.prod(dims)) // block * size))
+        start = -(-pos // alignment) * alignment
+        end = max((start + off + n for off, n in extents), default=start)
+    return kv, end
 
 
 def _write(path: Path, spec: FixtureSpec) -> None:
@@ -228,6 +311,258 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor("mm.input_projection.weight", mat(out, e).T.copy())
     else:  # idefics3: pixel shuffle concatenates scale^2 patches, then one linear layer
         w.add_tensor("mm.model.fc.weight", mat(out, e * spec.scale_factor**2))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny text models of other architectures
+# ---------------------------------------------------------------------------------------------
+
+#: Bump when :func:`make_text_model` changes what it writes (invalidates cached files).
+TEXT_MODEL_VERSION = 1
+
+#: Architectures :func:`make_text_model` can write, by llama.cpp's memory class:
+#: sliding-window attention, hybrid (short convolutions + attention), recurrent (Mamba-2),
+#: hybrid (Mamba-2 + attention, Granite 4.0-H).
+TEXT_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid")
+
+
+@dataclass(frozen=True)
+class TextModelSpec:
+    """Everything that determines a generated text model's content.
+
+    ``n_head_kv`` is per layer; 0 marks a recurrent layer (short convolution in ``lfm2``,
+    Mamba-2 mixer in ``granitehybrid``) the way llama.cpp's loaders read it.
+    """
+
+    family: str
+    seed: int
+    tokenizer: str  # the tokenizer's source file: name and size
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ff: int = 0
+    n_head: int = 0
+    head_dim: int = 0
+    n_head_kv: tuple[int, ...] = ()
+    n_swa: int = 0  # gemma3: sliding window; every swa_pattern-th layer is global
+    swa_pattern: int = 0
+    l_cache: int = 0  # lfm2: short-convolution length
+    d_inner: int = 0  # mamba2 / granitehybrid mixer
+    d_state: int = 0
+    n_ssm_head: int = 0
+    n_group: int = 0
+    d_conv: int = 0
+    version: int = TEXT_MODEL_VERSION
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the spec (file names, and a key inside the file)."""
+        blob = repr(sorted(asdict(self).items())).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def text_model_spec(family: str, seed: int = 0) -> TextModelSpec:
+    """The shape :func:`make_text_model` uses for a family (64 wide, 4 layers, 2x32 heads)."""
+    if family not in TEXT_FAMILIES:
+        raise ValueError(f"family must be one of {TEXT_FAMILIES}, not {family!r}")
+    src = _tokenizer_source()
+    common = dict(family=family, seed=seed, tokenizer=f"{src.name}:{src.stat().st_size}",
+                  n_vocab=49152, n_embd=64, n_layer=4)
+    attn = dict(n_head=2, head_dim=32, n_ff=128)
+    ssm = dict(d_inner=128, d_state=16, n_ssm_head=4, n_group=1, d_conv=4)
+    if family == "gemma3":  # layers 0-2 slide over 8 tokens, layer 3 sees everything
+        return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4, n_swa=8, swa_pattern=4)
+    if family == "lfm2":  # conv, attention, conv, attention
+        return TextModelSpec(**common, **attn, n_head_kv=(0, 1, 0, 1), l_cache=3)
+    if family == "mamba2":
+        return TextModelSpec(**common, **ssm)
+    # granitehybrid: mamba2, mamba2, attention (no RoPE, as in Granite 4.0-H), mamba2
+    return TextModelSpec(**common, **attn, **ssm, n_head_kv=(0, 0, 1, 0))
+
+
+def _tokenizer_source() -> Path:
+    from .models import default_model_path
+
+    return default_model_path()
+
+
+def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None
+                    ) -> Path:
+    """Return the path of a tiny random-weight GGUF text model of ``family``, writing it if needed.
+
+    ``family`` is one of :data:`TEXT_FAMILIES`: ``"gemma3"`` (sliding-window attention,
+    window 8, three SWA layers then one global), ``"lfm2"`` (hybrid: short convolutions and
+    attention), ``"mamba2"`` (recurrent) or ``"granitehybrid"`` (hybrid: Mamba-2 and
+    attention). Every model is 64 wide with 4 layers, F16 matrices and F32 norms / SSM
+    parameters, an untied output matrix, and the tokenizer (vocabulary, merges, special tokens
+    and chat template) of the embedded SmolLM2, so prompts tokenize alike across families.
+    Weights are fixed-seed random: the same ``seed`` gives the same bytes; what the model says
+    is noise, but it depends on the context.
+
+    Files are cached like :func:`make_mmproj`'s (in ``cache_dir``, default :func:`cache_dir`)
+    under a name derived from the parameters; a missing, truncated or foreign file is
+    regenerated, atomically.
+    """
+    spec = text_model_spec(family, seed)
+    directory = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
+    target = directory / f"textmodel-{family}-s{seed}-{spec.digest}.gguf"
+    if _is_valid(target, spec):
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        _write_text_model(Path(tmp), spec)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _default_cache_dir() -> Path:
+    return cache_dir()
+
+
+def _copy_tokenizer(w, source: Path) -> int:
+    """Copy every ``tokenizer.*`` key of ``source`` into the writer; return the vocab size."""
+    import gguf
+
+    fields, _ = _scan_gguf(source, lambda key: key.startswith("tokenizer."))
+    for key, (vtype, sub, value) in fields.items():  # in the source's order
+        w.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                        None if sub is None else gguf.GGUFValueType(sub))
+    return len(fields.get("tokenizer.ggml.tokens", (0, 0, []))[2])
+
+
+def _write_text_model(path: Path, spec: TextModelSpec) -> None:
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("generating a model needs the gguf package: pip install gguf") from e
+
+    family = spec.family
+    rng = np.random.default_rng([spec.seed, TEXT_FAMILIES.index(family)])
+    w = gguf.GGUFWriter(str(path), family)
+
+    def mat(rows: int, cols: int, std: float | None = None) -> np.ndarray:
+        """A (rows, cols) F16 matrix = a GGUF tensor with ne = [cols, rows] (y = W x)."""
+        s = 1.0 / np.sqrt(cols) if std is None else std
+        return (s * rng.standard_normal((rows, cols), dtype=np.float32)).astype(np.float16)
+
+    def vec(*shape: int, scale: float = 0.02, base: float = 0.0) -> np.ndarray:
+        return (base + scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+    def norm(*shape: int) -> np.ndarray:
+        return vec(*shape, base=1.0)
+
+    e, hd = spec.n_embd, spec.head_dim
+    w.add_name(f"nbkv synthetic {family} text model")
+    w.add_description("fixed-seed random weights generated by nbkv.fixtures; not a real model")
+    w.add_string("nbkv.fixture.digest", spec.digest)
+    w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_F16))
+    w.add_uint32(f"{family}.vocab_size", spec.n_vocab)
+    w.add_uint32(f"{family}.context_length", 8192 if family in ("gemma3", "lfm2") else 1 << 20)
+    w.add_uint32(f"{family}.embedding_length", e)
+    w.add_uint32(f"{family}.block_count", spec.n_layer)
+    w.add_uint32(f"{family}.feed_forward_length", spec.n_ff)
+    w.add_float32(f"{family}.attention.layer_norm_rms_epsilon", 1e-6)
+    if spec.n_head:
+        w.add_uint32(f"{family}.attention.head_count", spec.n_head)
+        if len(set(spec.n_head_kv)) == 1:
+            w.add_uint32(f"{family}.attention.head_count_kv", spec.n_head_kv[0])
+        else:  # per layer; 0 = a recurrent layer
+            w.add_key_value(f"{family}.attention.head_count_kv", list(spec.n_head_kv),
+                            gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+        w.add_uint32(f"{family}.attention.key_length", hd)
+        w.add_uint32(f"{family}.attention.value_length", hd)
+    if family == "gemma3":
+        w.add_uint32(f"{family}.attention.sliding_window", spec.n_swa)
+        w.add_uint32(f"{family}.attention.sliding_window_pattern", spec.swa_pattern)
+        w.add_float32(f"{family}.rope.freq_base", 1_000_000.0)
+        w.add_float32(f"{family}.rope.freq_base_swa", 10_000.0)
+    if family == "lfm2":
+        w.add_uint32(f"{family}.shortconv.l_cache", spec.l_cache)
+        w.add_float32(f"{family}.rope.freq_base", 1_000_000.0)
+    if spec.d_inner:
+        w.add_uint32(f"{family}.ssm.conv_kernel", spec.d_conv)
+        w.add_uint32(f"{family}.ssm.inner_size", spec.d_inner)
+        w.add_uint32(f"{family}.ssm.state_size", spec.d_state)
+        w.add_uint32(f"{family}.ssm.time_step_rank", spec.n_ssm_head)
+        w.add_uint32(f"{family}.ssm.group_count", spec.n_group)
+    if family == "granitehybrid":
+        w.add_bool(f"{family}.rope.scaling.finetuned", False)  # Granite 4.0-H: no RoPE
+    n_vocab = _copy_tokenizer(w, _tokenizer_source())
+    if n_vocab != spec.n_vocab:
+        raise ValueError(f"the tokenizer has {n_vocab} tokens, expected {spec.n_vocab}")
+
+    # embeddings small, so that what the layers add (at unit scale) dominates the residual
+    # stream: the next token depends on the context, not only on the current token
+    w.add_tensor("token_embd.weight", mat(spec.n_vocab, e, std=0.02))
+    w.add_tensor("token_embd_norm.weight" if family == "lfm2" else "output_norm.weight", norm(e))
+    w.add_tensor("output.weight", mat(spec.n_vocab, e))
+
+    def attention(blk: str, n_kv: int) -> None:
+        n_q = spec.n_head * hd
+        w.add_tensor(f"{blk}.attn_q.weight", mat(n_q, e))
+        w.add_tensor(f"{blk}.attn_k.weight", mat(n_kv * hd, e))
+        w.add_tensor(f"{blk}.attn_v.weight", mat(n_kv * hd, e))
+        w.add_tensor(f"{blk}.attn_output.weight", mat(e, n_q))
+        if family in ("gemma3", "lfm2"):
+            w.add_tensor(f"{blk}.attn_q_norm.weight", norm(hd))
+            w.add_tensor(f"{blk}.attn_k_norm.weight", norm(hd))
+
+    def ffn(blk: str) -> None:
+        w.add_tensor(f"{blk}.ffn_norm.weight", norm(e))
+        w.add_tensor(f"{blk}.ffn_gate.weight", mat(spec.n_ff, e))
+        w.add_tensor(f"{blk}.ffn_up.weight", mat(spec.n_ff, e))
+        w.add_tensor(f"{blk}.ffn_down.weight", mat(e, spec.n_ff))
+
+    def mamba2(blk: str) -> None:
+        d_in, g, ds, nh = spec.d_inner, spec.n_group, spec.d_state, spec.n_ssm_head
+        conv_dim = d_in + 2 * g * ds
+        w.add_tensor(f"{blk}.ssm_in.weight", mat(2 * d_in + 2 * g * ds + nh, e))
+        w.add_tensor(f"{blk}.ssm_conv1d.weight", vec(conv_dim, spec.d_conv, scale=0.5))
+        w.add_tensor(f"{blk}.ssm_conv1d.bias", vec(conv_dim))
+        # dt = softplus(x + dt_bias) starts in [1e-3, 1e-1]; A = -exp(A_log) in [-16, -1]
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), nh))
+        w.add_tensor(f"{blk}.ssm_dt.bias", (dt + np.log(-np.expm1(-dt))).astype(np.float32))
+        a = -np.exp(rng.uniform(0.0, np.log(16.0), (nh, 1)))
+        w.add_tensor(f"{blk}.ssm_a", a.astype(np.float32))
+        w.add_tensor(f"{blk}.ssm_d", norm(nh, 1))
+        w.add_tensor(f"{blk}.ssm_norm.weight", norm(g, d_in // g))
+        w.add_tensor(f"{blk}.ssm_out.weight", mat(e, d_in))
+
+    for i in range(spec.n_layer):
+        blk = f"blk.{i}"
+        w.add_tensor(f"{blk}.attn_norm.weight", norm(e))
+        if family == "gemma3":
+            attention(blk, spec.n_head_kv[i])
+            w.add_tensor(f"{blk}.post_attention_norm.weight", norm(e))
+            ffn(blk)
+            w.add_tensor(f"{blk}.post_ffw_norm.weight", norm(e))
+        elif family == "mamba2":
+            mamba2(blk)
+        elif family == "lfm2":
+            if spec.n_head_kv[i]:
+                attention(blk, spec.n_head_kv[i])
+            else:
+                w.add_tensor(f"{blk}.shortconv.conv.weight", vec(e, spec.l_cache, scale=0.5))
+                w.add_tensor(f"{blk}.shortconv.in_proj.weight", mat(3 * e, e))
+                w.add_tensor(f"{blk}.shortconv.out_proj.weight", mat(e, e))
+            ffn(blk)
+        else:  # granitehybrid
+            if spec.n_head_kv[i]:
+                attention(blk, spec.n_head_kv[i])
+            else:
+                mamba2(blk)
+            ffn(blk)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

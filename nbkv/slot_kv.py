@@ -119,7 +119,7 @@ class Checkpoint:
 
 @dataclass
 class CheckpointSet:
-    """A slot's checkpoints, bounded in number, least recently used evicted first.
+    """A slot's checkpoints, bounded in number, thinned where they are densest.
 
     Pure bookkeeping: no llama.cpp here, so the choice of checkpoint is tested without one.
     """
@@ -145,10 +145,12 @@ class CheckpointSet:
         self.items.sort(key=lambda c: c.pos)
         evicted = []
         while len(self.items) > self.max_entries:
-            # least recently used; the newest position is the one the next turn needs most
-            newest = self.items[-1]
-            victim = min((c for c in self.items if c is not newest), key=lambda c: c.used)
-            self.items.remove(victim)
+            # the one closest to its predecessor (least recently used on ties): what is left
+            # stays spread over the conversation, so an edit of an early message still finds
+            # one near it; the newest, which the next turn needs, always stays
+            gaps = [(c.pos - (self.items[i - 1].pos if i else 0), c.used, i)
+                    for i, c in enumerate(self.items[:-1])]
+            victim = self.items.pop(min(gaps)[2])
             evicted.append(victim.pos)
         return evicted
 

@@ -77,20 +77,26 @@ def test_checkpoint_choice_is_the_newest_at_or_before_the_target():
     assert cps.positions == (10, 25)
 
 
-def test_checkpoints_are_bounded_least_recently_used_first_and_the_newest_stays():
+def test_checkpoints_are_bounded_by_thinning_where_densest_and_the_newest_stays():
     cps = CheckpointSet(max_entries=3)
-    for pos in (10, 20, 30):
+    for pos in (100, 110, 300):
         cps.add(pos, pos, 1)
-    cps.at_or_before(10)  # 10 used: 20 is now the least recently used
-    assert cps.add(40, 40, 1) == [20]
-    assert cps.positions == (10, 30, 40)
-    cps.at_or_before(15)
-    cps.at_or_before(35)
-    assert cps.add(50, 50, 1) == [40]  # 40 was used least recently (added, never restored)
-    assert cps.positions == (10, 30, 50)
-    cps.add(30, "new", 1)  # same position: replaced, not duplicated
-    assert cps.positions == (10, 30, 50)
-    assert cps.at_or_before(30).data == "new"
+    assert cps.add(400, 400, 1) == [110]  # 10 after its predecessor: the densest spot
+    assert cps.positions == (100, 300, 400)
+    cps.at_or_before(150)  # 100 restored: of the two gaps of 100, 400 is the older
+    assert cps.add(405, 405, 1) == [400]  # 405, the newest, stays though it is the densest
+    assert cps.positions == (100, 300, 405)
+    cps.add(300, "new", 1)  # same position: replaced, not duplicated
+    assert cps.positions == (100, 300, 405)
+    assert cps.at_or_before(404).data == "new"
+
+
+def test_equal_gaps_evict_the_least_recently_used():
+    cps = CheckpointSet(max_entries=3)
+    for pos in (50, 100, 150):
+        cps.add(pos, pos, 1)
+    cps.at_or_before(60)  # 50 restored: now the most recently used of the equal gaps
+    assert cps.add(200, 200, 1) == [100]
 
 
 def test_a_copied_set_is_independent():
