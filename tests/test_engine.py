@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
 
 from conftest import MAX_TOKENS, QUESTIONS, SYSTEM, assert_consistent, scratch_reply
@@ -260,3 +261,60 @@ def test_closed_engine_refuses_work(model_path):
     with pytest.raises(NbkvError, match="closed"):
         e.chat([user("hi")])
     e.close()  # idempotent
+
+
+def test_a_turn_arriving_before_the_rewrite_reprefills_the_reply_and_stays_exact(
+        engine, model_path):
+    from conftest import fresh_probe
+    from nbkv.events import SlotRewritten
+
+    engine.clear()
+    msgs = [{"role": "system", "content": SYSTEM}, user(QUESTIONS[0])]
+    first, follow, rewrites = [], {}, []
+
+    def on_event(ev):  # on the scheduler thread, before it can go idle and rewrite
+        if isinstance(ev, RequestFinished) and ev.record.session == "rush" and not follow:
+            reply = first[0]._job.text.text  # the whole reply, known to the engine by now
+            follow["msgs"] = msgs + [{"role": "assistant", "content": reply},
+                                     user(QUESTIONS[1])]
+            follow["stream"] = engine.chat(follow["msgs"], session="rush", stream=True,
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        if isinstance(ev, SlotRewritten):
+            rewrites.append(ev)
+
+    unsubscribe = engine.subscribe(on_event)
+    try:
+        first.append(engine.chat(msgs, session="rush", stream=True, max_tokens=MAX_TOKENS,
+                                 temperature=0))
+        first[0].result()
+        second = follow["stream"].result()
+        engine.settle()
+    finally:
+        unsubscribe()
+    rec = second.record
+    assert rec.strategy == policy.HASH_EXTEND
+    assert rec.rewrite_absorbed > 0  # the reply was re-prefilled, not served as decoded
+    assert second.text == scratch_reply(model_path, follow["msgs"])
+    assert [r.request_id for r in rewrites] == [rec.id]  # the first reply's was never needed
+    assert rewrites and all(r.tokens >= 2 and r.seconds > 0 for r in rewrites)
+    s = next(s for s in engine.slots() if s.session == "rush")
+    assert s.settled == s.n_tokens
+    assert np.array_equal(np.array(engine.probe(s.index, 42)),
+                          fresh_probe(engine.model, s.tokens, 42))
+
+
+def test_exact_false_keeps_the_token_by_token_kv(model_path):
+    with Engine(model_path, n_slots=1, n_ctx=1024, exact=False) as e:
+        msgs = [{"role": "system", "content": SYSTEM}, user(QUESTIONS[0])]
+        first = e.chat(msgs, session="x", max_tokens=MAX_TOKENS, temperature=0)
+        # the first turn takes the same path with or without the rewrite
+        assert first.text == scratch_reply(model_path, msgs)
+        e.settle()  # nothing to do: exact=False never rewrites
+        s = e.slots()[0]
+        assert s.settled < s.n_tokens and s.n_tokens == first.record.prompt_tokens + \
+            first.record.generated_tokens - (first.record.finish_reason == "length")
+        nxt = msgs + [first.message, user(QUESTIONS[1])]
+        second = e.chat(nxt, session="x", max_tokens=MAX_TOKENS, temperature=0)
+        assert second.record.rewrite_absorbed == 0
+        assert second.record.reused_tokens > first.record.prompt_tokens  # the reply too
+        assert_consistent(e)
