@@ -1234,8 +1234,11 @@ class Engine:
     # ------------------------------------------------------------- rewriting replies
 
     def _settling_slot(self) -> _Slot | None:
-        """An idle slot whose KV still holds token-by-token decodes (exact mode)."""
-        if not self.exact:
+        """An idle slot whose KV still holds token-by-token decodes (exact mode, IMC).
+
+        Only the Incremental Message Cache reuses a slot's reply; SPC and "off" rebuild it.
+        """
+        if not self.exact or self.cache != "imc":
             return None
         for s in self._slots:
             if not s.pending and (s.redo or s.kv.unsettled):
@@ -1259,6 +1262,9 @@ class Engine:
             with self._cv:  # slots() sees the tokens and the KV change together
                 kept = kv.trim_to(start)
                 slot.redo = tokens[kept:]
+                if not all(isinstance(t, int) for t in slot.redo):
+                    slot.redo = []  # back before an image: the next request rebuilds it
+                    return
             slot.rewrite_s = 0.0
             slot.rewrite_n = len(slot.redo)
         # on checkpointed memory, one more checkpoint a few positions before the reply's end:

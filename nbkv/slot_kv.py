@@ -265,6 +265,13 @@ class SlotKV:
         """Hold the first ``n`` positions of ``donor`` (a whole-sequence copy, then a trim).
 
         Returns the positions kept. The donor is unchanged.
+
+        With non-unified KV, llama.cpp only *queues* the buffer copy of the attention layers
+        and runs it at the start of the next ``llama_decode``: until then the metadata is
+        copied but the data is not. Nothing here reads or writes attention data in between
+        (a trim edits metadata; a checkpoint restore on hybrid and recurrent memory writes
+        only the recurrent state, which is copied at once), and a prefill decode always
+        follows before anything is read.
         """
         self.clear()
         self.ctx.seq_cp(donor.seq_id, self.seq_id)
