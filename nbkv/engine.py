@@ -17,7 +17,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -61,6 +60,7 @@ from .messages import normalize, prefix_hashes, preview
 from .models import resolve_model_path
 from .sampling import Sampler, SamplingParams
 from .slot_kv import SlotKV, probe_memory
+from .spc import SystemPromptStore
 from .templates import CHATML, ChatTemplate
 from .textstream import TextStream
 
@@ -544,7 +544,7 @@ class Engine:
         self.n_ctx = self.ctx.n_ctx_seq
         self._slots = [_Slot(i, SlotKV(self.ctx, i, self.memory, max_checkpoints), self.n_ctx)
                        for i in range(n_slots)]
-        self._spc: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._spc = SystemPromptStore(spc_max_entries)
         self.events = EventBus(history_size)
         self._cv = threading.Condition()
         self._queue: list[_Job] = []
@@ -1046,21 +1046,17 @@ class Engine:
         if p.messages[0]["role"] != "system" or p.ends[0] < self.cache_min_tokens:
             return 0
         key = p.hashes[0]
-        entry = self._spc.get(key)
-        if entry is None or tuple(entry[2]) != p.tokens[: entry[1]]:
+        entry = self._spc.get(key, p.tokens)
+        if entry is None:
             job.capture_at, job.spc_key = p.ends[0], key
             return 0
-        self._spc.move_to_end(key)
-        state, n, _ = entry
-        slot.kv.load_state(state, p.tokens[:n])
+        slot.kv.load_state(entry.state, entry.tokens)
         return len(slot.kv)
 
     def _spc_capture(self, job: _Job) -> None:
         assert job.slot is not None and job.spc_key is not None
         kv = job.slot.kv
-        self._spc[job.spc_key] = (kv.save_state(), len(kv), list(kv.tokens))
-        while len(self._spc) > self.spc_max_entries:
-            self._spc.popitem(last=False)
+        self._spc.put(job.spc_key, kv.save_state(), kv.tokens)
         job.capture_at = None
         log.debug("spc: saved system prompt state, %d tokens", len(kv))
 
