@@ -218,3 +218,27 @@ def test_an_interrupt_leaves_every_slot_exact(engine, scratch, where):
     assert res.text == scratch(msgs)
     assert res.record.reused_tokens > 0
     assert_kv_exact(engine)
+
+
+def test_a_model_nbkv_cannot_serve_is_refused_with_the_reason():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from nbkv.errors import ModelLoadError
+    from nbkv.slot_kv import classify
+
+    def fake(**kw):
+        flags = dict(has_encoder=False, has_decoder=True, is_hybrid=False, is_recurrent=False,
+                     n_swa=0)
+        flags.update(kw)
+        return SimpleNamespace(path=Path("m.gguf"), **flags)
+
+    with pytest.raises(ModelLoadError, match="encoder-decoder"):
+        classify(fake(has_encoder=True))
+    with pytest.raises(ModelLoadError, match="decoder-only"):
+        classify(fake(has_decoder=False))
+    # llama.cpp's flags decide, hybrid before recurrent (a hybrid also has recurrent layers)
+    assert classify(fake(is_hybrid=True, is_recurrent=True)) == "hybrid"
+    assert classify(fake(is_recurrent=True)) == "recurrent"
+    assert classify(fake(n_swa=4096)) == "sliding-window"
+    assert classify(fake()) == "plain"
