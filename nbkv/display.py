@@ -216,6 +216,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
     names = [x.name for x in sessions]
     rows = (
         ("model", engine.model.description),
+        ("memory", engine.memory.describe()),
         ("slots", f"{engine.n_slots} x {engine.n_ctx} tokens"),
         ("cache", f"{engine.cache} (min {engine.cache_min_tokens} tokens)"),
         ("KV in use", f"{used}/{engine.n_slots * engine.n_ctx} tokens"),

@@ -188,6 +188,7 @@ def test_kvcache_commands_render_html_and_text(loaded):
     status = dict(rendered(loaded.run_line_magic("kvcache", "status")))
     assert rendered(loaded.run_line_magic("kvcache", "")) == list(status.items())
     assert status["model"] == e.model.description
+    assert status["memory"] == "plain (any trim is exact)" == e.memory.describe()
     assert status["slots"] == "2 x 1024 tokens"
     assert status["cache"] == f"imc (min {e.cache_min_tokens} tokens)"
     used = sum(s.n_tokens for s in e.slots())
