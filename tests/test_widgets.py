@@ -406,3 +406,14 @@ def test_images_show_as_media_spans_and_chunks():
     assert bars(kv.traces["user"]) == [("slot 0", 0, 5), ("slot 0", 69, 80)]
     assert kv.traces["media"].customdata[0][4] == "image " + "ab" * 6
     assert "media chunks: 1" in cards.cards[0].value
+
+
+def test_slot_cards_show_the_memory_class_and_checkpoints():
+    from nbkv.widgets.slots import _card
+
+    plain = SlotInfo(0, 0, 512, "a", (1, 2, 3), ("h",), (3,), 1, False)
+    assert '<span class="nbkv-memory">plain</span>' in _card(plain, 1, 1, None)
+    hybrid = SlotInfo(1, 1, 512, "b", tuple(range(300)), ("h",), (300,), 2, False,
+                      checkpoints=(64, 128, 300), checkpoint_bytes=3 * 1100, memory="hybrid")
+    assert ('<span class="nbkv-memory">hybrid · 3 checkpoints (3.2 KiB)</span>'
+            in _card(hybrid, 1, 2, None))

@@ -74,5 +74,15 @@ def _card(s: Any, rank: int | None, n_used: int, run: Any) -> str:
         f'<div style="background:#eee;height:6px;border-radius:3px">'
         f'<div style="background:#3b7dd8;height:6px;border-radius:3px;width:{pct:.1f}%">'
         f"</div></div>"
-        f"{lru} · media chunks: {media_chunks(s)}<br>{badge}</div>"
+        f"{lru} · media chunks: {media_chunks(s)}<br>"
+        f'<span class="nbkv-memory">{_memory(s)}</span><br>{badge}</div>'
     )
+
+
+def _memory(s: Any) -> str:
+    """The slot's memory class, and its checkpoints on hybrid and recurrent models."""
+    if s.memory not in ("hybrid", "recurrent"):
+        return s.memory
+    n = len(s.checkpoints)
+    return (f"{s.memory} · {n} checkpoint{'s' if n != 1 else ''} "
+            f"({s.checkpoint_bytes / 1024:.1f} KiB)")
