@@ -120,6 +120,14 @@ class Figures:
             parts.append(f"trimmed {r.trimmed_tokens}")
         if r.evicted_session is not None or r.evicted_tokens:
             parts.append(f"evicted {r.evicted_session!s} ({r.evicted_tokens} tokens)")
+        if r.checkpoint_pos is not None:
+            parts.append(f"checkpoint {r.checkpoint_pos}"
+                         + (f" (+{r.reprefilled_tokens} re-read)" if r.reprefilled_tokens
+                            else ""))
+        elif r.reprefilled_tokens:
+            parts.append(f"re-read {r.reprefilled_tokens} (no checkpoint)")
+        if r.rewrite_absorbed:
+            parts.append(f"reply re-read {r.rewrite_absorbed}")
         if r.dropped_messages:
             parts.append(f"dropped {r.dropped_messages} oldest messages")
         if r.finish_reason not in ("stop", ""):

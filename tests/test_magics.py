@@ -363,3 +363,17 @@ def test_images_through_the_magics(loaded, tmp_path):
             chat(loaded, "md", "![x](https://example.com/cat.png)")
     finally:
         loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024")
+
+
+def test_figures_name_a_restored_checkpoint_and_a_reply_re_read():
+    from nbkv.events import RequestRecord
+
+    base = dict(id=1, session="s", strategy="hash-extend", slot=0, prompt_tokens=200,
+                reused_tokens=180, prefilled_tokens=20, trimmed_tokens=0)
+    parts = Figures(RequestRecord(**base, checkpoint_pos=180,
+                                  reprefilled_tokens=6)).text().split(" | ")
+    assert "checkpoint 180 (+6 re-read)" in parts
+    parts = Figures(RequestRecord(**base, reprefilled_tokens=40)).text().split(" | ")
+    assert "re-read 40 (no checkpoint)" in parts
+    parts = Figures(RequestRecord(**base, rewrite_absorbed=12)).text().split(" | ")
+    assert "reply re-read 12" in parts and not any("checkpoint" in p for p in parts)
