@@ -417,3 +417,15 @@ def test_slot_cards_show_the_memory_class_and_checkpoints():
                       checkpoints=(64, 128, 300), checkpoint_bytes=3 * 1100, memory="hybrid")
     assert ('<span class="nbkv-memory">hybrid · 3 checkpoints (3.2 KiB)</span>'
             in _card(hybrid, 1, 2, None))
+
+
+def test_kv_map_marks_checkpoints_on_the_messages_row():
+    eng = FakeEngine()
+    kv = KVMap(eng, Feed(eng, live=False))
+    eng._slots[1] = SlotInfo(1, 1, 512, "b", tuple(range(130)), ("h",), (130,), 1, False,
+                             checkpoints=(64, 128), checkpoint_bytes=2200, memory="hybrid")
+    eng.publish(RequestFinished(record()))
+    kv.feed.flush()
+    cp = kv.traces["checkpoint"]
+    assert list(zip(cp.y, cp.x)) == [("slot 1", 64), ("slot 1", 128)]
+    assert "checkpoint at position" in cp.hovertemplate

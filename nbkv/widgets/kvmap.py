@@ -2,7 +2,8 @@
 
 Per slot, two rows over positions ``0..capacity``: the messages (coloured by role,
 alternating shade per message, media spans marked) and the slot's latest request (reused,
-prefilled, generated, with the trimmed span as a thin red band). Hover shows the message
+prefilled, generated, with the trimmed span as a thin red band); checkpoints (hybrid and
+recurrent models) are ticks on the messages row. Hover shows the message
 index, role, token range and a preview. A request in flight is drawn as it progresses.
 """
 
@@ -65,6 +66,12 @@ class KVMap(FeedView, W.VBox):
         for state in (REUSED, PREFILLED, TODO, GENERATED):
             self._add(state, STATE_COLORS[state], width=0.8)
         self._add("trimmed", STATE_COLORS["trimmed"], width=0.25, offset=0.15)
+        # hybrid and recurrent models: where a slot can go back to (nbkv.slot_kv)
+        self.figure.add_scatter(
+            name="checkpoint", mode="markers", x=[], y=[],
+            marker=dict(symbol="line-ns-open", size=16, color="#222",
+                        line=dict(width=2, color="#222")),
+            hovertemplate="checkpoint at position %{x}<extra></extra>")
         self.traces = {t.name: t for t in self.figure.data}
         self.note = W.HTML()
         super().__init__([self.figure, self.note], **kw)
@@ -83,8 +90,10 @@ class KVMap(FeedView, W.VBox):
     def render(self, state: LiveState) -> None:
         """Redraw from the slot snapshots and the requests in flight."""
         bars: dict[str, list[tuple[str, int, int, list[Any], float]]] = {
-            name: [] for name in self.traces if name != "capacity"}
+            name: [] for name in self.traces if name not in ("capacity", "checkpoint")}
+        marks: list[tuple[int, str]] = []
         for s in self.engine.slots():
+            marks.extend((pos, _label(s.index, "messages")) for pos in s.checkpoints)
             run = state.running_on(s.index)
             segs = run.record.segments if run is not None else s.segments
             top, bottom = _label(s.index, "messages"), _label(s.index, "request")
@@ -115,6 +124,9 @@ class KVMap(FeedView, W.VBox):
                 t.x = [r[2] - r[1] for r in rows]
                 t.customdata = [r[3] for r in rows]
                 t.marker.opacity = [r[4] for r in rows] if rows else None
+            cp = self.traces["checkpoint"]
+            cp.x = [m[0] for m in marks]
+            cp.y = [m[1] for m in marks]
         self.segments = sum(len(rows) for rows in bars.values())
         self.note.value = "engine closed" if state.closed else ""
 
