@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -132,13 +133,18 @@ def make_mmproj(
         target = cache_dir() / name
     else:
         target = Path(path).expanduser()
+    return _cached(target, spec, _write)
+
+
+def _cached(target: Path, spec: Any, write: Any) -> Path:
+    """``target`` if it already holds ``spec``'s file, else written atomically by ``write``."""
     if _is_valid(target, spec):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        _write(Path(tmp), spec)
+        write(Path(tmp), spec)
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
@@ -411,19 +417,7 @@ def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike 
     spec = text_model_spec(family, seed)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
     target = directory / f"textmodel-{family}-s{seed}-{spec.digest}.gguf"
-    if _is_valid(target, spec):
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        _write_text_model(Path(tmp), spec)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return _cached(target, spec, _write_text_model)
 
 
 def _default_cache_dir() -> Path:
