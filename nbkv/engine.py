@@ -69,6 +69,7 @@ log = logging.getLogger("nbkv")
 CACHE_MODES = ("imc", "spc", "off")
 CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
 REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
+REWRITE_CHUNK = 64  # positions per idle-time rewrite step: what a new request may wait for
 OVERFLOW_POLICIES = ("error", "slide")
 
 
@@ -447,7 +448,7 @@ class Engine:
             one-row decode (so replies equal plain llama.cpp's only without guesses).
             Ignored on hybrid and recurrent models, whose state cannot drop a wrong guess.
         max_checkpoints: per slot, on models whose KV cannot be trimmed (hybrid, recurrent):
-            partial states kept at message boundaries (thinned where densest).
+            partial states kept at message boundaries (the newest kept, older ones thinned).
         mmproj: a vision projector GGUF matching the model: messages may then carry images
             (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
             It is checked before llama.cpp sees it; a mismatch raises
@@ -1266,7 +1267,7 @@ class Engine:
         # on checkpointed memory, one more checkpoint a few positions before the reply's end:
         # a reply whose last word re-tokenizes differently next turn still reuses the rest
         near_end = len(slot.redo) - REPLY_TAIL if kv.memory.checkpoints else 0
-        take = chunk_length(len(slot.redo), self._batch.capacity, (),
+        take = chunk_length(len(slot.redo), REWRITE_CHUNK, (),
                             (near_end,) if near_end > 0 else ())
         toks = slot.redo[:take]
         batch = self._batch

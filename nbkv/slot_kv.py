@@ -119,7 +119,7 @@ class Checkpoint:
 
 @dataclass
 class CheckpointSet:
-    """A slot's checkpoints, bounded in number, thinned where they are densest.
+    """A slot's checkpoints, bounded in number: the newest kept, older ones thinned.
 
     Pure bookkeeping: no llama.cpp here, so the choice of checkpoint is tested without one.
     """
@@ -145,14 +145,21 @@ class CheckpointSet:
         self.items.sort(key=lambda c: c.pos)
         evicted = []
         while len(self.items) > self.max_entries:
-            # the one closest to its predecessor (least recently used on ties): what is left
-            # stays spread over the conversation, so an edit of an early message still finds
-            # one near it; the newest, which the next turn needs, always stays
+            # the newest few are where the next turn resumes (the prompt's end, the reply's
+            # end and just before it): they stay; of the older ones, the one closest to its
+            # predecessor goes (least recently used on ties), so what is left stays spread
+            # over the conversation and an edit of an early message still finds one near it
+            old = self.items[: max(len(self.items) - self.keep_recent, 1)]
             gaps = [(c.pos - (self.items[i - 1].pos if i else 0), c.used, i)
-                    for i, c in enumerate(self.items[:-1])]
+                    for i, c in enumerate(old)]
             victim = self.items.pop(min(gaps)[2])
             evicted.append(victim.pos)
         return evicted
+
+    @property
+    def keep_recent(self) -> int:
+        """How many of the newest checkpoints are never thinned."""
+        return min(4, self.max_entries // 2)
 
     def at_or_before(self, n: int) -> Checkpoint | None:
         """The newest checkpoint at or before position ``n`` (marked used), or None."""

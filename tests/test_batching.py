@@ -77,26 +77,26 @@ def test_checkpoint_choice_is_the_newest_at_or_before_the_target():
     assert cps.positions == (10, 25)
 
 
-def test_checkpoints_are_bounded_by_thinning_where_densest_and_the_newest_stays():
-    cps = CheckpointSet(max_entries=3)
-    for pos in (100, 110, 300):
+def test_checkpoints_keep_the_newest_and_thin_the_older_where_densest():
+    cps = CheckpointSet(max_entries=6)  # the newest 3 are never thinned
+    for pos in (100, 110, 300, 500, 505, 510):
         cps.add(pos, pos, 1)
-    assert cps.add(400, 400, 1) == [110]  # 10 after its predecessor: the densest spot
-    assert cps.positions == (100, 300, 400)
-    cps.at_or_before(150)  # 100 restored: of the two gaps of 100, 400 is the older
-    assert cps.add(405, 405, 1) == [400]  # 405, the newest, stays though it is the densest
-    assert cps.positions == (100, 300, 405)
+    assert cps.add(520, 520, 1) == [110]  # 10 after its predecessor: the densest old spot
+    assert cps.positions == (100, 300, 500, 505, 510, 520)
+    # 510 sits 5 after 505 but is one of the newest three (510, 520, 530): 505 goes
+    assert cps.add(530, 530, 1) == [505]
+    assert cps.positions == (100, 300, 500, 510, 520, 530)
     cps.add(300, "new", 1)  # same position: replaced, not duplicated
-    assert cps.positions == (100, 300, 405)
+    assert cps.positions == (100, 300, 500, 510, 520, 530)
     assert cps.at_or_before(404).data == "new"
 
 
 def test_equal_gaps_evict_the_least_recently_used():
-    cps = CheckpointSet(max_entries=3)
-    for pos in (50, 100, 150):
+    cps = CheckpointSet(max_entries=4)  # the newest 2 stay
+    for pos in (50, 100, 150, 200):
         cps.add(pos, pos, 1)
     cps.at_or_before(60)  # 50 restored: now the most recently used of the equal gaps
-    assert cps.add(200, 200, 1) == [100]
+    assert cps.add(250, 250, 1) == [100]
 
 
 def test_a_copied_set_is_independent():

@@ -10,19 +10,41 @@ from nbkv import bench
 
 
 @pytest.mark.slow
-def test_quick_bench_subagents_and_speculative(tmp_path, model_path):
+def test_quick_bench_decode_subagents_and_speculative(tmp_path, model_path):
     out = tmp_path / "bench.json"
-    assert bench.main(["--quick", "--scenario", "speculative", "--scenario", "subagents",
-                       "--model", model_path, "--out", str(out)]) == 0
+    assert bench.main(["--quick", "--scenario", "decode", "--scenario", "speculative",
+                       "--scenario", "subagents", "--model", model_path,
+                       "--out", str(out)]) == 0
     report = json.loads(out.read_text())
+
+    dec = report["decode"]
+    for style in bench.DECODE_PROMPTS:
+        res = dec[style]
+        # greedy single-token decode: nbkv exact, nbkv inexact and Llama reply alike
+        assert res["replies_identical"]["exact_inexact_llama"]
+        assert res["replies_identical"]["deterministic"]
+        assert res["turn2_equals_scratch"]["exact"]  # a cached second turn, from scratch
+        for variant in ("exact", "guesses", "inexact", "llama"):
+            assert res[variant]["decode_tokens_per_s"] > 0
+            assert len(res[variant]["generated_tokens"]) == 2  # A B B A: each variant twice
+        assert res["exact"]["rewrite_positions"] > 0 and res["exact"]["rewrite_s"] > 0
+        assert res["inexact"]["rewrite_positions"] == 0  # exact=False: nothing rewritten
+        assert res["exact"]["turn2_rewrite_absorbed"] == 0  # settled before the second turn
+        assert res["guesses"]["guesses"] > 0
+    assert {"exact_over_inexact_decode", "exact_over_llama_decode",
+            "guesses_over_exact_decode"} <= set(dec["ratios"])
+
     spec = report["speculative"]
-    assert spec["exact_replies_identical"]
+    assert spec["replies_deterministic"]
     assert 0 < spec["ratios"]["tasks_guess_acceptance"] <= 1
+    assert spec["tasks"]["plain"]["guesses"] == 0 < spec["tasks"]["guesses"]["guesses"]
+    assert set(spec["guesses_pay_off"]) == {"questions", "tasks"}
+
     sub = report["subagents"]
     assert sub["sequential"]["runs"] == sub["batched"]["runs"] == 2
-    # batched and sequential generate the same replies, so the same guesses pay off
+    # batched and sequential replies are bit-identical
+    assert sub["replies_identical"]
     assert sub["batched"]["generated_tokens"] == sub["sequential"]["generated_tokens"]
-    assert sub["batched"]["guesses_accepted"] == sub["sequential"]["guesses_accepted"]
     assert sub["decode_step_ceiling"]["tokens_per_s_ratio"] > 0
     assert {t["ratio"] for t in report["targets"]} >= {
         "batched_over_sequential_tokens_per_s", "batched_ttft_over_single_session_ttft"}
