@@ -189,8 +189,9 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
 
     Reused positions are solid, prefilled ones lighter and generated ones striped (for the
     slot's latest request), images pink; the text form uses one letter per role (``i`` for
-    an image), upper case if reused. The strip covers positions ``0..span`` (default: the
-    slot's capacity).
+    an image), upper case if reused. Checkpoints (hybrid and recurrent models) are dark ticks,
+    ``|`` in the text form at the column where their position starts. The strip covers
+    positions ``0..span`` (default: the slot's capacity).
     """
     cap = max(span or slot.capacity, 1)
     spans, chars = [], []
@@ -205,13 +206,52 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
                      f"width:{100 * seg.length / cap:.2f}%;background:{color};{style}"
                      f'border-right:1px solid white;box-sizing:border-box"></span>')
         c = "i" if is_media(seg) else _ROLE_CHARS.get(seg.role, "?")
-        chars.append((c.upper() if seg.state == "reused" else c, seg.length))
-    text = "".join(c * max(round(n * width / cap), 1) for c, n in chars if n)
+        chars.append((c.upper() if seg.state == "reused" else c, seg.start, seg.length))
+    text, runs = "", []  # runs: (first position, positions, first column, columns)
+    for c, start, n in chars:
+        if n:
+            k = max(round(n * width / cap), 1)
+            runs.append((start, n, len(text), k))
+            text += c * k
+    text = text[:width].ljust(width, ".")
+    ticks = []
+    for pos in slot.checkpoints:
+        if pos > cap:
+            continue
+        col = _column(runs, pos, width / cap)
+        if col < width:
+            text = text[:col] + "|" + text[col + 1:]
+        ticks.append(f'<span class="nbkv-checkpoint" title="checkpoint at {pos}" '
+                     f'style="position:absolute;top:0;left:{100 * pos / cap:.2f}%;'
+                     f'margin-left:-1px;width:2px;height:12px;background:#222"></span>')
     return Cell(
-        f'<div class="nbkv-kvstrip" style="width:240px;background:#f0f0f0;line-height:0;'
-        f'white-space:nowrap;overflow:hidden">{"".join(spans)}</div>',
-        "[" + text[:width].ljust(width, ".") + "]",
+        f'<div class="nbkv-kvstrip" style="position:relative;width:240px;background:#f0f0f0;'
+        f'line-height:0;white-space:nowrap;overflow:hidden">{"".join(spans + ticks)}</div>',
+        "[" + text + "]",
     )
+
+
+def _column(runs: list[tuple[int, int, int, int]], pos: int, scale: float) -> int:
+    """The text column where KV position ``pos`` starts, following the strip's own runs."""
+    for start, n, at, k in runs:
+        if pos < start + n:
+            return at + round(max(pos - start, 0) * k / n)
+    start, n, at, k = runs[-1] if runs else (0, 0, 0, 0)
+    return at + k + round((pos - start - n) * scale)
+
+
+def size_text(nbytes: int) -> str:
+    """``3.2 KiB``, ``5.0 MiB``."""
+    return (f"{nbytes / 1024:.1f} KiB" if nbytes < 1024 * 1024
+            else f"{nbytes / (1024 * 1024):.1f} MiB")
+
+
+def checkpoints_text(slot: SlotInfo, used: bool) -> str:
+    """A slot's checkpoints: ``3 (3.2 KiB)``; ``-`` when the model needs none (``used``)."""
+    if not used and not slot.checkpoints:
+        return "-"
+    n = len(slot.checkpoints)
+    return f"{n} ({size_text(slot.checkpoint_bytes)})" if n else "0"
 
 
 def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table | Message:
@@ -240,23 +280,24 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
 
 
 def slots_table(engine: Engine) -> Table:
-    """One row per slot: session, messages, tokens / capacity, LRU rank, pending, media."""
+    """One row per slot: session, messages, tokens, LRU rank, pending, media, checkpoints."""
     slots = engine.slots()
     order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)
     rank = {s.index: i + 1 for i, s in enumerate(order)}
     cap = max((s.capacity for s in slots), default=1)
     span = min(cap, max(max((s.n_tokens for s in slots), default=0) * 5 // 4, cap // 8, 1))
+    used = engine.memory.checkpoints
     rows = tuple(
         (s.index, s.session or "-", s.n_messages, f"{s.n_tokens}/{s.capacity}",
          rank.get(s.index, "-"), "yes" if s.pending else "", media_chunks(s),
-         kv_strip(s, span=span))
+         checkpoints_text(s, used), kv_strip(s, span=span))
         for s in slots
     )
     return Table("slots", ("slot", "session", "messages", "tokens", "LRU", "pending", "media",
-                           f"KV map (positions 0–{span})"), rows,
+                           "checkpoints", f"KV map (positions 0–{span})"), rows,
                  note="LRU 1 = most recently used, evicted last. KV map: one span per message "
                       "(s/u/a = system/user/assistant, i = image; upper case = reused by the "
-                      "latest request)")
+                      "latest request" + ("; | = checkpoint)" if used else ")"))
 
 
 def stats_table(engine: Engine) -> Table:

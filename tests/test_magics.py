@@ -202,6 +202,7 @@ def test_kvcache_commands_render_html_and_text(loaded):
         (str(s.index), s.session or "-", str(s.n_messages), f"{s.n_tokens}/{s.capacity}")
         for s in e.slots()]
     assert any(row[1] == "alice" for row in slots)
+    assert [row[7] for row in slots] == ["-", "-"]  # plain attention: no checkpoints
 
     assert dict(rendered(loaded.run_line_magic("kvcache", "stats")))["requests"] == str(
         stats["requests"])
@@ -377,3 +378,40 @@ def test_figures_name_a_restored_checkpoint_and_a_reply_re_read():
     assert "re-read 40 (no checkpoint)" in parts
     parts = Figures(RequestRecord(**base, rewrite_absorbed=12)).text().split(" | ")
     assert "reply re-read 12" in parts and not any("checkpoint" in p for p in parts)
+
+
+def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
+    from types import SimpleNamespace
+
+    from nbkv.display import slots_table
+    from nbkv.engine import SlotInfo
+    from nbkv.events import Segment
+    from nbkv.slot_kv import MemoryInfo
+
+    segs = (Segment(0, 40, 0, "system", "reused", "Be brief."),
+            Segment(40, 60, 1, "user", "reused", "Hi"),
+            Segment(60, 80, 2, "assistant", "reused", "Hello."),
+            Segment(80, 100, 3, "user", "prefilled", "More?"))
+    hybrid = SlotInfo(0, 0, 512, "a", tuple(range(100)), ("h",) * 4, (40, 60, 80, 100), 2,
+                      False, segs, checkpoints=(60, 80, 100), checkpoint_bytes=3 * 1100,
+                      memory="hybrid")
+    empty = SlotInfo(1, 1, 512, None, (), (), (), 0, False, memory="hybrid")
+    engine = SimpleNamespace(slots=lambda: (hybrid, empty),
+                             memory=MemoryInfo("hybrid", can_trim=False))
+    table = slots_table(engine)
+    assert table.columns[7] == "checkpoints" and table.columns[8] == "KV map (positions 0–125)"
+    assert [str(r[7]) for r in table.rows] == ["3 (3.2 KiB)", "0"]
+    assert "| = checkpoint" in table.note
+    strip = table.rows[0][8]
+    # 48 columns over 125 positions: S x15, U x8, A x8, u x8; each tick where its position
+    # starts (the assistant's first column, the last user message's, just past the end)
+    assert strip.text == "[" + "S" * 15 + "U" * 8 + "|" + "A" * 7 + "|" + "u" * 7 + "|" \
+        + "." * 8 + "]"
+    ticks = re.findall(r'class="nbkv-checkpoint" title="checkpoint at (\d+)" '
+                       r'style="position:absolute;top:0;left:([\d.]+)%', strip.html)
+    assert ticks == [("60", "48.00"), ("80", "64.00"), ("100", "80.00")]
+    assert 'class="nbkv-kvstrip" style="position:relative;' in strip.html
+    assert "nbkv-checkpoint" not in table.rows[1][8].html and "|" not in table.rows[1][8].text
+    # plain attention: the column says "-" and the note has no checkpoint legend
+    plain = slots_table(SimpleNamespace(slots=lambda: (empty,), memory=MemoryInfo("plain")))
+    assert str(plain.rows[0][7]) == "-" and "checkpoint" not in plain.note

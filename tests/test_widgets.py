@@ -417,6 +417,14 @@ def test_slot_cards_show_the_memory_class_and_checkpoints():
                       checkpoints=(64, 128, 300), checkpoint_bytes=3 * 1100, memory="hybrid")
     assert ('<span class="nbkv-memory">hybrid · 3 checkpoints (3.2 KiB)</span>'
             in _card(hybrid, 1, 2, None))
+    big = replace(hybrid, checkpoints=(300,), checkpoint_bytes=5 * 1024 * 1024,
+                  memory="recurrent")
+    assert ('<span class="nbkv-memory">recurrent · 1 checkpoint (5.0 MiB)</span>'
+            in _card(big, 1, 2, None))
+    # attention memory that cannot trim its tail is served with checkpoints too
+    stuck = replace(hybrid, checkpoints=(128,), checkpoint_bytes=2048, memory="plain")
+    assert ('<span class="nbkv-memory">plain · 1 checkpoint (2.0 KiB)</span>'
+            in _card(stuck, 1, 2, None))
 
 
 def test_kv_map_marks_checkpoints_on_the_messages_row():

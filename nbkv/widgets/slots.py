@@ -8,7 +8,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Int
 
-from ..display import COLORS, media_chunks
+from ..display import COLORS, media_chunks, size_text
 from .feed import Feed, FeedView, LiveState
 
 CARD = ("border:1px solid #d0d7de;border-radius:6px;padding:6px 10px;width:210px;"
@@ -81,8 +81,8 @@ def _card(s: Any, rank: int | None, n_used: int, run: Any) -> str:
 
 def _memory(s: Any) -> str:
     """The slot's memory class, and its checkpoints on hybrid and recurrent models."""
-    if s.memory not in ("hybrid", "recurrent"):
+    if s.memory not in ("hybrid", "recurrent") and not s.checkpoints:
         return s.memory
     n = len(s.checkpoints)
     return (f"{s.memory} · {n} checkpoint{'s' if n != 1 else ''} "
-            f"({s.checkpoint_bytes / 1024:.1f} KiB)")
+            f"({size_text(s.checkpoint_bytes)})")
