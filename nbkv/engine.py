@@ -1076,7 +1076,9 @@ class Engine:
             if not j.todo:
                 continue
             pos = len(j.slot.kv)
-            hard = [i for i, u in enumerate(j.todo) if isinstance(u, MediaUnit) and u.offset == 0]
+            # only the first hard stop can end this chunk
+            image = next((i for i, u in enumerate(j.todo) if isinstance(u, MediaUnit)), None)
+            hard = [] if image is None else [image]
             if j.capture_at is not None:
                 hard.append(j.capture_at - pos)
             prefilling.append(Prefilling(
@@ -1283,11 +1285,9 @@ class Engine:
         with self._cv:
             kv.extend(toks)
             del slot.redo[:take]
-        if slot.redo:
-            kv.checkpoint()
+        kv.checkpoint()  # at the end: the next turn reuses the whole conversation
         slot.rewrite_s += time.perf_counter() - t0
         if not slot.redo:
-            kv.checkpoint()  # the next turn reuses the whole conversation
             self.events.publish(SlotRewritten(slot.index, slot.last_request, slot.rewrite_n,
                                               slot.rewrite_s))
             log.debug("slot[%d]: rewrote %d positions in %.0f ms", slot.index,

@@ -324,7 +324,7 @@ class SlotKV:
     def resync(self) -> None:
         """After a failed or partial decode: make the KV hold exactly :attr:`tokens` again."""
         n = len(self.tokens)
-        if self.ctx.seq_pos_max(self.seq_id) + 1 == n and self.verify():
+        if self.verify():
             return
         if self.memory.can_trim and self.ctx.try_seq_rm(self.seq_id, n, -1) and self.verify():
             return
