@@ -13,8 +13,10 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from .errors import DecodeError, ModelLoadError, ModelNotFoundError
 
@@ -51,6 +53,33 @@ def take_native_errors() -> str:
     msgs = list(_errors)
     _errors.clear()
     return "; ".join(msgs[-3:])
+
+
+_mtmd_lock = threading.Lock()
+_mtmd: Any = None
+
+
+def mtmd_lib() -> Any:
+    """``llama_cpp.mtmd_cpp`` (imported lazily: it loads libmtmd), logging routed to Python."""
+    global _mtmd
+    with _mtmd_lock:
+        if _mtmd is None:
+            from llama_cpp import mtmd_cpp
+
+            mtmd_cpp.mtmd_log_set(log_callback, ctypes.c_void_p(0))
+            mtmd_cpp.mtmd_helper_log_set(log_callback, ctypes.c_void_p(0))
+            _mtmd = mtmd_cpp
+    return _mtmd
+
+
+def llama_cpp_version() -> str:
+    """The llama-cpp-python version (it pins the llama.cpp build)."""
+    return str(llama_cpp.__version__)
+
+
+def default_threads() -> int:
+    """Threads llama.cpp and libmtmd use when none are given: every core."""
+    return max(os.cpu_count() or 1, 1)
 
 
 def _init_backend() -> None:
@@ -211,6 +240,18 @@ class Model:
         """The model can generate text."""
         return bool(llama_cpp.llama_model_has_decoder(self.ptr))
 
+    @property
+    def n_embd_inp(self) -> int:
+        """Width of the input embeddings (what a vision projector must produce)."""
+        return int(llama_cpp.llama_model_n_embd_inp(self.ptr))
+
+    @property
+    def rope_type(self) -> str:
+        """``"none"``, ``"norm"``, ``"neox"``, or ``"mrope-N"`` for multi-axis kinds."""
+        t = int(llama_cpp.llama_model_rope_type(self.ptr))
+        return {llama_cpp.LLAMA_ROPE_TYPE_NONE: "none", llama_cpp.LLAMA_ROPE_TYPE_NORM: "norm",
+                llama_cpp.LLAMA_ROPE_TYPE_NEOX: "neox"}.get(t, f"mrope-{t}")
+
     def close(self) -> None:
         """Free the model's memory."""
         if self.ptr:
@@ -295,7 +336,7 @@ class Context:
         # trim can go back further than the window (a trim below what a window-sized cache
         # still holds returns true but gives wrong logits)
         p.swa_full = swa_full
-        threads = n_threads or max(os.cpu_count() or 1, 1)
+        threads = n_threads or default_threads()
         p.n_threads = threads
         p.n_threads_batch = threads
         p.no_perf = True
@@ -371,6 +412,50 @@ class Context:
         if llama_cpp.llama_state_seq_set_data_ext(self.ptr, state, size, seq, flags) != size:
             self.seq_rm(seq)
             raise DecodeError(f"could not restore a saved state into sequence {seq}")
+
+    @property
+    def n_ubatch(self) -> int:
+        """Micro-batch size: the most tokens one compute graph takes."""
+        return int(llama_cpp.llama_n_ubatch(self.ptr))
+
+    def decode_embeddings(self, embd: np.ndarray, positions: np.ndarray, seq: int,
+                          logits_last: bool = False, causal: bool = True) -> None:
+        """Decode rows of input embeddings (an image chunk's) into ``seq`` in one call.
+
+        ``embd`` is ``(k, n_embd)`` float32; ``positions`` is ``(n_axes, k)`` int32, one row per
+        position axis (4 for M-RoPE, else 1), laid out axis-major as llama.cpp reads it.
+        ``causal=False`` attends over all ``k`` rows at once (gemma3's images). Raises
+        :class:`DecodeError`; the caller removes what a failed decode left.
+        """
+        k = embd.shape[0]
+        embd = np.ascontiguousarray(embd, dtype=np.float32)
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        seq_arr = (llama_cpp.llama_seq_id * 1)(seq)
+        seq_p = ctypes.cast(seq_arr, ctypes.POINTER(llama_cpp.llama_seq_id))
+        seq_ptrs = (ctypes.POINTER(llama_cpp.llama_seq_id) * k)(*([seq_p] * k))
+        n_seq = (ctypes.c_int32 * k)(*([1] * k))
+        logits = (ctypes.c_int8 * k)()
+        if logits_last:
+            logits[k - 1] = 1
+        batch = llama_cpp.llama_batch(
+            n_tokens=k,
+            token=None,
+            embd=embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos=pos.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos)),
+            n_seq_id=ctypes.cast(n_seq, ctypes.POINTER(ctypes.c_int32)),
+            seq_id=ctypes.cast(seq_ptrs, ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id))),
+            logits=ctypes.cast(logits, ctypes.POINTER(ctypes.c_int8)),
+        )
+        if not causal:
+            llama_cpp.llama_set_causal_attn(self.ptr, False)
+        try:
+            rc = llama_cpp.llama_decode(self.ptr, batch)
+        finally:
+            if not causal:
+                llama_cpp.llama_set_causal_attn(self.ptr, True)
+        if rc != 0:
+            raise DecodeError(f"llama_decode failed with code {rc} on {k} input embeddings "
+                              f"(sequence {seq}, position {int(pos[0, 0])})")
 
     def clear(self) -> None:
         """Empty every sequence."""

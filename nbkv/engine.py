@@ -204,7 +204,7 @@ class _Prompt:
     hashes: list[str]
     ends: list[int]  # KV position where each message ends (the generation prompt excluded)
     dropped: int = 0
-    media: Any = None  # nbkv.mtmd.MediaPrompt when the prompt has images
+    media: Any = None  # nbkv.media_prompt.MediaPrompt when the prompt has images
 
     def chunk_for(self, unit: MediaUnit) -> Any:
         """The image chunk a media position belongs to."""
@@ -531,7 +531,7 @@ class Engine:
                      self.memory.kind)
         self.projector = None
         if mmproj is not None:
-            from .mtmd import Projector
+            from .projector import Projector
 
             try:
                 self.projector = Projector(mmproj, self.model, cache=embedding_cache,
@@ -1125,7 +1125,7 @@ class Engine:
                 return True
         elif emb is None:
             image, media = chunk.image, job.prompt.media
-            if self.projector.cache.peek((self.projector.identity, h)) is None:
+            if not self.projector.has_cached(image):
                 job.encoder_runs += 1
                 if self._encoder is None:
                     self._encoder = ThreadPoolExecutor(1, thread_name_prefix="nbkv-encoder")

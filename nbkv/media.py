@@ -1,7 +1,7 @@
 """Images in conversations: loading, identity, extraction from messages, and caches.
 
 This module is pure Python (numpy, and Pillow to decode image files); the native side
-(projector, chunks, encoder, decoding embeddings into a sequence) is :mod:`nbkv.mtmd`.
+(projector, chunks, encoder, decoding embeddings into a sequence) is :mod:`nbkv.projector`.
 
 - :func:`load_image` turns a file path, a ``data:`` URI, raw encoded bytes, a PIL image or
   an ``HxWx3`` ``uint8`` array into an :class:`Image`: RGB pixels plus a content hash that
@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import MediaError
 
-#: libmtmd's default media marker (``mtmd_default_marker()``); :mod:`nbkv.mtmd` checks it.
+#: libmtmd's default media marker (``mtmd_default_marker()``); :mod:`nbkv.projector` checks it.
 MARKER = "<__media__>"
 
 #: Largest image accepted, in pixels (a decompression bomb guard; mtmd downsizes anyway).
@@ -424,9 +424,9 @@ class CacheStats:
 class EmbeddingCache:
     """An in-RAM LRU of encoder outputs, bounded by bytes; thread-safe.
 
-    Keys are hashable (nbkv uses ``(projector identity, image hash)``); values are anything
-    with an ``nbytes`` attribute (:class:`nbkv.mtmd.ImageEmbedding`). One cache can be shared
-    by several projectors and engines: the projector identity keeps their entries apart.
+    Keys are hashable (:meth:`nbkv.projector.Projector.cache_key`); values are anything with
+    an ``nbytes`` attribute (:class:`nbkv.media_prompt.ImageEmbedding`). One cache can be
+    shared by several projectors and engines: the projector identity keeps entries apart.
     """
 
     def __init__(self, max_bytes: int = 256 * 1024 * 1024) -> None:

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 from nbkv.backend import Batch, Context
+from nbkv.errors import ContextOverflowError, MediaError
+from nbkv.media_prompt import ImageEmbedding, MediaPrompt
 from nbkv.models import default_model_path
+from nbkv.projector import Projector
 
 # a system prompt of ~150 tokens, so that salvage thresholds (100 tokens) matter
 SYSTEM = (
@@ -80,3 +83,63 @@ def fresh_probe(model, tokens, probe):
     finally:
         batch.close()
         ctx.close()
+
+
+def eval_prompt(
+    projector: Projector,
+    ctx: Context,
+    prompt: MediaPrompt,
+    seq: int,
+    pos: int = 0,
+    *,
+    start: int = 0,
+    embeddings: dict[str, ImageEmbedding] | None = None,
+) -> tuple[int, np.ndarray]:
+    """Reference evaluation: decode ``prompt.chunks[start:]`` into ``seq`` from ``pos``.
+
+    Returns (next position, logits).
+    Text chunks go through a :class:`~nbkv.backend.Batch` of ``ctx.n_batch`` tokens,
+    image chunks through ``Projector.decode_chunk``. The logits are those of the prompt's last
+    token or embedding (a copy). On failure, ``seq`` is trimmed back to ``pos``.
+    """
+    chunks = prompt.chunks[start:]
+    if not chunks:
+        raise MediaError("nothing to evaluate")
+    embeddings = dict(embeddings or {})
+    for c in chunks:  # before touching the sequence: an encoder failure leaves it as is
+        if c.image is not None and c.image.hash not in embeddings:
+            embeddings[c.image.hash] = projector.embedding(c.image, _prompt=prompt)
+    logits: np.ndarray | None = None
+    p0 = pos
+    batch = Batch(ctx.n_batch)
+    try:
+        for ci, c in enumerate(chunks):
+            last = ci == len(chunks) - 1
+            if c.is_image:
+                assert c.image is not None
+                emb = embeddings[c.image.hash]
+                if last:
+                    logits = projector.decode_chunk_logits(ctx, c, seq, pos, embedding=emb)
+                else:
+                    projector.decode_chunk(ctx, c, seq, pos, embedding=emb)
+                pos += c.n_pos
+                continue
+            toks = c.tokens
+            if pos + len(toks) > ctx.n_ctx_seq:
+                raise ContextOverflowError(pos + len(toks), ctx.n_ctx_seq)
+            for off in range(0, len(toks), ctx.n_batch):
+                part = toks[off : off + ctx.n_batch]
+                batch.clear()
+                end = last and off + len(part) == len(toks)
+                i = batch.add_run(part, pos + off, seq, logits_last=end)
+                ctx.decode(batch)
+                if end:
+                    logits = np.array(ctx.logits(i), dtype=np.float32)
+            pos += len(toks)
+    except BaseException:
+        ctx.try_seq_rm(seq, p0, -1)
+        raise
+    finally:
+        batch.close()
+    assert logits is not None
+    return pos, logits

@@ -18,6 +18,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from conftest import eval_prompt
 from nbkv.errors import (
     ContextOverflowError,
     MediaError,
@@ -257,7 +258,7 @@ def tiny_path():
 
 @pytest.fixture(scope="module")
 def projector(model, tiny_path):
-    from nbkv.mtmd import Projector
+    from nbkv.projector import Projector
 
     with Projector(tiny_path, model, n_threads=1) as p:
         yield p
@@ -281,7 +282,7 @@ def baseline(projector, ctx):
     s0 = projector.stats.snapshot()
     with projector.tokenize(TEXT, [img]) as p:
         assert not p.image_chunks()[0].placeholder
-        pos, logits = projector.eval_prompt(ctx, p, seq=0)
+        pos, logits = eval_prompt(projector, ctx, p, seq=0)
     s1 = projector.stats.snapshot()
     assert s1["encoder_runs"] == s0["encoder_runs"] + 1
     assert s1["cache_misses"] == s0["cache_misses"] + 1
@@ -350,14 +351,14 @@ def test_repeated_runs_are_bit_identical(projector, ctx, baseline):
     runs = projector.stats.encoder_runs
     with projector.tokenize(TEXT, [img], use_cache=False) as p:
         embeds = projector.embed(p, use_cache=False)  # through the encoder again
-        _, logits = projector.eval_prompt(ctx, p, seq=1, embeddings=embeds)
+        _, logits = eval_prompt(projector, ctx, p, seq=1, embeddings=embeds)
     assert projector.stats.encoder_runs == runs + 1
     assert np.array_equal(logits, expected)
 
 
 def test_cached_embeddings_skip_the_encoder_bit_for_bit(model, projector, tiny_path, ctx,
                                                          baseline):
-    from nbkv.mtmd import Projector
+    from nbkv.projector import Projector
 
     img, expected = baseline
     ctx.seq_rm(1)
@@ -365,7 +366,7 @@ def test_cached_embeddings_skip_the_encoder_bit_for_bit(model, projector, tiny_p
     # rebuilding a slot (another sequence, later): no pixels preprocessed, no encoder run
     with projector.tokenize(TEXT, [img]) as p:
         assert p.image_chunks()[0].placeholder
-        _, logits = projector.eval_prompt(ctx, p, seq=1)
+        _, logits = eval_prompt(projector, ctx, p, seq=1)
     s1 = projector.stats.snapshot()
     assert s1["encoder_runs"] == s0["encoder_runs"]
     assert s1["cache_hits"] == s0["cache_hits"] + 1
@@ -439,13 +440,13 @@ def test_the_image_is_really_used(projector, ctx, baseline):
     img, expected = baseline
     ctx.seq_rm(1)
     with projector.tokenize(TEXT, [Image.from_rgb(255 - img.array())]) as p:
-        _, logits = projector.eval_prompt(ctx, p, seq=1)
+        _, logits = eval_prompt(projector, ctx, p, seq=1)
     assert not np.array_equal(logits, expected)
 
 
 def test_decode_errors_leave_the_sequence_alone(model, projector, ctx):
     from nbkv.backend import Context
-    from nbkv.mtmd import Projector
+    from nbkv.projector import Projector
 
     ctx.seq_rm(1)
     img = Image.from_rgb(picture(13))
@@ -508,7 +509,7 @@ def rewrite(src, dst, *, drop=(), keys=None, tensors=None):
 
 
 def test_wrong_projectors_are_refused_in_python(model, tiny_path, model_path, tmp_path):
-    from nbkv.mtmd import inspect_projector
+    from nbkv.projector_check import inspect_projector
 
     U32, I32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32
     pos = gguf.GGUFReader(tiny_path).get_tensor(2)
@@ -556,7 +557,7 @@ _SUBPROCESS = textwrap.dedent(
     from nbkv.fixtures import make_mmproj
     from nbkv.media import Image
     from nbkv.models import default_model_path
-    from nbkv.mtmd import Projector
+    from nbkv.projector import Projector
 
     model = Model(default_model_path())
     ctx = Context(model, n_ctx=256, n_seq_max=1, n_batch=64, flash_attn=0, n_threads=1)
@@ -568,7 +569,7 @@ _SUBPROCESS = textwrap.dedent(
             print("refused:", e)
         with Projector(make_mmproj(), model, n_threads=1) as p:
             with p.tokenize("<__media__>", [img]) as pr:
-                print("still works:", p.eval_prompt(ctx, pr, seq=0)[0])
+                print("still works:", p.decode_chunk(ctx, pr.image_chunks()[0], 0, 0))
     else:  # the same projector straight through libmtmd, as a caller without nbkv would
         import ctypes
         import llama_cpp
@@ -620,7 +621,7 @@ def realistic_path():
 
 
 def test_realistic_projector_loads(model, realistic_path):
-    from nbkv.mtmd import Projector
+    from nbkv.projector import Projector
 
     with Projector(realistic_path, model) as p:
         info = p.info
@@ -633,7 +634,7 @@ def test_realistic_projector_loads(model, realistic_path):
 
 @pytest.mark.slow
 def test_realistic_projector_encodes(model, realistic_path):
-    from nbkv.mtmd import Projector
+    from nbkv.projector import Projector
 
     with Projector(realistic_path, model) as p:
         img = Image.from_rgb(picture(15, 480, 640))

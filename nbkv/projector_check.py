@@ -1,0 +1,491 @@
+"""Projector pre-flight: read an mmproj GGUF with the ``gguf`` package and refuse it early.
+
+Native code aborts the whole process on several wrong inputs (failed ``GGML_ASSERT``: a
+projector key stored with another GGUF type, a tensor of the wrong shape or type, image
+special tokens the text model lacks...). :func:`inspect_projector` refuses such files
+*before* llama.cpp sees them; :class:`nbkv.projector.Projector` calls it first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .backend import Model, check_gguf, llama_cpp_version
+from .errors import ModelLoadError, ProjectorError
+
+log = logging.getLogger("nbkv.projector")
+
+# libmtmd's projector names (tools/mtmd/clip-impl.h, PROJECTOR_TYPE_NAMES)
+KNOWN_PROJECTORS = frozenset("""
+    mlp mlp_norm ldp ldpv2 resampler adapter qwen2vl_merger qwen2.5vl_merger qwen3vl_merger
+    ling3vl step3vl gemma3 gemma3nv gemma3na gemma4v gemma4a gemma4uv gemma4ua phi4 idefics3
+    pixtral ultravox internvl llama4 qwen2a qwen3a glma qwen2.5o voxtral meralion musicflamingo
+    lfm2 kimivl paddleocr lightonocr cogvlm janus_pro dots_ocr dots3note_v dots3note_a
+    deepseekocr deepseekocr2 deepseek4v lfm2a glm4v glm5v youtuvl yasa2 kimik25 nemotron_v2_vl
+    exaone4_5 hunyuanvl minicpmv4_6 granite_speech mimovl minimax_m3 granite4_vision
+    mimo_audio parakeet qwen3tts_spkenc qwen3tts_gen pockettts_spkenc pockettts_gen
+    muse-glimmer
+""".split())
+
+#: Projector types whose files nbkv checks completely (keys, tensor names, shapes, types).
+VALIDATED_PROJECTORS = ("mlp", "gemma3", "idefics3")
+
+# tokens libmtmd looks up in the text vocabulary by exact piece (mtmd.cpp, lookup_token); a
+# missing one becomes token -1 in a text chunk, which aborts the process when evaluated
+REQUIRED_TOKENS: dict[str, tuple[str, ...]] = {
+    "idefics3": ("\n\n", "<fake_token_around_image>", "<global-img>", "\n"),
+    "resampler": ("<image>", "</image>", "<slice>", "</slice>", "\n"),
+    "minicpmv4_6": ("<image>", "</image>", "<slice>", "</slice>", "\n"),
+    "step3vl": ("<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>"),
+    "lfm2": ("<|img_thumbnail|>",),
+}
+
+# image delimiters libmtmd inserts as text: harmless when missing (they become plain text),
+# but then the model never saw them in training
+DELIMITERS: dict[str, tuple[str, ...]] = {
+    "gemma3": ("<start_of_image>", "<end_of_image>"),
+    "gemma3nv": ("<start_of_image>", "<end_of_image>"),
+    "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen3vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "llama4": ("<|image_start|>", "<|image_end|>"),
+    "internvl": ("<img>", "</img>"),
+    "lfm2": ("<|image_start|>", "<|image_end|>"),
+    "glm4v": ("<|begin_of_image|>", "<|end_of_image|>"),
+    "pixtral": ("[IMG_END]",),
+}
+
+# GGUF value types of every key clip.cpp reads with a typed getter: gguf_get_val_* asserts the
+# stored type, so an int32 where a uint32 is expected aborts the process
+_U32, _I32, _F32, _BOOL, _STR, _ARR = "u32", "i32", "f32", "bool", "str", "arr"
+_KEY_TYPES: dict[str, str] = {
+    "general.name": _STR, "general.description": _STR,
+    "clip.has_vision_encoder": _BOOL, "clip.has_audio_encoder": _BOOL,
+    "clip.has_gen_audio_encoder": _BOOL, "clip.use_gelu": _BOOL, "clip.use_silu": _BOOL,
+    "clip.projector_type": _STR, "clip.vision.projector_type": _STR,
+    "clip.audio.projector_type": _STR, "clip.vision.mm_patch_merge_type": _STR,
+    "clip.minicpmv_version": _I32, "clip.minicpmv_query_num": _U32,
+    "clip.vision.attention.layer_norm_epsilon": _F32, "clip.vision.swiglu_clamp": _F32,
+    "clip.vision.image_mean": _ARR, "clip.vision.image_std": _ARR,
+    "clip.vision.image_grid_pinpoints": _ARR, "clip.vision.feature_layer": _ARR,
+    "clip.vision.wa_layer_indexes": _ARR, "clip.vision.wa_pattern_mode": _ARR,
+}
+for _k in (
+    "embedding_length", "attention.head_count", "attention.head_dim", "feed_forward_length",
+    "block_count", "projection_dim", "attention.head_count_kv", "image_size", "patch_size",
+    "image_min_pixels", "image_max_pixels", "preproc_min_tiles", "preproc_max_tiles",
+    "preproc_image_size", "projector.scale_factor", "projector.query_side",
+    "projector.window_side", "spatial_merge_size", "n_wa_pattern", "window_size",
+    "expert_used_count", "sam.head_count", "sam.block_count", "sam.embedding_length",
+):
+    _KEY_TYPES[f"clip.vision.{_k}"] = _U32
+_ARRAY_ITEM_TYPES = {
+    "clip.vision.image_mean": _F32, "clip.vision.image_std": _F32,
+    "clip.vision.image_grid_pinpoints": _I32, "clip.vision.feature_layer": _I32,
+    "clip.vision.wa_layer_indexes": _I32, "clip.vision.wa_pattern_mode": _I32,
+}
+_REQUIRED_U32 = (
+    "embedding_length", "attention.head_count", "feed_forward_length", "block_count",
+    "projection_dim", "image_size", "patch_size",
+)
+
+
+@dataclass(frozen=True)
+class ProjectorInfo:
+    """What :func:`inspect_projector` learned about a projector file."""
+
+    path: Path
+    projector_type: str
+    validated: bool  # a type nbkv checks completely (see VALIDATED_PROJECTORS)
+    n_embd: int  # vision encoder width
+    n_head: int
+    n_ff: int
+    n_layer: int
+    image_size: int
+    patch_size: int
+    projection_dim: int  # metadata only: clip.cpp sizes the output from the tensors
+    n_embd_out: int | None  # embedding width it produces (must equal the text model's input)
+    scale_factor: int | None
+    tokens_per_tile: int | None  # embeddings per image tile of image_size x image_size
+    file_size: int
+    n_tensors: int
+    warnings: tuple[str, ...] = ()
+
+
+def _gguf_type_name(field: Any) -> str:
+    import gguf
+
+    t = field.types[0] if field.types else None
+    return {
+        gguf.GGUFValueType.UINT32: _U32, gguf.GGUFValueType.INT32: _I32,
+        gguf.GGUFValueType.FLOAT32: _F32, gguf.GGUFValueType.BOOL: _BOOL,
+        gguf.GGUFValueType.STRING: _STR, gguf.GGUFValueType.ARRAY: _ARR,
+    }.get(t, getattr(t, "name", "?").lower())
+
+
+def _array_item_type(field: Any) -> str:
+    import gguf
+
+    t = field.types[-1] if len(field.types) > 1 else None
+    return {gguf.GGUFValueType.FLOAT32: _F32, gguf.GGUFValueType.INT32: _I32}.get(
+        t, getattr(t, "name", "?").lower()
+    )
+
+
+def inspect_projector(
+    path: str | os.PathLike, model: Model | None = None, *, trust: bool = False
+) -> ProjectorInfo:
+    """Check a projector GGUF in Python and describe it; raise :class:`ProjectorError` if unusable.
+
+    Nothing here calls into llama.cpp except vocabulary lookups on ``model``. Checked: the
+    file is a whole GGUF (every tensor's data inside the file); it is a vision projector
+    (``clip.has_vision_encoder``); its projector type is one libmtmd knows; every key
+    ``clip.cpp`` reads has the GGUF type it expects (a mismatch aborts natively); the vision
+    hyper-parameters are present and consistent. For the validated types (``mlp``, ``gemma3``,
+    ``idefics3``) also every tensor the graph uses: present, shaped and typed as the graph
+    needs. With ``model``: the embedding width it produces equals the text model's input
+    width, the text model's RoPE is one nbkv handles, and every special token libmtmd looks up
+    for this projector type exists in the text vocabulary (``idefics3``, SmolVLM's projector,
+    needs ``<fake_token_around_image>``, which SmolLM2 lacks).
+
+    ``trust=True`` lets other projector types through with only the generic checks: a file
+    that is wrong in a way nbkv does not know may still abort the process.
+    """
+    p = Path(path).expanduser()
+    try:
+        check_gguf(p)
+    except (ModelLoadError, FileNotFoundError) as e:
+        msg = str(e).replace("model file", "projector file")
+        raise ProjectorError(f"vision projector: {msg}") from e
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ProjectorError("checking a projector needs the gguf package: pip install gguf") from e
+    size = p.stat().st_size
+    arch = _first_architecture(p)
+    if arch is not None and arch != "clip":  # fast path: parsing a whole text model is slow
+        raise ProjectorError(
+            f"{p} is a {arch!r} model, not a vision projector (mmproj) file"
+        )
+    try:
+        reader = gguf.GGUFReader(p)
+        tensors = {t.name: t for t in reader.tensors}
+    except Exception as e:
+        raise ProjectorError(
+            f"{p} is not a readable GGUF file (corrupt or truncated): {type(e).__name__}: {e}"
+        ) from e
+    for t in tensors.values():
+        if t.data_offset + t.n_bytes > size:
+            raise ProjectorError(
+                f"{p} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, "
+                f"the file has {size}"
+            )
+
+    def fld(key: str) -> Any:
+        return reader.get_field(key)
+
+    def value(key: str) -> Any:
+        f = fld(key)
+        return None if f is None else f.contents()
+
+    arch = value("general.architecture")
+    if fld("clip.has_vision_encoder") is None and fld("clip.projector_type") is None:
+        what = f"a {arch!r} model" if arch and arch != "clip" else "not a projector"
+        raise ProjectorError(
+            f"{p} is {what}, not a vision projector (mmproj) file: it has no clip.* metadata"
+        )
+    for key, want in _KEY_TYPES.items():
+        f = fld(key)
+        if f is None:
+            continue
+        got = _gguf_type_name(f)
+        if got != want:
+            raise ProjectorError(
+                f"{p}: key {key} is stored as {got}, libmtmd reads it as {want} (a mismatch "
+                "aborts the process); the file was not written by a compatible converter"
+            )
+        if want == _ARR and _array_item_type(f) != _ARRAY_ITEM_TYPES[key]:
+            raise ProjectorError(
+                f"{p}: array {key} holds {_array_item_type(f)}, expected "
+                f"{_ARRAY_ITEM_TYPES[key]}"
+            )
+    if not value("clip.has_vision_encoder"):
+        raise ProjectorError(
+            f"{p} has no vision encoder (clip.has_vision_encoder is not true): an audio-only "
+            "or text projector cannot read images"
+        )
+    ptype = value("clip.projector_type") or value("clip.vision.projector_type")
+    if not ptype:
+        raise ProjectorError(f"{p}: no clip.projector_type")
+    if ptype not in KNOWN_PROJECTORS:
+        raise ProjectorError(
+            f"{p}: projector type {ptype!r} is unknown to this llama.cpp build "
+            f"(llama-cpp-python {llama_cpp_version()})"
+        )
+    validated = ptype in VALIDATED_PROJECTORS
+    if not validated and not trust:
+        raise ProjectorError(
+            f"{p}: projector type {ptype!r} is not one nbkv validates "
+            f"({', '.join(VALIDATED_PROJECTORS)}); pass trust_projector=True to load it "
+            "anyway (a file wrong in a way nbkv does not check may abort the process)"
+        )
+    if value("clip.has_audio_encoder") and not trust:
+        raise ProjectorError(
+            f"{p} also holds an audio encoder, which nbkv does not validate; pass "
+            "trust_projector=True to load it anyway"
+        )
+
+    hp: dict[str, int] = {}
+    for k in _REQUIRED_U32:
+        v = value(f"clip.vision.{k}")
+        if v is None:
+            raise ProjectorError(f"{p}: missing clip.vision.{k}")
+        hp[k] = int(v)
+    if value("clip.vision.attention.layer_norm_epsilon") is None:
+        raise ProjectorError(f"{p}: missing clip.vision.attention.layer_norm_epsilon")
+    for k in ("image_mean", "image_std"):
+        v = value(f"clip.vision.{k}")
+        if v is None or len(v) < 3:
+            raise ProjectorError(f"{p}: clip.vision.{k} must hold 3 floats (one per channel)")
+    e, n_head, n_ff, n_layer = (hp["embedding_length"], hp["attention.head_count"],
+                                hp["feed_forward_length"], hp["block_count"])
+    img, patch = hp["image_size"], hp["patch_size"]
+    for name, v in (("embedding_length", e), ("attention.head_count", n_head),
+                    ("block_count", n_layer), ("image_size", img), ("patch_size", patch)):
+        if v < 1:
+            raise ProjectorError(f"{p}: clip.vision.{name} must be positive, is {v}")
+    if e % n_head:
+        raise ProjectorError(f"{p}: embedding_length {e} is not a multiple of head_count {n_head}")
+    if img % patch:
+        raise ProjectorError(f"{p}: image_size {img} is not a multiple of patch_size {patch}")
+    scale = value("clip.vision.projector.scale_factor")
+    scale = int(scale) if scale is not None else None
+
+    n_out: int | None = None
+    tokens: int | None = None
+    warnings: list[str] = []
+    if validated:
+        n_out, tokens = _check_tensors(p, ptype, tensors, fld, e, n_ff, n_layer, img, patch, scale)
+
+    if model is not None:
+        n_text = model.n_embd_inp
+        if n_out is not None and n_out != n_text:
+            raise ProjectorError(
+                f"projector {p.name} produces {n_out}-wide embeddings but the text model "
+                f"({model.description}) takes {n_text}: it belongs to another model"
+            )
+        rope = model.rope_type
+        if rope not in ("none", "norm", "neox") and not trust:
+            raise ProjectorError(
+                f"the text model uses RoPE type {rope} (multi-axis image positions), "
+                "which nbkv does not validate; pass trust_projector=True to try it"
+            )
+        missing = [t for t in REQUIRED_TOKENS.get(ptype, ()) if not _has_token(model, t)]
+        if missing:
+            raise ProjectorError(
+                f"projector {p.name} ({ptype}) needs the image special token(s) "
+                f"{', '.join(repr(t) for t in missing)} in the text model's vocabulary, and "
+                f"{model.description} has none: the projector belongs to another model "
+                "(evaluating its image chunks would abort the process)"
+            )
+        for t in DELIMITERS.get(ptype, ()):
+            if not _has_token(model, t):
+                warnings.append(
+                    f"image delimiter {t!r} is not a token of the text model; it is fed as "
+                    "plain text"
+                )
+    for w in warnings:
+        log.warning("%s: %s", p.name, w)
+    return ProjectorInfo(
+        path=p, projector_type=ptype, validated=validated, n_embd=e, n_head=n_head, n_ff=n_ff,
+        n_layer=n_layer, image_size=img, patch_size=patch, projection_dim=hp["projection_dim"],
+        n_embd_out=n_out, scale_factor=scale, tokens_per_tile=tokens, file_size=size,
+        n_tensors=len(tensors), warnings=tuple(warnings),
+    )
+
+
+def _first_architecture(path: Path) -> str | None:
+    """``general.architecture`` if it is the file's first key (as converters write it)."""
+    import struct
+
+    try:
+        with path.open("rb") as f:
+            head = f.read(24)
+            if len(head) < 24:
+                return None
+            n = struct.unpack("<Q", f.read(8))[0]
+            if n > 256:
+                return None
+            key = f.read(n)
+            (vtype,) = struct.unpack("<I", f.read(4))
+            if key != b"general.architecture" or vtype != 8:  # 8: GGUF string
+                return None
+            n = struct.unpack("<Q", f.read(8))[0]
+            return f.read(min(n, 256)).decode("utf-8", errors="replace") if n <= 256 else None
+    except (OSError, struct.error):
+        return None
+
+
+def _check_tensors(
+    p: Path, ptype: str, tensors: dict[str, Any], fld: Any, e: int, n_ff: int, n_layer: int,
+    img: int, patch: int, scale: int | None,
+) -> tuple[int, int]:
+    """Shape/type checks of the validated graphs; returns (output width, tokens per tile)."""
+    import gguf
+
+    F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+
+    def get(name: str, required: bool = True) -> Any:
+        t = tensors.get(name)
+        if t is None and required:
+            raise ProjectorError(f"{p} ({ptype}): missing tensor {name}")
+        return t
+
+    def shape(t: Any) -> list[int]:
+        return [int(x) for x in t.shape]
+
+    def expect(name: str, ne: list[int], required: bool = True, f32: bool = False) -> Any:
+        t = get(name, required)
+        if t is None:
+            return None
+        if shape(t) != ne:
+            raise ProjectorError(
+                f"{p} ({ptype}): tensor {name} has shape {shape(t)}, the graph needs {ne}"
+            )
+        if (f32 or len(ne) == 1) and t.tensor_type != F32:
+            raise ProjectorError(
+                f"{p} ({ptype}): tensor {name} is {t.tensor_type.name}; it is added to "
+                "activations and must be F32 (ggml's CPU backend aborts otherwise)"
+            )
+        return t
+
+    side = img // patch
+    n_patches = side * side
+    pe = get("v.patch_embd.weight")
+    if shape(pe) != [patch, patch, 3, e] or pe.tensor_type not in (F32, F16):
+        raise ProjectorError(
+            f"{p} ({ptype}): v.patch_embd.weight is {pe.tensor_type.name} {shape(pe)}, "
+            f"the graph needs F16/F32 {[patch, patch, 3, e]}"
+        )
+    expect("v.patch_embd.bias", [e], required=False)
+    has_class = "v.class_embd" in tensors
+    if has_class and ptype != "mlp":
+        raise ProjectorError(f"{p} ({ptype}): unexpected v.class_embd")
+    if has_class:
+        expect("v.class_embd", [e], f32=True)
+    expect("v.position_embd.weight", [e, n_patches + (1 if has_class else 0)], f32=True)
+    for ln in ("pre_ln", "post_ln"):
+        expect(f"v.{ln}.weight", [e], required=False)
+        expect(f"v.{ln}.bias", [e], required=False)
+    for i in range(n_layer):
+        b = f"v.blk.{i}"
+        if f"{b}.attn_qkv.weight" in tensors:
+            raise ProjectorError(f"{p} ({ptype}): fused attn_qkv tensors are not validated")
+        for n in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            expect(f"{b}.{n}.weight", [e, e])
+            expect(f"{b}.{n}.bias", [e], required=False)
+        for n in ("ln1", "ln2"):
+            expect(f"{b}.{n}.weight", [e], required=False)
+            expect(f"{b}.{n}.bias", [e], required=False)
+        up, down = get(f"{b}.ffn_up.weight"), get(f"{b}.ffn_down.weight")
+        if shape(up) == [n_ff, e] and shape(down) == [e, n_ff]:  # legacy swapped names
+            up_b, down_b = f"{b}.ffn_down.bias", f"{b}.ffn_up.bias"
+        elif shape(up) == [e, n_ff] and shape(down) == [n_ff, e]:
+            up_b, down_b = f"{b}.ffn_up.bias", f"{b}.ffn_down.bias"
+        else:
+            raise ProjectorError(
+                f"{p} ({ptype}): {b}.ffn_up/ffn_down have shapes {shape(up)}/{shape(down)}, "
+                f"expected [{e}, {n_ff}] and [{n_ff}, {e}]"
+            )
+        expect(up_b, [n_ff], required=False)
+        expect(down_b, [e], required=False)
+        if f"{b}.ffn_gate.weight" in tensors or f"{b}.ffn_gate_exps.weight" in tensors:
+            raise ProjectorError(f"{p} ({ptype}): gated / MoE vision FFNs are not validated")
+
+    if ptype == "mlp":
+        if fld("clip.vision.image_grid_pinpoints") is not None:
+            raise ProjectorError(f"{p}: LLaVA-1.6 tiling (image_grid_pinpoints) is not validated")
+        if "mm.3.weight" in tensors or "mm.1.weight" in tensors:
+            raise ProjectorError(f"{p}: Yi-style mlp_norm projectors are not validated")
+        feature = fld("clip.vision.feature_layer")
+        n_in = e * (len(feature.contents()) if feature is not None else 1)
+        m0 = get("mm.0.weight")
+        if len(m0.shape) != 2 or int(m0.shape[0]) != n_in:
+            raise ProjectorError(
+                f"{p} (mlp): mm.0.weight has shape {shape(m0)}, its first dimension must be "
+                f"the vision width {n_in}"
+            )
+        hidden = int(m0.shape[1])
+        expect("mm.0.bias", [hidden])
+        m2 = get("mm.2.weight")
+        if len(m2.shape) != 2 or int(m2.shape[0]) != hidden:
+            raise ProjectorError(
+                f"{p} (mlp): mm.2.weight has shape {shape(m2)}, expected [{hidden}, n_out]"
+            )
+        n_out = int(m2.shape[1])
+        expect("mm.2.bias", [n_out])
+        return n_out, n_patches
+    if ptype == "gemma3":
+        k = scale if scale is not None else 4
+        if k < 1 or side % k:
+            raise ProjectorError(
+                f"{p} (gemma3): {side} patches per side do not pool evenly by {k}"
+            )
+        expect("mm.soft_emb_norm.weight", [e])
+        w = get("mm.input_projection.weight")
+        if len(w.shape) != 2 or int(w.shape[1]) != e:
+            raise ProjectorError(
+                f"{p} (gemma3): mm.input_projection.weight has shape {shape(w)}, expected "
+                f"[n_out, {e}]"
+            )
+        return int(w.shape[0]), (side // k) ** 2
+    # idefics3: pixel shuffle by `scale` per side, then one linear layer
+    k = scale if scale is not None else 1
+    if k < 1 or side % k:
+        raise ProjectorError(f"{p} (idefics3): {side} patches per side do not shuffle by {k}")
+    w = get("mm.model.fc.weight")
+    if len(w.shape) != 2 or int(w.shape[0]) != e * k * k:
+        raise ProjectorError(
+            f"{p} (idefics3): mm.model.fc.weight has shape {shape(w)}, expected "
+            f"[{e * k * k}, n_out]"
+        )
+    return int(w.shape[1]), (side // k) ** 2
+
+
+def _has_token(model: Model, text: str) -> bool:
+    """Whether some token's piece is exactly ``text`` (what libmtmd's lookup_token finds)."""
+    want = text.encode()
+    toks = model.tokenize(text)
+    if len(toks) == 1 and model.piece(toks[0]) == want:
+        return True
+    pieces = _vocab_pieces.get(model)
+    if pieces is None:  # a full scan, once per model
+        pieces = _vocab_pieces[model] = frozenset(model.piece(t) for t in range(model.n_vocab))
+    return want in pieces
+
+
+_vocab_pieces: weakref.WeakKeyDictionary[Model, frozenset[bytes]] = weakref.WeakKeyDictionary()
+
+
+_file_hashes: dict[tuple[str, int, int], str] = {}
+
+
+def file_identity(path: Path) -> str:
+    """SHA-256 of a file's content (memoized per path, size and mtime)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    digest = _file_hashes.get(key)
+    if digest is None:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        digest = _file_hashes[key] = h.hexdigest()
+    return digest
+
