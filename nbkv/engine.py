@@ -11,7 +11,6 @@ extended only after a successful decode, and on any failure the KV is trimmed ba
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import logging
 import queue
@@ -27,7 +26,6 @@ from .backend import Batch, Context, Model
 from .batching import Prefilling, chunk_length, plan_step
 from .drafts import NgramDrafter
 from .errors import (
-    ContextOverflowError,
     EngineClosedError,
     InvalidRequestError,
     MediaError,
@@ -51,13 +49,11 @@ from .events import (
 from .media import (
     EmbeddingCache,
     MediaUnit,
-    contains_images,
-    extract_images,
-    position_units,
     snap_to_media_boundary,
 )
 from .messages import normalize, prefix_hashes, preview
 from .models import resolve_model_path
+from .prompt import OVERFLOW_POLICIES, Prompt, PromptBuilder
 from .sampling import Sampler, SamplingParams
 from .slot_kv import SlotKV, probe_memory
 from .spc import SystemPromptStore
@@ -70,7 +66,6 @@ CACHE_MODES = ("imc", "spc", "off")
 CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
 REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
 REWRITE_CHUNK = 64  # positions per idle-time rewrite step: what a new request may wait for
-OVERFLOW_POLICIES = ("error", "slide")
 
 
 def thrashing(history: Sequence[RequestRecord], n_slots: int, window: int = 24
@@ -191,37 +186,12 @@ class _Slot:
         self.segments = ()
 
 
-@dataclass
-class _Prompt:
-    """A request prepared in the caller's thread.
-
-    ``tokens`` has one entry per KV position: a token id, or a :class:`~nbkv.media.MediaUnit`
-    for each position an image occupies (so prefix comparisons see images by content hash).
-    """
-
-    messages: list[dict[str, Any]]  # as hashed: images named by content hash
-    tokens: tuple[Any, ...]
-    hashes: list[str]
-    ends: list[int]  # KV position where each message ends (the generation prompt excluded)
-    dropped: int = 0
-    media: Any = None  # nbkv.media_prompt.MediaPrompt when the prompt has images
-
-    def chunk_for(self, unit: MediaUnit) -> Any:
-        """The image chunk a media position belongs to."""
-        return next(c for c in self.media.chunks if c.is_image and c.key == unit.key)
-
-    @property
-    def image_chunks(self) -> int:
-        """Image chunks in the prompt."""
-        return len(self.media.image_chunks()) if self.media is not None else 0
-
-
 class _Job:
     """A request inside the scheduler."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, prompt: _Prompt, session: str | None, params: SamplingParams,
+    def __init__(self, prompt: Prompt, session: str | None, params: SamplingParams,
                  timeout: float) -> None:
         self.id = next(self._ids)
         self.prompt = prompt
@@ -543,6 +513,7 @@ class Engine:
                 self.model.close()
                 raise
         self.n_ctx = self.ctx.n_ctx_seq
+        self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
         self._slots = [_Slot(i, SlotKV(self.ctx, i, self.memory, max_checkpoints), self.n_ctx)
                        for i in range(n_slots)]
         self._spc = SystemPromptStore(spc_max_entries)
@@ -784,69 +755,10 @@ class Engine:
     # ------------------------------------------------------------ caller-thread work
 
     def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str, max_tokens: int
-                 ) -> _Prompt:
+                 ) -> Prompt:
         if self._closed:
             raise EngineClosedError("this engine is closed")
-        if overflow not in OVERFLOW_POLICIES:
-            raise InvalidRequestError(f"overflow must be one of {OVERFLOW_POLICIES}")
-        msgs = normalize(messages)
-        prompt = self._tokenize(msgs)
-        if len(prompt.tokens) < self.n_ctx:
-            return prompt
-        if overflow == "error":
-            raise ContextOverflowError(len(prompt.tokens), self.n_ctx)
-        reserve = min(max_tokens, self.n_ctx // 4)
-        keep_head = 1 if msgs[0]["role"] == "system" else 0
-        dropped = 0
-        while len(prompt.tokens) + reserve > self.n_ctx:
-            if len(msgs) - keep_head <= 1:
-                raise ContextOverflowError(len(prompt.tokens), self.n_ctx, reserve)
-            # drop the oldest turn: a user message and the replies that follow it
-            n = 1
-            while keep_head + n < len(msgs) - 1 and msgs[keep_head + n]["role"] != "user":
-                n += 1
-            del msgs[keep_head : keep_head + n]
-            dropped += n
-            prompt = self._tokenize(msgs)
-        prompt.dropped = dropped
-        log.info("overflow: dropped the %d oldest messages to fit %d tokens", dropped, self.n_ctx)
-        return prompt
-
-    def _tokenize(self, msgs: list[dict[str, Any]]) -> _Prompt:
-        media, images = None, None
-        hashed = msgs
-        if contains_images(msgs):
-            if self.projector is None:
-                raise MediaError(
-                    "the messages contain images but this engine has no vision projector: "
-                    "create it with Engine(model, mmproj='...mmproj.gguf')"
-                )
-            mm = extract_images(msgs, self.projector.marker)
-            msgs, hashed, images = mm.messages, mm.for_hashing(), mm.images
-        body = self.template.render(msgs, add_generation_prompt=True)
-        bos = self.model.bos_text
-        head = bos if self.model.add_bos and bos and not body.startswith(bos) else ""
-        if images is not None:
-            media = self.projector.tokenize(head + body, images)
-            units: list[Any] = position_units(media.keys())
-        else:
-            units = self.model.tokenize(head + body)
-        # where each message ends, in KV positions: map the template's character boundaries
-        # onto the byte length of each position's text (an image stands for its marker)
-        unit_ends, n = [], 0
-        for u in units:
-            if isinstance(u, MediaUnit):
-                n += len(self.projector.marker.encode()) if u.offset == 0 else 0
-            else:
-                n += len(self.model.piece(u))
-            unit_ends.append(n)
-        skip = len(head.encode())
-        hashes = prefix_hashes(hashed)
-        ends = [
-            bisect.bisect_right(unit_ends, skip + len(body[:c].encode()))
-            for c in self.template.boundaries(msgs, body, hashes)
-        ]
-        return _Prompt(hashed, tuple(units), hashes, ends, media=media)
+        return self._prompts.prepare(messages, overflow, max_tokens)
 
     def _submit(self, job: _Job) -> None:
         with self._cv:

@@ -29,8 +29,17 @@ def normalize(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
             raise InvalidRequestError(
                 f"messages[{i}] has role {role!r}; expected one of {sorted(ROLES)}"
             )
-        if "content" not in m and not m.get("tool_calls"):
-            raise InvalidRequestError(f"messages[{i}] ({role}) has no 'content'")
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
+            what = "has no 'content'" if "content" not in m else "has content None"
+            raise InvalidRequestError(
+                f"messages[{i}] ({role}) {what}: expected a string or a list of content parts"
+            )
+        if content is not None and not isinstance(content, (str, list, tuple)):
+            raise InvalidRequestError(
+                f"messages[{i}] ({role}) content is {type(content).__name__}: expected a "
+                "string or a list of content parts"
+            )
         out.append(dict(m))
     return out
 

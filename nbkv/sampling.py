@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -25,10 +26,22 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "stop":
+                stop = (v,) if isinstance(v, str) else v
+                if not isinstance(stop, (list, tuple)) or not all(
+                        isinstance(x, str) for x in stop):
+                    raise InvalidRequestError(
+                        f"stop must be a string or a list of strings, not {v!r}")
+                object.__setattr__(self, "stop", tuple(stop))
+                continue
+            want = float if f.type in ("float", float) else int
+            ok = isinstance(v, numbers.Real if want is float else numbers.Integral)
+            if not ok or isinstance(v, bool):
+                raise InvalidRequestError(
+                    f"{f.name} must be {'a number' if want is float else 'an integer'}, "
+                    f"not {v!r}")
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
