@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -524,8 +525,13 @@ class Engine:
         self._control: list[tuple[Callable[[], Any], Future]] = []
         self._clock = itertools.count(1)
         self._closed = False
-        self._encoder: ThreadPoolExecutor | None = None  # vision encoding, off the scheduler
-        self._thread = threading.Thread(target=self._run, name="nbkv-scheduler", daemon=True)
+        self._native = _Native(self.model, self.ctx, self._batch, self.projector)
+        # the thread holds the engine only weakly: an engine nobody references is collected,
+        # and its thread then frees the native objects (see _schedule)
+        self._thread = threading.Thread(
+            target=_schedule, args=(weakref.ref(self), self._cv, self._native),
+            name="nbkv-scheduler", daemon=True)
+        weakref.finalize(self, _notify, self._cv)
         self._thread.start()
         log.info(
             "nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
@@ -721,7 +727,10 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Cancel running requests, stop the scheduler and free the model and context."""
+        """Cancel running requests, stop the scheduler and free the model and context.
+
+        Optional: an engine nobody references is closed by garbage collection.
+        """
         with self._cv:
             if self._closed:
                 return
@@ -729,14 +738,8 @@ class Engine:
             for j in self._queue + self._active:
                 j.cancel.set()
             self._cv.notify_all()
-        self._thread.join()
-        if self._encoder is not None:
-            self._encoder.shutdown(wait=True)
-        self._batch.close()
-        if self.projector is not None:
-            self.projector.close()  # it points into the model: free it first
-        self.ctx.close()
-        self.model.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
         self._spc.clear()
         self.events.publish(SlotsChanged("closed"))
 
@@ -745,12 +748,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # ------------------------------------------------------------ caller-thread work
 
@@ -783,39 +780,46 @@ class Engine:
 
     # --------------------------------------------------------------- scheduler thread
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._queue or self._active or self._control or self._closed
-                           or self._settling_slot() is not None):
-                    self._cv.wait()
-                if self._closed:
-                    jobs, self._queue = self._queue + self._active, []
-                    self._active = []
-                    for _, fut in self._control:
-                        fut.set_exception(EngineClosedError("this engine is closed"))
-                    self._control.clear()
-                    break
+    def _has_work(self) -> bool:
+        """Anything for the scheduler to do (call with ``_cv`` held)."""
+        return bool(self._queue or self._active or self._control or self._closed
+                    or self._settling_slot() is not None)
+
+    def _run_once(self) -> bool:
+        """One scheduler iteration; False once the engine is closed (the thread then ends)."""
+        with self._cv:
+            closed = self._closed
+            if closed:
+                jobs, self._queue = self._queue + self._active, []
+                self._active = []
+                for _, fut in self._control:
+                    fut.set_exception(EngineClosedError("this engine is closed"))
+                self._control.clear()
+            else:
+                jobs = []
                 control, self._control = self._control, []
-            for fn, fut in control:
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
-            self._admit()
-            if self._active:
-                if not self._step():  # every active request waits for the vision encoder
-                    with self._cv:
-                        self._cv.wait(0.05)
-            elif self._queue:
-                with self._cv:  # every slot busy: wait for a change, or a deadline
+        if closed:
+            for j in jobs:
+                self._finish(j, "cancelled")
+            return False
+        for fn, fut in control:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+        self._admit()
+        if self._active:
+            if not self._step():  # every active request waits for the vision encoder
+                with self._cv:
                     self._cv.wait(0.05)
-            else:  # idle: rewrite one chunk of a finished reply's KV (see exact)
-                slot = self._settling_slot()
-                if slot is not None:
-                    self._settle(slot)
-        for j in jobs:
-            self._finish(j, "cancelled")
+        elif self._queue:
+            with self._cv:  # every slot busy: wait for a change, or a deadline
+                self._cv.wait(0.05)
+        else:  # idle: rewrite one chunk of a finished reply's KV (see exact)
+            slot = self._settling_slot()
+            if slot is not None:
+                self._settle(slot)
+        return True
 
     def _admit(self) -> None:
         now = time.monotonic()
@@ -1039,9 +1043,7 @@ class Engine:
             image, media = chunk.image, job.prompt.media
             if not self.projector.has_cached(image):
                 job.encoder_runs += 1
-                if self._encoder is None:
-                    self._encoder = ThreadPoolExecutor(1, thread_name_prefix="nbkv-encoder")
-                job.encoding = self._encoder.submit(self.projector.embedding, image,
+                job.encoding = self._native.encoder().submit(self.projector.embedding, image,
                                                     _prompt=media)
                 job.encoding.add_done_callback(lambda _: self._wake())
                 return False
@@ -1345,6 +1347,61 @@ class Engine:
             if pos < seg.end:
                 split.append(replace(seg, start=pos, end=seg.end))
         return tuple(split)
+
+
+@dataclass
+class _Native:
+    """The native objects an engine owns; the scheduler thread frees them when it ends."""
+
+    model: Model
+    ctx: Context
+    batch: Batch
+    projector: Any = None
+    _encoder: ThreadPoolExecutor | None = None
+
+    def encoder(self) -> ThreadPoolExecutor:
+        """The vision encoder's thread (started on first use), off the scheduler."""
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(1, thread_name_prefix="nbkv-encoder")
+        return self._encoder
+
+    def close(self) -> None:
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True)
+        self.batch.close()
+        if self.projector is not None:
+            self.projector.close()  # it points into the model: free it first
+        self.ctx.close()
+        self.model.close()
+
+
+def _schedule(ref: weakref.ref[Engine], cv: threading.Condition, native: _Native) -> None:
+    """The scheduler thread: run the engine while it is open and referenced, then free it.
+
+    Holds the engine strongly only while it works; waits with just the weak reference, so
+    dropping the last reference elsewhere collects the engine (its finalizer wakes us).
+    """
+    try:
+        while True:
+            engine = ref()
+            if engine is None:
+                break
+            with cv:
+                if not engine._has_work():
+                    del engine
+                    cv.wait()
+                    continue
+            go = engine._run_once()
+            del engine
+            if not go:
+                break
+    finally:
+        native.close()
+
+
+def _notify(cv: threading.Condition) -> None:
+    with cv:
+        cv.notify_all()
 
 
 def _image_runs(units: Sequence[Any]) -> list[tuple[int, int, str]]:
