@@ -51,6 +51,7 @@ from .media import (
     EmbeddingCache,
     MediaUnit,
     snap_to_media_boundary,
+    spans,
 )
 from .messages import normalize, prefix_hashes, preview
 from .models import resolve_model_path
@@ -1312,23 +1313,23 @@ class Engine:
     def _segments(self, job: _Job, n: int) -> tuple[Segment, ...]:
         """KV map of ``job``'s slot: message spans split by reused / prefilled / generated."""
         p = job.prompt
-        spans, start = [], 0
+        messages, start = [], 0
         for i, end in enumerate(p.ends):
-            spans.append((start, end, i, p.messages[i]["role"], preview(p.messages[i])))
+            messages.append((start, end, i, p.messages[i]["role"], preview(p.messages[i])))
             start = end
         reply = len(p.messages)
-        spans.append((start, len(p.tokens), reply, "assistant", "(generation prompt)"))
-        spans.append((len(p.tokens), max(n, len(p.tokens)), reply, "assistant",
-                      preview({"content": job.text.text})))
+        messages.append((start, len(p.tokens), reply, "assistant", "(generation prompt)"))
+        messages.append((len(p.tokens), max(n, len(p.tokens)), reply, "assistant",
+                         preview({"content": job.text.text})))
         out = []
         cuts = (job.reuse, len(p.tokens))
-        for a, b, i, role, text in spans:
+        for a, b, i, role, text in messages:
             for lo, hi, state in ((a, min(b, cuts[0]), REUSED),
                                   (max(a, cuts[0]), min(b, cuts[1]), PREFILLED),
                                   (max(a, cuts[1]), b, GENERATED)):
                 if hi > lo:
                     out.append(Segment(lo, hi, i, role, state, text))
-        runs = _image_runs(p.tokens)
+        runs = [(s.start, s.end, s.image_hash) for s in spans(p.tokens) if s.kind == "image"]
         if not runs:
             return tuple(out)
         marker = self.projector.marker if self.projector is not None else "\0"
@@ -1402,12 +1403,3 @@ def _schedule(ref: weakref.ref[Engine], cv: threading.Condition, native: _Native
 def _notify(cv: threading.Condition) -> None:
     with cv:
         cv.notify_all()
-
-
-def _image_runs(units: Sequence[Any]) -> list[tuple[int, int, str]]:
-    """``(start, end, image hash)`` of every image in a list of KV position units."""
-    runs = []
-    for i, u in enumerate(units):
-        if isinstance(u, MediaUnit) and u.offset == 0:
-            runs.append((i, i + u.key.n_pos, u.key.image_hash))
-    return runs

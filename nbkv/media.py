@@ -12,7 +12,7 @@ This module is pure Python (numpy, and Pillow to decode image files); the native
 - :class:`EmbeddingCache` keeps encoder outputs in RAM, LRU, bounded by bytes, keyed by
   (projector identity, image hash): an evicted slot rebuilt later, or the same picture in
   another session, skips the vision encoder.
-- :func:`position_units` and :func:`shared_prefix` compare prompts made of text tokens and
+- :func:`position_units` lets prefix comparisons handle prompts made of text tokens and
   images for prefix salvage, each image an opaque run identified by its hash.
 """
 
@@ -307,15 +307,6 @@ def contains_images(messages: Iterable[Mapping[str, Any]]) -> bool:
     return False
 
 
-def require_text_only(messages: Iterable[Mapping[str, Any]]) -> None:
-    """Raise :class:`MediaError` if a message carries an image (for a text-only engine)."""
-    if contains_images(messages):
-        raise MediaError(
-            "this conversation contains an image, but the engine has no vision projector: "
-            "create it with a projector (mmproj) GGUF that matches the model"
-        )
-
-
 def _part_source(part: Mapping[str, Any], where: str) -> Any:
     kind = part.get("type")
     if kind == "image":
@@ -572,19 +563,6 @@ def snap_to_media_boundary(units: Sequence[int | MediaUnit], n: int) -> int:
     return n
 
 
-def shared_prefix(a: Sequence[int | MediaUnit], b: Sequence[int | MediaUnit]) -> int:
-    """Length of the longest common prefix of two :func:`position_units` lists.
-
-    Never ends inside an image run: a prefix that diverges mid-image (it cannot, for equal
-    hashes, unless the projector differs) is cut back to the image's start.
-    """
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return min(snap_to_media_boundary(a, i), snap_to_media_boundary(b, i))
-
-
 @dataclass(frozen=True)
 class MediaSpan:
     """Where a prompt's chunk lies in KV: ``[start, end)`` positions, for records and maps."""
@@ -597,18 +575,26 @@ class MediaSpan:
     sub_index: int = 0
 
 
-def spans(keys: Iterable[ChunkKey], start: int = 0) -> list[MediaSpan]:
-    """The KV spans of a sequence of chunk keys, starting at position ``start``."""
-    out = []
-    pos = start
-    for k in keys:
-        if isinstance(k, MediaKey):
-            out.append(MediaSpan("image", pos, pos + k.n_pos, k.n_tokens, k.image_hash,
+def spans(units: Sequence[int | MediaUnit], start: int = 0) -> list[MediaSpan]:
+    """The text and image runs of :func:`position_units`, as KV spans from ``start``.
+
+    The one place image runs are found: records, KV maps and chunk listings all use it.
+    """
+    out: list[MediaSpan] = []
+    i, n = 0, len(units)
+    while i < n:
+        u = units[i]
+        if isinstance(u, MediaUnit):
+            k = u.key
+            end = min(i + k.n_pos - u.offset, n)  # a run cut by the list's end is clipped
+            out.append(MediaSpan("image", start + i, start + end, k.n_tokens, k.image_hash,
                                  k.sub_index))
-            pos += k.n_pos
         else:
-            out.append(MediaSpan("text", pos, pos + len(k), len(k)))
-            pos += len(k)
+            end = i + 1
+            while end < n and not isinstance(units[end], MediaUnit):
+                end += 1
+            out.append(MediaSpan("text", start + i, start + end, end - i))
+        i = end
     return out
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from .backend import mtmd_lib
 from .errors import MediaError
-from .media import Image, MediaKey, MediaSpan, spans
+from .media import Image, MediaKey, MediaSpan, position_units, spans
 
 if TYPE_CHECKING:
     from .projector import Projector
@@ -137,7 +137,7 @@ class MediaPrompt:
 
     def spans(self, start: int = 0) -> list[MediaSpan]:
         """KV span of each chunk when the prompt is decoded from position ``start``."""
-        return spans(self.keys(), start)
+        return spans(position_units(self.keys()), start)
 
     def locate(self, n_pos: int) -> tuple[int, int]:
         """Where KV position ``n_pos`` (relative to the prompt start) falls: (chunk, offset).
@@ -159,10 +159,6 @@ class MediaPrompt:
                 return i, off
             at += c.n_pos
         return len(self.chunks), 0
-
-    def text_tokens(self) -> list[int]:
-        """All text tokens, in order (images left out)."""
-        return [t for c in self.chunks for t in c.tokens]
 
     def image_chunks(self) -> list[MediaChunk]:
         """The image chunks, in order."""

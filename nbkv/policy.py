@@ -52,8 +52,12 @@ class Plan:
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two sequences (C-speed slice compares)."""
-    a, b = tuple(a), tuple(b)
+    """Length of the longest common prefix of two sequences (C-speed slice compares).
+
+    The one such function: token lists, hash lists and strings (template renderings) alike.
+    """
+    if not (isinstance(a, (str, tuple)) and type(a) is type(b)):
+        a, b = tuple(a), tuple(b)
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -72,6 +76,11 @@ def lru(slots: Sequence[SlotLike]) -> SlotLike:
     return min(slots, key=lambda s: (s.last_used, s.index))
 
 
+def empty_or_lru(free: Sequence[SlotLike]) -> SlotLike:
+    """Where a conversation goes when no slot holds its prefix: an empty slot, else the LRU."""
+    return next((s for s in free if not s.tokens), None) or lru(free)
+
+
 def pick_free(slots: Sequence[SlotLike], session: str | None) -> SlotLike | None:
     """A slot to serve a request that reuses nothing: the session's own, an empty one, else LRU."""
     free = [s for s in slots if not s.pending]
@@ -81,8 +90,7 @@ def pick_free(slots: Sequence[SlotLike], session: str | None) -> SlotLike | None
         own = [s for s in free if s.session == session]
         if own:
             return max(own, key=lambda s: s.last_used)
-    empty = [s for s in free if not s.tokens]
-    return empty[0] if empty else lru(free)
+    return empty_or_lru(free)
 
 
 def select(
@@ -146,8 +154,7 @@ def select(
         )
     log.debug("no usable token prefix match (min %d tokens)", min_tokens)
 
-    empty = [s for s in free if not s.tokens]
-    target = empty[0] if empty else lru(free)
+    target = empty_or_lru(free)
     reuse = min(shared.get(target.index, 0), limit)
     return Plan(
         MISS, target.index, reuse,
@@ -170,8 +177,7 @@ def _place(
     whole = reuse >= len(donor.tokens) - _tail_allowance(donor)
     if whole or (session is not None and donor.session == session):
         return Plan(strategy, donor.index, reuse, None, matched, common_prefix=shared)
-    empty = [s for s in free if not s.tokens]
-    target = empty[0] if empty else lru(free)
+    target = empty_or_lru(free)
     if target.index == donor.index:
         return Plan(strategy, donor.index, reuse, None, matched, common_prefix=shared)
     return Plan(

@@ -17,6 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import TemplateError
+from .policy import common_prefix
 
 #: Used only when a model ships no template at all.
 CHATML = (
@@ -120,7 +121,7 @@ class ChatTemplate:
             if n is None:
                 part = self.render(messages[:k], add_generation_prompt=False)
                 stable = full.startswith(part)
-                n = len(part) if stable else _common_prefix_len(part, full)
+                n = len(part) if stable else common_prefix(part, full)
                 if key is not None and stable:
                     with self._lock:
                         self._seen[key] = (n, hash(part))
@@ -128,11 +129,3 @@ class ChatTemplate:
                             self._seen.popitem(last=False)
             out.append(max(n, out[-1] if out else 0))
         return out
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
