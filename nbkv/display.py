@@ -1,26 +1,23 @@
-"""Displayable results: HTML in notebooks (``_repr_html_``), plain text in terminals.
+"""Static reports: HTML in notebooks (``_repr_html_``), plain text in terminals.
 
-Also the live views of a ``%%chat`` cell and of model loading. Only the notebook views touch
-IPython (imported when used), so tables and figures work anywhere.
+The tables of ``%kvcache`` (status, slots, stats, history), the KV strip and the figures line
+under a reply. Nothing here touches IPython; the live views are :mod:`nbkv.views`.
 """
 
 from __future__ import annotations
 
 import html
-import sys
-import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
+
+from .palette import COLORS, MEDIA_COLOR, ROLE_COLORS
 
 if TYPE_CHECKING:
     from .engine import Engine, SlotInfo
     from .events import RequestRecord
 
 _CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e0e0e0"
-COLORS = {"reused": "#2e9e5b", "prefilled": "#f08c2e", "generated": "#8e5cc7",
-          "trimmed": "#d9534f"}
 
 
 @dataclass(frozen=True)
@@ -106,33 +103,7 @@ class Figures:
 
     def text(self) -> str:
         """The figures as one line of text."""
-        r = self.record
-        parts = [
-            f"{r.strategy} · slot {r.slot}"
-            + (f" (prefix from slot {r.donor_slot})" if r.donor_slot is not None else ""),
-            f"prompt {r.prompt_tokens}",
-            f"reused {r.reused_tokens} ({r.salvage_pct:.0f}%)",
-            f"prefilled {r.prefilled_tokens}",
-            f"TTFT {r.ttft_s * 1000:.0f} ms",
-            f"{r.decode_tps:.1f} tok/s",
-        ]
-        if r.trimmed_tokens:
-            parts.append(f"trimmed {r.trimmed_tokens}")
-        if r.evicted_session is not None or r.evicted_tokens:
-            parts.append(f"evicted {r.evicted_session!s} ({r.evicted_tokens} tokens)")
-        if r.checkpoint_pos is not None:
-            parts.append(f"checkpoint {r.checkpoint_pos}"
-                         + (f" (+{r.reprefilled_tokens} re-read)" if r.reprefilled_tokens
-                            else ""))
-        elif r.reprefilled_tokens:
-            parts.append(f"re-read {r.reprefilled_tokens} (no checkpoint)")
-        if r.rewrite_absorbed:
-            parts.append(f"reply re-read {r.rewrite_absorbed}")
-        if r.dropped_messages:
-            parts.append(f"dropped {r.dropped_messages} oldest messages")
-        if r.finish_reason not in ("stop", ""):
-            parts.append(r.finish_reason)
-        return " | ".join(parts)
+        return self.record.summary()
 
     def _repr_html_(self) -> str:
         r = self.record
@@ -166,21 +137,6 @@ def progress_html(phase: str, done: int, total: int) -> str:
 
 # ---------------------------------------------------------------- tables of engine state
 
-MEDIA_COLOR = "#e377c2"
-
-
-def is_media(seg: Any) -> bool:
-    """True for the positions of an image (or other media) chunk."""
-    return seg.kind != "text"
-
-
-def media_chunks(slot: SlotInfo) -> int:
-    """Media chunks (images) whose embeddings the slot holds."""
-    return slot.n_media
-
-
-ROLE_COLORS = {"system": "#5b6770", "user": "#3b7dd8", "assistant": "#17a2b8",
-               "tool": "#a0522d"}
 _ROLE_CHARS = {"system": "s", "user": "u", "assistant": "a", "tool": "t"}
 
 
@@ -196,7 +152,7 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
     cap = max(span or slot.capacity, 1)
     spans, chars = [], []
     for seg in slot.segments:
-        color = MEDIA_COLOR if is_media(seg) else ROLE_COLORS.get(seg.role, "#999")
+        color = MEDIA_COLOR if seg.is_media else ROLE_COLORS.get(seg.role, "#999")
         style = {"reused": "", "prefilled": "opacity:0.6;",
                  "generated": "background-image:repeating-linear-gradient(45deg,transparent 0 "
                               "3px,rgba(255,255,255,.5) 3px 6px);"}.get(seg.state, "")
@@ -205,7 +161,7 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
         spans.append(f'<span title="{tip}" style="display:inline-block;height:12px;'
                      f"width:{100 * seg.length / cap:.2f}%;background:{color};{style}"
                      f'border-right:1px solid white;box-sizing:border-box"></span>')
-        c = "i" if is_media(seg) else _ROLE_CHARS.get(seg.role, "?")
+        c = "i" if seg.is_media else _ROLE_CHARS.get(seg.role, "?")
         chars.append((c.upper() if seg.state == "reused" else c, seg.start, seg.length))
     text, runs = "", []  # runs: (first position, positions, first column, columns)
     for c, start, n in chars:
@@ -289,7 +245,7 @@ def slots_table(engine: Engine) -> Table:
     used = engine.memory.checkpoints
     rows = tuple(
         (s.index, s.session or "-", s.n_messages, f"{s.n_tokens}/{s.capacity}",
-         rank.get(s.index, "-"), "yes" if s.pending else "", media_chunks(s),
+         rank.get(s.index, "-"), "yes" if s.pending else "", s.n_media,
          checkpoints_text(s, used), kv_strip(s, span=span))
         for s in slots
     )
@@ -327,165 +283,3 @@ def history_table(records: Sequence[RequestRecord], last: int = 20) -> Table:
 
 def _strategies(by: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) or "-"
-
-
-# ------------------------------------------------------------------------ live views
-
-class ChatView:
-    """Shows one ``%%chat`` reply as it streams: prefill progress, then the text.
-
-    :meth:`progress` may be called from the engine's thread; the rest from the cell's.
-    """
-
-    def __init__(self, refresh: float = 0.1) -> None:
-        self.refresh = refresh
-        self._lock = threading.Lock()
-        self._streaming = False
-        self._last = 0.0
-        self._shown = ""
-
-    def progress(self, phase: str, done: int, total: int) -> None:
-        """A prefill advanced (engine thread)."""
-        with self._lock:
-            if not self._streaming:
-                self._show_progress(phase, done, total)
-
-    def delta(self, text: str) -> None:
-        """The reply so far (``text`` is cumulative); redrawn at most every ``refresh`` s."""
-        with self._lock:
-            first = not self._streaming
-            self._streaming = True
-            now = time.monotonic()
-            if first or now - self._last >= self.refresh:
-                self._last = now
-                self._show_text(text, first)
-                self._shown = text
-
-    def finish(self, text: str, figures: Figures | None, note: str = "") -> None:
-        """The reply ended: final text, then the figures line."""
-        with self._lock:
-            self._streaming = True
-            self._show_text(text, final=True, note=note)
-            self._shown = text
-        if figures is not None:
-            self._show_figures(figures)
-
-    def _show_progress(self, phase: str, done: int, total: int) -> None:
-        raise NotImplementedError
-
-    def _show_text(self, text: str, first: bool = False, final: bool = False,
-                   note: str = "") -> None:
-        raise NotImplementedError
-
-    def _show_figures(self, figures: Figures) -> None:
-        raise NotImplementedError
-
-
-class NotebookChatView(ChatView):
-    """Streams into one display as Markdown (updated in place), figures below it."""
-
-    def __init__(self, refresh: float = 0.1) -> None:
-        super().__init__(refresh)
-        from IPython.display import display
-
-        self._display = display
-        self._handle = display({"text/plain": ""}, raw=True, display_id=True)
-        self._progress_shown = False
-
-    def _show_progress(self, phase: str, done: int, total: int) -> None:
-        self._progress_shown = True
-        self._handle.update({"text/html": progress_html(phase, done, total),
-                             "text/plain": progress_text(phase, done, total)}, raw=True)
-
-    def _show_text(self, text: str, first: bool = False, final: bool = False,
-                   note: str = "") -> None:
-        body = text + (f"\n\n*[{note}]*" if note else "")
-        if final and not body:
-            if self._progress_shown:
-                self._handle.update({"text/plain": ""}, raw=True)
-            return
-        self._handle.update({"text/markdown": body, "text/plain": body}, raw=True)
-
-    def _show_figures(self, figures: Figures) -> None:
-        self._display({"text/html": figures._repr_html_(), "text/plain": figures.text()},
-                      raw=True)
-
-
-class TerminalChatView(ChatView):
-    """Streams deltas to a text stream (stdout), progress on one rewritten line."""
-
-    def __init__(self, out: TextIO | None = None, refresh: float = 0.1) -> None:
-        super().__init__(refresh)
-        self._out = out or sys.stdout
-        self._progress_len = 0
-
-    def _write(self, s: str) -> None:
-        self._out.write(s)
-        self._out.flush()
-
-    def _clear_progress(self) -> None:
-        if self._progress_len:
-            self._write("\r" + " " * self._progress_len + "\r")
-            self._progress_len = 0
-
-    def _show_progress(self, phase: str, done: int, total: int) -> None:
-        line = progress_text(phase, done, total)
-        self._write("\r" + line.ljust(self._progress_len))
-        self._progress_len = max(self._progress_len, len(line))
-
-    def delta(self, text: str) -> None:
-        """Write the new part of ``text`` at once (terminals need no throttling)."""
-        with self._lock:
-            self._streaming = True
-            self._clear_progress()
-            self._write(text[len(self._shown):])
-            self._shown = text
-
-    def _show_text(self, text: str, first: bool = False, final: bool = False,
-                   note: str = "") -> None:
-        self._clear_progress()
-        if text.startswith(self._shown):
-            self._write(text[len(self._shown):])
-        if final:
-            self._write((f" [{note}]" if note else "") + "\n")
-
-    def _show_figures(self, figures: Figures) -> None:
-        self._write(figures.text() + "\n")
-
-
-class LoadProgress:
-    """Model-loading progress: a bar in notebooks, a rewritten line in terminals."""
-
-    def __init__(self, label: str, notebook: bool, out: TextIO | None = None) -> None:
-        self.label = label
-        self._out = out or sys.stdout
-        self._handle = None
-        self._last = -1.0
-        if notebook:
-            from IPython.display import display
-
-            self._handle = display({"text/plain": f"{label}: 0%"}, raw=True, display_id=True)
-
-    def __call__(self, fraction: float) -> None:
-        """Report the fraction loaded (0..1); redrawn every 5%."""
-        if fraction < 1.0 and fraction - self._last < 0.05:
-            return
-        self._last = fraction
-        text = f"{self.label}: {fraction * 100:.0f}%"
-        if self._handle is not None:
-            self._handle.update({
-                "text/html": f'<div class="nbkv-progress" style="font:12px monospace">'
-                             f'<progress value="{fraction:.3f}" max="1" style="width:200px">'
-                             f"</progress> {html.escape(text)}</div>",
-                "text/plain": text}, raw=True)
-        else:
-            self._out.write("\r" + text)
-            self._out.flush()
-
-    def done(self, summary: Any) -> None:
-        """Replace the bar with ``summary`` (a displayable)."""
-        if self._handle is not None:
-            self._handle.update(summary)
-        else:
-            self._out.write("\r" + " " * (len(self.label) + 6) + "\r")
-            self._out.flush()

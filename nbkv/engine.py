@@ -25,6 +25,7 @@ from typing import Any
 from . import policy
 from .backend import Batch, Context, Model
 from .batching import Prefilling, chunk_length, plan_step
+from .config import DEFAULTS, EngineConfig
 from .drafts import NgramDrafter
 from .errors import (
     EngineClosedError,
@@ -55,7 +56,7 @@ from .media import (
 )
 from .messages import normalize, prefix_hashes, preview
 from .models import resolve_model_path
-from .prompt import OVERFLOW_POLICIES, Prompt, PromptBuilder
+from .prompt import Prompt, PromptBuilder
 from .sampling import Sampler, SamplingParams
 from .slot_kv import SlotKV, probe_memory
 from .spc import SystemPromptStore
@@ -64,7 +65,6 @@ from .textstream import TextStream
 
 log = logging.getLogger("nbkv")
 
-CACHE_MODES = ("imc", "spc", "off")
 CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
 REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
 REWRITE_CHUNK = 64  # positions per idle-time rewrite step: what a new request may wait for
@@ -434,14 +434,14 @@ class Engine:
         self,
         model_path: str | None = None,
         *,
-        n_slots: int = 4,
-        n_ctx: int = 4096,
-        cache: str = "imc",
-        cache_min_tokens: int = 100,
+        n_slots: int = DEFAULTS.n_slots,
+        n_ctx: int = DEFAULTS.n_ctx,
+        cache: str = DEFAULTS.cache,
+        cache_min_tokens: int = DEFAULTS.cache_min_tokens,
         n_batch: int = 256,
         n_threads: int | None = None,
         template: str | None = None,
-        overflow: str = "error",
+        overflow: str = DEFAULTS.overflow,
         spc_max_entries: int = 4,
         history_size: int = 1000,
         wait_timeout: float = 300.0,
@@ -462,12 +462,7 @@ class Engine:
             )
         if system_prompt_cache:
             cache = "spc"
-        if cache not in CACHE_MODES:
-            raise InvalidRequestError(f"cache must be one of {CACHE_MODES}, not {cache!r}")
-        if overflow not in OVERFLOW_POLICIES:
-            raise InvalidRequestError(f"overflow must be one of {OVERFLOW_POLICIES}")
-        if n_slots < 1:
-            raise InvalidRequestError("n_slots must be >= 1")
+        self.config = EngineConfig(n_slots, n_ctx, cache, cache_min_tokens, overflow)
         if exact and flash_attn:
             raise InvalidRequestError(
                 "exact=True needs flash_attn=False: llama.cpp's CPU flash attention rounds "

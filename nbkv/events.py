@@ -37,6 +37,11 @@ class Segment:
         """Number of KV positions in the segment."""
         return self.end - self.start
 
+    @property
+    def is_media(self) -> bool:
+        """True for the positions of an image (or other media) chunk."""
+        return self.kind != "text"
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -94,16 +99,36 @@ class RequestRecord:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def summary(self) -> str:
-        """The one-line figure shown after a reply."""
+        """The one-line figures shown after a reply (the notebook view and the terminal)."""
         where = f"slot {self.slot}" + (
             f" (prefix from slot {self.donor_slot})" if self.donor_slot is not None else "")
-        return (
-            f"{self.strategy} {where} | prompt {self.prompt_tokens} | reused "
-            f"{self.reused_tokens} ({self.salvage_pct:.0f}%) | prefilled {self.prefilled_tokens}"
-            f" | TTFT {self.ttft_s * 1000:.0f} ms | {self.decode_tps:.1f} tok/s"
-            + (f" | guesses {self.draft_accepted}/{self.draft_tokens}" if self.draft_tokens
-               else "")
-        )
+        parts = [
+            f"{self.strategy} · {where}",
+            f"prompt {self.prompt_tokens}",
+            f"reused {self.reused_tokens} ({self.salvage_pct:.0f}%)",
+            f"prefilled {self.prefilled_tokens}",
+            f"TTFT {self.ttft_s * 1000:.0f} ms",
+            f"{self.decode_tps:.1f} tok/s",
+        ]
+        if self.draft_tokens:
+            parts.append(f"guesses {self.draft_accepted}/{self.draft_tokens}")
+        if self.trimmed_tokens:
+            parts.append(f"trimmed {self.trimmed_tokens}")
+        if self.evicted_session is not None or self.evicted_tokens:
+            parts.append(f"evicted {self.evicted_session!s} ({self.evicted_tokens} tokens)")
+        if self.checkpoint_pos is not None:
+            parts.append(f"checkpoint {self.checkpoint_pos}"
+                         + (f" (+{self.reprefilled_tokens} re-read)" if self.reprefilled_tokens
+                            else ""))
+        elif self.reprefilled_tokens:
+            parts.append(f"re-read {self.reprefilled_tokens} (no checkpoint)")
+        if self.rewrite_absorbed:
+            parts.append(f"reply re-read {self.rewrite_absorbed}")
+        if self.dropped_messages:
+            parts.append(f"dropped {self.dropped_messages} oldest messages")
+        if self.finish_reason not in ("stop", ""):
+            parts.append(self.finish_reason)
+        return " | ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,7 @@ Defaults are traits: ``%config Nbkv.slots = 2``, or ``c.Nbkv.slots = 2`` in
 
 from __future__ import annotations
 
-import gc
-import inspect
 import keyword
-import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,12 +16,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
-from traitlets import Bool, Enum, Float, Int, Unicode, validate
 
 from . import display as disp
+from .config import CACHE_MODES
 from .errors import DecodeError, NbkvError
-from .events import Progress, RequestStarted
+from .media import content_with_images
 from .sessions import STORE, SessionStore
+from .settings import Settings
+from .views import LoadProgress, chat_view
 
 COMMANDS = ("status", "load", "slots", "stats", "history", "clear", "widget", "unload", "config")
 # which options each %kvcache command accepts
@@ -33,10 +32,6 @@ _OPTIONS = {
     "clear": {"all"},
     "history": {"last"},
 }
-
-
-def _usage(e: Exception) -> UsageError:
-    return UsageError(str(e))
 
 
 def parse_argstring(magic: Any, line: str) -> Any:
@@ -49,40 +44,12 @@ def parse_argstring(magic: Any, line: str) -> Any:
 
 
 @magics_class
-class Nbkv(Magics):
-    """The ``%kvcache`` and ``%%chat`` magics; their defaults are configurable traits."""
-
-    model = Unicode("", help="GGUF file %kvcache load uses by default ('' = embedded "
-                             "SmolLM2-135M, or $NBKV_MODEL)").tag(config=True)
-    slots = Int(4, min=1, help="Conversations kept in KV at once").tag(config=True)
-    ctx = Int(4096, min=1, help="Context budget of each slot, in tokens").tag(config=True)
-    mode = Enum(("imc", "spc", "off"), "imc", help="Cache mode").tag(config=True)
-    min_tokens = Int(100, help="Shortest prefix worth salvaging (IMC) or system prompt worth "
-                               "caching (SPC)").tag(config=True)
-    overflow = Enum(("error", "slide"), "error", help="What a conversation that outgrows its "
-                    "slot does: 'error', or 'slide' (drop the oldest turns)").tag(config=True)
-    autoload = Bool(False, help="Load the default model on the first %%chat instead of "
-                                "asking for %kvcache load").tag(config=True)
-    session = Unicode("default", help="Session of a %%chat cell that names none"
-                      ).tag(config=True)
-    max_tokens = Int(256, min=1, help="Longest reply, in tokens").tag(config=True)
-    temperature = Float(0.0, help="Sampling temperature (0 = greedy, reproducible)"
-                        ).tag(config=True)
-    stats = Bool(True, help="Show the cache figures under each reply").tag(config=True)
-    refresh = Float(0.1, help="Seconds between redraws of a streaming reply").tag(config=True)
-    frontend = Enum(("auto", "notebook", "terminal"), "auto",
-                    help="How %%chat shows replies: 'auto' picks 'notebook' in a Jupyter "
-                         "kernel, else 'terminal' (stdout)").tag(config=True)
+class Nbkv(Magics, Settings):
+    """The ``%kvcache`` and ``%%chat`` magics; their defaults are :class:`Settings` traits."""
 
     def __init__(self, shell: Any = None, store: SessionStore | None = None, **kw: Any) -> None:
         super().__init__(shell=shell, **kw)
         self.store = store or STORE
-
-    @validate("refresh")
-    def _refresh_positive(self, proposal: Any) -> float:
-        if proposal["value"] < 0:
-            raise ValueError("refresh must be >= 0 seconds")
-        return proposal["value"]
 
     # ------------------------------------------------------------------ %kvcache
 
@@ -95,7 +62,7 @@ class Nbkv(Magics):
               help="load: vision projector GGUF (lets chat cells attach images)")
     @argument("--slots", type=int, metavar="N", help="load: number of slots")
     @argument("--ctx", type=int, metavar="N", help="load: tokens per slot")
-    @argument("--mode", choices=("imc", "spc", "off"), help="load: cache mode")
+    @argument("--mode", choices=CACHE_MODES, help="load: cache mode")
     @argument("--min-tokens", type=int, metavar="N", help="load: shortest salvageable prefix")
     @argument("--template", metavar="F", help="load: file with a Jinja2 chat template")
     @argument("--all", action="store_true", help="clear: every slot")
@@ -126,17 +93,9 @@ class Nbkv(Magics):
         return disp.status_table(self.store.engine, self.store)
 
     def _cmd_load(self, args: Any) -> Any:
-        from .engine import Engine
-
-        kwargs: dict[str, Any] = dict(
-            n_slots=args.slots or self.slots, n_ctx=args.ctx or self.ctx,
-            cache=args.mode or self.mode,
-            cache_min_tokens=self.min_tokens if args.min_tokens is None else args.min_tokens,
-            overflow=self.overflow,
-        )
+        kwargs = self.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
+                                    min_tokens=args.min_tokens)
         if args.mmproj:
-            if "mmproj" not in inspect.signature(Engine).parameters:
-                raise UsageError("--mmproj: vision support is not available in this nbkv")
             if not Path(args.mmproj).expanduser().is_file():
                 raise UsageError(f"--mmproj: no projector file at {args.mmproj}")
             kwargs["mmproj"] = str(Path(args.mmproj).expanduser())
@@ -148,14 +107,12 @@ class Nbkv(Magics):
         path = args.target or self.model or None
         if path and not Path(path).expanduser().is_file():  # check before closing the old one
             raise UsageError(f"no model file at {path}")
-        self._close_engine()
-        progress = disp.LoadProgress(f"loading {Path(path).name if path else 'default model'}",
-                                     self._notebook())
+        progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
+                                self._notebook())
         try:
-            engine = Engine(path, on_load_progress=progress, **kwargs)
+            engine = self.store.load(path, on_load_progress=progress, **kwargs)
         except NbkvError as e:
-            raise _usage(e) from e
-        self.store.engine = engine
+            raise UsageError(str(e)) from e
         summary = disp.status_table(engine, self.store)
         progress.done(summary)
         return None if self._notebook() else summary
@@ -183,7 +140,7 @@ class Nbkv(Magics):
         try:
             engine.clear(slot)
         except NbkvError as e:
-            raise _usage(e) from e
+            raise UsageError(str(e)) from e
         return disp.Message(f"cleared slot {slot}" if slot is not None else
                             "cleared every slot (sessions keep their messages)")
 
@@ -195,7 +152,7 @@ class Nbkv(Magics):
     def _cmd_unload(self, args: Any) -> Any:
         if self.store.engine is None:
             return disp.Message("no engine loaded")
-        self._close_engine()
+        self.store.close_engine()
         return disp.Message("engine closed and its memory freed")
 
     def _cmd_config(self, args: Any) -> Any:
@@ -236,49 +193,30 @@ class Nbkv(Magics):
         text = self._interpolate(cell.strip())
         if not text:
             raise UsageError("the cell is empty: write the message under %%chat")
-        content: Any = _with_images(text, args.image or [])
         engine = self._engine(autoload=self.autoload)
         session = self.store.get(args.session or self.session)
-        if args.new:
-            session.reset(args.system)
-        elif args.system is not None:
-            session.system = args.system
         sampling: dict[str, Any] = dict(
             max_tokens=args.max_tokens or self.max_tokens,
             temperature=self.temperature if args.temp is None else args.temp,
         )
         if args.seed is not None:
             sampling["seed"] = args.seed
-        view = (disp.NotebookChatView(self.refresh) if self._notebook()
-                else disp.TerminalChatView(refresh=self.refresh))
-        relay = _ProgressRelay(session.name, view)
-        unsubscribe = engine.subscribe(relay)
-        interrupted, turn = False, None
         try:
-            turn = session.start(engine, content, **sampling)
-            relay.request = turn.stream.request_id  # events before this: matched by session
-            with turn:
-                for _ in turn:
-                    view.delta(turn.text)
-        except KeyboardInterrupt:
-            interrupted = True
+            content = content_with_images(text, args.image or [])
+            turn = session.start(engine, content, new=args.new, system=args.system, **sampling)
         except NbkvError as e:
-            if isinstance(e, DecodeError):
-                raise
-            raise _usage(e) from e
-        finally:
-            unsubscribe()
-        if turn is None:  # interrupted before the request was submitted
-            raise KeyboardInterrupt
-        reply = turn.reply
-        show = self.stats if args.stats is None else args.stats
-        note = "interrupted" if interrupted else (
-            "stopped at --max-tokens" if reply.finish_reason == "length" else "")
-        view.finish(reply.text, disp.Figures(reply.record) if show and reply.record else None,
-                    note)
+            raise UsageError(str(e)) from e
+        view = chat_view(self._notebook(), self.refresh)
+        try:
+            reply, interrupted = view.stream(
+                turn, engine.subscribe, self.stats if args.stats is None else args.stats)
+        except DecodeError:
+            raise
+        except NbkvError as e:
+            raise UsageError(str(e)) from e
         if args.out:
             self.shell.user_ns[args.out] = reply
-        if interrupted:  # re-raised so that a "run all" stops here, as Jupyter users expect
+        if interrupted:  # so that a "run all" stops here
             raise KeyboardInterrupt("generation stopped; the partial reply is kept")
 
     # ------------------------------------------------------------------ helpers
@@ -298,13 +236,6 @@ class Nbkv(Magics):
             self._cmd_load(parse_argstring(self.kvcache, "load"))
         return self.store.engine
 
-    def _close_engine(self) -> None:
-        engine, self.store.engine = self.store.engine, None
-        if engine is not None:
-            engine.close()
-            del engine
-            gc.collect()
-
     def _interpolate(self, text: str) -> str:
         ns: Mapping[str, Any] = self.shell.user_ns if self.shell is not None else {}
         try:
@@ -318,63 +249,17 @@ class Nbkv(Magics):
                              "(write {{ and }} for literal braces)") from None
 
 
-_MD_IMAGE = re.compile(r"!\[([^\]]*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-
-
-def _image_part(where: str) -> dict[str, Any]:
-    if where.lower().startswith(("http://", "https://")):
-        raise UsageError(f"{where}: images are not fetched from the network; save the file "
-                         "and give its local path")
-    path = Path(where).expanduser()
-    if not path.is_file():
-        raise UsageError(f"no image file at {where}")
-    return {"type": "image_url", "image_url": {"url": str(path.resolve())}}
-
-
-def _with_images(text: str, paths: list[str]) -> str | list[dict[str, Any]]:
-    """The user message: plain text, or content parts when it carries images.
-
-    ``--image`` files come first, then the cell's text with each Markdown image
-    ``![alt](path)`` in its place.
-    """
-    parts: list[dict[str, Any]] = [_image_part(p) for p in paths]
-    at = 0
-    for m in _MD_IMAGE.finditer(text):
-        if text[at : m.start()].strip():
-            parts.append({"type": "text", "text": text[at : m.start()]})
-        parts.append(_image_part(m.group(2)))
-        at = m.end()
-    if not parts:
-        return text
-    if text[at:].strip():
-        parts.append({"type": "text", "text": text[at:]})
-    return parts
-
-
-class _ProgressRelay:
-    """Forwards the prefill progress of one session's next request to a chat view."""
-
-    def __init__(self, session: str, view: disp.ChatView) -> None:
-        self.session = session
-        self.view = view
-        self.request: int | None = None
-
-    def __call__(self, event: Any) -> None:
-        if isinstance(event, RequestStarted):
-            if self.request is None and event.record.session == self.session:
-                self.request = event.record.id
-        elif (isinstance(event, Progress) and event.request_id == self.request
-              and event.phase != "generate" and event.done < event.total):
-            self.view.progress(event.phase, event.done, event.total)
-
-
 def load(ipython: Any) -> None:
     """Register the magics with ``ipython``."""
     ipython.register_magics(Nbkv(shell=ipython))
 
 
 def unload(ipython: Any) -> None:
-    """Unregister the magics and close the engine."""
+    """Unregister the magics and close the engine.
+
+    IPython has no public call that unregisters magics (``MagicsManager`` only registers),
+    so this removes the entries ``register_magics`` made, and nothing else.
+    """
     mm = ipython.magics_manager
     inst = mm.registry.pop("Nbkv", None)
     mm.magics["line"].pop("kvcache", None)
@@ -382,4 +267,4 @@ def unload(ipython: Any) -> None:
     if inst is not None:
         if inst in ipython.configurables:
             ipython.configurables.remove(inst)
-        inst._close_engine()
+        inst.store.close_engine()

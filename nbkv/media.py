@@ -23,6 +23,7 @@ import binascii
 import hashlib
 import io
 import os
+import re
 import threading
 import urllib.parse
 import urllib.request
@@ -628,3 +629,36 @@ class MediaStats:
         """A plain dict copy of the counters."""
         with self._lock:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+_MD_IMAGE = re.compile(r"!\[([^\]]*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _image_part(where: str) -> dict[str, Any]:
+    if where.lower().startswith(("http://", "https://")):
+        raise MediaError(f"{where}: images are not fetched from the network; save the file "
+                         "and give its local path")
+    path = Path(where).expanduser()
+    if not path.is_file():
+        raise MediaError(f"no image file at {where}")
+    return {"type": "image_url", "image_url": {"url": str(path.resolve())}}
+
+
+def content_with_images(text: str, paths: Sequence[str] = ()) -> str | list[dict[str, Any]]:
+    """A user message's content from text that may show images: plain text, or parts.
+
+    ``paths`` (image files) come first, then ``text`` with each Markdown image
+    ``![alt](path)`` in its place (what a ``%%chat`` cell may contain).
+    """
+    parts: list[dict[str, Any]] = [_image_part(p) for p in paths]
+    at = 0
+    for m in _MD_IMAGE.finditer(text):
+        if text[at : m.start()].strip():
+            parts.append({"type": "text", "text": text[at : m.start()]})
+        parts.append(_image_part(m.group(2)))
+        at = m.end()
+    if not parts:
+        return text
+    if text[at:].strip():
+        parts.append({"type": "text", "text": text[at:]})
+    return parts

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import ContextOverflowError, InvalidRequestError, MediaError
+from .config import check_overflow
+from .errors import ContextOverflowError, MediaError
 from .media import MediaUnit, contains_images, extract_images, position_units
 from .messages import normalize, prefix_hashes
 
@@ -25,9 +26,6 @@ if TYPE_CHECKING:
     from .templates import ChatTemplate
 
 log = logging.getLogger("nbkv")
-
-OVERFLOW_POLICIES = ("error", "slide")
-
 
 @dataclass
 class Prompt:
@@ -72,8 +70,7 @@ class PromptBuilder:
         ``"slide"`` drops the oldest turns (keeping a system prompt) until the prompt and
         ``min(max_tokens, n_ctx // 4)`` reply tokens fit.
         """
-        if overflow not in OVERFLOW_POLICIES:
-            raise InvalidRequestError(f"overflow must be one of {OVERFLOW_POLICIES}")
+        check_overflow(overflow)
         msgs = normalize(messages)
         prompt = self._tokenize(msgs)
         if len(prompt.tokens) < self.n_ctx:

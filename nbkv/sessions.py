@@ -15,6 +15,7 @@ first token, leaves the history unchanged.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,8 +86,16 @@ class Session:
         """Number of user messages."""
         return sum(1 for m in self.messages if m.get("role") == "user")
 
-    def start(self, engine: Engine, content: Any, **sampling: Any) -> Turn:
-        """Send ``content`` as the next user message; returns the streaming :class:`Turn`."""
+    def start(self, engine: Engine, content: Any, *, new: bool = False,
+              system: str | None = None, **sampling: Any) -> Turn:
+        """Send ``content`` as the next user message; returns the streaming :class:`Turn`.
+
+        ``new`` starts the conversation over first; ``system`` sets its system prompt.
+        """
+        if new:
+            self.reset(system)
+        elif system is not None:
+            self.system = system
         user = {"role": "user", "content": content}
         stream = engine.chat(self.messages + [user], session=self.name, stream=True, **sampling)
         return Turn(self, user, stream)
@@ -193,6 +202,26 @@ class SessionStore:
     def clear(self) -> None:
         """Forget every session."""
         self._sessions.clear()
+
+    def load(self, model_path: str | None = None, **engine_kwargs: Any) -> Engine:
+        """Close the current engine (freeing its memory), then load and keep a new one.
+
+        ``engine_kwargs`` go to :class:`~nbkv.engine.Engine`. Sessions keep their messages: the
+        next turn of each rebuilds its cache in the new engine.
+        """
+        from .engine import Engine
+
+        self.close_engine()
+        self.engine = Engine(model_path, **engine_kwargs)
+        return self.engine
+
+    def close_engine(self) -> None:
+        """Close the engine, if any, and return its memory to the system now."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+            del engine
+            gc.collect()  # views and records may still point at it: free the native memory now
 
     def require_engine(self) -> Engine:
         """The loaded engine; raises RuntimeError when there is none."""

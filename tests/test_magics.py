@@ -333,7 +333,7 @@ def test_images_need_a_projector(loaded, tmp_path):
 
 
 def test_images_through_the_magics(loaded, tmp_path):
-    from nbkv.display import media_chunks, slots_table
+    from nbkv.display import slots_table
     from nbkv.fixtures import make_mmproj
 
     proj = make_mmproj(kind="tiny")
@@ -349,7 +349,7 @@ def test_images_through_the_magics(loaded, tmp_path):
         assert second.strategy == "hash-extend" and second.encoder_runs == 0
         assert s.messages[0]["content"][0]["type"] == "image_url"
         slot = nbkv.current_engine().slots()[second.slot]
-        assert media_chunks(slot) == 1
+        assert slot.n_media == 1
         images = [seg for seg in slot.segments if seg.kind == "image"]
         assert [(seg.length, seg.state) for seg in images] == [(16, "reused")]
         strip = slots_table(nbkv.current_engine()).rows[second.slot][-1].text

@@ -17,13 +17,11 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from traitlets import Bool, Int
 
-from ..display import COLORS, MEDIA_COLOR
-from ..display import ROLE_COLORS as _ROLES
-from ..display import is_media as _is_media
 from ..events import GENERATED, PREFILLED, REUSED, RequestRecord, Segment
+from ..palette import COLORS, MEDIA_COLOR, ROLE_COLORS
 from .feed import Feed, FeedView, LiveState, Running
 
-ROLE_COLORS = {**_ROLES, "other": "#999999"}
+ROLE_COLORS = {**ROLE_COLORS, "other": "#999999"}
 TODO = "to prefill"
 STATE_COLORS = {REUSED: COLORS["reused"], PREFILLED: COLORS["prefilled"],
                 TODO: "#f8d3ad", GENERATED: COLORS["generated"], "trimmed": COLORS["trimmed"]}
@@ -98,7 +96,7 @@ class KVMap(FeedView, W.VBox):
             segs = run.record.segments if run is not None else s.segments
             top, bottom = _label(s.index, "messages"), _label(s.index, "request")
             for seg in _messages(segs):
-                name = "media" if _is_media(seg) else (
+                name = "media" if seg.is_media else (
                     seg.role if seg.role in ROLE_COLORS else "other")
                 shade = 1.0 if seg.message % 2 == 0 else 0.7
                 bars[name].append((top, seg.start, seg.end, _hover(seg), shade))
@@ -135,7 +133,7 @@ class KVMap(FeedView, W.VBox):
 
 def _hover(seg: Segment) -> list[Any]:
     text = seg.preview or ""
-    if _is_media(seg):
+    if seg.is_media:
         text = f"image {(getattr(seg, 'image_hash', None) or '')[:12]}"
     return [seg.message, seg.role, seg.start, seg.end, html.escape(text)]
 
@@ -146,7 +144,7 @@ def _messages(segs: tuple[Segment, ...]) -> list[Segment]:
     for seg in segs:
         prev = out[-1] if out else None
         if (prev is not None and prev.message == seg.message and prev.end == seg.start
-                and _is_media(prev) == _is_media(seg)
+                and prev.is_media == seg.is_media
                 and getattr(prev, "image_hash", None) == getattr(seg, "image_hash", None)):
             out[-1] = replace(prev, end=seg.end, preview=prev.preview or seg.preview)
         else:

@@ -8,7 +8,8 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Int
 
-from ..display import COLORS, media_chunks, size_text
+from ..display import size_text
+from ..palette import COLORS
 from .feed import Feed, FeedView, LiveState
 
 CARD = ("border:1px solid #d0d7de;border-radius:6px;padding:6px 10px;width:210px;"
@@ -74,7 +75,7 @@ def _card(s: Any, rank: int | None, n_used: int, run: Any) -> str:
         f'<div style="background:#eee;height:6px;border-radius:3px">'
         f'<div style="background:#3b7dd8;height:6px;border-radius:3px;width:{pct:.1f}%">'
         f"</div></div>"
-        f"{lru} · media chunks: {media_chunks(s)}<br>"
+        f"{lru} · media chunks: {s.n_media}<br>"
         f'<span class="nbkv-memory">{_memory(s)}</span><br>{badge}</div>'
     )
 

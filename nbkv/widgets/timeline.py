@@ -13,8 +13,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from traitlets import Int, validate
 
-from ..display import COLORS
 from ..events import RequestRecord
+from ..palette import COLORS
 from .feed import Feed, FeedView, LiveState
 
 STRATEGY_COLORS = {"hash-hit": "#1b7e3c", "hash-extend": "#2e9e5b", "prefix-salvage": "#8cc63f",

@@ -1,0 +1,59 @@
+"""The ``Nbkv`` traits: defaults of ``%kvcache load`` and ``%%chat``, set with ``%config``.
+
+``%config Nbkv.slots = 2`` in a notebook, or ``c.Nbkv.slots = 2`` in ``ipython_config.py``.
+The magics class inherits them; the engine's own defaults come from :mod:`nbkv.config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traitlets import Bool, Enum, Float, Int, Unicode, validate
+from traitlets.config import Configurable
+
+from .config import CACHE_MODES, DEFAULTS, OVERFLOW_POLICIES
+
+
+class Settings(Configurable):
+    """Configurable defaults of the ``%kvcache`` and ``%%chat`` magics."""
+
+    model = Unicode("", help="GGUF file %kvcache load uses by default ('' = embedded "
+                             "SmolLM2-135M, or $NBKV_MODEL)").tag(config=True)
+    slots = Int(DEFAULTS.n_slots, min=1, help="Conversations kept in KV at once"
+                ).tag(config=True)
+    ctx = Int(DEFAULTS.n_ctx, min=1, help="Context budget of each slot, in tokens"
+              ).tag(config=True)
+    mode = Enum(CACHE_MODES, DEFAULTS.cache, help="Cache mode").tag(config=True)
+    min_tokens = Int(DEFAULTS.cache_min_tokens, help="Shortest prefix worth salvaging (IMC) or "
+                     "system prompt worth caching (SPC)").tag(config=True)
+    overflow = Enum(OVERFLOW_POLICIES, DEFAULTS.overflow, help="What a conversation that "
+                    "outgrows its slot does: 'error', or 'slide' (drop the oldest turns)"
+                    ).tag(config=True)
+    autoload = Bool(False, help="Load the default model on the first %%chat instead of "
+                                "asking for %kvcache load").tag(config=True)
+    session = Unicode("default", help="Session of a %%chat cell that names none"
+                      ).tag(config=True)
+    max_tokens = Int(256, min=1, help="Longest reply, in tokens").tag(config=True)
+    temperature = Float(0.0, help="Sampling temperature (0 = greedy, reproducible)"
+                        ).tag(config=True)
+    stats = Bool(True, help="Show the cache figures under each reply").tag(config=True)
+    refresh = Float(0.1, help="Seconds between redraws of a streaming reply").tag(config=True)
+    frontend = Enum(("auto", "notebook", "terminal"), "auto",
+                    help="How %%chat shows replies: 'auto' picks 'notebook' in a Jupyter "
+                         "kernel, else 'terminal' (stdout)").tag(config=True)
+
+    @validate("refresh")
+    def _refresh_positive(self, proposal: Any) -> float:
+        if proposal["value"] < 0:
+            raise ValueError("refresh must be >= 0 seconds")
+        return proposal["value"]
+
+    def engine_kwargs(self, slots: int | None = None, ctx: int | None = None,
+                      mode: str | None = None, min_tokens: int | None = None
+                      ) -> dict[str, Any]:
+        """:class:`~nbkv.engine.Engine` arguments: what was given, else these traits."""
+        return dict(
+            n_slots=slots or self.slots, n_ctx=ctx or self.ctx, cache=mode or self.mode,
+            cache_min_tokens=self.min_tokens if min_tokens is None else min_tokens,
+            overflow=self.overflow,
+        )
