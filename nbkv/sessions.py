@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import ChatStream, Engine
+    from .engine import Engine
     from .events import RequestRecord
+    from .streams import ChatStream
 
 DEFAULT_SESSION = "default"
 

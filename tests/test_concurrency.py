@@ -12,9 +12,9 @@ import pytest
 
 from conftest import SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine
-from nbkv.engine import ChatStream
 from nbkv.errors import SlotTimeoutError
 from nbkv.events import Progress, RequestFinished, RequestStarted
+from nbkv.streams import ChatStream
 
 MAX = 10
 

@@ -18,10 +18,10 @@ import pytest
 import nbkv
 from conftest import assert_consistent
 from nbkv import Engine
-from nbkv.engine import ChatStream
 from nbkv.errors import ContextOverflowError, SlotTimeoutError
 from nbkv.events import RequestRecord, RequestStarted
 from nbkv.sessions import STORE, Reply, SessionStore
+from nbkv.streams import ChatStream
 
 MAX = 8
 
