@@ -177,6 +177,26 @@ class Model:
         llama_cpp.llama_model_desc(self.ptr, buf, 256)
         return buf.value.decode()
 
+    @property
+    def n_params(self) -> int:
+        """Number of parameters."""
+        return int(llama_cpp.llama_model_n_params(self.ptr))
+
+    @property
+    def name(self) -> str:
+        """What people call the model: GGUF ``general.name``, size, parameters, quantization.
+
+        E.g. ``Smollm2 135M 8k ... (135M parameters, Q4_1)``.
+        """
+        name = self.meta("general.name") or self.path.stem
+        size = self.meta("general.size_label")
+        n = self.n_params
+        count = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+        quant = self.description.rsplit(" ", 1)[-1]
+        if size and size not in name:
+            name = f"{name} {size}"
+        return f"{name} ({count} parameters, {quant})"
+
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Tokenize ``text``; control tokens such as ``<|im_start|>`` are parsed as special."""
         data = text.encode("utf-8")

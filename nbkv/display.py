@@ -16,6 +16,7 @@ from .palette import COLORS, MEDIA_COLOR, ROLE_COLORS
 if TYPE_CHECKING:
     from .engine import Engine, SlotInfo
     from .events import RequestRecord
+    from .reasons import Explanation
 
 _CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e0e0e0"
 
@@ -97,13 +98,25 @@ class Message:
 
 @dataclass(frozen=True)
 class Figures:
-    """The line shown under a reply: prompt | reused (salvage %) | prefilled | TTFT | tok/s."""
+    """What a request did, in plain words, shown under its reply.
+
+    One line: where it went and what it reused, read, and cost. When the reuse is less than
+    continuing the conversation would give, a second line says why (the record's reason).
+    In HTML every field explains itself in a tooltip, and a bar shows reused (green) against
+    newly read (orange) prompt tokens.
+    """
 
     record: RequestRecord
 
     def text(self) -> str:
-        """The figures as one line of text."""
-        return self.record.summary()
+        """The figures line, and the reason line when there is one to give."""
+        why = self.why()
+        return self.record.summary() + (f"\n  why: {why}" if why else "")
+
+    def why(self) -> str:
+        """The reason in plain words, unless the request simply continued its conversation."""
+        r = self.record
+        return r.reason_text if r.reason and r.reason != "continued" else ""
 
     def _repr_html_(self) -> str:
         r = self.record
@@ -113,12 +126,82 @@ class Figures:
             f'background:{COLORS[k]}"></span>'
             for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n
         )
+        fields = " · ".join(
+            f'<span title="{html.escape(tip)}" style="cursor:help">{html.escape(text)}</span>'
+            for text, tip in r.actions())
+        why = self.why()
         return (f'<div class="nbkv-figures" style="font:12px monospace;color:#555">'
-                f'<span style="display:inline-block;width:80px;background:#eee;'
-                f'margin-right:6px">{bar}</span>{html.escape(self.text())}</div>')
+                f'<span title="prompt tokens: reused from cache (green), read now (orange)" '
+                f'style="display:inline-block;width:80px;background:#eee;'
+                f'margin-right:6px">{bar}</span>{fields}'
+                + (f'<div class="nbkv-why" style="margin-left:86px">why: {html.escape(why)}'
+                   f"</div>" if why else "")
+                + "</div>")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
+
+
+@dataclass(frozen=True)
+class ExplainReport:
+    """``%kvcache explain``: a request's reason and both renderings, side by side.
+
+    The cached and the new rendering are split where they part: the shared part greyed, the
+    differing parts highlighted.
+    """
+
+    explanation: Explanation
+    width: int = 600  # characters shown on each side of the divergence
+
+    def _parts(self) -> tuple[str, str, str, str]:
+        x, w = self.explanation, self.width
+        clip = lambda s: ("…" + s[-w:]) if len(s) > w else s  # noqa: E731
+        cut = lambda s: (s[:w] + "…") if len(s) > w else s  # noqa: E731
+        return clip(x.cached_head), cut(x.cached_tail), clip(x.new_head), cut(x.new_tail)
+
+    def header(self) -> list[str]:
+        """The reason, the figures, and where the prompt diverged, one line each."""
+        r = self.explanation.record
+        lines = [f"request #{r.id} ({r.session or 'no session'}): {r.reason} — "
+                 f"{r.reason_text}",
+                 f"reused {r.reused_tokens} of {r.prompt_tokens} prompt tokens, read "
+                 f"{r.prefilled_tokens} new"]
+        if r.divergence is not None:
+            d = r.divergence
+            lines.append(f"the prompt left the cached conversation in message {d.message} "
+                         f"({d.role}) at token {d.position}")
+        return lines
+
+    def text(self) -> str:
+        """Plain text for terminals: both renderings, the divergence marked with ⟦ ⟧."""
+        ch, ct, nh, nt = self._parts()
+        return "\n".join([*self.header(), "", f"cached: {ch}⟦{ct}⟧", "",
+                          f"new:    {nh}⟦{nt}⟧"])
+
+    def _repr_html_(self) -> str:
+        ch, ct, nh, nt = self._parts()
+        esc = html.escape
+        cell = ("vertical-align:top;width:50%;padding:4px 8px;white-space:pre-wrap;"
+                "font:11px monospace;border:1px solid #e0e0e0")
+
+        def side(head: str, tail: str, color: str, label: str) -> str:
+            return (f'<td style="{cell}"><b>{label}</b><br><span style="color:#888">'
+                    f'{esc(head)}</span><span class="nbkv-divergence" title="divergence" '
+                    f'style="border-left:3px solid #000;margin:0 1px"></span>'
+                    f'<span style="background:{color}33">{esc(tail)}</span></td>')
+
+        head = "".join(f"<div>{esc(line)}</div>" for line in self.header())
+        return (f'<div class="nbkv-explain" style="font:12px sans-serif">{head}'
+                f'<table style="border-collapse:collapse;width:100%;margin-top:6px"><tr>'
+                + side(ch, ct, COLORS["trimmed"], "cached (in the slot)")
+                + side(nh, nt, COLORS["prefilled"], "new prompt")
+                + "</tr></table></div>")
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+    def __str__(self) -> str:
+        return self.text()
 
 
 def progress_text(phase: str, done: int, total: int) -> str:
@@ -219,7 +302,9 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
     used = sum(x.n_tokens for x in engine.slots())
     names = [x.name for x in sessions]
     rows = (
-        ("model", engine.model.description),
+        ("model", f"{engine.model.name} · {engine.model.path.name}"),
+        *((("vision", f"{engine.projector.info.projector_type} projector · "
+                      f"{engine.projector.path.name}"),) if engine.projector else ()),
         ("memory", engine.memory.describe()),
         ("slots", f"{engine.n_slots} x {engine.n_ctx} tokens"),
         ("cache", f"{engine.cache} (min {engine.cache_min_tokens} tokens)"),

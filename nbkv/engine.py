@@ -17,12 +17,13 @@ import queue
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import policy
+from . import policy, reasons
 from .backend import Batch, Context, Model
 from .batching import Prefilling, chunk_length, plan_step
 from .config import DEFAULTS, EngineConfig
@@ -68,6 +69,7 @@ log = logging.getLogger("nbkv")
 
 CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
 REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
+EXPLAINED = 32  # requests whose token comparison explain() keeps
 REWRITE_CHUNK = 64  # positions per idle-time rewrite step: what a new request may wait for
 
 
@@ -356,6 +358,9 @@ class Engine:
         self._slots = [_Slot(i, SlotKV(self.ctx, i, self.memory, max_checkpoints), self.n_ctx)
                        for i in range(n_slots)]
         self._spc = SystemPromptStore(spc_max_entries)
+        self._whereabouts: dict[str, reasons.Whereabouts] = {}  # per session: for reasons
+        self._compared: OrderedDict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = (
+            OrderedDict())  # request id -> (cached units, prompt units), for explain()
         self.events = EventBus(history_size)
         self._cv = threading.Condition()
         self._queue: list[_Job] = []
@@ -483,6 +488,9 @@ class Engine:
                 raise NbkvError(f"slot {slot} is serving a request; cancel it first")
             for s in targets:
                 if not s.pending:
+                    if s.session is not None and s.tokens:
+                        self._whereabouts[s.session] = reasons.Whereabouts(
+                            s.last_request or 0, reasons.CLEARED)
                     s.reset()
             if slot is None:
                 self._spc.clear()
@@ -516,6 +524,45 @@ class Engine:
             finally:
                 kv.resync()
         return self._call(do)
+
+    def explain(self, request: int | None = None) -> reasons.Explanation:
+        """The full story of request ``request`` (default: the latest).
+
+        Its reason, and the cached and new renderings split at the divergence point (kept
+        for the last 32 requests).
+        """
+        records = self.history
+        if not records:
+            raise InvalidRequestError("no request yet: nothing to explain")
+        rec = records[-1] if request is None else next(
+            (r for r in records if r.id == request), None)
+        if rec is None:
+            raise InvalidRequestError(f"no request #{request} in the history")
+        pair = self._compared.get(rec.id)
+        if pair is None:
+            raise InvalidRequestError(
+                f"request #{rec.id} is too old to explain (the last {EXPLAINED} are kept)")
+        cached, new = pair
+        cut = rec.divergence.position if rec.divergence is not None else min(
+            reasons.common_prefix(cached, new), len(cached))
+        return reasons.Explanation(rec, self._text_of(cached[:cut]), self._text_of(cached[cut:]),
+                                   self._text_of(new[:cut]), self._text_of(new[cut:]))
+
+    def _text_of(self, units: Sequence[Any]) -> str:
+        """Text of KV units: tokens detokenized, each image as ``[image]``."""
+        out, run = [], []
+        for u in units:
+            if isinstance(u, MediaUnit):
+                if run:
+                    out.append(self.model.detokenize(run))
+                    run = []
+                if u.offset == 0:
+                    out.append("[image]")
+            else:
+                run.append(u)
+        if run:
+            out.append(self.model.detokenize(run))
+        return "".join(out)
 
     def settle(self) -> None:
         """Rewrite every finished reply's KV now instead of in idle time (exact mode).
@@ -689,6 +736,8 @@ class Engine:
         strategy = self.cache
         donor = None
         evicted, evicted_tokens, matched = None, 0, 0
+        own = max((s for s in snaps if s.session == job.session and s.tokens
+                   and job.session is not None), key=lambda s: s.last_used, default=None)
         if self.cache == "imc":
             plan = policy.select(snaps, p.tokens, p.hashes, job.session, self.cache_min_tokens)
             if plan is None:
@@ -763,6 +812,13 @@ class Engine:
             every = range(CHECKPOINT_INTERVAL, len(p.tokens), CHECKPOINT_INTERVAL)
             job.stops = tuple(sorted({e for e in (*p.ends, *every, len(p.tokens))
                                       if e > reuse}))
+        why = self._reason(job, own, reuse, target, donor)
+        if evicted is not None and evicted != job.session:
+            self._whereabouts[evicted] = reasons.Whereabouts(
+                self._whereabouts.get(evicted, reasons.Whereabouts(0)).request,
+                reasons.EVICTED, job.session, job.id)
+        if job.session is not None:
+            self._whereabouts[job.session] = reasons.Whereabouts(job.id)
         job.sampler = Sampler(job.params, self.model.n_vocab,
                               [t for t in p.tokens if isinstance(t, int)])
         job.record = RequestRecord(
@@ -770,7 +826,9 @@ class Engine:
             prompt_tokens=len(p.tokens), reused_tokens=reuse,
             prefilled_tokens=len(job.todo), trimmed_tokens=max(trimmed, 0) if self.cache == "imc"
             else 0,
-            donor_slot=donor, evicted_session=evicted, evicted_tokens=evicted_tokens,
+            donor_slot=donor,
+            donor_session=self._slots[donor].session if donor is not None else None,
+            evicted_session=evicted, evicted_tokens=evicted_tokens,
             matched_messages=matched, reply_tokens_cached=reply_cached,
             reply_tokens_reused=reply_reused, dropped_messages=p.dropped, capacity=slot.capacity,
             restore_s=restore_s, started_at=time.time(),
@@ -781,6 +839,7 @@ class Engine:
             checkpoint_pos=restored,
             reprefilled_tokens=max(target - reuse, 0) if self.cache == "imc" else 0,
             rewrite_absorbed=absorbed,
+            reason=why.code, reason_text=why.text, divergence=why.divergence,
         )
         if reply_cached and reply_reused < reply_cached:
             log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
@@ -789,6 +848,28 @@ class Engine:
                   len(p.tokens), reuse, len(job.todo))
         self.events.publish(RequestStarted(job.record))
         return True
+
+    def _reason(self, job: _Job, own: SlotInfo | None, reuse: int, wanted: int,
+                donor: int | None) -> reasons.Reason:
+        """Why ``job`` reuses ``reuse`` positions (see :mod:`nbkv.reasons`)."""
+        p = job.prompt
+        donor_session = None
+        if donor is not None:
+            donor_session = self._slots[donor].session or f"slot {donor}"
+        trace = self._whereabouts.get(job.session) if job.session is not None else None
+        cached = (reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None
+                  else None)
+        why = reasons.explain(
+            session=job.session, trace=trace, own=cached, tokens=p.tokens, hashes=p.hashes,
+            ends=p.ends, roles=[m["role"] for m in p.messages], reuse=reuse, wanted=wanted,
+            donor_session=donor_session, dropped=p.dropped, can_trim=self.memory.can_trim,
+            cache=self.cache)
+        source = own.tokens if own is not None else (
+            self._slots[donor].tokens if donor is not None else ())
+        self._compared[job.id] = (tuple(source), tuple(p.tokens))
+        while len(self._compared) > EXPLAINED:
+            self._compared.popitem(last=False)
+        return why
 
     def _spc_restore(self, job: _Job, slot: _Slot) -> int:
         """SPC: put the system prompt's saved KV into ``slot``; returns the tokens restored.

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
 
+from .reasons import Divergence
+
 log = logging.getLogger("nbkv.events")
 
 REUSED, PREFILLED, GENERATED = "reused", "prefilled", "generated"
@@ -57,6 +59,7 @@ class RequestRecord:
     trimmed_tokens: int
     generated_tokens: int = 0
     donor_slot: int | None = None  # slot the reused prefix was copied from
+    donor_session: str | None = None  # ... and whose conversation it held
     evicted_session: str | None = None
     evicted_tokens: int = 0
     matched_messages: int = 0
@@ -81,6 +84,9 @@ class RequestRecord:
     error: str | None = None
     segments: tuple[Segment, ...] = ()
     started_at: float = 0.0  # time.time() when the request was admitted
+    reason: str = ""  # why it reused what it reused (a code of nbkv.reasons)
+    reason_text: str = ""  # ... in plain words
+    divergence: Divergence | None = None  # where the prompt left the cached conversation
 
     @property
     def salvage_pct(self) -> float:
@@ -98,37 +104,59 @@ class RequestRecord:
         n = self.generated_tokens - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
+    def actions(self) -> list[tuple[str, str]]:
+        """What happened, as ``(text, explanation)`` pairs in plain words (the figures line)."""
+        r = self
+        out: list[tuple[str, str]] = []
+        what = {
+            "first": "new conversation",
+            "continued": "continued",
+            "evicted": "rebuilt: its slot had been taken",
+            "cleared": "rebuilt: its slot had been cleared",
+            "edited": "an earlier message was edited",
+            "system-changed": "the system prompt changed",
+            "template-drift": "template drift",
+            "image-changed": "a different image",
+            "overflow": f"dropped the {r.dropped_messages} oldest messages to fit",
+            "checkpoint": "restored a checkpoint",
+        }.get(r.reason, r.strategy)
+        if r.donor_slot is not None:
+            who = f"{r.donor_session}'s" if r.donor_session else f"slot {r.donor_slot}'s"
+            what = f"copied {r.reused_tokens} tokens from {who} slot"
+        out.append((f"slot {r.slot}: {what}", r.reason_text or r.strategy))
+        if r.evicted_session is not None and r.evicted_session != r.session:
+            out.append((f"took {r.evicted_session}'s slot ({r.evicted_tokens} tokens gone)",
+                        f"{r.evicted_session}'s cached conversation was dropped to make room"))
+        out.append((f"reused {r.reused_tokens}/{r.prompt_tokens} ({r.salvage_pct:.0f}%)",
+                    "prompt tokens whose KV was already in the slot: not computed again"))
+        out.append((f"read {r.prefilled_tokens} new",
+                    "prompt tokens the model had to read (prefill)"))
+        if r.encoder_runs:
+            out.append(("image encoded" if r.encoder_runs == 1
+                        else f"{r.encoder_runs} images encoded",
+                        "the vision encoder ran on a picture it had not seen"))
+        elif r.embedding_cache_hits:
+            out.append(("image from cache",
+                        "the picture's embeddings were cached: no encoder run"))
+        if r.reprefilled_tokens and r.reason != "checkpoint":
+            out.append((f"re-read {r.reprefilled_tokens}",
+                        "matched tokens read again: this model's memory cannot be cut there"))
+        out.append((f"first token {r.ttft_s * 1000:.0f} ms",
+                    "time from the request to the first reply token"))
+        if r.generated_tokens > 1:
+            out.append((f"{r.decode_tps:.0f} tok/s", "reply tokens per second"))
+        if r.draft_tokens:
+            out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
+                        "speculative guesses of the next token that proved right"))
+        ending = {"length": "stopped at the token limit", "cancelled": "interrupted",
+                  "error": "failed"}.get(r.finish_reason)
+        if ending:
+            out.append((ending, r.error or "why the reply ended"))
+        return out
+
     def summary(self) -> str:
         """The one-line figures shown after a reply (the notebook view and the terminal)."""
-        where = f"slot {self.slot}" + (
-            f" (prefix from slot {self.donor_slot})" if self.donor_slot is not None else "")
-        parts = [
-            f"{self.strategy} · {where}",
-            f"prompt {self.prompt_tokens}",
-            f"reused {self.reused_tokens} ({self.salvage_pct:.0f}%)",
-            f"prefilled {self.prefilled_tokens}",
-            f"TTFT {self.ttft_s * 1000:.0f} ms",
-            f"{self.decode_tps:.1f} tok/s",
-        ]
-        if self.draft_tokens:
-            parts.append(f"guesses {self.draft_accepted}/{self.draft_tokens}")
-        if self.trimmed_tokens:
-            parts.append(f"trimmed {self.trimmed_tokens}")
-        if self.evicted_session is not None or self.evicted_tokens:
-            parts.append(f"evicted {self.evicted_session!s} ({self.evicted_tokens} tokens)")
-        if self.checkpoint_pos is not None:
-            parts.append(f"checkpoint {self.checkpoint_pos}"
-                         + (f" (+{self.reprefilled_tokens} re-read)" if self.reprefilled_tokens
-                            else ""))
-        elif self.reprefilled_tokens:
-            parts.append(f"re-read {self.reprefilled_tokens} (no checkpoint)")
-        if self.rewrite_absorbed:
-            parts.append(f"reply re-read {self.rewrite_absorbed}")
-        if self.dropped_messages:
-            parts.append(f"dropped {self.dropped_messages} oldest messages")
-        if self.finish_reason not in ("stop", ""):
-            parts.append(self.finish_reason)
-        return " | ".join(parts)
+        return " · ".join(text for text, _ in self.actions())
 
 
 @dataclass(frozen=True)

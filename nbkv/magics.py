@@ -25,13 +25,24 @@ from .sessions import STORE, SessionStore
 from .settings import Settings
 from .views import LoadProgress, chat_view
 
-COMMANDS = ("status", "load", "slots", "stats", "history", "clear", "widget", "unload", "config")
+COMMANDS = ("status", "load", "slots", "stats", "history", "explain", "clear", "widget",
+            "unload", "config")
 # which options each %kvcache command accepts
 _OPTIONS = {
     "load": {"mmproj", "slots", "ctx", "mode", "min_tokens", "template"},
     "clear": {"all"},
     "history": {"last"},
 }
+
+
+class Interrupted(KeyboardInterrupt):
+    """A ``%%chat`` cell stopped by the user: stops "Run All", shown as one line."""
+
+    def __init__(self, n_tokens: int) -> None:
+        super().__init__(f"interrupted: partial reply kept ({n_tokens} tokens)")
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of a traceback
+        return [str(self)]
 
 
 def parse_argstring(magic: Any, line: str) -> Any:
@@ -57,7 +68,8 @@ class Nbkv(Magics, Settings):
     @argument("command", nargs="?", default="status", choices=COMMANDS,
               help="what to do (default: status)")
     @argument("target", nargs="?",
-              help="load: a GGUF file (default: the embedded SmolLM2-135M); clear: a slot")
+              help="load: a GGUF file (default: the embedded SmolLM2-135M); clear: a slot; "
+                   "explain: a request number (default: the latest)")
     @argument("--mmproj", metavar="F",
               help="load: vision projector GGUF (lets chat cells attach images)")
     @argument("--slots", type=int, metavar="N", help="load: number of slots")
@@ -75,7 +87,8 @@ class Nbkv(Magics, Settings):
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
                         [--min-tokens N] [--template F]
-          %kvcache [status] | slots | stats | history [-n N] | clear [SLOT | --all]
+          %kvcache [status] | slots | stats | history [-n N] | explain [N]
+          %kvcache clear [SLOT | --all]
           %kvcache widget | unload | config
         """
         args = parse_argstring(self.kvcache, line)
@@ -85,7 +98,7 @@ class Nbkv(Magics, Settings):
         if extra:
             flags = ", ".join("--" + k.replace("_", "-") for k in sorted(extra))
             raise UsageError(f"%kvcache {args.command} does not take {flags}")
-        if args.target is not None and args.command not in ("load", "clear"):
+        if args.target is not None and args.command not in ("load", "clear", "explain"):
             raise UsageError(f"%kvcache {args.command} takes no argument ({args.target!r})")
         return getattr(self, "_cmd_" + args.command)(args)
 
@@ -125,6 +138,16 @@ class Nbkv(Magics, Settings):
 
     def _cmd_history(self, args: Any) -> Any:
         return disp.history_table(self._engine().history, 20 if args.last is None else args.last)
+
+    def _cmd_explain(self, args: Any) -> Any:
+        try:
+            request = None if args.target is None else int(args.target.lstrip("#"))
+            return disp.ExplainReport(self._engine().explain(request))
+        except ValueError:
+            raise UsageError(f"%kvcache explain: give a request number, not "
+                             f"{args.target!r}") from None
+        except NbkvError as e:
+            raise UsageError(str(e)) from e
 
     def _cmd_clear(self, args: Any) -> Any:
         engine = self._engine()
@@ -216,8 +239,8 @@ class Nbkv(Magics, Settings):
             raise UsageError(str(e)) from e
         if args.out:
             self.shell.user_ns[args.out] = reply
-        if interrupted:  # so that a "run all" stops here
-            raise KeyboardInterrupt("generation stopped; the partial reply is kept")
+        if interrupted:  # so that a "run all" stops here, with one line instead of a traceback
+            raise Interrupted(reply.record.generated_tokens if reply.record else 0)
 
     # ------------------------------------------------------------------ helpers
 

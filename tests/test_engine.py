@@ -233,7 +233,7 @@ def test_events_and_history(engine):
     r = res.record
     assert r.prompt_tokens == r.reused_tokens + r.prefilled_tokens
     assert r.ttft_s > 0 and r.finish_reason in ("stop", "length")
-    assert "prompt" in r.summary()
+    assert "reused" in r.summary()
     stats = engine.stats()
     assert stats["requests"] >= 1 and 0 <= stats["salvage_pct"] <= 100
 

@@ -91,12 +91,13 @@ def test_conversation_continues_across_cells(loaded, capsys):
     # the figures line of the second turn, with this request's own numbers
     line = out.strip().splitlines()[-1]
     assert line == Figures(r2).text()
-    fields = line.split(" | ")
-    assert fields[0] == f"hash-extend · slot {r2.slot}"
-    assert fields[1:4] == [f"prompt {r2.prompt_tokens}",
-                           f"reused {r2.reused_tokens} ({r2.salvage_pct:.0f}%)",
-                           f"prefilled {r2.prefilled_tokens}"]
-    assert fields[4] == f"TTFT {r2.ttft_s * 1000:.0f} ms"
+    fields = line.split(" · ")
+    assert fields[0] == f"slot {r2.slot}: continued" and r2.reason == "continued"
+    assert fields[1:3] == [f"reused {r2.reused_tokens}/{r2.prompt_tokens} "
+                           f"({r2.salvage_pct:.0f}%)", f"read {r2.prefilled_tokens} new"]
+    assert fields[3] == f"first token {r2.ttft_s * 1000:.0f} ms"
+    # the first turn of a session says why nothing was reused, on a second line
+    assert Figures(r1).text().endswith(f"\n  why: {r1.reason_text}") and r1.reason == "first"
     assert s.messages[4]["content"] and out.startswith(s.messages[4]["content"])
 
 
@@ -187,7 +188,8 @@ def test_kvcache_commands_render_html_and_text(loaded):
     stats = e.stats()
     status = dict(rendered(loaded.run_line_magic("kvcache", "status")))
     assert rendered(loaded.run_line_magic("kvcache", "")) == list(status.items())
-    assert status["model"] == e.model.description
+    assert status["model"].startswith("Smollm2 135M") and "135M parameters" in status["model"]
+    assert status["model"].endswith(e.model.path.name)
     assert status["memory"] == "plain (any trim is exact)" == e.memory.describe()
     assert status["slots"] == "2 x 1024 tokens"
     assert status["cache"] == f"imc (min {e.cache_min_tokens} tokens)"
@@ -213,6 +215,14 @@ def test_kvcache_commands_render_html_and_text(loaded):
         (str(r.id), r.session or "-", r.strategy, str(r.slot), str(r.prompt_tokens))
         for r in last]
     assert [row[11] for row in history] == [r.finish_reason for r in last]
+
+    explained = loaded.run_line_magic("kvcache", f"explain {last[0].id}")
+    assert explained.explanation.record is last[0]
+    assert str(explained).startswith(f"request #{last[0].id} ")
+    assert "nbkv-explain" in explained._repr_html_()
+    assert loaded.run_line_magic("kvcache", "explain").explanation.record is e.history[-1]
+    with pytest.raises(UsageError, match="request number"):
+        loaded.run_line_magic("kvcache", "explain soon")
 
     config = {row[0]: row[1] for row in rendered(loaded.run_line_magic("kvcache", "config"))}
     magics = loaded.magics_manager.registry["Nbkv"]
@@ -253,7 +263,7 @@ def test_interrupt_keeps_partial_reply_and_next_cell_works(loaded, capsys):
 
     unsubscribe = engine.subscribe(interrupt)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as stopped:
             chat(loaded, "carol --new --max-tokens 200 --out part",
                  "Write a long story about a dragon who learns to cook.")
     finally:
@@ -266,6 +276,9 @@ def test_interrupt_keeps_partial_reply_and_next_cell_works(loaded, capsys):
     assert s.messages[-1] == {"role": "assistant", "content": str(part)}
     assert s.records[-1] == part.record
     assert out.endswith(f"{part} [interrupted]\n{Figures(part.record).text()}\n")
+    # one line instead of a red traceback, and still an error that stops "Run All"
+    n = part.record.generated_tokens
+    assert stopped.value._render_traceback_() == [f"interrupted: partial reply kept ({n} tokens)"]
     assert_consistent(engine)
     chat(loaded, "carol --max-tokens 4", "Continue.")
     rec = s.records[-1]
@@ -366,18 +379,24 @@ def test_images_through_the_magics(loaded, tmp_path):
         loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024")
 
 
-def test_figures_name_a_restored_checkpoint_and_a_reply_re_read():
+def test_figures_say_what_happened_in_plain_words():
     from nbkv.events import RequestRecord
 
     base = dict(id=1, session="s", strategy="hash-extend", slot=0, prompt_tokens=200,
                 reused_tokens=180, prefilled_tokens=20, trimmed_tokens=0)
-    parts = Figures(RequestRecord(**base, checkpoint_pos=180,
-                                  reprefilled_tokens=6)).text().split(" | ")
-    assert "checkpoint 180 (+6 re-read)" in parts
-    parts = Figures(RequestRecord(**base, reprefilled_tokens=40)).text().split(" | ")
-    assert "re-read 40 (no checkpoint)" in parts
-    parts = Figures(RequestRecord(**base, rewrite_absorbed=12)).text().split(" | ")
-    assert "reply re-read 12" in parts and not any("checkpoint" in p for p in parts)
+    parts = Figures(RequestRecord(**base, reason="checkpoint", reason_text="x",
+                                  checkpoint_pos=180, reprefilled_tokens=6)).text()
+    assert parts.startswith("slot 0: restored a checkpoint · ") and "why: x" in parts
+    parts = Figures(RequestRecord(**base, reprefilled_tokens=40)).text().split(" · ")
+    assert "re-read 40" in parts
+    took = RequestRecord(**base, donor_slot=1, donor_session="alice", evicted_session="carol",
+                         evicted_tokens=164, finish_reason="length")
+    parts = Figures(took).text().split(" · ")
+    assert parts[0] == "slot 0: copied 180 tokens from alice's slot"
+    assert parts[1] == "took carol's slot (164 tokens gone)"
+    assert parts[-1] == "stopped at the token limit"
+    html = Figures(took)._repr_html_()
+    assert 'title="carol&#x27;s cached conversation was dropped to make room"' in html
 
 
 def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():

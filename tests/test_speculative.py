@@ -53,7 +53,7 @@ def test_cached_replies_with_guesses_equal_fresh_ones_and_guesses_pay(engines, m
     assert all(0 <= r.draft_accepted <= r.draft_tokens for r in recs)
     without = two_turns(off, temperature=0)
     assert all(r.record.draft_tokens == 0 for r in without)
-    assert "guesses" in recs[0].summary()
+    assert "guessed" in recs[0].summary()
     stats = on.stats()
     assert stats["draft_accepted"] == sum(r.draft_accepted for r in recs)
     assert 0 < stats["draft_acceptance_pct"] <= 100

@@ -1,0 +1,199 @@
+"""Why a request reused what it reused: a reason code, plain words, and the divergence point.
+
+Pure logic, computed when the engine places a request, from what the policy already knows:
+the session's own slot (if it still holds the conversation), what happened to that slot since
+(evicted by whom, cleared), the prompt's tokens, message hashes and boundaries. Token text is
+detokenized only when someone asks (:meth:`Divergence.excerpts`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .policy import common_prefix
+
+FIRST = "first"  # the session's first request: nothing of it was cached
+CONTINUED = "continued"  # the conversation grew: everything cached was reused
+COPIED = "copied"  # a prefix was copied from another conversation's slot
+EVICTED = "evicted"  # another session's request took this session's slot
+CLEARED = "cleared"  # the user cleared the slot
+EDITED = "edited"  # an earlier message changed
+SYSTEM_CHANGED = "system-changed"  # the system prompt changed
+TEMPLATE_DRIFT = "template-drift"  # the same messages rendered to different tokens
+IMAGE_CHANGED = "image-changed"  # a different image at the same place
+OVERFLOW = "overflow"  # the oldest messages were dropped to fit the slot
+CHECKPOINT = "checkpoint"  # memory that cannot be cut: restored a checkpoint before the cut
+UNCACHED = "uncached"  # cache mode spc/off: conversations are not kept
+
+REASONS = (FIRST, CONTINUED, COPIED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED, TEMPLATE_DRIFT,
+           IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED)
+WINDOW = 12  # units kept on each side of a divergence, for its excerpts
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where the new prompt first differs from the best cached candidate.
+
+    ``position`` is the first KV position that differs; ``message`` the index (and ``role``)
+    of the new prompt's message holding it; ``cached`` and ``new`` are the units around it
+    (``WINDOW`` before it, up to ``WINDOW`` from it), token ids or image units.
+    """
+
+    position: int
+    message: int
+    role: str
+    cached: tuple[Any, ...]
+    new: tuple[Any, ...]
+    start: int  # position of cached[0] and new[0]
+
+    def excerpts(self, detokenize: Callable[[Sequence[Any]], str]) -> tuple[str, str]:
+        """``("…Tuesday 21 Nov…", "…Wednesday 22 Nov…")``: both sides, as text."""
+        k = self.position - self.start
+
+        def side(units: tuple[Any, ...]) -> str:
+            before, after = detokenize(units[:k]), detokenize(units[k:])
+            return "…" + " ".join(before.split())[-40:] + "⟨" + " ".join(after.split())[:40] + "…"
+
+        return side(self.cached), side(self.new)
+
+    def describe(self, detokenize: Callable[[Sequence[Any]], str]) -> str:
+        """``message 0 (system), token 41: cached "…" → new "…"``."""
+        old, new = self.excerpts(detokenize)
+        return (f"message {self.message} ({self.role}), token {self.position}: "
+                f"cached {old!r} → new {new!r}")
+
+
+@dataclass(frozen=True)
+class Reason:
+    """A request's reason code, the same in plain words, and the divergence point if any."""
+
+    code: str
+    text: str
+    divergence: Divergence | None = None
+
+
+@dataclass
+class Whereabouts:
+    """What the engine remembers of a session: its last request, and its slot's fate since."""
+
+    request: int
+    fate: str | None = None  # EVICTED or CLEARED once the slot lost the conversation
+    by_session: str | None = None
+    by_request: int | None = None
+
+
+@dataclass(frozen=True)
+class Cached:
+    """The session's own slot as it was when the request arrived."""
+
+    tokens: Sequence[Any]
+    hashes: Sequence[str]
+    msg_ends: Sequence[int]
+
+
+def _unit_is_media(u: Any) -> bool:
+    return not isinstance(u, int)
+
+
+def find_divergence(cached: Sequence[Any], new: Sequence[Any], ends: Sequence[int],
+                    roles: Sequence[str]) -> Divergence | None:
+    """The first position where ``new`` differs from ``cached`` (None if it extends it)."""
+    n = common_prefix(cached, new)
+    if n >= len(cached) or n >= len(new):
+        return None
+    message = min(bisect.bisect_right(ends, n), len(roles) - 1)  # ends are exclusive
+    lo = max(n - WINDOW, 0)
+    return Divergence(n, message, roles[message] if roles else "?",
+                      tuple(cached[lo : n + WINDOW]), tuple(new[lo : n + WINDOW]), lo)
+
+
+def explain(
+    *,
+    session: str | None,
+    trace: Whereabouts | None,
+    own: Cached | None,
+    tokens: Sequence[Any],
+    hashes: Sequence[str],
+    ends: Sequence[int],
+    roles: Sequence[str],
+    reuse: int,
+    wanted: int,
+    donor_session: str | None,
+    dropped: int,
+    can_trim: bool,
+    cache: str = "imc",
+) -> Reason:
+    """The reason for a request placed with ``reuse`` tokens of KV kept.
+
+    ``own`` is the session's slot if it still holds the conversation; ``trace`` what
+    happened to that slot; ``wanted`` what the placement would have kept on memory that can
+    be cut anywhere (``reuse`` is less when a checkpoint had to be restored further back).
+    """
+    who = f"session {session}" if session is not None else "this request"
+    if cache != "imc":
+        return Reason(UNCACHED, f"cache mode {cache}: conversations are not kept between "
+                                "requests")
+    copied = (f"; copied {reuse} tokens from {donor_session}'s slot"
+              if donor_session is not None and reuse else "")
+    if dropped:
+        div = find_divergence(own.tokens, tokens, ends, roles) if own is not None else None
+        return Reason(OVERFLOW, f"the conversation outgrew its slot: the {dropped} oldest "
+                                f"message(s) were dropped, so the cache matched only up to "
+                                f"where they were{copied}", div)
+    if trace is not None and trace.fate == EVICTED:
+        return Reason(EVICTED, f"{who}'s slot was taken by {trace.by_session}'s request "
+                               f"#{trace.by_request}: rebuilt{copied}")
+    if trace is not None and trace.fate == CLEARED:
+        return Reason(CLEARED, f"{who}'s slot was cleared by the user: rebuilt{copied}")
+    if own is None:
+        if donor_session is not None:
+            return Reason(COPIED, f"first request of {who}: copied {reuse} tokens (the "
+                                  f"shared start) from {donor_session}'s slot")
+        extra = (f"; {reuse} tokens of the slot it got happened to match" if reuse else "")
+        return Reason(FIRST, f"first request of {who}: nothing of it was cached{extra}")
+    div = find_divergence(own.tokens, tokens, ends, roles)
+    tail = max(len(own.tokens) - own.msg_ends[-1], 0) if own.msg_ends else 0
+    if div is not None and div.position >= len(own.tokens) - tail:
+        div = None  # the previous reply re-tokenized differently: not a branch
+    if div is None:
+        code, text = CONTINUED, f"{who} continued its conversation: everything cached was reused"
+    else:
+        k = div.message
+        same_messages = k < len(own.hashes) and k < len(hashes) and own.hashes[k] == hashes[k]
+        if same_messages or k >= len(own.hashes):
+            code = TEMPLATE_DRIFT
+            text = (f"the same messages rendered to different tokens (template drift) in "
+                    f"message {k} ({div.role}), token {div.position}")
+        elif _unit_is_media(div.new[div.position - div.start]) or (
+                div.position - div.start < len(div.cached)
+                and _unit_is_media(div.cached[div.position - div.start])):
+            code = IMAGE_CHANGED
+            text = f"a different image in message {k} ({div.role}), token {div.position}"
+        elif k == 0 and div.role == "system":
+            code, text = SYSTEM_CHANGED, f"the system prompt changed at token {div.position}"
+        else:
+            code = EDITED
+            text = (f"kept {k} message(s), re-read from message {k} ({div.role}, edited) at "
+                    f"token {div.position}")
+    if not can_trim and reuse < wanted:
+        return Reason(CHECKPOINT, f"{text}; this model's memory cannot be cut there, so a "
+                                  f"checkpoint {wanted - reuse} tokens earlier was restored", div)
+    return Reason(code, text, div)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :meth:`nbkv.engine.Engine.explain` returns: a record and both renderings.
+
+    ``cached_head`` equals ``new_head`` (the shared part); ``cached_tail`` and ``new_tail``
+    are where they part.
+    """
+
+    record: Any  # nbkv.events.RequestRecord
+    cached_head: str
+    cached_tail: str
+    new_head: str
+    new_tail: str

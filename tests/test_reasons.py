@@ -1,0 +1,178 @@
+"""Every reason a request gives for what it reused, each from a real scenario on the model.
+
+The divergence position is checked against a token comparison done here: the session's slot
+as it was before the request, against the prompt the request sent.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+import pytest
+
+from conftest import SYSTEM
+from nbkv import Engine, reasons, templates
+from nbkv.display import ExplainReport, Figures
+from nbkv.errors import ContextOverflowError
+from nbkv.policy import common_prefix
+
+MAX = 3
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def ask(engine, session, messages):
+    """Send ``messages``; returns (record, what the session's slot held before, prompt)."""
+    before = next((s.tokens for s in engine.slots() if s.session == session), ())
+    try:
+        prompt = engine.tokenize_prompt(messages)
+    except ContextOverflowError:  # overflow="slide" drops messages: not this prompt
+        prompt = None
+    rec = engine.chat(messages, session, max_tokens=MAX, temperature=0).record
+    return rec, before, prompt
+
+
+def check_divergence(rec, before, prompt, message, role):
+    d = rec.divergence
+    assert d is not None, rec.reason_text
+    assert d.position == common_prefix(before, prompt)  # the test's own token comparison
+    assert (d.message, d.role) == (message, role)
+    assert f"token {d.position}" in rec.reason_text
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    with Engine(model_path, n_slots=2, n_ctx=1024) as e:
+        yield e
+
+
+def test_first_continued_copied_edited_system_evicted_cleared(engine):
+    alice = [{"role": "system", "content": SYSTEM}, user("What is a CPU?")]
+    rec, _, _ = ask(engine, "alice", alice)
+    assert rec.reason == reasons.FIRST and rec.divergence is None
+    assert "first request of session alice" in rec.reason_text
+
+    alice += [{"role": "assistant", "content": engine.history[-1] and "A processor."},
+              user("And memory?")]
+    rec, before, prompt = ask(engine, "alice", alice)
+    assert rec.reason == reasons.CONTINUED and not Figures(rec).why()
+
+    rec, _, _ = ask(engine, "bob", [alice[0], user("What is a GPU?")])
+    assert rec.reason == reasons.COPIED and rec.donor_session == "alice"
+    assert f"copied {rec.reused_tokens} tokens" in rec.reason_text
+    assert Figures(rec).text().startswith(f"slot {rec.slot}: copied {rec.reused_tokens} tokens "
+                                          "from alice's slot")
+
+    edited = [alice[0], user("What is a GPU, really?"), *alice[2:]]
+    rec, before, prompt = ask(engine, "alice", edited)
+    assert rec.reason == reasons.EDITED
+    check_divergence(rec, before, prompt, 1, "user")
+    cached, new = rec.divergence.excerpts(engine.model.detokenize)
+    assert "CPU" in cached and "GPU" in new
+
+    changed = [{"role": "system", "content": "Answer like a pirate. " + SYSTEM}, *edited[1:]]
+    rec, before, prompt = ask(engine, "alice", changed)
+    assert rec.reason == reasons.SYSTEM_CHANGED
+    check_divergence(rec, before, prompt, 0, "system")
+
+    # two slots, three sessions: carol takes the least recently used one
+    rec, _, _ = ask(engine, "carol", [user("Name a colour.")])
+    victim = rec.evicted_session
+    assert rec.reason == reasons.FIRST and victim in ("alice", "bob")
+    assert f"took {victim}'s slot" in Figures(rec).text()
+    carol_request = rec.id
+    rec, _, _ = ask(engine, victim, [user("Name a shape.")])
+    assert rec.reason == reasons.EVICTED
+    assert f"taken by carol's request #{carol_request}" in rec.reason_text
+
+    slot = next(s.index for s in engine.slots() if s.session == "carol")
+    engine.clear(slot)
+    rec, _, _ = ask(engine, "carol", [user("Name a colour."), {"role": "assistant",
+                                      "content": "Red."}, user("Another?")])
+    assert rec.reason == reasons.CLEARED and "cleared by the user" in rec.reason_text
+
+
+def test_explain_shows_both_renderings_split_at_the_divergence(engine):
+    msgs = [user("Tell me about Tuesday 21 Nov.")]
+    ask(engine, "dave", msgs)
+    msgs2 = [user("Tell me about Wednesday 22 Nov.")]
+    rec, before, prompt = ask(engine, "dave", msgs2)
+    assert rec.reason == reasons.EDITED
+    x = engine.explain()
+    assert x.record is rec and x.cached_head == x.new_head
+    assert x.cached_tail.lstrip().startswith("Tues") and x.new_tail.lstrip().startswith("Wed")
+    report = ExplainReport(x)
+    text = report.text()
+    assert f"request #{rec.id} (dave): edited" in text
+    assert "message 0 (user) at token" in text and "⟦ Tuesday" in text and "⟦ Wednesday" in text
+    html = report._repr_html_()
+    assert html.count('class="nbkv-divergence"') == 2 and "Wednesday" in html
+    with pytest.raises(Exception, match="no request #9999"):
+        engine.explain(9999)
+
+
+def test_template_drift(model_path, monkeypatch):
+    now = {"t": datetime.datetime(2026, 1, 1, 9, 0, 0)}
+    monkeypatch.setattr(templates, "_now", lambda: now["t"])
+    with Engine(model_path, n_slots=1, n_ctx=1024, template=templates.CLOCK_CHATML) as e:
+        msgs = [{"role": "system", "content": SYSTEM}, user("What is a CPU?")]
+        ask(e, "s", msgs)
+        now["t"] += datetime.timedelta(minutes=1)  # the system turn now renders differently
+        msgs += [{"role": "assistant", "content": e.history[-1] and "A chip."}, user("More?")]
+        rec, before, prompt = ask(e, "s", msgs)
+        assert rec.reason == reasons.TEMPLATE_DRIFT
+        check_divergence(rec, before, prompt, 0, "system")
+
+
+def test_overflow_and_uncached_modes(model_path):
+    with Engine(model_path, n_slots=1, n_ctx=256, overflow="slide") as e:
+        msgs = [{"role": "system", "content": "Be brief."}]
+        rec = None
+        for i in range(12):
+            msgs += [user(f"Question number {i}: what is {i} plus {i}, in words please?")]
+            rec, _, _ = ask(e, "s", msgs)
+            msgs.append({"role": "assistant", "content": f"{2 * i}."})
+            if rec.dropped_messages:
+                break
+        assert rec.dropped_messages and rec.reason == reasons.OVERFLOW
+        assert f"the {rec.dropped_messages} oldest message(s) were dropped" in rec.reason_text
+    with Engine(model_path, n_slots=1, n_ctx=512, cache="off") as e:
+        rec, _, _ = ask(e, "s", [user("Hi")])
+        assert rec.reason == reasons.UNCACHED
+
+
+def test_a_different_image_at_the_same_place(model_path):
+    from nbkv.fixtures import make_mmproj
+
+    def image(seed):
+        return np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+
+    def msg(img):
+        return {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                            {"type": "image", "image": img}]}
+
+    with Engine(model_path, mmproj=str(make_mmproj(kind="tiny")), n_slots=1, n_ctx=1024,
+                n_threads=1) as e:
+        ask(e, "v", [msg(image(1))])
+        rec, before, prompt = ask(e, "v", [msg(image(2))])
+        assert rec.reason == reasons.IMAGE_CHANGED and rec.encoder_runs == 1
+        check_divergence(rec, before, prompt, 0, "user")
+        assert "image encoded" in Figures(rec).text()
+        rec, _, _ = ask(e, "w", [msg(image(1))])  # seen before: its embeddings are cached
+        assert "image from cache" in Figures(rec).text()
+
+
+def test_a_checkpoint_restored_before_the_divergence():
+    from nbkv.fixtures import make_text_model
+
+    with Engine(str(make_text_model("lfm2")), n_slots=1, n_ctx=1024) as e:
+        assert not e.memory.can_trim
+        msgs = [{"role": "system", "content": SYSTEM}, user("What is a CPU?")]
+        ask(e, "h", msgs)
+        rec, before, prompt = ask(e, "h", [msgs[0], user("What is a GPU?")])
+        assert rec.reason == reasons.CHECKPOINT and rec.checkpoint_pos is not None
+        assert rec.checkpoint_pos < rec.divergence.position == common_prefix(before, prompt)
+        assert "edited" in rec.reason_text and "checkpoint" in rec.reason_text
