@@ -100,7 +100,10 @@ class Nbkv(Magics, Settings):
             raise UsageError(f"%kvcache {args.command} does not take {flags}")
         if args.target is not None and args.command not in ("load", "clear", "explain"):
             raise UsageError(f"%kvcache {args.command} takes no argument ({args.target!r})")
-        return getattr(self, "_cmd_" + args.command)(args)
+        try:
+            return getattr(self, "_cmd_" + args.command)(args)
+        except NbkvError as e:  # nbkv's own errors are the user's to fix: no traceback
+            raise UsageError(str(e)) from e
 
     def _cmd_status(self, args: Any) -> Any:
         return disp.status_table(self.store.engine, self.store)
@@ -122,10 +125,7 @@ class Nbkv(Magics, Settings):
             raise UsageError(f"no model file at {path}")
         progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
                                 self._notebook())
-        try:
-            engine = self.store.load(path, on_load_progress=progress, **kwargs)
-        except NbkvError as e:
-            raise UsageError(str(e)) from e
+        engine = self.store.load(path, on_load_progress=progress, **kwargs)
         summary = disp.status_table(engine, self.store)
         progress.done(summary)
         return None if self._notebook() else summary
@@ -140,30 +140,15 @@ class Nbkv(Magics, Settings):
         return disp.history_table(self._engine().history, 20 if args.last is None else args.last)
 
     def _cmd_explain(self, args: Any) -> Any:
-        try:
-            request = None if args.target is None else int(args.target.lstrip("#"))
-            return disp.ExplainReport(self._engine().explain(request))
-        except ValueError:
-            raise UsageError(f"%kvcache explain: give a request number, not "
-                             f"{args.target!r}") from None
-        except NbkvError as e:
-            raise UsageError(str(e)) from e
+        request = _number(args.target, "explain: give a request number")
+        return disp.ExplainReport(self._engine().explain(request))
 
     def _cmd_clear(self, args: Any) -> Any:
         engine = self._engine()
         if args.target is not None and args.all:
             raise UsageError("%kvcache clear: give a slot or --all, not both")
-        slot = None
-        if args.target is not None:
-            try:
-                slot = int(args.target)
-            except ValueError:
-                raise UsageError(f"%kvcache clear: slot must be a number, not "
-                                 f"{args.target!r}") from None
-        try:
-            engine.clear(slot)
-        except NbkvError as e:
-            raise UsageError(str(e)) from e
+        slot = _number(args.target, "clear: slot must be a number")
+        engine.clear(slot)
         return disp.Message(f"cleared slot {slot}" if slot is not None else
                             "cleared every slot (sessions keep their messages)")
 
@@ -270,6 +255,16 @@ class Nbkv(Magics, Settings):
         except (AttributeError, IndexError, ValueError, TypeError) as e:
             raise UsageError(f"cannot fill in the {{...}} fields of the cell: {e} "
                              "(write {{ and }} for literal braces)") from None
+
+
+def _number(text: str | None, what: str) -> int | None:
+    """``text`` as an int (``#3`` works too), None when absent; UsageError otherwise."""
+    if text is None:
+        return None
+    try:
+        return int(text.lstrip("#"))
+    except ValueError:
+        raise UsageError(f"%kvcache {what}, not {text!r}") from None
 
 
 def load(ipython: Any) -> None:
