@@ -528,6 +528,10 @@ def compare(engine: Engine, body: dict[str, Any]) -> list[str]:
             was = (theirs.get(k) or {}).get("name", a) if k in ("model", "projector") else a
             now = (mine.get(k) or {}).get("name", b) if k in ("model", "projector") else b
             diffs.append(f"{label}: saved with {was}, this engine has {now}")
+    n_saved = body.get("n_slots")
+    if n_saved != engine.n_slots and engine.memory.kind != "plain":
+        diffs.append(f"slots: saved with {n_saved}, this engine has {engine.n_slots} (only "
+                     "plain-attention saves restore into another number of slots)")
     return diffs
 
 
@@ -543,6 +547,38 @@ def compatible(engine: Engine, path: str | os.PathLike | None = None) -> dict[st
     except RestoreError:
         return None
     return None if compare(engine, body) else body
+
+
+_STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")
+
+
+def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
+    """A plain-attention sequence state re-addressed from ``n_saved`` KV streams to ``n_now``.
+
+    With ``kv_unified=False`` every slot has its own KV stream, and llama.cpp writes a
+    sequence's state as the stream count followed by one section per stream, all empty (a
+    zero cell count) but the sequence's own; it refuses a state whose stream count differs
+    from the context's. On plain memory the state is just that, so the one non-empty section
+    is kept and the empty ones are rewritten for the new count (a reader loads the non-empty
+    section into the target sequence's stream, wherever it sits).
+    """
+    u32 = 4
+    # llama.cpp's header: a magic number and the sequence it was read from (ignored on load)
+    pre = 2 * u32 if state[:u32] == _STATE_MAGIC else 0
+    body = state[pre:]
+    n = int.from_bytes(body[:u32], "little")
+    stream = 0  # the first non-empty section is the sequence's
+    while stream < n_saved and len(body) >= u32 * (stream + 2) \
+            and not any(body[u32 * (stream + 1):u32 * (stream + 2)]):
+        stream += 1
+    head = u32 * (1 + stream)
+    tail = u32 * (n_saved - stream - 1)
+    if n != n_saved or stream >= n_saved or len(body) < head + u32 + tail \
+            or (tail and any(body[-tail:])):
+        raise RestoreError("a saved state does not have the layout of one KV stream per slot")
+    section = body[head:len(body) - tail]
+    zero = bytes(u32)
+    return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
 
 
 @dataclass
@@ -587,6 +623,15 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
         return buf
 
     n_vocab = engine.model.n_vocab
+    n_saved = body.get("n_slots")
+
+    def state(name: Any) -> Any:
+        buf = read(name)
+        if n_saved == engine.n_slots:
+            return buf
+        data = restream(bytes(buf), int(n_saved), engine.n_slots)
+        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+
     try:
         saved = sorted(body.get("slots", []), key=lambda s: -int(s["last_used"]))
         for i, s in enumerate(saved):
@@ -609,12 +654,12 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
             plan.slots.append({
                 "saved_index": int(s["index"]), "session": s["session"], "tokens": tokens,
                 "settled": settled, "hashes": hashes, "msg_ends": ends,
-                "last_used": int(s["last_used"]), "state": read(s["state"]),
+                "last_used": int(s["last_used"]), "state": state(s["state"]),
                 "checkpoints": cps, "segments": tuple(_segment(g) for g in s["segments"]),
             })
         for e in body.get("spc", []):
             plan.spc.append((str(e["key"]), tuple(decode_units(e["tokens"], n_vocab)),
-                             read(e["state"])))
+                             state(e["state"])))
         for e in body.get("embeddings", []):
             arrays = []
             for a in e["arrays"]:
