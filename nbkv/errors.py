@@ -73,7 +73,8 @@ class SaveError(NbkvError, OSError):
 
 
 class RestoreError(NbkvError):
-    """A save cannot be restored into this engine: corrupt, incomplete, from another model,
-    for other settings, or from a newer nbkv. The message says what differs; the engine is
-    unchanged.
+    """A save cannot be restored into this engine; the engine is left unchanged.
+
+    The save is corrupt or incomplete, from another model, for other settings, or from a
+    newer nbkv: the message says what differs.
     """

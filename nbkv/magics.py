@@ -9,8 +9,10 @@ from __future__ import annotations
 import gc
 import inspect
 import keyword
+import os
 import re
 import string
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,17 +21,18 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
-from traitlets import Bool, Enum, Float, Int, Unicode, validate
+from traitlets import Bool, Enum, Float, Int, Unicode, observe, validate
 
 from . import display as disp
 from .errors import DecodeError, NbkvError
 from .events import Progress, RequestStarted
 from .sessions import STORE, SessionStore
 
-COMMANDS = ("status", "load", "slots", "stats", "history", "clear", "widget", "unload", "config")
+COMMANDS = ("status", "load", "slots", "stats", "history", "clear", "widget", "unload", "config",
+            "save", "restore")
 # which options each %kvcache command accepts
 _OPTIONS = {
-    "load": {"mmproj", "slots", "ctx", "mode", "min_tokens", "template"},
+    "load": {"mmproj", "slots", "ctx", "mode", "min_tokens", "template", "restore"},
     "clear": {"all"},
     "history": {"last"},
 }
@@ -73,10 +76,16 @@ class Nbkv(Magics):
     frontend = Enum(("auto", "notebook", "terminal"), "auto",
                     help="How %%chat shows replies: 'auto' picks 'notebook' in a Jupyter "
                          "kernel, else 'terminal' (stdout)").tag(config=True)
+    autosave = Bool(False, help="Save the slots and sessions in the background after requests "
+                                "(%kvcache save's default place), never delaying a reply"
+                    ).tag(config=True)
+    autosave_interval = Float(30.0, min=1.0, help="Autosave: seconds between two saves at least"
+                              ).tag(config=True)
 
     def __init__(self, shell: Any = None, store: SessionStore | None = None, **kw: Any) -> None:
         super().__init__(shell=shell, **kw)
         self.store = store or STORE
+        self._autosaver: Any = None
 
     @validate("refresh")
     def _refresh_positive(self, proposal: Any) -> float:
@@ -90,7 +99,8 @@ class Nbkv(Magics):
     @argument("command", nargs="?", default="status", choices=COMMANDS,
               help="what to do (default: status)")
     @argument("target", nargs="?",
-              help="load: a GGUF file (default: the embedded SmolLM2-135M); clear: a slot")
+              help="load: a GGUF file (default: the embedded SmolLM2-135M); clear: a slot; "
+                   "save, restore: a directory (default: one per notebook in the user cache)")
     @argument("--mmproj", metavar="F",
               help="load: vision projector GGUF (lets chat cells attach images)")
     @argument("--slots", type=int, metavar="N", help="load: number of slots")
@@ -98,6 +108,8 @@ class Nbkv(Magics):
     @argument("--mode", choices=("imc", "spc", "off"), help="load: cache mode")
     @argument("--min-tokens", type=int, metavar="N", help="load: shortest salvageable prefix")
     @argument("--template", metavar="F", help="load: file with a Jinja2 chat template")
+    @argument("--restore", action="store_true",
+              help="load: then restore this notebook's latest compatible save")
     @argument("--all", action="store_true", help="clear: every slot")
     @argument("-n", "--last", type=int, metavar="N", help="history: records shown (20)")
     @line_magic
@@ -107,8 +119,9 @@ class Nbkv(Magics):
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
-                        [--min-tokens N] [--template F]
+                        [--min-tokens N] [--template F] [--restore]
           %kvcache [status] | slots | stats | history [-n N] | clear [SLOT | --all]
+          %kvcache save [DIR] | restore [DIR]
           %kvcache widget | unload | config
         """
         args = parse_argstring(self.kvcache, line)
@@ -118,7 +131,7 @@ class Nbkv(Magics):
         if extra:
             flags = ", ".join("--" + k.replace("_", "-") for k in sorted(extra))
             raise UsageError(f"%kvcache {args.command} does not take {flags}")
-        if args.target is not None and args.command not in ("load", "clear"):
+        if args.target is not None and args.command not in ("load", "clear", "save", "restore"):
             raise UsageError(f"%kvcache {args.command} takes no argument ({args.target!r})")
         return getattr(self, "_cmd_" + args.command)(args)
 
@@ -156,8 +169,14 @@ class Nbkv(Magics):
         except NbkvError as e:
             raise _usage(e) from e
         self.store.engine = engine
+        self._sync_autosave()
         summary = disp.status_table(engine, self.store)
         progress.done(summary)
+        note = self._offer_restore(engine, args.restore)
+        if note is not None:
+            from IPython.display import display
+
+            display(note)
         return None if self._notebook() else summary
 
     def _cmd_slots(self, args: Any) -> Any:
@@ -197,6 +216,71 @@ class Nbkv(Magics):
             return disp.Message("no engine loaded")
         self._close_engine()
         return disp.Message("engine closed and its memory freed")
+
+    def _cmd_save(self, args: Any) -> Any:
+        from . import persist
+
+        try:
+            report = persist.save(self._engine(), self._save_path(args.target), self.store)
+        except NbkvError as e:
+            raise _usage(e) from e
+        return disp.Message(str(report))
+
+    def _cmd_restore(self, args: Any) -> Any:
+        from . import persist
+
+        try:
+            report = persist.restore(self._engine(), self._save_path(args.target), self.store)
+        except NbkvError as e:
+            raise _usage(e) from e
+        return disp.Message(str(report))
+
+    def _offer_restore(self, engine: Any, restore: bool) -> disp.Message | None:
+        """After a load: restore the notebook's save (--restore), or say that one fits."""
+        from . import persist
+
+        path = self._save_path(None)
+        if restore:
+            try:
+                return disp.Message(str(persist.restore(engine, path, self.store)))
+            except NbkvError as e:
+                return disp.Message(f"--restore: nothing restored: {e}")
+        body = persist.compatible(engine, path)
+        if body is None:
+            return None
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(body["created"]))
+        sessions = ", ".join(s["name"] for s in body["sessions"]) or "no session"
+        return disp.Message(f"a save of this notebook from {when} fits this engine "
+                            f"({len(body['slots'])} slot(s); {sessions}): %kvcache restore "
+                            "brings it back (or %kvcache load --restore)")
+
+    def _save_path(self, target: str | None) -> Any:
+        from . import persist
+
+        if target:
+            return Path(target).expanduser()
+        ns = self.shell.user_ns if self.shell is not None else {}
+        notebook = (os.environ.get("JPY_SESSION_NAME") or ns.get("__vsc_ipynb_file__")
+                    or ns.get("__session__") or None)
+        return persist.default_path(notebook)
+
+    @observe("autosave", "autosave_interval")
+    def _autosave_changed(self, change: Any) -> None:
+        self._sync_autosave()
+
+    def _sync_autosave(self) -> None:
+        """Run the background autosaver exactly when Nbkv.autosave is on and an engine is."""
+        from . import persist
+
+        saver, engine = self._autosaver, self.store.engine
+        if saver is not None and (not self.autosave or saver.engine is not engine
+                                  or saver.interval != self.autosave_interval):
+            saver.stop()
+            self._autosaver = saver = None
+        if saver is None and self.autosave and engine is not None \
+                and hasattr(engine, "_slots"):  # an in-kernel engine
+            self._autosaver = persist.Autosaver(engine, self._save_path(None), self.store,
+                                                interval=self.autosave_interval)
 
     def _cmd_config(self, args: Any) -> Any:
         rows = tuple((f"Nbkv.{name}", repr(getattr(self, name)), t.help)
@@ -299,6 +383,9 @@ class Nbkv(Magics):
         return self.store.engine
 
     def _close_engine(self) -> None:
+        if self._autosaver is not None:
+            self._autosaver.stop()
+            self._autosaver = None
         engine, self.store.engine = self.store.engine, None
         if engine is not None:
             engine.close()

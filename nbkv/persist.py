@@ -333,11 +333,12 @@ def _capture(engine: Engine, only_if_idle: bool) -> dict[str, Any]:
 
 def save(engine: Engine, path: str | os.PathLike | None = None,
          sessions: SessionStore | None = None, *, only_if_idle: bool = False) -> SaveReport:
-    """Save ``engine``'s slots, system-prompt cache, the image embeddings they use, and the
-    message histories of ``sessions`` (default: the kernel's store) to ``path``.
+    """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
 
-    Raises :class:`SaveError` when the directory cannot be written; the previous save there
-    is then untouched.
+    Saved: each idle slot's state (and checkpoints), the system-prompt cache, the image
+    embeddings the slots use, and the message histories of ``sessions`` (default: the
+    kernel's store). Raises :class:`SaveError` when the directory cannot be written; the
+    previous save there is then untouched.
     """
     _require_local(engine, "save")
     from .sessions import STORE
@@ -687,9 +688,9 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
 
 def restore(engine: Engine, path: str | os.PathLike | None = None,
             sessions: SessionStore | None = None) -> RestoreReport:
-    """Replace ``engine``'s slots and caches with the save at ``path``, and put the saved
-    sessions' messages back into ``sessions`` (default: the kernel's store).
+    """Replace ``engine``'s slots and caches with the save at ``path``.
 
+    The saved sessions' messages go back into ``sessions`` (default: the kernel's store).
     Everything is checked before the engine is touched; on any mismatch or corruption
     :class:`RestoreError` says what, and the engine and sessions are unchanged.
     """

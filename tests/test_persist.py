@@ -20,7 +20,7 @@ from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine, persist, policy
 from nbkv.backend import Batch, Context
 from nbkv.errors import RestoreError, SaveError
-from nbkv.media import Image, MediaUnit
+from nbkv.media import MediaUnit
 from nbkv.sessions import SessionStore
 
 PIL = pytest.importorskip("PIL.Image")
