@@ -500,3 +500,66 @@ def test_hybrid_round_trip_with_checkpoints(tmp_path):
             assert rb.record.checkpoint_pos == ra.record.checkpoint_pos
         assert rb.record.checkpoint_pos is not None  # the edit went back to a checkpoint
         assert_consistent(b)
+
+
+# -- the magics --------------------------------------------------------------------------------
+
+
+def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
+    import time
+
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import start_ipython
+    from IPython.utils.capture import capture_output
+
+    from nbkv.sessions import STORE
+
+    monkeypatch.setenv("NBKV_SAVE_DIR", str(tmp_path / "saves"))
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "nbkv")
+    ip.run_line_magic("config", "Nbkv.frontend = 'terminal'")
+    ip.run_line_magic("config", "Nbkv.max_tokens = 6")
+    STORE.clear()
+    try:
+        ip.run_line_magic("kvcache", "load --slots 2 --ctx 512")
+        with capture_output():
+            ip.run_cell_magic("chat", "alice --system 'Be brief.'", "What is a CPU?")
+        out = ip.run_line_magic("kvcache", "save")
+        assert "saved 1 slot(s)" in str(out) and "alice" in str(out)
+        assert (tmp_path / "saves" / "default" / persist.MANIFEST).is_file()
+        assert "last save" in str(ip.run_line_magic("kvcache", "status"))
+        want = STORE["alice"].messages
+        ip.run_line_magic("kvcache", "unload")
+        STORE.clear()
+        with capture_output() as cap:  # a restart: the fitting save is offered
+            ip.run_line_magic("kvcache", "load --slots 2 --ctx 512")
+        assert "%kvcache restore" in cap.stdout + "".join(str(o.data) for o in cap.outputs)
+        out = ip.run_line_magic("kvcache", "restore")
+        assert "restored" in str(out) and STORE["alice"].messages == want
+        status = str(ip.run_line_magic("kvcache", "status"))
+        assert "last restore" in status and "slot 0" in status
+        with capture_output():
+            ip.run_cell_magic("chat", "alice --out r", "And memory?")
+        assert ip.user_ns["r"].record.strategy == policy.HASH_EXTEND
+        with pytest.raises(UsageError, match="no save at"):
+            ip.run_line_magic("kvcache", f"restore {tmp_path / 'nothing'}")
+        # autosave: after a request, in the background
+        saved = tmp_path / "saves" / "default" / persist.MANIFEST
+        before = saved.stat().st_mtime_ns
+        ip.run_line_magic("config", "Nbkv.autosave_interval = 1.0")
+        ip.run_line_magic("config", "Nbkv.autosave = True")
+        with capture_output():
+            ip.run_cell_magic("chat", "alice", "And a disk?")
+        deadline = time.monotonic() + 30
+        while saved.stat().st_mtime_ns == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert saved.stat().st_mtime_ns != before
+        _, body = persist.read_manifest(saved.parent)
+        assert [s["name"] for s in body["sessions"]] == ["alice"]
+        assert len(body["sessions"][0]["messages"]) == 7
+        ip.run_line_magic("config", "Nbkv.autosave = False")
+    finally:
+        ip.run_line_magic("kvcache", "unload")
+        ip.run_line_magic("unload_ext", "nbkv")
+        STORE.clear()
