@@ -559,6 +559,10 @@ def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
         assert [s["name"] for s in body["sessions"]] == ["alice"]
         assert len(body["sessions"][0]["messages"]) == 7
         ip.run_line_magic("config", "Nbkv.autosave = False")
+        with capture_output() as cap:  # load --restore: the autosaved conversation is back
+            ip.run_line_magic("kvcache", "load --slots 2 --ctx 512 --restore")
+        assert "restored the save" in "".join(str(o.data) for o in cap.outputs) + cap.stdout
+        assert STORE.engine.slots()[0].session == "alice" and STORE["alice"].turns == 3
     finally:
         ip.run_line_magic("kvcache", "unload")
         ip.run_line_magic("unload_ext", "nbkv")
