@@ -26,6 +26,7 @@ slots are put back as they were.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -398,7 +399,8 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
         "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
         "blobs": {n: {"sha256": n[:64], "size": len(mv)} for n, mv in blobs.data.items()},
     }
-    written = _write(root, body, blobs)
+    with _locked(root, exclusive=True):
+        written = _write(root, body, blobs)
     rep = SaveReport(root, tuple(reports), tuple(cap["busy"]), len(spc_json), len(emb_json),
                      tuple(s["name"] for s in sess_json),
                      sum(len(mv) for mv in blobs.data.values()), written,
@@ -406,6 +408,30 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
     engine.last_save = rep
     log.info("%s", rep)
     return rep
+
+
+@contextlib.contextmanager
+def _locked(root: Path, exclusive: bool) -> Any:
+    """Hold ``root``'s lock file: one writer, or readers, at a time (across processes too).
+
+    Without it, a save's clean-up could delete blobs that another save's new manifest (or a
+    restore reading the old one) still needs.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock between processes
+        yield
+        return
+    try:
+        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only save can still be restored
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(d: Path) -> None:
@@ -699,11 +725,14 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
 
     store = STORE if sessions is None else sessions
     t0 = time.perf_counter()
-    root, body = read_manifest(path)
-    diffs = compare(engine, body)
-    if diffs:
-        raise RestoreError(f"the save at {root} does not fit this engine: " + "; ".join(diffs))
-    plan = _load(engine, root, body)
+    root = Path(path).expanduser() if path is not None else default_path()
+    with _locked(root, exclusive=False) if root.is_dir() else contextlib.nullcontext():
+        root, body = read_manifest(root)
+        diffs = compare(engine, body)
+        if diffs:
+            raise RestoreError(f"the save at {root} does not fit this engine: "
+                               + "; ".join(diffs))
+        plan = _load(engine, root, body)
     if _uses_media(body) and engine.projector is None:
         raise RestoreError("the save holds images: load the engine with its vision projector")
     placed = engine._call(lambda: _apply(engine, plan))
