@@ -405,6 +405,25 @@ def test_remote_engines_say_plainly_it_is_not_supported():
         persist.restore(RemoteEngine(), "/nonexistent")
 
 
+def test_system_prompt_cache_entries_are_restored(model_path, tmp_path):
+    kw = dict(n_slots=2, n_ctx=512, n_threads=2, cache="spc")
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[1]}]
+    with Engine(model_path, **kw) as a:
+        a.chat(first, max_tokens=MAX, temperature=0)
+        assert a.stats()["spc_entries"] == 1
+        rep = a.save(tmp_path / "s", SessionStore())
+        want = a.chat(other, max_tokens=MAX, temperature=0)
+    assert rep.spc_entries == 1
+    with Engine(model_path, n_slots=1, n_ctx=512, n_threads=2, cache="spc") as b:
+        assert b.restore(tmp_path / "s", SessionStore()).spc_entries == 1  # 2 streams -> 1
+        got = b.chat(other, max_tokens=MAX, temperature=0)
+        assert got.record.strategy == want.record.strategy == "spc"
+        assert got.record.reused_tokens == want.record.reused_tokens > 100
+        assert got.text == want.text
+        assert_consistent(b)
+
+
 # -- atomicity --------------------------------------------------------------------------------
 
 
