@@ -424,6 +424,33 @@ def test_system_prompt_cache_entries_are_restored(model_path, tmp_path):
         assert_consistent(b)
 
 
+def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
+    import time
+
+    msgs = [{"role": "user", "content": QUESTIONS[4]}]
+    stream = engine.chat(msgs, stream=True, max_tokens=32, temperature=0)
+    next(stream)  # a request is generating: an opportunistic save must not run
+    with pytest.raises(persist._Busy):
+        persist.save(engine, tmp_path / "busy", SessionStore(), only_if_idle=True)
+    stream.close()
+    assert not (tmp_path / "busy" / persist.MANIFEST).exists()
+    saver = persist.Autosaver(engine, tmp_path / "auto", SessionStore(), interval=60, quiet=0.2)
+    try:
+        engine.chat(msgs, max_tokens=4, temperature=0)
+        deadline = time.monotonic() + 20
+        while saver.saves == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert saver.saves == 1 and saver.last_error is None
+        for q in QUESTIONS[:2]:  # within the interval: no second save
+            engine.chat([{"role": "user", "content": q}], max_tokens=4, temperature=0)
+        time.sleep(1.5)
+        assert saver.saves == 1
+    finally:
+        saver.stop()
+    _, body = persist.read_manifest(tmp_path / "auto")
+    assert body["slots"]
+
+
 # -- atomicity --------------------------------------------------------------------------------
 
 
