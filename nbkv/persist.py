@@ -633,19 +633,27 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
         meta = table.get(name)
         if not isinstance(meta, dict):
             raise RestoreError(f"blob {name} is not in the manifest's blob table")
+        size = meta.get("size")
+        if not isinstance(size, int) or size < 0:
+            raise RestoreError(f"blob {name}: malformed size in the manifest")
         try:
-            data = p.read_bytes()
+            with p.open("rb") as f:  # straight into the buffer llama.cpp will read
+                actual = os.fstat(f.fileno()).st_size
+                if actual != size:
+                    raise RestoreError(f"blob {name} is truncated or padded: {actual} bytes, "
+                                       f"the manifest says {size}")
+                buf = (ctypes.c_uint8 * size)()
+                got = f.readinto(memoryview(buf).cast("B")) if size else 0
         except FileNotFoundError:
             raise RestoreError(f"blob {name} is missing from {root / BLOBS}") from None
         except OSError as e:
             raise RestoreError(f"cannot read blob {name}: {e}") from e
-        if len(data) != meta.get("size"):
-            raise RestoreError(f"blob {name} is truncated or padded: {len(data)} bytes, "
-                               f"the manifest says {meta.get('size')}")
-        if hashlib.sha256(data).hexdigest() != meta.get("sha256") or name[:64] != meta["sha256"]:
+        if got != size:
+            raise RestoreError(f"blob {name} is truncated: read {got} of {size} bytes")
+        digest = hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
+        if digest != meta.get("sha256") or name[:64] != digest:
             raise RestoreError(f"blob {name} fails its checksum (corrupt)")
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        plan.nbytes += len(data)
+        plan.nbytes += size
         cache[name] = buf
         return buf
 
