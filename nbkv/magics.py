@@ -12,7 +12,6 @@ import keyword
 import os
 import re
 import string
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -245,14 +244,8 @@ class Nbkv(Magics):
                 return disp.Message(str(persist.restore(engine, path, self.store)))
             except NbkvError as e:
                 return disp.Message(f"--restore: nothing restored: {e}")
-        body = persist.compatible(engine, path)
-        if body is None:
-            return None
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(body["created"]))
-        sessions = ", ".join(s["name"] for s in body["sessions"]) or "no session"
-        return disp.Message(f"a save of this notebook from {when} fits this engine "
-                            f"({len(body['slots'])} slot(s); {sessions}): %kvcache restore "
-                            "brings it back (or %kvcache load --restore)")
+        offer = persist.offer(engine, path)
+        return disp.Message(offer) if offer else None
 
     def _save_path(self, target: str | None) -> Any:
         from . import persist

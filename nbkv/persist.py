@@ -608,6 +608,21 @@ def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
     return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
 
 
+def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
+    """A line offering the save at ``path`` if ``engine`` can restore it, else None."""
+    body = compatible(engine, path)
+    if body is None:
+        return None
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(body["created"])))
+        sessions = ", ".join(str(s["name"]) for s in body["sessions"]) or "no session"
+        n = len(body["slots"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (f"a save of this notebook from {when} fits this engine ({n} slot(s); "
+            f"{sessions}): %kvcache restore brings it back (or %kvcache load --restore)")
+
+
 @dataclass
 class _Plan:
     slots: list[dict[str, Any]] = field(default_factory=list)
