@@ -83,7 +83,7 @@ class Nbkv(Magics):
 
     def __init__(self, shell: Any = None, store: SessionStore | None = None, **kw: Any) -> None:
         super().__init__(shell=shell, **kw)
-        self.store = store or STORE
+        self.store = store if store is not None else STORE  # an empty store is falsy
         self._autosaver: Any = None
 
     @validate("refresh")

@@ -566,51 +566,53 @@ def test_round_trip_on_other_memory_classes(family, tmp_path):
 
 
 def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
+    """%kvcache save / restore / load --restore and Nbkv.autosave, on a magics instance of
+    its own (its own session store; no shared shell state)."""
     import time
 
     from IPython.core.error import UsageError
-    from IPython.testing.globalipapp import start_ipython
     from IPython.utils.capture import capture_output
 
-    from nbkv.sessions import STORE
+    from nbkv.magics import Nbkv
 
     monkeypatch.setenv("NBKV_SAVE_DIR", str(tmp_path / "saves"))
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    ip = start_ipython()
-    ip.run_line_magic("load_ext", "nbkv")
-    ip.run_line_magic("config", "Nbkv.frontend = 'terminal'")
-    ip.run_line_magic("config", "Nbkv.max_tokens = 6")
-    STORE.clear()
+    store = SessionStore()
+
+    def shown(cap):
+        return cap.stdout + "".join(str(o.data) for o in cap.outputs)
+
+    m = Nbkv(shell=None, store=store, frontend="terminal", max_tokens=6)
     try:
-        ip.run_line_magic("kvcache", "load --slots 2 --ctx 512")
+        m.kvcache("load --slots 2 --ctx 512")
         with capture_output():
-            ip.run_cell_magic("chat", "alice --system 'Be brief.'", "What is a CPU?")
-        out = ip.run_line_magic("kvcache", "save")
+            m.chat("alice --system 'Be brief.'", "What is a CPU?")
+        out = m.kvcache("save")
         assert "saved 1 slot(s)" in str(out) and "alice" in str(out)
         assert (tmp_path / "saves" / "default" / persist.MANIFEST).is_file()
-        assert "last save" in str(ip.run_line_magic("kvcache", "status"))
-        want = STORE["alice"].messages
-        ip.run_line_magic("kvcache", "unload")
-        STORE.clear()
-        with capture_output() as cap:  # a restart: the fitting save is offered
-            ip.run_line_magic("kvcache", "load --slots 2 --ctx 512")
-        assert "%kvcache restore" in cap.stdout + "".join(str(o.data) for o in cap.outputs)
-        out = ip.run_line_magic("kvcache", "restore")
-        assert "restored" in str(out) and STORE["alice"].messages == want
-        status = str(ip.run_line_magic("kvcache", "status"))
+        assert "last save" in str(m.kvcache("status"))
+        want = store["alice"].messages
+        m.kvcache("unload")  # a restart: the engine and the sessions are gone
+        store.clear()
+        with capture_output() as cap:  # ... and the fitting save is offered
+            m.kvcache("load --slots 2 --ctx 512")
+        assert "%kvcache restore" in shown(cap)
+        out = m.kvcache("restore")
+        assert "restored" in str(out) and store["alice"].messages == want
+        status = str(m.kvcache("status"))
         assert "last restore" in status and "slot 0" in status
         with capture_output():
-            ip.run_cell_magic("chat", "alice --out r", "And memory?")
-        assert ip.user_ns["r"].record.strategy == policy.HASH_EXTEND
+            m.chat("alice", "And memory?")
+        assert store["alice"].records[-1].strategy == policy.HASH_EXTEND
         with pytest.raises(UsageError, match="no save at"):
-            ip.run_line_magic("kvcache", f"restore {tmp_path / 'nothing'}")
+            m.kvcache(f"restore {tmp_path / 'nothing'}")
         # autosave: after a request, in the background
         saved = tmp_path / "saves" / "default" / persist.MANIFEST
         before = saved.stat().st_mtime_ns
-        ip.run_line_magic("config", "Nbkv.autosave_interval = 1.0")
-        ip.run_line_magic("config", "Nbkv.autosave = True")
+        m.autosave_interval = 1.0
+        m.autosave = True
         with capture_output():
-            ip.run_cell_magic("chat", "alice", "And a disk?")
+            m.chat("alice", "And a disk?")
         deadline = time.monotonic() + 30
         while saved.stat().st_mtime_ns == before and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -618,12 +620,11 @@ def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
         _, body = persist.read_manifest(saved.parent)
         assert [s["name"] for s in body["sessions"]] == ["alice"]
         assert len(body["sessions"][0]["messages"]) == 7
-        ip.run_line_magic("config", "Nbkv.autosave = False")
+        m.autosave = False
+        assert m._autosaver is None
         with capture_output() as cap:  # load --restore: the autosaved conversation is back
-            ip.run_line_magic("kvcache", "load --slots 2 --ctx 512 --restore")
-        assert "restored the save" in "".join(str(o.data) for o in cap.outputs) + cap.stdout
-        assert STORE.engine.slots()[0].session == "alice" and STORE["alice"].turns == 3
+            m.kvcache("load --slots 2 --ctx 512 --restore")
+        assert "restored the save" in shown(cap)
+        assert store.engine.slots()[0].session == "alice" and store["alice"].turns == 3
     finally:
-        ip.run_line_magic("kvcache", "unload")
-        ip.run_line_magic("unload_ext", "nbkv")
-        STORE.clear()
+        m.kvcache("unload")
