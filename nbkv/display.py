@@ -7,6 +7,7 @@ under a reply. Nothing here touches IPython; the live views are :mod:`nbkv.views
 from __future__ import annotations
 
 import html
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -316,8 +317,24 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
                            f"({s['draft_acceptance_pct']:.0f}%): each a token for free"
          if s["draft_tokens"] else "none yet" if engine.speculative else "off"),
         ("sessions", ", ".join(names) or "none"),
+        *persist_rows(engine),
     )
     return Table("nbkv engine", ("", ""), rows, note=s.get("advice") or "")
+
+
+def persist_rows(engine: Any) -> tuple[tuple[str, str], ...]:
+    """Status rows for the latest %kvcache save and restore: when, how long, bytes per slot."""
+    rows = []
+    for label, rep in (("last save", getattr(engine, "last_save", None)),
+                       ("last restore", getattr(engine, "last_restore", None))):
+        if rep is None:
+            continue
+        when = time.strftime("%H:%M:%S", time.localtime(
+            getattr(rep, "created", None) or getattr(rep, "saved_at", 0.0)))
+        per = ", ".join(f"slot {s.index} {s.nbytes / 2**20:.1f} MiB" for s in rep.slots)
+        rows.append((label, f"{rep.seconds:.2f} s, {rep.nbytes / 2**20:.1f} MiB "
+                            f"({per or 'no slot'}) · {when} · {rep.path}"))
+    return tuple(rows)
 
 
 def slots_table(engine: Engine) -> Table:

@@ -274,6 +274,9 @@ class Engine:
         trust_projector: accept projector types nbkv cannot validate ahead of time.
     """
 
+    last_save: Any = None  # the latest nbkv.persist.SaveReport
+    last_restore: Any = None  # ... and RestoreReport
+
     def __init__(
         self,
         model_path: str | None = None,
@@ -575,6 +578,29 @@ class Engine:
             while (slot := self._settling_slot()) is not None:
                 self._settle(slot)
         self._call(do)
+
+    def save(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Save the slots, system prompts, image embeddings and sessions to disk.
+
+        ``path``: a directory (default: one per notebook under the user's cache dir).
+        Replies still decoding are not saved; finished replies are rewritten first (exact
+        mode), so the saved KV is what a from-scratch prefill computes. Atomic: a crash
+        mid-save leaves the previous save. See :mod:`nbkv.persist`; returns a report.
+        """
+        from .persist import save
+
+        return save(self, path, sessions)
+
+    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Replace the slots and caches with a save (from this or an earlier process).
+
+        Checks everything first: a save from another model, projector, llama.cpp build or
+        ``n_ctx``, or a corrupt one, raises :class:`~nbkv.errors.RestoreError` and leaves
+        the engine unchanged. With fewer slots than saved, the most recently used are kept.
+        """
+        from .persist import restore
+
+        return restore(self, path, sessions)
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""

@@ -63,3 +63,18 @@ class ProjectorError(ModelLoadError):
     Checked in Python, before llama.cpp sees the file: a wrong projector must never reach
     native code paths that abort the process.
     """
+
+
+class SaveError(NbkvError, OSError):
+    """A save could not be written (the directory is not writable, the disk is full...).
+
+    The previous save in that directory, if any, is left intact.
+    """
+
+
+class RestoreError(NbkvError):
+    """A save cannot be restored into this engine; the engine is left unchanged.
+
+    The save is corrupt or incomplete, from another model, for other settings, or from a
+    newer nbkv: the message says what differs.
+    """

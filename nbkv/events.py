@@ -196,7 +196,7 @@ class SlotRewritten:
 
 @dataclass(frozen=True)
 class SlotsChanged:
-    """Slots changed outside a request (cleared, engine closed)."""
+    """Slots changed outside a request (cleared, restored from a save, engine closed)."""
 
     reason: str
 

@@ -7,6 +7,7 @@ Defaults are traits: ``%config Nbkv.slots = 2``, or ``c.Nbkv.slots = 2`` in
 from __future__ import annotations
 
 import keyword
+import os
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
+from traitlets import observe
 
 from . import display as disp
 from .config import CACHE_MODES
@@ -26,10 +28,10 @@ from .settings import Settings
 from .views import LoadProgress, chat_view
 
 COMMANDS = ("status", "load", "slots", "stats", "history", "explain", "clear", "widget",
-            "unload", "config")
+            "unload", "config", "save", "restore")
 # which options each %kvcache command accepts
 _OPTIONS = {
-    "load": {"mmproj", "slots", "ctx", "mode", "min_tokens", "template"},
+    "load": {"mmproj", "slots", "ctx", "mode", "min_tokens", "template", "restore"},
     "clear": {"all"},
     "history": {"last"},
 }
@@ -60,7 +62,7 @@ class Nbkv(Magics, Settings):
 
     def __init__(self, shell: Any = None, store: SessionStore | None = None, **kw: Any) -> None:
         super().__init__(shell=shell, **kw)
-        self.store = store or STORE
+        self.store = store if store is not None else STORE  # an empty store is falsy
 
     # ------------------------------------------------------------------ %kvcache
 
@@ -69,7 +71,8 @@ class Nbkv(Magics, Settings):
               help="what to do (default: status)")
     @argument("target", nargs="?",
               help="load: a GGUF file (default: the embedded SmolLM2-135M); clear: a slot; "
-                   "explain: a request number (default: the latest)")
+                   "explain: a request number (default: the latest); save, restore: a "
+                   "directory (default: one per notebook in the user cache)")
     @argument("--mmproj", metavar="F",
               help="load: vision projector GGUF (lets chat cells attach images)")
     @argument("--slots", type=int, metavar="N", help="load: number of slots")
@@ -77,6 +80,8 @@ class Nbkv(Magics, Settings):
     @argument("--mode", choices=CACHE_MODES, help="load: cache mode")
     @argument("--min-tokens", type=int, metavar="N", help="load: shortest salvageable prefix")
     @argument("--template", metavar="F", help="load: file with a Jinja2 chat template")
+    @argument("--restore", action="store_true",
+              help="load: then restore this notebook's latest compatible save")
     @argument("--all", action="store_true", help="clear: every slot")
     @argument("-n", "--last", type=int, metavar="N", help="history: records shown (20)")
     @line_magic
@@ -86,9 +91,9 @@ class Nbkv(Magics, Settings):
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
-                        [--min-tokens N] [--template F]
+                        [--min-tokens N] [--template F] [--restore]
           %kvcache [status] | slots | stats | history [-n N] | explain [N]
-          %kvcache clear [SLOT | --all]
+          %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
           %kvcache widget | unload | config
         """
         args = parse_argstring(self.kvcache, line)
@@ -98,7 +103,8 @@ class Nbkv(Magics, Settings):
         if extra:
             flags = ", ".join("--" + k.replace("_", "-") for k in sorted(extra))
             raise UsageError(f"%kvcache {args.command} does not take {flags}")
-        if args.target is not None and args.command not in ("load", "clear", "explain"):
+        if args.target is not None and args.command not in ("load", "clear", "explain", "save",
+                                                            "restore"):
             raise UsageError(f"%kvcache {args.command} takes no argument ({args.target!r})")
         try:
             return getattr(self, "_cmd_" + args.command)(args)
@@ -126,8 +132,9 @@ class Nbkv(Magics, Settings):
         progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
                                 self._notebook())
         engine = self.store.load(path, on_load_progress=progress, **kwargs)
+        self._sync_autosave()
         summary = disp.status_table(engine, self.store)
-        progress.done(summary)
+        progress.done(summary, note=self._offer_restore(engine, args.restore))
         return None if self._notebook() else summary
 
     def _cmd_slots(self, args: Any) -> Any:
@@ -162,6 +169,46 @@ class Nbkv(Magics, Settings):
             return disp.Message("no engine loaded")
         self.store.close_engine()
         return disp.Message("engine closed and its memory freed")
+
+    def _cmd_save(self, args: Any) -> Any:
+        from . import persist
+
+        return disp.Message(str(persist.save(self._engine(), self._save_path(args.target),
+                                             self.store)))
+
+    def _cmd_restore(self, args: Any) -> Any:
+        from . import persist
+
+        return disp.Message(str(persist.restore(self._engine(), self._save_path(args.target),
+                                                self.store)))
+
+    def _offer_restore(self, engine: Any, restore: bool) -> str | None:
+        """After a load: restore the notebook's save (--restore), or say that one fits."""
+        from . import persist
+
+        path = self._save_path(None)
+        if not restore:
+            return persist.offer(engine, path)
+        try:
+            return str(persist.restore(engine, path, self.store))
+        except NbkvError as e:
+            return f"--restore: nothing restored: {e}"
+
+    def _save_path(self, target: str | None) -> Path:
+        from . import persist
+
+        if target:
+            return Path(target).expanduser()
+        ns = self.shell.user_ns if self.shell is not None else {}
+        notebook = (os.environ.get("JPY_SESSION_NAME") or ns.get("__vsc_ipynb_file__")
+                    or ns.get("__session__") or None)
+        return persist.default_path(notebook)
+
+    @observe("autosave", "autosave_interval")
+    def _sync_autosave(self, change: Any = None) -> None:
+        """Autosave exactly while Nbkv.autosave is on and an engine is loaded."""
+        self.store.autosave(self._save_path(None) if self.autosave else None,
+                            self.autosave_interval)
 
     def _cmd_config(self, args: Any) -> Any:
         rows = tuple((f"Nbkv.{name}", repr(getattr(self, name)), t.help)

@@ -126,16 +126,16 @@ class Projector:
 
     # the embedding cache
 
-    def cache_key(self, image: Image) -> tuple[str, str]:
-        """``image``'s key in the :class:`~nbkv.media.EmbeddingCache` (the one place it is built).
+    def cache_key(self, image_hash: str) -> tuple[str, str]:
+        """An image's key in the :class:`~nbkv.media.EmbeddingCache` (the one place it is built).
 
         Projector identity and image hash: projectors sharing a cache keep entries apart.
         """
-        return (self.identity, image.hash)
+        return (self.identity, image_hash)
 
     def has_cached(self, image: Image) -> bool:
         """True when ``image``'s embeddings are cached (does not touch LRU order)."""
-        return self.cache.peek(self.cache_key(image)) is not None
+        return self.cache.peek(self.cache_key(image.hash)) is not None
 
     # tokenize
 
@@ -271,7 +271,7 @@ class Projector:
     ) -> ImageEmbedding:
         """The embeddings of one picture: from the cache, else by running the encoder."""
         img = load_image(image)
-        key = self.cache_key(img)
+        key = self.cache_key(img.hash)
         hit = self.cache.get(key) if use_cache else None
         if hit is not None:
             self.stats.add(cache_hits=1)

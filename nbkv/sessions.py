@@ -176,6 +176,7 @@ class SessionStore:
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
         self.engine: Engine | None = None
+        self.autosaver: Any = None  # nbkv.persist.Autosaver while autosave is on
 
     def __getitem__(self, name: str) -> Session:
         return self._sessions[name]
@@ -216,8 +217,27 @@ class SessionStore:
         self.engine = Engine(model_path, **engine_kwargs)
         return self.engine
 
+    def autosave(self, path: Any, interval: float = 30.0) -> None:
+        """Save the engine and sessions to ``path`` after requests, in the background.
+
+        ``None`` stops it. Follows the loaded engine; only an in-kernel engine is saved.
+        """
+        from .persist import Autosaver
+
+        saver, engine = self.autosaver, self.engine
+        if saver is not None and (path is None or saver.engine is not engine
+                                  or saver.interval != interval or saver.path != path):
+            saver.stop()
+            self.autosaver = saver = None
+        if saver is None and path is not None and engine is not None \
+                and hasattr(engine, "_slots"):  # an in-kernel engine
+            self.autosaver = Autosaver(engine, path, self, interval=interval)
+
     def close_engine(self) -> None:
         """Close the engine, if any, and return its memory to the system now."""
+        if self.autosaver is not None:
+            self.autosaver.stop()
+            self.autosaver = None
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.close()

@@ -38,6 +38,11 @@ class Settings(Configurable):
                         ).tag(config=True)
     stats = Bool(True, help="Show the cache figures under each reply").tag(config=True)
     refresh = Float(0.1, help="Seconds between redraws of a streaming reply").tag(config=True)
+    autosave = Bool(False, help="Save the slots and sessions in the background after requests "
+                                "(%kvcache save's default place), never delaying a reply"
+                    ).tag(config=True)
+    autosave_interval = Float(30.0, min=1.0, help="Autosave: seconds between two saves at least"
+                              ).tag(config=True)
     frontend = Enum(("auto", "notebook", "terminal"), "auto",
                     help="How %%chat shows replies: 'auto' picks 'notebook' in a Jupyter "
                          "kernel, else 'terminal' (stdout)").tag(config=True)

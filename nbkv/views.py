@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .display import Figures, progress_html, progress_text
+from .display import Figures, Message, progress_html, progress_text
 from .events import Progress
 
 if TYPE_CHECKING:
@@ -212,12 +212,18 @@ class LoadProgress:
             self._out.write("\r" + text)
             self._out.flush()
 
-    def done(self, summary: Any) -> None:
-        """Replace the bar with ``summary`` (a displayable)."""
+    def done(self, summary: Any, note: str | None = None) -> None:
+        """Replace the bar with ``summary`` (a displayable), then show ``note`` if any."""
         if self._handle is not None:
             self._handle.update(summary)
+            if note:
+                from IPython.display import display
+
+                display(Message(note))
         else:
             self._out.write("\r" + " " * (len(self.label) + 6) + "\r")
+            if note:
+                self._out.write(note + "\n")
             self._out.flush()
 
 

@@ -67,7 +67,7 @@ class LiveState:
             if event.reason == "closed":
                 self.closed = True
                 self.running.clear()
-            if event.reason in ("cleared", "closed"):
+            if event.reason in ("cleared", "closed", "restored"):
                 self.last_by_slot.clear()
 
     def running_on(self, slot: int) -> Running | None:

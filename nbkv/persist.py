@@ -1,0 +1,930 @@
+"""Slots that survive a kernel restart: save and restore an engine's caches on disk.
+
+A save is a directory::
+
+    manifest.json          what was saved, for which model and settings, and a checksum
+                           of every blob (the manifest carries its own checksum too)
+    blobs/<sha256>.bin     raw bytes, named by their SHA-256: sequence states,
+                           checkpoints, system-prompt states, image embeddings, pictures
+
+Nothing is pickled: the manifest is JSON and the blobs are raw bytes whose names are
+checked against ``[0-9a-f]{64}.bin`` before any path is built from them, so a save from
+someone else can neither run code nor make nbkv read outside its directory.
+
+A save is atomic: every blob is written to a temporary file, fsynced and renamed to its
+content name; then the manifest is written the same way and renamed over the old one; only
+then are blobs that no manifest names any more deleted. A crash at any point leaves the
+previous manifest and every blob it names in place.
+
+Restore reads the manifest, checks it against the engine (model and projector fingerprints,
+llama.cpp build, per-slot context, KV layout, memory class) and reads and checksums every
+blob *before* touching the engine; any mismatch raises :class:`~nbkv.errors.RestoreError`
+naming what differs, and the engine stays as it was. The states are then loaded on the
+scheduler thread (no request interleaves), each slot is verified, and on any failure the
+slots are put back as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import NbkvError, RestoreError, SaveError
+from .events import RequestFinished, Segment, SlotsChanged
+from .fingerprint import gguf_fingerprint
+from .media import Image, MediaKey, MediaUnit, image_hash, load_image
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .sessions import SessionStore
+
+log = logging.getLogger("nbkv")
+
+FORMAT = "nbkv-kvcache"
+VERSION = 1
+MANIFEST = "manifest.json"
+BLOBS = "blobs"
+_BLOB_NAME = re.compile(r"[0-9a-f]{64}\.bin")
+_IMAGE_TAG = "$nbkv_image"
+
+
+# -- reports ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotSave:
+    """One slot as saved or restored."""
+
+    index: int  # in the engine (restore: the slot it went into)
+    session: str | None
+    tokens: int
+    nbytes: int  # its state plus its checkpoints
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What a save wrote."""
+
+    path: Path
+    slots: tuple[SlotSave, ...]
+    busy: tuple[int, ...]  # slots serving a request, not saved
+    spc_entries: int
+    embeddings: int
+    sessions: tuple[str, ...]
+    nbytes: int  # bytes the manifest names (shared blobs counted once)
+    written: int  # bytes actually written (blobs already on disk are kept)
+    seconds: float
+    created: float
+
+    def __str__(self) -> str:
+        per = ", ".join(f"slot {s.index} ({s.session or '-'}): {s.tokens} tokens, "
+                        f"{_mb(s.nbytes)}" for s in self.slots) or "no slot in use"
+        busy = f"; busy, not saved: {list(self.busy)}" if self.busy else ""
+        return (f"saved {len(self.slots)} slot(s) to {self.path} in {self.seconds:.2f} s, "
+                f"{_mb(self.nbytes)} ({per}; {self.spc_entries} system prompt(s), "
+                f"{self.embeddings} image embedding(s), sessions: "
+                f"{', '.join(self.sessions) or 'none'}){busy}")
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a restore loaded, and what did not fit."""
+
+    path: Path
+    slots: tuple[SlotSave, ...]
+    dropped: tuple[str, ...]  # sessions whose slot did not fit (fewer slots than saved)
+    spc_entries: int
+    embeddings: int
+    sessions: tuple[str, ...]
+    nbytes: int
+    seconds: float
+    saved_at: float
+
+    def __str__(self) -> str:
+        per = ", ".join(f"slot {s.index} ({s.session or '-'}): {s.tokens} tokens"
+                        for s in self.slots) or "no slot"
+        drop = (f"; not enough slots, dropped the least recently used: "
+                f"{', '.join(self.dropped)}" if self.dropped else "")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.saved_at))
+        return (f"restored the save of {when} from {self.path} in {self.seconds:.2f} s: "
+                f"{per}; {self.spc_entries} system prompt(s), {self.embeddings} image "
+                f"embedding(s), sessions: {', '.join(self.sessions) or 'none'}{drop}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# -- paths -----------------------------------------------------------------------------------
+
+
+def default_path(notebook: str | None = None) -> Path:
+    """Where saves go by default: one directory per notebook under the user's cache dir.
+
+    ``notebook`` is the notebook's path (Jupyter tells kernels in ``$JPY_SESSION_NAME``);
+    without one, a directory called ``default``.
+    """
+    import platformdirs
+
+    base = Path(os.environ.get("NBKV_SAVE_DIR") or
+                Path(platformdirs.user_cache_dir("nbkv")) / "saves")
+    nb = notebook or os.environ.get("JPY_SESSION_NAME")
+    if not nb:
+        return base / "default"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(nb).stem)[:60] or "notebook"
+    digest = hashlib.sha256(str(Path(nb).expanduser().absolute()).encode()).hexdigest()[:10]
+    return base / f"{stem}-{digest}"
+
+
+def _blob_path(root: Path, name: Any) -> Path:
+    """The file of blob ``name``, refusing anything but a content name (no traversal)."""
+    if not isinstance(name, str) or not _BLOB_NAME.fullmatch(name):
+        raise RestoreError(f"the manifest names an invalid blob {name!r}: a crafted or "
+                           "corrupt save (blob names are 64 hex digits + .bin)")
+    return root / BLOBS / name
+
+
+# -- what describes an engine ----------------------------------------------------------------
+
+
+def describe_engine(engine: Engine) -> dict[str, Any]:
+    """The facts a saved state depends on (compared field by field on restore)."""
+    import llama_cpp
+
+    ctx = engine.ctx
+    proj = engine.projector
+    return {
+        "model": {"name": engine.model.path.name,
+                  "fingerprint": gguf_fingerprint(engine.model.path)},
+        "projector": None if proj is None else {"name": proj.path.name,
+                                                "fingerprint": proj.identity},
+        "llama_cpp_python": llama_cpp.__version__,
+        "n_ctx": engine.n_ctx,
+        "memory": engine.memory.kind,
+        "kv": {
+            "type_k": str(getattr(ctx, "type_k", "f16")),
+            "type_v": str(getattr(ctx, "type_v", "f16")),
+            "kv_unified": bool(getattr(ctx, "kv_unified", False)),
+            "swa_full": bool(getattr(ctx, "swa_full", True)),
+            "flash_attn": bool(getattr(engine, "flash_attn", False)),
+        },
+    }
+
+
+def _require_local(engine: Any, what: str) -> None:
+    from .engine import Engine
+
+    if not isinstance(engine, Engine):
+        err = SaveError if what == "save" else RestoreError
+        raise err(f"{what} is not supported for {type(engine).__name__}: only an in-kernel "
+                  "nbkv.Engine can save and restore its slots")
+
+
+# -- encoding --------------------------------------------------------------------------------
+
+
+def encode_units(units: Iterable[Any]) -> list[Any]:
+    """A slot's position units as JSON: token ids, and one object per image run."""
+    out: list[Any] = []
+    for u in units:
+        if isinstance(u, MediaUnit):
+            if u.offset == 0:
+                k = u.key
+                out.append({"image": k.image_hash, "sub": k.sub_index, "n_tokens": k.n_tokens,
+                            "n_pos": k.n_pos})
+        else:
+            out.append(int(u))
+    return out
+
+
+def decode_units(items: Any, n_vocab: int) -> list[Any]:
+    """Inverse of :func:`encode_units`, validating every entry."""
+    if not isinstance(items, list):
+        raise RestoreError("a slot's tokens are not a list")
+    out: list[Any] = []
+    for it in items:
+        if isinstance(it, int) and not isinstance(it, bool):
+            if not 0 <= it < n_vocab:
+                raise RestoreError(f"token id {it} is outside the model's vocabulary")
+            out.append(it)
+        elif isinstance(it, dict):
+            try:
+                key = MediaKey(str(it["image"]), int(it["sub"]), int(it["n_tokens"]),
+                               int(it["n_pos"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise RestoreError(f"malformed image run in a slot's tokens: {it!r}") from e
+            if key.n_pos < 1 or key.n_tokens < 1:
+                raise RestoreError(f"malformed image run in a slot's tokens: {it!r}")
+            out.extend(MediaUnit(key, i) for i in range(key.n_pos))
+        else:
+            raise RestoreError(f"malformed entry in a slot's tokens: {it!r}")
+    return out
+
+
+def _segment_json(s: Segment) -> dict[str, Any]:
+    return {f.name: getattr(s, f.name) for f in fields(Segment)}
+
+
+def _segment(d: Any) -> Segment:
+    names = {f.name for f in fields(Segment)}
+    if not isinstance(d, dict) or not set(d) <= names:
+        raise RestoreError(f"malformed KV map segment {d!r}")
+    return Segment(**d)
+
+
+class _Blobs:
+    """Blobs of a save being written, by content name."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def add(self, buf: Any) -> str:
+        mv = memoryview(buf).cast("B")
+        name = hashlib.sha256(mv).hexdigest() + ".bin"
+        self.data.setdefault(name, mv)
+        return name
+
+
+def _jsonable(value: Any, blobs: _Blobs, where: str) -> Any:
+    """A message value as JSON; pictures (PIL, arrays, bytes, Image) become image blobs."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise SaveError(f"{where}: a message has non-string keys")
+        return {k: _jsonable(v, blobs, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, blobs, f"{where}[{i}]") for i, v in enumerate(value)]
+    try:
+        img = load_image(value)
+    except NbkvError as e:
+        raise SaveError(f"{where}: a {type(value).__name__} in a message cannot be saved "
+                        f"({e})") from e
+    return {_IMAGE_TAG: {"blob": blobs.add(img.data), "width": img.width,
+                         "height": img.height, "hash": img.hash}}
+
+
+def _unjson(value: Any, read: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_IMAGE_TAG}:
+            d = value[_IMAGE_TAG]
+            try:
+                data = bytes(read(d["blob"]))
+                w, h, hsh = int(d["width"]), int(d["height"]), str(d["hash"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise RestoreError(f"malformed image in a session: {d!r}") from e
+            if len(data) != w * h * 3 or image_hash(w, h, data) != hsh:
+                raise RestoreError(f"a session's picture {hsh[:12]} does not match its pixels")
+            return Image(w, h, data, hsh, "restored")
+        return {k: _unjson(v, read) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unjson(v, read) for v in value]
+    return value
+
+
+# -- capture (scheduler thread) --------------------------------------------------------------
+
+
+class _Busy(Exception):
+    """An opportunistic (autosave) capture found the engine busy."""
+
+
+def _capture(engine: Engine, only_if_idle: bool) -> dict[str, Any]:
+    """Copy every idle slot's state and bookkeeping; runs on the scheduler thread."""
+    if only_if_idle and (engine._queue or engine._active or engine._settling_slot()):
+        raise _Busy
+    while (slot := engine._settling_slot()) is not None:  # save only proven KV
+        engine._settle(slot)
+    slots, busy = [], []
+    for s in engine._slots:
+        if s.pending or s.redo:
+            busy.append(s.index)
+            continue
+        if not s.tokens:
+            continue
+        if not s.kv.verify():
+            log.warning("slot[%d]: KV does not match its tokens; not saved", s.index)
+            continue
+        slots.append({
+            "index": s.index, "session": s.session, "tokens": list(s.tokens),
+            "settled": s.kv.settled, "hashes": list(s.hashes), "msg_ends": list(s.msg_ends),
+            "last_used": s.last_used, "segments": s.segments,
+            "state": engine.ctx.state_get(s.seq_id),
+            "checkpoints": [(c.pos, c.data) for c in s.kv.checkpoints.items],
+        })
+    spc = [(k, e.tokens, e.state) for k, e in engine._spc._entries.items()]
+    return {"slots": slots, "busy": busy, "spc": spc}
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+def save(engine: Engine, path: str | os.PathLike | None = None,
+         sessions: SessionStore | None = None, *, only_if_idle: bool = False) -> SaveReport:
+    """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
+
+    Saved: each idle slot's state (and checkpoints), the system-prompt cache, the image
+    embeddings the slots use, and the message histories of ``sessions`` (default: the
+    kernel's store). Raises :class:`SaveError` when the directory cannot be written; the
+    previous save there is then untouched.
+    """
+    _require_local(engine, "save")
+    from .sessions import STORE
+
+    store = STORE if sessions is None else sessions
+    root = Path(path).expanduser() if path is not None else default_path()
+    t0 = time.perf_counter()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / BLOBS).mkdir(exist_ok=True)
+    except OSError as e:
+        raise SaveError(f"cannot create the save directory {root}: {e}") from e
+    if not os.access(root, os.W_OK) or not os.access(root / BLOBS, os.W_OK):
+        raise SaveError(f"the save directory {root} is not writable")
+    cap = engine._call(lambda: _capture(engine, only_if_idle))
+    blobs = _Blobs()
+    slots_json, reports = [], []
+    media: set[str] = set()
+    for s in cap["slots"]:
+        state = blobs.add(s["state"])
+        cps = [{"pos": pos, "blob": blobs.add(data)} for pos, data in s["checkpoints"]]
+        nbytes = ctypes.sizeof(s["state"]) + sum(ctypes.sizeof(d) for _, d in s["checkpoints"])
+        media.update(u.key.image_hash for u in s["tokens"] if isinstance(u, MediaUnit))
+        slots_json.append({
+            "index": s["index"], "session": s["session"], "tokens": encode_units(s["tokens"]),
+            "n_tokens": len(s["tokens"]), "settled": s["settled"], "hashes": s["hashes"],
+            "msg_ends": s["msg_ends"], "last_used": s["last_used"], "state": state,
+            "checkpoints": cps, "segments": [_segment_json(g) for g in s["segments"]],
+            "nbytes": nbytes,
+        })
+        reports.append(SlotSave(s["index"], s["session"], len(s["tokens"]), nbytes))
+    spc_json = []
+    for key, tokens, state in cap["spc"]:
+        media.update(u.key.image_hash for u in tokens if isinstance(u, MediaUnit))
+        spc_json.append({"key": key, "tokens": encode_units(tokens), "state": blobs.add(state)})
+    emb_json = []
+    proj = engine.projector
+    if proj is not None:
+        for h in sorted(media):
+            emb = proj.cache.peek(proj.cache_key(h))
+            if emb is None:
+                continue  # evicted: the slot's KV holds the image; a rebuild re-encodes it
+            arrays = []
+            for a in emb.arrays:
+                a = np.ascontiguousarray(a, dtype=np.float32)
+                arrays.append({"blob": blobs.add(a.tobytes()), "shape": list(a.shape),
+                               "dtype": "float32"})
+            emb_json.append({"image": h, "arrays": arrays})
+    sess_json = [{"name": s.name, "messages": _jsonable(s.messages, blobs, f"session {s.name}")}
+                 for s in store]
+    created = time.time()
+    body = {
+        "format": FORMAT, "version": VERSION, "created": created,
+        "engine": describe_engine(engine),
+        "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
+        "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
+        "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
+        "blobs": {n: {"sha256": n[:64], "size": len(mv)} for n, mv in blobs.data.items()},
+    }
+    with _locked(root, exclusive=True):
+        written = _write(root, body, blobs)
+    rep = SaveReport(root, tuple(reports), tuple(cap["busy"]), len(spc_json), len(emb_json),
+                     tuple(s["name"] for s in sess_json),
+                     sum(len(mv) for mv in blobs.data.values()), written,
+                     time.perf_counter() - t0, created)
+    engine.last_save = rep
+    log.info("%s", rep)
+    return rep
+
+
+@contextlib.contextmanager
+def _locked(root: Path, exclusive: bool) -> Any:
+    """Hold ``root``'s lock file: one writer, or readers, at a time (across processes too).
+
+    Without it, a save's clean-up could delete blobs that another save's new manifest (or a
+    restore reading the old one) still needs.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock between processes
+        yield
+        return
+    try:
+        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only save can still be restored
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(target: Path, chunks: Iterable[Any]) -> int:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+                n += len(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return n
+
+
+def _write(root: Path, body: dict[str, Any], blobs: _Blobs) -> int:
+    bdir = root / BLOBS
+    written = 0
+    try:
+        for name, mv in blobs.data.items():
+            target = bdir / name
+            if target.is_file() and target.stat().st_size == len(mv) and _sha(target) == name[:64]:
+                continue  # content-addressed: the same bytes are already there
+            written += _write_file(target, [mv])
+        _fsync_dir(bdir)
+        text = _manifest_text(body)
+        written += _write_file(root / MANIFEST, [text.encode()])
+        _fsync_dir(root)
+    except OSError as e:
+        raise SaveError(f"could not write the save to {root}: {e} (the previous save there, "
+                        "if any, is intact)") from e
+    # only now may blobs the new manifest does not name go: no manifest names them any more
+    keep = set(blobs.data)
+    for f in bdir.iterdir():
+        stale = f.name.endswith(".tmp") and time.time() - f.stat().st_mtime > 3600
+        if (_BLOB_NAME.fullmatch(f.name) and f.name not in keep) or stale:
+            try:
+                f.unlink()
+            except OSError:
+                pass
+    return written
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest_text(body: dict[str, Any]) -> str:
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"checksum": hashlib.sha256(canon.encode()).hexdigest(), "body": body},
+                      indent=1, sort_keys=True)
+
+
+# -- restore ---------------------------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
+    """The checked manifest of the save at ``path``: ``(directory, body)``."""
+    root = Path(path).expanduser() if path is not None else default_path()
+    f = root / MANIFEST
+    if not f.is_file():
+        raise RestoreError(f"no save at {root} (no {MANIFEST})")
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RestoreError(f"the manifest {f} is unreadable (truncated or corrupt: {e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
+        raise RestoreError(f"{f} is not an nbkv save manifest")
+    body = doc["body"]
+    if body.get("format") != FORMAT:
+        raise RestoreError(f"{f} is not an nbkv save manifest (format {body.get('format')!r})")
+    version = body.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise RestoreError(f"the save at {root} has format version {version!r}, newer than this "
+                           f"nbkv reads ({VERSION}): upgrade nbkv to restore it")
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    if hashlib.sha256(canon.encode()).hexdigest() != doc.get("checksum"):
+        raise RestoreError(f"the manifest {f} fails its checksum (corrupt or edited)")
+    return root, body
+
+
+def compare(engine: Engine, body: dict[str, Any]) -> list[str]:
+    """What differs between the engine and a save's manifest (empty: compatible)."""
+    mine, theirs = describe_engine(engine), body.get("engine") or {}
+    diffs = []
+    labels = {"model": "model", "projector": "vision projector",
+              "llama_cpp_python": "llama-cpp-python (llama.cpp build)",
+              "n_ctx": "tokens per slot (n_ctx)", "memory": "memory class", "kv": "KV layout"}
+    for k, label in labels.items():
+        a, b = theirs.get(k), mine.get(k)
+        if k in ("model", "projector"):
+            a = a and a.get("fingerprint")
+            b = b and b.get("fingerprint")
+        if a != b:
+            if k == "projector" and a is None and not _uses_media(body):
+                continue  # a text-only save restores into a vision engine
+            was = (theirs.get(k) or {}).get("name", a) if k in ("model", "projector") else a
+            now = (mine.get(k) or {}).get("name", b) if k in ("model", "projector") else b
+            diffs.append(f"{label}: saved with {was}, this engine has {now}")
+    n_saved = body.get("n_slots")
+    if n_saved != engine.n_slots and engine.memory.kind != "plain":
+        diffs.append(f"slots: saved with {n_saved}, this engine has {engine.n_slots} (only "
+                     "plain-attention saves restore into another number of slots)")
+    return diffs
+
+
+def _uses_media(body: dict[str, Any]) -> bool:
+    return any(isinstance(t, dict) for s in body.get("slots", []) + body.get("spc", [])
+               for t in s.get("tokens", []))
+
+
+def compatible(engine: Engine, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The manifest of a save at ``path`` that ``engine`` can restore, else None (no raise)."""
+    try:
+        _, body = read_manifest(path)
+    except RestoreError:
+        return None
+    return None if compare(engine, body) else body
+
+
+_STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")
+
+
+def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
+    """A plain-attention sequence state re-addressed from ``n_saved`` KV streams to ``n_now``.
+
+    With ``kv_unified=False`` every slot has its own KV stream, and llama.cpp writes a
+    sequence's state as the stream count followed by one section per stream, all empty (a
+    zero cell count) but the sequence's own; it refuses a state whose stream count differs
+    from the context's. On plain memory the state is just that, so the one non-empty section
+    is kept and the empty ones are rewritten for the new count (a reader loads the non-empty
+    section into the target sequence's stream, wherever it sits).
+    """
+    u32 = 4
+    # llama.cpp's header: a magic number and the sequence it was read from (ignored on load)
+    pre = 2 * u32 if state[:u32] == _STATE_MAGIC else 0
+    body = state[pre:]
+    n = int.from_bytes(body[:u32], "little")
+    stream = 0  # the first non-empty section is the sequence's
+    while stream < n_saved and len(body) >= u32 * (stream + 2) \
+            and not any(body[u32 * (stream + 1):u32 * (stream + 2)]):
+        stream += 1
+    head = u32 * (1 + stream)
+    tail = u32 * (n_saved - stream - 1)
+    if n != n_saved or stream >= n_saved or len(body) < head + u32 + tail \
+            or (tail and any(body[-tail:])):
+        raise RestoreError("a saved state does not have the layout of one KV stream per slot")
+    section = body[head:len(body) - tail]
+    zero = bytes(u32)
+    return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
+
+
+def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
+    """A line offering the save at ``path`` if ``engine`` can restore it, else None."""
+    body = compatible(engine, path)
+    if body is None:
+        return None
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(body["created"])))
+        sessions = ", ".join(str(s["name"]) for s in body["sessions"]) or "no session"
+        n = len(body["slots"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (f"a save of this notebook from {when} fits this engine ({n} slot(s); "
+            f"{sessions}): %kvcache restore brings it back (or %kvcache load --restore)")
+
+
+@dataclass
+class _Plan:
+    slots: list[dict[str, Any]] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    spc: list[tuple[str, tuple[Any, ...], Any]] = field(default_factory=list)
+    embeddings: list[tuple[str, list[np.ndarray]]] = field(default_factory=list)
+    sessions: list[tuple[str, list[dict[str, Any]]]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
+    """Read and check every blob and record of a save; touches nothing in the engine."""
+    table = body.get("blobs")
+    if not isinstance(table, dict):
+        raise RestoreError("the manifest has no blob table")
+    cache: dict[str, Any] = {}
+    plan = _Plan()
+
+    def read(name: Any) -> Any:
+        p = _blob_path(root, name)
+        if name in cache:
+            return cache[name]
+        meta = table.get(name)
+        if not isinstance(meta, dict):
+            raise RestoreError(f"blob {name} is not in the manifest's blob table")
+        size = meta.get("size")
+        if not isinstance(size, int) or size < 0:
+            raise RestoreError(f"blob {name}: malformed size in the manifest")
+        try:
+            with p.open("rb") as f:  # straight into the buffer llama.cpp will read
+                actual = os.fstat(f.fileno()).st_size
+                if actual != size:
+                    raise RestoreError(f"blob {name} is truncated or padded: {actual} bytes, "
+                                       f"the manifest says {size}")
+                buf = (ctypes.c_uint8 * size)()
+                got = f.readinto(memoryview(buf).cast("B")) if size else 0
+        except FileNotFoundError:
+            raise RestoreError(f"blob {name} is missing from {root / BLOBS}") from None
+        except OSError as e:
+            raise RestoreError(f"cannot read blob {name}: {e}") from e
+        if got != size:
+            raise RestoreError(f"blob {name} is truncated: read {got} of {size} bytes")
+        digest = hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
+        if digest != meta.get("sha256") or name[:64] != digest:
+            raise RestoreError(f"blob {name} fails its checksum (corrupt)")
+        plan.nbytes += size
+        cache[name] = buf
+        return buf
+
+    n_vocab = engine.model.n_vocab
+    n_saved = body.get("n_slots")
+
+    def state(name: Any) -> Any:
+        buf = read(name)
+        if n_saved == engine.n_slots:
+            return buf
+        data = restream(bytes(buf), int(n_saved), engine.n_slots)
+        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+
+    try:
+        saved = sorted(body.get("slots", []), key=lambda s: -int(s["last_used"]))
+        for i, s in enumerate(saved):
+            if i >= engine.n_slots:
+                plan.dropped.append(s.get("session") or f"slot {s['index']}")
+                continue
+            tokens = decode_units(s["tokens"], n_vocab)
+            n = len(tokens)
+            ends, hashes = [int(e) for e in s["msg_ends"]], [str(h) for h in s["hashes"]]
+            settled = int(s["settled"])
+            if n != s["n_tokens"] or n > engine.n_ctx or not 0 <= settled <= n \
+                    or len(ends) != len(hashes) or any(not 0 < e <= n for e in ends):
+                raise RestoreError(f"slot {s['index']}: inconsistent record in the manifest")
+            cps = []
+            for c in s["checkpoints"]:
+                pos = int(c["pos"])
+                if not 0 < pos <= n:
+                    raise RestoreError(f"slot {s['index']}: checkpoint at {pos} is outside it")
+                cps.append((pos, read(c["blob"])))
+            plan.slots.append({
+                "saved_index": int(s["index"]), "session": s["session"], "tokens": tokens,
+                "settled": settled, "hashes": hashes, "msg_ends": ends,
+                "last_used": int(s["last_used"]), "state": state(s["state"]),
+                "checkpoints": cps, "segments": tuple(_segment(g) for g in s["segments"]),
+            })
+        for e in body.get("spc", []):
+            plan.spc.append((str(e["key"]), tuple(decode_units(e["tokens"], n_vocab)),
+                             state(e["state"])))
+        for e in body.get("embeddings", []):
+            arrays = []
+            for a in e["arrays"]:
+                shape = tuple(int(x) for x in a["shape"])
+                if a.get("dtype") != "float32" or len(shape) != 2:
+                    raise RestoreError(f"image {e['image'][:12]}: unsupported embedding array")
+                buf = read(a["blob"])
+                if ctypes.sizeof(buf) != 4 * shape[0] * shape[1]:
+                    raise RestoreError(f"image {e['image'][:12]}: embedding size mismatch")
+                arr = np.frombuffer(buf, dtype=np.float32).reshape(shape).copy()
+                arr.setflags(write=False)
+                arrays.append(arr)
+            plan.embeddings.append((str(e["image"]), arrays))
+        for s in body.get("sessions", []):
+            msgs = _unjson(s["messages"], read)
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                raise RestoreError(f"session {s.get('name')!r}: malformed messages")
+            plan.sessions.append((str(s["name"]), msgs))
+    except RestoreError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise RestoreError(f"malformed manifest in {root}: {type(e).__name__}: {e}") from e
+    return plan
+
+
+def restore(engine: Engine, path: str | os.PathLike | None = None,
+            sessions: SessionStore | None = None) -> RestoreReport:
+    """Replace ``engine``'s slots and caches with the save at ``path``.
+
+    The saved sessions' messages go back into ``sessions`` (default: the kernel's store).
+    Everything is checked before the engine is touched; on any mismatch or corruption
+    :class:`RestoreError` says what, and the engine and sessions are unchanged.
+    """
+    _require_local(engine, "restore")
+    from .sessions import STORE
+
+    store = STORE if sessions is None else sessions
+    t0 = time.perf_counter()
+    root = Path(path).expanduser() if path is not None else default_path()
+    with _locked(root, exclusive=False) if root.is_dir() else contextlib.nullcontext():
+        root, body = read_manifest(root)
+        diffs = compare(engine, body)
+        if diffs:
+            raise RestoreError(f"the save at {root} does not fit this engine: "
+                               + "; ".join(diffs))
+        plan = _load(engine, root, body)
+    if _uses_media(body) and engine.projector is None:
+        raise RestoreError("the save holds images: load the engine with its vision projector")
+    placed = engine._call(lambda: _apply(engine, plan))
+    proj = engine.projector
+    if proj is not None:
+        from .media_prompt import ImageEmbedding
+
+        for h, arrays in plan.embeddings:
+            proj.cache.put(proj.cache_key(h), ImageEmbedding(h, proj.identity, tuple(arrays)))
+    for name, msgs in plan.sessions:
+        store.get(name).messages[:] = msgs
+    rep = RestoreReport(root, tuple(placed), tuple(plan.dropped), len(plan.spc),
+                        len(plan.embeddings), tuple(n for n, _ in plan.sessions), plan.nbytes,
+                        time.perf_counter() - t0, float(body.get("created", 0.0)))
+    engine.last_restore = rep
+    engine.events.publish(SlotsChanged("restored"))
+    log.info("%s", rep)
+    return rep
+
+
+def _apply(engine: Engine, plan: _Plan) -> list[SlotSave]:
+    """Load the planned states into the slots (scheduler thread); all or nothing."""
+    if engine._active or any(s.pending for s in engine._slots):
+        raise RestoreError("the engine is serving requests: restore when it is idle")
+    backup = [_backup(engine, s) for s in engine._slots]
+    placed = []
+    try:
+        for s in engine._slots:
+            s.reset()
+        # oldest first, so that the engine's LRU clock orders them as they were
+        for i, rec in sorted(zip(_placement(plan.slots, engine.n_slots), plan.slots),
+                             key=lambda p: p[1]["last_used"]):
+            slot = engine._slots[i]
+            kv = slot.kv
+            engine.ctx.state_set(slot.seq_id, rec["state"])
+            kv.tokens = list(rec["tokens"])
+            kv.settled = rec["settled"]
+            if not kv.verify():
+                raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
+                                   f"{len(kv.tokens)} positions")
+            for pos, data in rec["checkpoints"]:
+                kv.checkpoints.add(pos, data, ctypes.sizeof(data))
+            with engine._cv:
+                slot.session = rec["session"]
+                slot.hashes = list(rec["hashes"])
+                slot.msg_ends = list(rec["msg_ends"])
+                slot.segments = rec["segments"]
+                slot.last_used = next(engine._clock)
+                slot.last_request = None
+            placed.append(SlotSave(i, rec["session"], len(kv.tokens),
+                                   ctypes.sizeof(rec["state"]) +
+                                   sum(ctypes.sizeof(d) for _, d in rec["checkpoints"])))
+    except BaseException as e:
+        for s, b in zip(engine._slots, backup):
+            _rollback(engine, s, b)
+        if isinstance(e, RestoreError):
+            raise
+        raise RestoreError(f"llama.cpp refused a saved state ({e}); the engine is unchanged"
+                           ) from e
+    engine._spc.clear()
+    for key, tokens, state in plan.spc:
+        engine._spc.put(key, state, tokens)
+    return sorted(placed, key=lambda p: p.index)
+
+
+def _placement(slots: list[dict[str, Any]], n: int) -> list[int]:
+    """The engine slot of each saved slot: its old index when free, else the first free."""
+    out: list[int | None] = [None] * len(slots)
+    used: set[int] = set()
+    for j, rec in enumerate(slots):
+        if rec["saved_index"] < n and rec["saved_index"] not in used:
+            out[j] = rec["saved_index"]
+            used.add(rec["saved_index"])
+    free = iter(i for i in range(n) if i not in used)
+    return [o if o is not None else next(free) for o in out]
+
+
+def _backup(engine: Engine, s: Any) -> dict[str, Any] | None:
+    if not s.tokens:
+        return None
+    return {"state": engine.ctx.state_get(s.seq_id), "tokens": list(s.tokens),
+            "settled": s.kv.settled, "checkpoints": s.kv.checkpoints.copy(),
+            "session": s.session, "hashes": list(s.hashes), "msg_ends": list(s.msg_ends),
+            "segments": s.segments, "last_used": s.last_used, "last_request": s.last_request}
+
+
+def _rollback(engine: Engine, s: Any, b: dict[str, Any] | None) -> None:
+    s.reset()
+    if b is None:
+        return
+    try:
+        engine.ctx.state_set(s.seq_id, b["state"])
+    except NbkvError:
+        log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
+        return
+    s.kv.tokens = b["tokens"]
+    s.kv.settled = b["settled"]
+    s.kv.checkpoints = b["checkpoints"]
+    if not s.kv.verify():
+        s.reset()
+        return
+    s.session, s.hashes, s.msg_ends = b["session"], b["hashes"], b["msg_ends"]
+    s.segments, s.last_used, s.last_request = b["segments"], b["last_used"], b["last_request"]
+
+
+# -- autosave --------------------------------------------------------------------------------
+
+
+class Autosaver:
+    """Saves an engine in the background after requests, at most every ``interval`` seconds.
+
+    A save starts only when the engine is idle (nothing queued, running or being rewritten)
+    and a few seconds after the last request, and gives way if a request arrives before its
+    states are copied: a reply is never held up by it.
+    """
+
+    def __init__(self, engine: Engine, path: str | os.PathLike | None = None,
+                 sessions: SessionStore | None = None, interval: float = 30.0,
+                 quiet: float = 2.0) -> None:
+        self.engine = engine
+        self.path = path
+        self.sessions = sessions
+        self.interval = interval
+        self.quiet = quiet
+        self.saves = 0
+        self.last_error: str | None = None
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._last_event = 0.0
+        self._last_save = 0.0
+        self._unsubscribe = engine.subscribe(self._on_event)
+        self._thread = threading.Thread(target=self._run, name="nbkv-autosave", daemon=True)
+        self._thread.start()
+
+    def _on_event(self, event: Any) -> None:
+        if isinstance(event, RequestFinished):
+            self._last_event = time.monotonic()
+            self._dirty.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._dirty.wait(0.5):
+                continue
+            now = time.monotonic()
+            wait = max(self._last_event + self.quiet, self._last_save + self.interval) - now
+            if wait > 0:
+                self._stop.wait(min(wait, 1.0))
+                continue
+            self._dirty.clear()
+            try:
+                save(self.engine, self.path, self.sessions, only_if_idle=True)
+                self.saves += 1
+                self._last_save = time.monotonic()
+            except _Busy:
+                self._dirty.set()
+                self._last_event = time.monotonic()  # try again once it is quiet
+            except NbkvError as e:
+                self.last_error = str(e)
+                self._last_save = time.monotonic()
+                log.warning("autosave failed: %s", e)
+                if "closed" in str(e):
+                    return
+            except Exception as e:  # noqa: BLE001 - a background thread must not die loudly
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._last_save = time.monotonic()
+                log.exception("autosave failed")
+
+    def stop(self) -> None:
+        """Stop autosaving (a save in progress finishes)."""
+        self._stop.set()
+        self._unsubscribe()
+        self._thread.join(timeout=30)
