@@ -7,10 +7,8 @@ Defaults are traits: ``%config Nbkv.slots = 2``, or ``c.Nbkv.slots = 2`` in
 from __future__ import annotations
 
 import keyword
-import os
 import string
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -19,22 +17,13 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 from traitlets import observe
 
-from . import display as disp
+from . import commands
 from .config import CACHE_MODES
 from .errors import DecodeError, NbkvError
 from .media import content_with_images
 from .sessions import STORE, SessionStore
 from .settings import Settings
-from .views import LoadProgress, chat_view
-
-COMMANDS = ("status", "load", "slots", "stats", "history", "explain", "clear", "widget",
-            "unload", "config", "save", "restore")
-# which options each %kvcache command accepts
-_OPTIONS = {
-    "load": {"mmproj", "slots", "ctx", "mode", "min_tokens", "template", "restore"},
-    "clear": {"all"},
-    "history": {"last"},
-}
+from .views import chat_view
 
 
 class Interrupted(KeyboardInterrupt):
@@ -67,7 +56,7 @@ class Nbkv(Magics, Settings):
     # ------------------------------------------------------------------ %kvcache
 
     @magic_arguments()
-    @argument("command", nargs="?", default="status", choices=COMMANDS,
+    @argument("command", nargs="?", default="status", choices=tuple(commands.COMMANDS),
               help="what to do (default: status)")
     @argument("target", nargs="?",
               help="load: a GGUF file (default: the embedded SmolLM2-135M); clear: a slot; "
@@ -97,124 +86,22 @@ class Nbkv(Magics, Settings):
           %kvcache widget | unload | config
         """
         args = parse_argstring(self.kvcache, line)
+        run, options, takes_target = commands.COMMANDS[args.command]
         given = {k for k, v in vars(args).items()
                  if k not in ("command", "target") and v not in (None, False)}
-        extra = given - _OPTIONS.get(args.command, set())
-        if extra:
-            flags = ", ".join("--" + k.replace("_", "-") for k in sorted(extra))
+        if given - options:
+            flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given - options))
             raise UsageError(f"%kvcache {args.command} does not take {flags}")
-        if args.target is not None and args.command not in ("load", "clear", "explain", "save",
-                                                            "restore"):
+        if args.target is not None and not takes_target:
             raise UsageError(f"%kvcache {args.command} takes no argument ({args.target!r})")
         try:
-            return getattr(self, "_cmd_" + args.command)(args)
+            return run(self._workspace(), args)
         except NbkvError as e:  # nbkv's own errors are the user's to fix: no traceback
             raise UsageError(str(e)) from e
 
-    def _cmd_status(self, args: Any) -> Any:
-        return disp.status_table(self.store.engine, self.store)
-
-    def _cmd_load(self, args: Any) -> Any:
-        kwargs = self.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
-                                    min_tokens=args.min_tokens)
-        if args.mmproj:
-            if not Path(args.mmproj).expanduser().is_file():
-                raise UsageError(f"--mmproj: no projector file at {args.mmproj}")
-            kwargs["mmproj"] = str(Path(args.mmproj).expanduser())
-        if args.template:
-            try:
-                kwargs["template"] = Path(args.template).expanduser().read_text()
-            except OSError as e:
-                raise UsageError(f"--template: cannot read {args.template}: {e}") from e
-        path = args.target or self.model or None
-        if path and not Path(path).expanduser().is_file():  # check before closing the old one
-            raise UsageError(f"no model file at {path}")
-        progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
-                                self._notebook())
-        engine = self.store.load(path, on_load_progress=progress, **kwargs)
-        self._sync_autosave()
-        summary = disp.status_table(engine, self.store)
-        progress.done(summary, note=self._offer_restore(engine, args.restore))
-        return None if self._notebook() else summary
-
-    def _cmd_slots(self, args: Any) -> Any:
-        return disp.slots_table(self._engine())
-
-    def _cmd_stats(self, args: Any) -> Any:
-        return disp.stats_table(self._engine())
-
-    def _cmd_history(self, args: Any) -> Any:
-        return disp.history_table(self._engine().history, 20 if args.last is None else args.last)
-
-    def _cmd_explain(self, args: Any) -> Any:
-        request = _number(args.target, "explain: give a request number")
-        return disp.ExplainReport(self._engine().explain(request))
-
-    def _cmd_clear(self, args: Any) -> Any:
-        engine = self._engine()
-        if args.target is not None and args.all:
-            raise UsageError("%kvcache clear: give a slot or --all, not both")
-        slot = _number(args.target, "clear: slot must be a number")
-        engine.clear(slot)
-        return disp.Message(f"cleared slot {slot}" if slot is not None else
-                            "cleared every slot (sessions keep their messages)")
-
-    def _cmd_widget(self, args: Any) -> Any:
-        from .widgets import CacheDashboard
-
-        return CacheDashboard(self._engine())
-
-    def _cmd_unload(self, args: Any) -> Any:
-        if self.store.engine is None:
-            return disp.Message("no engine loaded")
-        self.store.close_engine()
-        return disp.Message("engine closed and its memory freed")
-
-    def _cmd_save(self, args: Any) -> Any:
-        from . import persist
-
-        return disp.Message(str(persist.save(self._engine(), self._save_path(args.target),
-                                             self.store)))
-
-    def _cmd_restore(self, args: Any) -> Any:
-        from . import persist
-
-        return disp.Message(str(persist.restore(self._engine(), self._save_path(args.target),
-                                                self.store)))
-
-    def _offer_restore(self, engine: Any, restore: bool) -> str | None:
-        """After a load: restore the notebook's save (--restore), or say that one fits."""
-        from . import persist
-
-        path = self._save_path(None)
-        if not restore:
-            return persist.offer(engine, path)
-        try:
-            return str(persist.restore(engine, path, self.store))
-        except NbkvError as e:
-            return f"--restore: nothing restored: {e}"
-
-    def _save_path(self, target: str | None) -> Path:
-        from . import persist
-
-        if target:
-            return Path(target).expanduser()
-        ns = self.shell.user_ns if self.shell is not None else {}
-        notebook = (os.environ.get("JPY_SESSION_NAME") or ns.get("__vsc_ipynb_file__")
-                    or ns.get("__session__") or None)
-        return persist.default_path(notebook)
-
     @observe("autosave", "autosave_interval")
     def _sync_autosave(self, change: Any = None) -> None:
-        """Autosave exactly while Nbkv.autosave is on and an engine is loaded."""
-        self.store.autosave(self._save_path(None) if self.autosave else None,
-                            self.autosave_interval)
-
-    def _cmd_config(self, args: Any) -> Any:
-        rows = tuple((f"Nbkv.{name}", repr(getattr(self, name)), t.help)
-                     for name, t in sorted(self.traits(config=True).items()))
-        return disp.Table("configuration (change with %config Nbkv.NAME = VALUE)",
-                          ("trait", "value", "help"), rows)
+        self._workspace().sync_autosave()
 
     # ------------------------------------------------------------------ %%chat
 
@@ -281,15 +168,17 @@ class Nbkv(Magics, Settings):
             return self.frontend == "notebook"
         return getattr(self.shell, "kernel", None) is not None
 
+    def _workspace(self) -> commands.Workspace:
+        return commands.Workspace(self.store, self, self._notebook(),
+                                  self.shell.user_ns if self.shell is not None else {})
+
     def _engine(self, autoload: bool = False) -> Any:
-        if self.store.engine is None:
-            if not autoload:
-                raise UsageError(
-                    "no model loaded: run %kvcache load to load the embedded SmolLM2-135M "
-                    "(or %kvcache load PATH.gguf), or set %config Nbkv.autoload = True"
-                )
-            self._cmd_load(parse_argstring(self.kvcache, "load"))
-        return self.store.engine
+        if self.store.engine is None and autoload:
+            self.kvcache("load")
+        try:
+            return self._workspace().engine()
+        except NbkvError as e:
+            raise UsageError(str(e)) from None
 
     def _interpolate(self, text: str) -> str:
         ns: Mapping[str, Any] = self.shell.user_ns if self.shell is not None else {}
@@ -302,16 +191,6 @@ class Nbkv(Magics, Settings):
         except (AttributeError, IndexError, ValueError, TypeError) as e:
             raise UsageError(f"cannot fill in the {{...}} fields of the cell: {e} "
                              "(write {{ and }} for literal braces)") from None
-
-
-def _number(text: str | None, what: str) -> int | None:
-    """``text`` as an int (``#3`` works too), None when absent; UsageError otherwise."""
-    if text is None:
-        return None
-    try:
-        return int(text.lstrip("#"))
-    except ValueError:
-        raise UsageError(f"%kvcache {what}, not {text!r}") from None
 
 
 def load(ipython: Any) -> None:

@@ -1,0 +1,202 @@
+"""What each ``%kvcache`` command does; :mod:`nbkv.magics` parses the line and dispatches.
+
+Nothing here imports IPython. A command takes the :class:`Workspace` (the session store, the
+``Nbkv`` settings, where output goes) and the parsed arguments, and returns something
+displayable (:mod:`nbkv.display`). Mistakes raise nbkv errors, which the magics show as one
+line without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import display as disp
+from .errors import InvalidRequestError, NbkvError
+from .views import LoadProgress
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .sessions import SessionStore
+    from .settings import Settings
+
+
+@dataclass
+class Workspace:
+    """What the commands work on: the conversations and engine, the defaults, the frontend."""
+
+    store: SessionStore
+    settings: Settings
+    notebook: bool  # output goes to a notebook (else a terminal)
+    user_ns: dict[str, Any]  # the kernel's namespace (it may name the notebook)
+
+    def engine(self) -> Engine:
+        """The loaded engine, or an error that says how to load one."""
+        if self.store.engine is None:
+            raise InvalidRequestError(
+                "no model loaded: run %kvcache load to load the embedded SmolLM2-135M "
+                "(or %kvcache load PATH.gguf), or set %config Nbkv.autoload = True")
+        return self.store.engine
+
+    def save_path(self, target: str | None = None) -> Path:
+        """``target``, or this notebook's own directory for saves in the user cache."""
+        from . import persist
+
+        if target:
+            return Path(target).expanduser()
+        ns = self.user_ns
+        notebook = (os.environ.get("JPY_SESSION_NAME") or ns.get("__vsc_ipynb_file__")
+                    or ns.get("__session__") or None)
+        return persist.default_path(notebook)
+
+    def sync_autosave(self) -> None:
+        """Autosave exactly while ``Nbkv.autosave`` is on and an engine is loaded."""
+        s = self.settings
+        self.store.autosave(self.save_path() if s.autosave else None, s.autosave_interval)
+
+
+def _number(text: str | None, what: str) -> int | None:
+    """``text`` as an int (``#3`` works too), None when absent."""
+    if text is None:
+        return None
+    try:
+        return int(text.lstrip("#"))
+    except ValueError:
+        raise InvalidRequestError(f"%kvcache {what}, not {text!r}") from None
+
+
+def _file(path: str, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InvalidRequestError(f"no {what} file at {path}")
+    return p
+
+
+def status(ws: Workspace, args: Any) -> Any:
+    """The engine: model, memory, slots, cache mode, totals."""
+    return disp.status_table(ws.store.engine, ws.store)
+
+
+def load(ws: Workspace, args: Any) -> Any:
+    """Close the engine, load a new one (the model and options given, else the settings)."""
+    kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
+                                       min_tokens=args.min_tokens)
+    if args.mmproj:
+        kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
+    if args.template:
+        try:
+            kwargs["template"] = Path(args.template).expanduser().read_text()
+        except OSError as e:
+            raise InvalidRequestError(f"--template: cannot read {args.template}: {e}") from e
+    path = args.target or ws.settings.model or None
+    if path:  # checked before the old engine is closed
+        path = str(_file(path, "model"))
+    progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
+                            ws.notebook)
+    engine = ws.store.load(path, on_load_progress=progress, **kwargs)
+    ws.sync_autosave()
+    summary = disp.status_table(engine, ws.store)
+    progress.done(summary, note=_offer_restore(ws, engine, args.restore))
+    return None if ws.notebook else summary
+
+
+def _offer_restore(ws: Workspace, engine: Engine, restore: bool) -> str | None:
+    """After a load: restore the notebook's save (``--restore``), or say that one fits."""
+    from . import persist
+
+    if not restore:
+        return persist.offer(engine, ws.save_path())
+    try:
+        return str(persist.restore(engine, ws.save_path(), ws.store))
+    except NbkvError as e:
+        return f"--restore: nothing restored: {e}"
+
+
+def slots(ws: Workspace, args: Any) -> Any:
+    """One row per slot, with its KV strip."""
+    return disp.slots_table(ws.engine())
+
+
+def stats(ws: Workspace, args: Any) -> Any:
+    """Cache statistics over the history."""
+    return disp.stats_table(ws.engine())
+
+
+def history(ws: Workspace, args: Any) -> Any:
+    """The last requests, one row each."""
+    return disp.history_table(ws.engine().history, 20 if args.last is None else args.last)
+
+
+def explain(ws: Workspace, args: Any) -> Any:
+    """Why request N (default: the latest) reused what it did, both renderings shown."""
+    request = _number(args.target, "explain: give a request number")
+    return disp.ExplainReport(ws.engine().explain(request))
+
+
+def clear(ws: Workspace, args: Any) -> Any:
+    """Empty one slot, or every slot and the system prompt cache."""
+    engine = ws.engine()
+    if args.target is not None and args.all:
+        raise InvalidRequestError("%kvcache clear: give a slot or --all, not both")
+    slot = _number(args.target, "clear: slot must be a number")
+    engine.clear(slot)
+    return disp.Message(f"cleared slot {slot}" if slot is not None else
+                        "cleared every slot (sessions keep their messages)")
+
+
+def widget(ws: Workspace, args: Any) -> Any:
+    """The live dashboard."""
+    from .widgets import CacheDashboard
+
+    return CacheDashboard(ws.engine())
+
+
+def unload(ws: Workspace, args: Any) -> Any:
+    """Close the engine and free its memory."""
+    if ws.store.engine is None:
+        return disp.Message("no engine loaded")
+    ws.store.close_engine()
+    return disp.Message("engine closed and its memory freed")
+
+
+def save(ws: Workspace, args: Any) -> Any:
+    """Save slots, media and sessions (``%kvcache save [DIR]``)."""
+    from . import persist
+
+    return disp.Message(str(persist.save(ws.engine(), ws.save_path(args.target), ws.store)))
+
+
+def restore(ws: Workspace, args: Any) -> Any:
+    """Restore a save into the loaded engine (``%kvcache restore [DIR]``)."""
+    from . import persist
+
+    return disp.Message(str(persist.restore(ws.engine(), ws.save_path(args.target), ws.store)))
+
+
+def config(ws: Workspace, args: Any) -> Any:
+    """The ``Nbkv`` settings and their current values."""
+    s = ws.settings
+    rows = tuple((f"Nbkv.{name}", repr(getattr(s, name)), t.help)
+                 for name, t in sorted(s.traits(config=True).items()))
+    return disp.Table("configuration (change with %config Nbkv.NAME = VALUE)",
+                      ("trait", "value", "help"), rows)
+
+
+#: command name -> (function, the options it accepts, whether it takes an argument)
+COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
+    "status": (status, frozenset(), False),
+    "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
+                              "restore"}), True),
+    "slots": (slots, frozenset(), False),
+    "stats": (stats, frozenset(), False),
+    "history": (history, frozenset({"last"}), False),
+    "explain": (explain, frozenset(), True),
+    "clear": (clear, frozenset({"all"}), True),
+    "widget": (widget, frozenset(), False),
+    "unload": (unload, frozenset(), False),
+    "config": (config, frozenset(), False),
+    "save": (save, frozenset(), True),
+    "restore": (restore, frozenset(), True),
+}
