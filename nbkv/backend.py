@@ -30,6 +30,7 @@ _last_level = logging.DEBUG
 _init_lock = threading.Lock()
 _initialized = False
 _errors: collections.deque[str] = collections.deque(maxlen=20)
+_buffers: list[float] = []  # KV / recurrent buffer sizes llama.cpp logs while creating a context
 
 
 @llama_cpp.llama_log_callback
@@ -44,6 +45,11 @@ def log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         return
     if lvl >= logging.ERROR:
         _errors.append(msg.strip())
+    if " buffer size = " in msg and ("KV buffer" in msg or "RS buffer" in msg):
+        try:
+            _buffers.append(float(msg.rsplit("=", 1)[1].split()[0]))  # MiB
+        except (IndexError, ValueError):
+            pass
     if log.isEnabledFor(lvl):
         log.log(lvl, "%s", msg)
 
@@ -119,11 +125,28 @@ class Model:
         path: str | os.PathLike,
         n_gpu_layers: int = 0,
         on_progress: Callable[[float], object] | None = None,
+        *,
+        main_gpu: int = 0,
+        split_mode: int = llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+        tensor_split: Sequence[float] | None = None,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
     ) -> None:
         _init_backend()
         self.path = check_gguf(path)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.main_gpu = main_gpu
+        params.split_mode = split_mode
+        self._tensor_split = None
+        if tensor_split:
+            self._tensor_split = (ctypes.c_float * len(tensor_split))(*tensor_split)
+            params.tensor_split = self._tensor_split
+        params.load_mode = (
+            (llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK if use_mlock else llama_cpp.LLAMA_LOAD_MODE_MMAP)
+            if use_mmap else
+            (llama_cpp.LLAMA_LOAD_MODE_MLOCK if use_mlock else llama_cpp.LLAMA_LOAD_MODE_NONE))
+        self.params = params
 
         @llama_cpp.llama_progress_callback
         def progress(fraction: float, _user: ctypes.c_void_p) -> bool:
@@ -343,10 +366,14 @@ class Context:
         kv_unified: bool = False,
         flash_attn: int = 0,
         swa_full: bool = True,
+        type_k: int = llama_cpp.GGML_TYPE_F16,
+        type_v: int = llama_cpp.GGML_TYPE_F16,
     ) -> None:
         self.model = model
         p = llama_cpp.llama_context_default_params()
         p.flash_attn_type = flash_attn
+        p.type_k = type_k
+        p.type_v = type_v
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_batch
@@ -360,7 +387,11 @@ class Context:
         p.n_threads = threads
         p.n_threads_batch = threads
         p.no_perf = True
+        _buffers.clear()
         ptr = llama_cpp.llama_init_from_model(model.ptr, p)
+        #: what llama.cpp allocated for the KV cache and recurrent states (from its log)
+        self.kv_buffer_bytes = int(sum(_buffers) * 2**20)
+        self.params = p
         if not ptr:
             raise ModelLoadError(
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})"

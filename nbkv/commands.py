@@ -82,7 +82,8 @@ def status(ws: Workspace, args: Any) -> Any:
 def load(ws: Workspace, args: Any) -> Any:
     """Close the engine, load a new one (the model and options given, else the settings)."""
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
-                                       min_tokens=args.min_tokens)
+                                       min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
+                                       kv_type=args.kv_type, flash_attn=args.flash_attn)
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:
@@ -98,7 +99,8 @@ def load(ws: Workspace, args: Any) -> Any:
     engine = ws.store.load(path, on_load_progress=progress, **kwargs)
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)
-    progress.done(summary, note=_offer_restore(ws, engine, args.restore))
+    notes = [engine.sized, _offer_restore(ws, engine, args.restore)]
+    progress.done(summary, note="\n".join(n for n in notes if n) or None)
     return None if ws.notebook else summary
 
 
@@ -188,7 +190,7 @@ def config(ws: Workspace, args: Any) -> Any:
 COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "status": (status, frozenset(), False),
     "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
-                              "restore"}), True),
+                              "restore", "gpu_layers", "kv_type", "flash_attn"}), True),
     "slots": (slots, frozenset(), False),
     "stats": (stats, frozenset(), False),
     "history": (history, frozenset({"last"}), False),

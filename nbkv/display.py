@@ -307,6 +307,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
         *((("vision", f"{engine.projector.info.projector_type} projector · "
                       f"{engine.projector.path.name}"),) if engine.projector else ()),
         ("memory", engine.memory.describe()),
+        *hardware_rows(engine),
         ("slots", f"{engine.n_slots} x {engine.n_ctx} tokens"),
         ("cache", f"{engine.cache} (min {engine.cache_min_tokens} tokens)"),
         ("KV in use", f"{used}/{engine.n_slots * engine.n_ctx} tokens"),
@@ -335,6 +336,28 @@ def persist_rows(engine: Any) -> tuple[tuple[str, str], ...]:
         rows.append((label, f"{rep.seconds:.2f} s, {rep.nbytes / 2**20:.1f} MiB "
                             f"({per or 'no slot'}) · {when} · {rep.path}"))
     return tuple(rows)
+
+
+def hardware_rows(engine: Engine) -> tuple[tuple[str, str], ...]:
+    """Where the engine runs and what its KV takes: devices, offload, KV types, bytes."""
+    from .hardware import describe_devices, devices, gpu_offload
+
+    hw, plan = getattr(engine, "hardware", None), getattr(engine, "plan", None)
+    if hw is None or plan is None:
+        return ()
+    layers = engine.model.params.n_gpu_layers
+    offload = (f"{'all' if layers < 0 else layers} layers on the GPU" if gpu_offload()
+               else "none: this llama.cpp build has no GPU backend")
+    actual = engine.ctx.kv_buffer_bytes
+    return (
+        ("devices", describe_devices(devices())),
+        ("offload", offload),
+        ("KV cache", f"K {hw.type_k}, V {hw.type_v}, flash attention {engine.flash_attn}"),
+        ("KV memory", f"{plan.per_slot / 2**20:.1f} MiB per slot, "
+                      f"{plan.kv_bytes_per_token / 1024:.1f} KiB per token, "
+                      f"{plan.total / 2**20:.1f} MiB in all"
+                      + (f" (llama.cpp allocated {actual / 2**20:.1f} MiB)" if actual else "")),
+    )
 
 
 def slots_table(engine: Engine) -> Table:

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import policy, reasons
+from . import memplan, policy, reasons
 from .backend import Batch, Context, Model
 from .batching import Prefilling, chunk_length, plan_step
 from .config import DEFAULTS, EngineConfig
@@ -49,6 +50,8 @@ from .events import (
     SlotsChanged,
     Subscriber,
 )
+from .gguf_header import read_metadata
+from .hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, devices, kv_type_id
 from .media import (
     EmbeddingCache,
     MediaUnit,
@@ -237,6 +240,8 @@ class Engine:
         model_path: GGUF file; ``None`` uses ``$NBKV_MODEL`` or the embedded SmolLM2-135M.
         n_slots: conversations kept in KV at once (one llama.cpp sequence each).
         n_ctx: context budget of each slot, in tokens (rounded up to a multiple of 256).
+            ``None`` for either: picked from the memory plan (4 x 4096 when the KV takes at
+            most a quarter of the free memory, else smaller), said in ``engine.sized``.
         cache: ``"imc"`` (whole conversations), ``"spc"`` (system prompt only) or ``"off"``.
         cache_min_tokens: IMC: shortest token prefix worth salvaging from another
             conversation's slot; SPC: shortest system prompt worth caching.
@@ -247,10 +252,20 @@ class Engine:
         wait_timeout: seconds a request may wait for a free slot.
         system_prompt_cache: ``True`` is another way to say ``cache="spc"``.
         on_load_progress: called with the fraction of the model loaded, 0.0 to 1.0.
-        flash_attn: llama.cpp's CPU flash-attention kernel takes a different path for
-            batches under 64 tokens, so a prompt prefilled in small pieces (what a cache hit
-            does) gets logits up to ~0.7 away from the same prompt prefilled at once. Off by
-            default, which makes cached replies bit-identical to from-scratch ones.
+        flash_attn: ``"off"`` (default), ``"on"`` or ``"auto"`` (``True``/``False`` too). With
+            f16 KV, llama.cpp's CPU flash-attention kernel tiles batches of 64+ tokens, so a
+            prompt prefilled in pieces (what a cache hit does) gets logits up to ~0.7 away
+            from the same prompt prefilled at once: ``exact=True`` refuses it. With quantized
+            K and V the kernel is per-token and exactness holds.
+        type_k, type_v: KV cache types: ``"f16"`` (default), ``"q8_0"`` (about half the
+            memory), ``"q4_0"``, ... (:data:`nbkv.hardware.KV_TYPES`); a quantized V cache
+            needs ``flash_attn="on"``.
+        n_gpu_layers: layers offloaded to a GPU: ``None`` (default) is all of them when the
+            llama.cpp build has a GPU backend, else 0; with ``main_gpu``, ``split_mode``
+            (``"layer"``, ``"row"``, ``"none"``) and ``tensor_split`` as in llama.cpp.
+        use_mmap, use_mlock: how the weights are loaded (memory-mapped; locked in RAM).
+        check_memory: plan the KV bytes from the GGUF metadata and refuse, with the figures,
+            a configuration that cannot fit the free memory, before llama.cpp allocates.
         exact: keep cached KV bit-identical to a from-scratch prefill. Replies are generated
             one token per step, as plain llama.cpp does; a one-token decode rounds slightly
             differently from a batched prefill, so once a reply has streamed its KV is
@@ -281,8 +296,8 @@ class Engine:
         self,
         model_path: str | None = None,
         *,
-        n_slots: int = DEFAULTS.n_slots,
-        n_ctx: int = DEFAULTS.n_ctx,
+        n_slots: int | None = DEFAULTS.n_slots,
+        n_ctx: int | None = DEFAULTS.n_ctx,
         cache: str = DEFAULTS.cache,
         cache_min_tokens: int = DEFAULTS.cache_min_tokens,
         n_batch: int = 256,
@@ -294,13 +309,22 @@ class Engine:
         wait_timeout: float = 300.0,
         system_prompt_cache: bool | None = None,
         on_load_progress: Callable[[float], object] | None = None,
-        flash_attn: bool = False,
+        flash_attn: bool | str = False,
         exact: bool = True,
         speculative: bool = False,
         max_checkpoints: int = 8,
         mmproj: str | None = None,
         embedding_cache: EmbeddingCache | None = None,
         trust_projector: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
+        n_gpu_layers: int | None = None,
+        main_gpu: int = 0,
+        split_mode: str = "layer",
+        tensor_split: Sequence[float] | None = None,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        check_memory: bool = True,
     ) -> None:
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
@@ -309,25 +333,57 @@ class Engine:
             )
         if system_prompt_cache:
             cache = "spc"
-        self.config = EngineConfig(n_slots, n_ctx, cache, cache_min_tokens, overflow)
-        if exact and flash_attn:
-            raise InvalidRequestError(
-                "exact=True needs flash_attn=False: llama.cpp's CPU flash attention rounds "
-                "differently for batches under 64 tokens"
-            )
+        # validated now; a size left to the memory plan (None) is filled in after the load
+        self.config = EngineConfig(DEFAULTS.n_slots if n_slots is None else n_slots,
+                                   DEFAULTS.n_ctx if n_ctx is None else n_ctx, cache,
+                                   cache_min_tokens, overflow)
+        hw = HardwareOptions(n_gpu_layers, main_gpu, split_mode,
+                             tuple(tensor_split) if tensor_split else None, flash_attn,
+                             type_k, type_v, use_mmap, use_mlock)
+        hw.check_exact(exact)
+        for warning in hw.warnings:
+            log.warning("%s", warning)
+            warnings.warn(warning, stacklevel=2)
+        self.hardware = hw
+        self.flash_attn = hw.resolved_flash_attn(exact)
         self.exact = exact
         self.cache = cache
         self.cache_min_tokens = cache_min_tokens
         self.overflow = overflow
         self.wait_timeout = wait_timeout
         self.spc_max_entries = spc_max_entries
-        self.model = Model(resolve_model_path(model_path), on_progress=on_load_progress)
+        path = resolve_model_path(model_path)
+        self.model = Model(path, hw.gpu_layers, on_load_progress, main_gpu=main_gpu,
+                           split_mode=SPLIT_MODES[split_mode], tensor_split=hw.tensor_split,
+                           use_mmap=use_mmap, use_mlock=use_mlock)
         try:
             source = template or self.model.chat_template or CHATML
             self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
+            meta = read_metadata(path)
+            free, where = memplan.free_memory(), "RAM"
+            gpus = [d for d in devices() if d.kind in ("gpu", "igpu")]
+            if gpus and self.model.params.n_gpu_layers != 0:  # the KV goes to the devices
+                free = sum(d.free for d in gpus)
+                where = "GPU memory (" + ", ".join(d.name for d in gpus) + ")"
+            self.sized = ""
+            if n_slots is None or n_ctx is None:
+                auto_slots, auto_ctx = memplan.default_size(
+                    meta, free, type_k=type_k, type_v=type_v,
+                    recurrent=self.model.is_recurrent, hybrid=self.model.is_hybrid,
+                    n_ctx_train=self.model.n_ctx_train)
+                n_slots, n_ctx = n_slots or auto_slots, n_ctx or auto_ctx
+                self.sized = (f"picked {n_slots} slots x {n_ctx} tokens: the KV takes at most "
+                              f"a quarter of the {free / 2**30:.1f} GiB of free {where}")
+                log.info("%s", self.sized)
+            self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
             slot_ctx = -(-max(n_ctx, 256) // 256) * 256
+            self.plan = memplan.plan(meta, n_slots, slot_ctx, type_k, type_v,
+                                     self.model.is_recurrent, self.model.is_hybrid)
+            if check_memory:
+                memplan.check_fits(self.plan, free, where)
             self.ctx = Context(self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
-                               flash_attn=1 if flash_attn else 0)
+                               flash_attn=FLASH_ATTN[self.flash_attn],
+                               type_k=kv_type_id(type_k), type_v=kv_type_id(type_v))
         except BaseException:
             self.model.close()
             raise
@@ -350,7 +406,7 @@ class Engine:
             try:
                 self.projector = Projector(mmproj, self.model, cache=embedding_cache,
                                            n_threads=n_threads, trust_projector=trust_projector,
-                                           flash_attn=1 if flash_attn else 0)
+                                           flash_attn=FLASH_ATTN[self.flash_attn])
             except BaseException:
                 self._batch.close()
                 self.ctx.close()

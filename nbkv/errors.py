@@ -15,6 +15,10 @@ class ModelLoadError(NbkvError):
     """llama.cpp could not load the model file (corrupt, truncated, unsupported)."""
 
 
+class InsufficientMemoryError(ModelLoadError, MemoryError):
+    """The planned KV cache does not fit the free memory (checked before llama.cpp allocates)."""
+
+
 class TemplateError(NbkvError):
     """The chat template failed to render the messages."""
 

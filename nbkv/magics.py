@@ -20,6 +20,7 @@ from traitlets import observe
 from . import commands
 from .config import CACHE_MODES
 from .errors import DecodeError, NbkvError
+from .hardware import FLASH_ATTN, KV_TYPES
 from .media import content_with_images
 from .sessions import STORE, SessionStore
 from .settings import Settings
@@ -69,6 +70,9 @@ class Nbkv(Magics, Settings):
     @argument("--mode", choices=CACHE_MODES, help="load: cache mode")
     @argument("--min-tokens", type=int, metavar="N", help="load: shortest salvageable prefix")
     @argument("--template", metavar="F", help="load: file with a Jinja2 chat template")
+    @argument("--gpu-layers", type=int, metavar="N", help="load: layers offloaded to a GPU")
+    @argument("--kv-type", choices=tuple(KV_TYPES), help="load: K and V cache type")
+    @argument("--flash-attn", choices=tuple(FLASH_ATTN), help="load: flash attention")
     @argument("--restore", action="store_true",
               help="load: then restore this notebook's latest compatible save")
     @argument("--all", action="store_true", help="clear: every slot")
@@ -80,7 +84,8 @@ class Nbkv(Magics, Settings):
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
-                        [--min-tokens N] [--template F] [--restore]
+                        [--min-tokens N] [--template F] [--restore] [--gpu-layers N]
+                        [--kv-type T] [--flash-attn auto|on|off]
           %kvcache [status] | slots | stats | history [-n N] | explain [N]
           %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
           %kvcache widget | unload | config

@@ -44,7 +44,7 @@ import numpy as np
 
 from .errors import NbkvError, RestoreError, SaveError
 from .events import RequestFinished, Segment, SlotsChanged
-from .fingerprint import gguf_fingerprint
+from .gguf_header import gguf_fingerprint
 from .media import Image, MediaKey, MediaUnit, image_hash, load_image
 
 if TYPE_CHECKING:
@@ -175,11 +175,11 @@ def describe_engine(engine: Engine) -> dict[str, Any]:
         "n_ctx": engine.n_ctx,
         "memory": engine.memory.kind,
         "kv": {
-            "type_k": str(getattr(ctx, "type_k", "f16")),
-            "type_v": str(getattr(ctx, "type_v", "f16")),
-            "kv_unified": bool(getattr(ctx, "kv_unified", False)),
-            "swa_full": bool(getattr(ctx, "swa_full", True)),
-            "flash_attn": bool(getattr(engine, "flash_attn", False)),
+            "type_k": engine.hardware.type_k,
+            "type_v": engine.hardware.type_v,
+            "kv_unified": bool(ctx.params.kv_unified),
+            "swa_full": bool(ctx.params.swa_full),
+            "flash_attn": engine.flash_attn,
         },
     }
 

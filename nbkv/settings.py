@@ -12,6 +12,7 @@ from traitlets import Bool, Enum, Float, Int, Unicode, validate
 from traitlets.config import Configurable
 
 from .config import CACHE_MODES, DEFAULTS, OVERFLOW_POLICIES
+from .hardware import FLASH_ATTN, KV_TYPES, SPLIT_MODES
 
 
 class Settings(Configurable):
@@ -19,10 +20,24 @@ class Settings(Configurable):
 
     model = Unicode("", help="GGUF file %kvcache load uses by default ('' = embedded "
                              "SmolLM2-135M, or $NBKV_MODEL)").tag(config=True)
-    slots = Int(DEFAULTS.n_slots, min=1, help="Conversations kept in KV at once"
-                ).tag(config=True)
-    ctx = Int(DEFAULTS.n_ctx, min=1, help="Context budget of each slot, in tokens"
-              ).tag(config=True)
+    slots = Int(None, allow_none=True, min=1, help="Conversations kept in KV at once (None: "
+                "picked from the memory plan, 4 when they fit)").tag(config=True)
+    ctx = Int(None, allow_none=True, min=1, help="Context budget of each slot, in tokens "
+              "(None: picked from the memory plan, 4096 when it fits)").tag(config=True)
+    n_gpu_layers = Int(None, allow_none=True, min=-1, help="Layers offloaded to a GPU (None: "
+                       "all when llama.cpp has a GPU backend, else 0)").tag(config=True)
+    main_gpu = Int(0, min=0, help="The GPU that holds the model (split_mode 'none')"
+                   ).tag(config=True)
+    split_mode = Enum(tuple(SPLIT_MODES), "layer", help="How layers are split across GPUs"
+                      ).tag(config=True)
+    flash_attn = Enum(tuple(FLASH_ATTN), "off", help="Flash attention: 'auto', 'on' or 'off' "
+                      "(a quantized type_v needs 'on')").tag(config=True)
+    type_k = Enum(tuple(KV_TYPES), "f16", help="K cache type ('q8_0' about halves it)"
+                  ).tag(config=True)
+    type_v = Enum(tuple(KV_TYPES), "f16", help="V cache type (quantized needs flash_attn)"
+                  ).tag(config=True)
+    use_mmap = Bool(True, help="Memory-map the weights").tag(config=True)
+    use_mlock = Bool(False, help="Lock the weights in RAM").tag(config=True)
     mode = Enum(CACHE_MODES, DEFAULTS.cache, help="Cache mode").tag(config=True)
     min_tokens = Int(DEFAULTS.cache_min_tokens, help="Shortest prefix worth salvaging (IMC) or "
                      "system prompt worth caching (SPC)").tag(config=True)
@@ -54,11 +69,16 @@ class Settings(Configurable):
         return proposal["value"]
 
     def engine_kwargs(self, slots: int | None = None, ctx: int | None = None,
-                      mode: str | None = None, min_tokens: int | None = None
-                      ) -> dict[str, Any]:
+                      mode: str | None = None, min_tokens: int | None = None,
+                      gpu_layers: int | None = None, kv_type: str | None = None,
+                      flash_attn: str | None = None) -> dict[str, Any]:
         """:class:`~nbkv.engine.Engine` arguments: what was given, else these traits."""
         return dict(
             n_slots=slots or self.slots, n_ctx=ctx or self.ctx, cache=mode or self.mode,
             cache_min_tokens=self.min_tokens if min_tokens is None else min_tokens,
             overflow=self.overflow,
+            n_gpu_layers=self.n_gpu_layers if gpu_layers is None else gpu_layers,
+            main_gpu=self.main_gpu, split_mode=self.split_mode,
+            flash_attn=flash_attn or self.flash_attn, type_k=kv_type or self.type_k,
+            type_v=kv_type or self.type_v, use_mmap=self.use_mmap, use_mlock=self.use_mlock,
         )

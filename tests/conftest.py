@@ -39,11 +39,12 @@ def model_path():
     return str(default_model_path())
 
 
-def scratch_reply(model_path, messages, template=None, max_tokens=MAX_TOKENS):
+def scratch_reply(model_path, messages, template=None, max_tokens=MAX_TOKENS, **engine):
     """The oracle: the same request in a brand-new engine (fresh context, nothing cached)."""
     from nbkv import Engine
 
-    with Engine(model_path, n_slots=1, n_ctx=2048, cache="off", template=template) as e:
+    with Engine(model_path, n_slots=1, n_ctx=2048, cache="off", template=template,
+                **engine) as e:
         return e.chat(messages, max_tokens=max_tokens, temperature=0).text
 
 
@@ -63,14 +64,17 @@ def assert_consistent(engine):
             assert lo == (0 if s.n_tokens else -1)
 
 
-def fresh_probe(model, tokens, probe):
-    """Logits of ``probe`` after ``tokens``, decoded from scratch (never a lone-token batch)."""
+def fresh_probe(model, tokens, probe, **context):
+    """Logits of ``probe`` after ``tokens``, decoded from scratch (never a lone-token batch).
+
+    ``context``: :class:`~nbkv.backend.Context` settings (KV types, flash attention).
+    """
     seq = list(tokens) + [probe, probe]
     target = len(tokens)
     cuts = list(range(0, len(seq), 200)) + [len(seq)]
     if cuts[-1] - cuts[-2] == 1:
         cuts[-2] -= 1
-    ctx, batch = Context(model, 2048, 1, 256), Batch(256)
+    ctx, batch = Context(model, 2048, 1, 256, **context), Batch(256)
     try:
         for a, z in zip(cuts, cuts[1:]):
             batch.clear()
