@@ -44,7 +44,9 @@ class Table:
     title: str
     columns: tuple[str, ...]
     rows: tuple[tuple[Any, ...], ...]
-    note: str = ""
+    note: str = ""  # under the table, in both renderings
+    html_note: str = ""  # HTML shown instead of ``note`` in notebooks (e.g. a colour legend)
+    details: tuple[tuple[Any, ...], ...] = ()  # rows shown only on demand ("details")
 
     def _repr_html_(self) -> str:
         head = "".join(f'<th style="{_CELL}">{html.escape(c)}</th>' for c in self.columns)
@@ -53,17 +55,25 @@ class Table:
             "<tr>" + "".join(f'<td style="{_CELL}">{_html(v)}</td>' for v in r)
             + "</tr>" for r in self.rows
         )
-        note = f'<div style="color:#666;font-size:90%">{html.escape(self.note)}</div>' \
-            if self.note else ""
+        note = self.html_note or (
+            f'<div style="color:#666;font-size:90%">{html.escape(self.note)}</div>'
+            if self.note else "")
+        more = ""
+        if self.details:
+            rows = "".join("<tr>" + "".join(f'<td style="{_CELL}">{_html(v)}</td>' for v in r)
+                           + "</tr>" for r in self.details)
+            more = (f'<details><summary style="cursor:pointer;color:#666;font-size:90%">'
+                    f'details</summary><table style="border-collapse:collapse;font-size:90%">'
+                    f"<tbody>{rows}</tbody></table></details>")
         return (f'<div class="nbkv-table"><b>{html.escape(self.title)}</b>'
                 f'<table style="border-collapse:collapse;font-size:90%">{head}'
-                f"<tbody>{body}</tbody></table>{note}</div>")
+                f"<tbody>{body}</tbody></table>{more}{note}</div>")
 
     def text(self) -> str:
         """Plain-text rendering with aligned columns."""
         header = any(self.columns)
         cells = ([tuple(self.columns)] if header else []) + [
-            tuple(str(v) for v in r) for r in self.rows]
+            tuple(str(v) for v in r) for r in self.rows + self.details]
         widths = [max((len(r[i]) for r in cells), default=0) for i in range(len(self.columns))]
         lines = [self.title]
         for k, r in enumerate(cells):
@@ -79,6 +89,33 @@ class Table:
 
     def __str__(self) -> str:
         return self.text()
+
+
+LEGEND_STATES = (("reused", "reused: its KV was already in the slot"),
+                 ("prefilled", "read now (prefilled)"), ("generated", "generated (the reply)"),
+                 ("trimmed", "trimmed: cut from the slot"))
+LEGEND_ROLES = (("system", "system"), ("user", "user"), ("assistant", "assistant"))
+
+
+def legend_html() -> str:
+    """The one legend of the dashboard and the slot strips: what each colour and mark means."""
+    def swatch(color: str, label: str) -> str:
+        return (f'<span style="white-space:nowrap;margin-right:10px"><span style="display:'
+                f'inline-block;width:10px;height:10px;background:{color};margin-right:3px">'
+                f"</span>{html.escape(label)}</span>")
+
+    states = "".join(swatch(COLORS[k], t) for k, t in LEGEND_STATES)
+    roles = "".join(swatch(ROLE_COLORS[k], t) for k, t in LEGEND_ROLES)
+    return (f'<div class="nbkv-legend" style="font:11px sans-serif;color:#444;margin:4px 0">'
+            f"<div><b>what the latest request did</b> (request rows, bars, figures): {states}"
+            f"</div><div><b>who wrote it</b> (message rows, slot strips): {roles}"
+            f'{swatch(MEDIA_COLOR, "image")}'
+            f'<span style="margin-right:10px">▏ checkpoint</span>'
+            f"<span>▼ where the prompt left the cached conversation</span></div></div>")
+
+
+LEGEND_TEXT = ("KV map letters: s/u/a = system/user/assistant, i = image; UPPER CASE = reused "
+               "by the latest request")
 
 
 @dataclass(frozen=True)
@@ -376,19 +413,35 @@ def slots_table(engine: Engine) -> Table:
     )
     return Table("slots", ("slot", "session", "messages", "tokens", "LRU", "pending", "media",
                            "checkpoints", f"KV map (positions 0–{span})"), rows,
-                 note="LRU 1 = most recently used, evicted last. KV map: one span per message "
-                      "(s/u/a = system/user/assistant, i = image; upper case = reused by the "
-                      "latest request" + ("; | = checkpoint)" if used else ")"))
+                 note="LRU 1 = most recently used, evicted last. " + LEGEND_TEXT
+                      + ("; | = checkpoint" if used else ""),
+                 html_note='<div style="color:#666;font-size:90%">LRU 1 = most recently used, '
+                           "evicted last. KV map: one span per message, by who wrote it; solid "
+                           "= reused by the latest request, pale = read now, striped = "
+                           "generated.</div>" + legend_html())
 
 
 def stats_table(engine: Engine) -> Table:
-    """Totals over the request history."""
+    """Totals over the request history; internals only when relevant, under "details"."""
     s = engine.stats()
-    rows = tuple(
-        (k, _strategies(v) if isinstance(v, dict) else
-         (f"{v:.1f}" if isinstance(v, float) else v)) for k, v in s.items()
-    )
-    return Table("cache statistics", ("", ""), rows)
+    main = ("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens", "salvage_pct",
+            "strategies", "generated_tokens", "mean_ttft_s")
+    labels = {"requests": "requests", "prompt_tokens": "prompt tokens",
+              "reused_tokens": "reused from cache", "prefilled_tokens": "read new",
+              "salvage_pct": "served from cache (%)", "strategies": "how requests were served",
+              "generated_tokens": "reply tokens", "mean_ttft_s": "mean first-token time (s)"}
+
+    def fmt(v: Any) -> Any:
+        return _strategies(v) if isinstance(v, dict) else (f"{v:.1f}" if isinstance(v, float)
+                                                             else v)
+
+    rows = tuple((labels.get(k, k), fmt(s[k])) for k in main if k in s)
+    hidden = {"advice", "thrashing", "returning_misses", "active_sessions"}
+    if not engine.speculative:
+        hidden |= {k for k in s if k.startswith("draft")}
+    details = tuple((k, fmt(v)) for k, v in s.items() if k not in main and k not in hidden)
+    return Table("cache statistics", ("", ""), rows, note=s.get("advice") or "",
+                 details=details)
 
 
 def history_table(records: Sequence[RequestRecord], last: int = 20) -> Table:

@@ -21,6 +21,7 @@ from nbkv.events import (
     SlotsChanged,
 )
 from nbkv.media import MediaKey, MediaUnit
+from nbkv.palette import COLORS
 from nbkv.widgets import CacheDashboard, Feed, KVMap, SlotCards, Timeline
 
 
@@ -57,7 +58,7 @@ def sent(monkeypatch):
 
 class FakeEngine:
     n_slots, n_ctx, cache, cache_min_tokens = 2, 512, "imc", 100
-    model = SimpleNamespace(description="fake 1M")
+    model = SimpleNamespace(description="fake 1M", name="Fake 1M (1M parameters, F16)")
 
     def __init__(self):
         self.bus = EventBus()
@@ -191,13 +192,27 @@ def test_timeline_plots_salvage_ttft_and_no_cache_estimate():
     tl.feed.flush()
     t = tl.traces
     assert tl.shown == 2  # max_requests
-    assert list(t["hash-extend"].x) == [2] and list(t["prefix-salvage"].x) == [3]
-    assert list(t["miss"].x) == []
-    assert t["hash-extend"].y[0] == pytest.approx(100 * 200 / 220)
+    extended, salvaged = t["conversation extended"], t["token prefix salvaged"]
+    assert list(extended.x) == [2] and list(salvaged.x) == [3]
+    assert list(t["rebuilt"].x) == []
+    assert extended.y[0] == pytest.approx(100 * 200 / 220)
+    # one visual language: every salvage bar is "reused" green; the strategy is the pattern
+    assert {tr.marker.color for tr in (extended, salvaged, t["rebuilt"])} == {COLORS["reused"]}
+    assert salvaged.marker.pattern.shape == "/" and not extended.marker.pattern.shape
+    assert "reused 200 of 220 tokens" in extended.customdata[0]
+    assert "first token after 100 ms" in extended.customdata[0]
     assert list(t["TTFT"].y) == pytest.approx([100, 700])
     # 200 tokens/s observed: reusing 200 tokens saved ~1 s
     assert list(t["no-cache estimate"].y) == pytest.approx([1100, 1200])
-    assert list(t["prefilled"].y) == [20, 140] and list(t["reused"].y) == [200, 100]
+    assert list(t["read new"].y) == [20, 140] and list(t["reused"].y) == [200, 100]
+    # a request that reused nothing still shows a mark at 0
+    eng.publish(RequestFinished(record(4, strategy="miss", reused_tokens=0, prompt_tokens=50,
+                                       prefilled_tokens=50, ttft_s=0.2)))
+    tl.feed.flush()
+    assert list(t["nothing reused"].x) == [4] and list(t["nothing reused"].y) == [0]
+    layout = tl.figure.layout
+    assert layout.xaxis3.title.text == "request #" and layout.xaxis.tickformat == "d"
+    assert [layout[f"yaxis{i}"].title.text for i in ("", "2", "3")] == ["%", "ms", "tokens"]
     with pytest.raises(ValueError, match="max_requests must be >= 1"):
         tl.max_requests = 0
 
@@ -383,7 +398,7 @@ def test_dashboard_follows_a_real_conversation(engine):
         gen = [b for b in bars(t["generated"]) if b[0] == req]
         # the last sampled token is never decoded, so the KV ends one short of the reply
         assert gen == [(req, res2.record.prompt_tokens, engine.slots()[slot].n_tokens)]
-        assert list(dash.timeline.traces["hash-extend"].x) == [res2.record.id]
+        assert list(dash.timeline.traces["conversation extended"].x) == [res2.record.id]
     finally:
         dash.close()
 
@@ -437,3 +452,43 @@ def test_kv_map_marks_checkpoints_on_the_messages_row():
     cp = kv.traces["checkpoint"]
     assert list(zip(cp.y, cp.x)) == [("slot 1", 64), ("slot 1", 128)]
     assert "checkpoint at position" in cp.hovertemplate
+
+
+def test_kv_map_marks_where_the_prompt_diverged():
+    from nbkv.reasons import Divergence
+
+    eng = FakeEngine()
+    kv = KVMap(eng, Feed(eng, live=False))
+    eng.set_slot(0, segments=SEGS, tokens=tuple(range(104)), session="alice")
+    div = Divergence(63, 2, "assistant", (), (), 63)
+    eng.publish(RequestFinished(record(7, reason="edited", divergence=div,
+                                       reason_text="kept 2 message(s), re-read from message 2")))
+    kv.feed.flush()
+    mark = kv.traces["divergence"]
+    assert list(mark.x) == [63] and list(mark.y) == ["slot 0 · request"]
+    assert "request 7: kept 2 message(s)" in mark.customdata[0]
+
+
+def test_one_legend_for_the_dashboard_and_the_slot_strips():
+    from nbkv.display import LEGEND_STATES, legend_html, stats_table
+    from nbkv.palette import ROLE_COLORS
+
+    html = legend_html()
+    for key, label in LEGEND_STATES:  # each colour named once, by what it means
+        assert html.count(COLORS[key]) == 1 and label in html
+    assert all(ROLE_COLORS[r] in html for r in ("system", "user", "assistant"))
+    assert "checkpoint" in html and "left the cached conversation" in html
+    eng = FakeEngine()
+    dash = CacheDashboard(eng, live=False)
+    try:
+        assert dash.legend.value == html
+    finally:
+        dash.close()
+    # statistics: internals only under "details", draft counts only when guesses are on
+    eng.speculative = False
+    eng.stats = lambda: {"requests": 3, "reused_tokens": 10, "draft_tokens": 0,
+                         "evictions": 1, "thrashing": False, "advice": ""}
+    table = stats_table(eng)
+    assert [r[0] for r in table.rows] == ["requests", "reused from cache"]
+    assert [r[0] for r in table.details] == ["evictions"]
+    assert "<details>" in table._repr_html_() and table.note == ""

@@ -8,6 +8,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Float, observe, validate
 
+from ..display import legend_html
 from .feed import Feed, LiveState
 from .kvmap import KVMap
 from .slots import SlotCards
@@ -29,7 +30,9 @@ class CacheDashboard(W.VBox):
         self.slots = SlotCards(engine, self.feed)
         self.kvmap = KVMap(engine, self.feed)
         self.timeline = Timeline(engine, self.feed)
-        super().__init__([self.header, self.slots, self.kvmap, self.timeline], **kw)
+        self.legend = W.HTML(legend_html())
+        super().__init__([self.header, self.legend, self.slots, self.kvmap, self.timeline],
+                         **kw)
         self.interval = interval
         self.add_class("nbkv-dashboard")
 
@@ -54,7 +57,7 @@ class CacheDashboard(W.VBox):
         running = len(state.running)
         self.header.value = (
             f'<div style="font:13px sans-serif"><b>nbkv</b> · '
-            f"{html.escape(e.model.description)} · {e.n_slots} slots x {e.n_ctx} tokens · "
+            f"{html.escape(e.model.name)} · {e.n_slots} slots x {e.n_ctx} tokens · "
             f"cache {e.cache} · {s['requests']} requests, {s['salvage_pct']:.0f}% of prompt "
             f"tokens from cache · {running} running</div>"
         )
@@ -66,6 +69,6 @@ class CacheDashboard(W.VBox):
     def close(self) -> None:
         """Stop the updates and close every piece."""
         self.feed.close()
-        for w in (self.slots, self.kvmap, self.timeline, self.header):
+        for w in (self.slots, self.kvmap, self.timeline, self.header, self.legend):
             w.close()
         super().close()

@@ -70,6 +70,11 @@ class KVMap(FeedView, W.VBox):
             marker=dict(symbol="line-ns-open", size=16, color="#222",
                         line=dict(width=2, color="#222")),
             hovertemplate="checkpoint at position %{x}<extra></extra>")
+        # where the latest request's prompt left the cached conversation (nbkv.reasons)
+        self.figure.add_scatter(
+            name="divergence", mode="markers", x=[], y=[], customdata=[],
+            marker=dict(symbol="triangle-down", size=11, color="#222"),
+            hovertemplate="%{customdata}<extra>divergence</extra>")
         self.traces = {t.name: t for t in self.figure.data}
         self.note = W.HTML()
         super().__init__([self.figure, self.note], **kw)
@@ -88,7 +93,9 @@ class KVMap(FeedView, W.VBox):
     def render(self, state: LiveState) -> None:
         """Redraw from the slot snapshots and the requests in flight."""
         bars: dict[str, list[tuple[str, int, int, list[Any], float]]] = {
-            name: [] for name in self.traces if name not in ("capacity", "checkpoint")}
+            name: [] for name in self.traces
+            if name not in ("capacity", "checkpoint", "divergence")}
+        diverged: list[tuple[int, str, str]] = []
         marks: list[tuple[int, str]] = []
         for s in self.engine.slots():
             marks.extend((pos, _label(s.index, "messages")) for pos in s.checkpoints)
@@ -103,6 +110,10 @@ class KVMap(FeedView, W.VBox):
             rec = run.record if run is not None else state.last_by_slot.get(s.index)
             for state_name, seg in _states(segs, run):
                 bars[state_name].append((bottom, seg.start, seg.end, _hover(seg), 1.0))
+            if rec is not None and rec.slot == s.index and rec.divergence is not None:
+                d = rec.divergence
+                diverged.append((d.position, bottom, html.escape(
+                    f"request {rec.id}: {rec.reason_text or rec.reason}")))
             if rec is not None and rec.trimmed_tokens and rec.slot == s.index:
                 a, b = rec.reused_tokens, rec.reused_tokens + rec.trimmed_tokens
                 bars["trimmed"].append((bottom, a, b, ["-", "trimmed", a, b,
@@ -125,6 +136,10 @@ class KVMap(FeedView, W.VBox):
             cp = self.traces["checkpoint"]
             cp.x = [m[0] for m in marks]
             cp.y = [m[1] for m in marks]
+            dv = self.traces["divergence"]
+            dv.x = [m[0] for m in diverged]
+            dv.y = [m[1] for m in diverged]
+            dv.customdata = [m[2] for m in diverged]
         self.segments = sum(len(rows) for rows in bars.values())
         self.note.value = "engine closed" if state.closed else ""
 
