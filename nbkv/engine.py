@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from . import memplan, policy, reasons
@@ -1330,6 +1331,8 @@ class Engine:
                 if hi > lo:
                     out.append(Segment(lo, hi, i, role, state, text))
         runs = [(s.start, s.end, s.image_hash) for s in spans(p.tokens) if s.kind == "image"]
+        names = {im.hash: Path(im.source).name for im in (p.media.images if p.media else ())
+                 if im.source and not im.source.startswith("data:")}
         if not runs:
             return tuple(out)
         marker = self.projector.marker if self.projector is not None else "\0"
@@ -1343,7 +1346,8 @@ class Engine:
                     continue
                 if lo > pos:
                     split.append(replace(seg, start=pos, end=lo))
-                split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h))
+                split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h,
+                                     image_name=names.get(h, "")))
                 pos = hi
             if pos < seg.end:
                 split.append(replace(seg, start=pos, end=seg.end))

@@ -33,6 +33,7 @@ class Segment:
     preview: str = ""
     kind: str = "text"  # "text", or "image" for the positions an image's embeddings occupy
     image_hash: str | None = None
+    image_name: str = ""  # the image's file name, when it came from a file
 
     @property
     def length(self) -> int:

@@ -60,6 +60,7 @@ class ChatView:
         Returns the reply and whether it was interrupted.
         """
         interrupted = False
+        self.show_user(turn.user.get("content"))
         with self.follow(subscribe, turn.stream.request_id):
             try:
                 with turn:
@@ -73,6 +74,9 @@ class ChatView:
         figures = Figures(reply.record) if show_figures and reply.record else None
         self.finish(reply.text, figures, note)
         return reply, interrupted
+
+    def show_user(self, content: Any) -> None:
+        """Show what the user sent that the cell does not (images); text views skip it."""
 
     def progress(self, phase: str, done: int, total: int) -> None:
         """A prefill advanced (engine thread)."""
@@ -121,6 +125,17 @@ class NotebookChatView(ChatView):
         self._display = display
         self._handle = display({"text/plain": ""}, raw=True, display_id=True)
         self._progress_shown = False
+
+    def show_user(self, content: Any) -> None:
+        """Thumbnails (and file names) of the images the message carries, above the reply."""
+        if not isinstance(content, list):
+            return
+        thumbs = [thumbnail_html(p) for p in content
+                  if isinstance(p, dict) and p.get("type") == "image_url"]
+        if thumbs:
+            self._display({"text/html": '<div class="nbkv-images" style="margin:2px 0">'
+                                        + "".join(thumbs) + "</div>",
+                           "text/plain": f"[{len(thumbs)} image(s)]"}, raw=True)
 
     def _show_progress(self, phase: str, done: int, total: int) -> None:
         self._progress_shown = True
@@ -225,6 +240,31 @@ class LoadProgress:
             if note:
                 self._out.write(note + "\n")
             self._out.flush()
+
+
+def thumbnail_html(part: dict[str, Any], size: int = 96) -> str:
+    """A small inline picture of an ``image_url`` part, captioned with its file name."""
+    import base64
+    import io
+    from pathlib import Path
+
+    url = part.get("image_url")
+    url = url.get("url", "") if isinstance(url, dict) else str(url or "")
+    name = Path(url).name if not url.startswith("data:") else "image"
+    try:
+        from PIL import Image as PILImage
+
+        with PILImage.open(url) as im:
+            im.thumbnail((size, size))
+            buf = io.BytesIO()
+            im.convert("RGB").save(buf, format="PNG")
+        src = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        pic = f'<img src="{src}" alt="{html.escape(name)}" style="max-height:{size}px">'
+    except Exception:  # a data URI, or no PIL: the name alone
+        pic = ""
+    return (f'<figure style="display:inline-block;margin:0 8px 0 0;text-align:center">{pic}'
+            f'<figcaption style="font:11px sans-serif;color:#555">{html.escape(name)}'
+            f"</figcaption></figure>")
 
 
 def chat_view(notebook: bool, refresh: float = 0.1) -> ChatView:

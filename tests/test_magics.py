@@ -365,6 +365,11 @@ def test_images_through_the_magics(loaded, tmp_path):
         assert slot.n_media == 1
         images = [seg for seg in slot.segments if seg.kind == "image"]
         assert [(seg.length, seg.state) for seg in images] == [(16, "reused")]
+        assert images[0].image_name == "pic.png"  # hover names the file, not a hash
+        from nbkv.views import thumbnail_html
+
+        thumb = thumbnail_html(s.messages[0]["content"][0])
+        assert 'src="data:image/png;base64,' in thumb and "pic.png</figcaption>" in thumb
         strip = slots_table(nbkv.current_engine()).rows[second.slot][-1].text
         assert "I" in strip and "i" not in strip  # the image span, reused by the last turn
         # a Markdown image in the cell body is an image too, in its place in the text

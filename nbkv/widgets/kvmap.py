@@ -149,7 +149,7 @@ class KVMap(FeedView, W.VBox):
 def _hover(seg: Segment) -> list[Any]:
     text = seg.preview or ""
     if seg.is_media:
-        text = f"image {(getattr(seg, 'image_hash', None) or '')[:12]}"
+        text = f"image {seg.image_name or (seg.image_hash or '')[:12]}"
     return [seg.message, seg.role, seg.start, seg.end, html.escape(text)]
 
 
