@@ -3,14 +3,16 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml binder/requirements.txt | sha1sum | cut -c1-12)
 
 .PHONY: demo test test-fast bench lint clean browser
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml binder/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -e '.[model,notebook,test]'
+	# the notebook stack at the versions Binder pins (binder/requirements.txt): one tested set
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet \
+	  -c binder/requirements.txt -e '.[model,notebook,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -1,8 +1,9 @@
-"""The quickstart notebook in a real browser: JupyterLab on localhost, headless Chromium.
+"""The teaching notebooks in a real browser: JupyterLab on localhost, headless Chromium.
 
 Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
-cards and plotly figures rendered, without JavaScript errors. The screenshot goes to
-``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
+cards, plotly figures and legend rendered, without JavaScript errors; runs
+``02_how_imc_works.ipynb`` and checks the legend, the divergence marker and an explain
+output. Screenshots go to ``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 with a token, serving a copy of the notebooks."""
     _need_browser()
     root = tmp_path_factory.mktemp("lab")
-    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", root)
+    for name in ("01_quickstart.ipynb", "02_how_imc_works.ipynb"):
+        shutil.copy(ROOT / "notebooks" / name, root)
     home = tmp_path_factory.mktemp("jupyter-home")
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ,
@@ -115,7 +117,8 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
+def _run_notebook(lab, tmp_path, name: str, check) -> None:
+    """Open notebook ``name`` in JupyterLab, run all its cells, then ``check(page, shots)``."""
     from playwright.sync_api import sync_playwright
 
     base, token, root = lab
@@ -131,7 +134,7 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
             page.set_default_timeout(60_000)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
-            page.goto(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
+            page.goto(f"{base}/lab/tree/{name}?token={token}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                                    timeout=120_000)
@@ -142,23 +145,9 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
             page.click("li.lm-Menu-item[data-command='runmenu:run-all']")
             n_code = page.locator(".jp-CodeCell").count()
             _wait_until_done(page, n_code)
-            dash = page.locator(".nbkv-dashboard")
-            dash.wait_for(timeout=30_000)
-            dash.scroll_into_view_if_needed()
             page.wait_for_timeout(1500)  # the last throttled redraw
             _dismiss_toasts(page)
-            dash.screenshot(path=str(shots / "quickstart-dashboard.png"))
-            page.screenshot(path=str(shots / "quickstart.png"))
-            cards = page.locator(".nbkv-dashboard .nbkv-slot-card .nbkv-card")
-            assert cards.count() == 2
-            texts = [cards.nth(i).inner_text() for i in range(2)]
-            assert all("/2048 tokens" in t for t in texts) and any("bob" in t for t in texts)
-            assert page.locator(".nbkv-kvmap .js-plotly-plot").count() == 1
-            assert page.locator(".nbkv-timeline .js-plotly-plot").count() == 1
-            assert page.locator(".nbkv-kvmap .js-plotly-plot .barlayer .point").count() > 4
-            assert page.locator(".nbkv-timeline .js-plotly-plot .barlayer .point").count() > 4
-            # the %%chat replies and figures lines rendered too
-            assert page.locator(".nbkv-figures").count() >= 4
+            check(page, shots)
             body = page.locator(".jp-Notebook").inner_text()
             assert "Error displaying widget" not in body and "Traceback" not in body
         finally:
@@ -167,6 +156,53 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
     assert not errors, f"JavaScript errors: {errors}"
     ours = [c for c in console if OURS.search(c)]
     assert not ours, f"console errors from the widgets: {ours}"
+
+
+def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
+    def check(page, shots):
+        dash = page.locator(".nbkv-dashboard")
+        dash.wait_for(timeout=30_000)
+        dash.scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        dash.screenshot(path=str(shots / "quickstart-dashboard.png"))
+        page.screenshot(path=str(shots / "quickstart.png"))
+        cards = page.locator(".nbkv-dashboard .nbkv-slot-card .nbkv-card")
+        assert cards.count() == 2
+        texts = [cards.nth(i).inner_text() for i in range(2)]
+        assert all("/2048 tokens" in t for t in texts) and any("bob" in t for t in texts)
+        assert page.locator(".nbkv-kvmap .js-plotly-plot").count() == 1
+        assert page.locator(".nbkv-timeline .js-plotly-plot").count() == 1
+        assert page.locator(".nbkv-kvmap .js-plotly-plot .barlayer .point").count() > 4
+        assert page.locator(".nbkv-timeline .js-plotly-plot .barlayer .point").count() > 4
+        # one legend, visible at the top of the dashboard
+        assert page.locator(".nbkv-dashboard .nbkv-legend").is_visible()
+        # the %%chat replies and figures lines rendered too, with their why lines
+        assert page.locator(".nbkv-figures").count() >= 4
+        assert page.locator(".nbkv-why").count() >= 2  # each session's first turn
+        assert page.locator(".nbkv-explain").count() == 1
+
+    _run_notebook(lab, tmp_path, "01_quickstart.ipynb", check)
+
+
+def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
+    def check(page, shots):
+        explain = page.locator(".nbkv-explain").first
+        explain.scroll_into_view_if_needed()
+        explain.screenshot(path=str(shots / "imc-explain.png"))
+        assert explain.is_visible() and "edited" in explain.inner_text()
+        assert explain.locator(".nbkv-divergence").count() == 2  # cached and new side
+        legend = page.locator(".nbkv-table .nbkv-legend").first  # under %kvcache slots
+        legend.scroll_into_view_if_needed()
+        assert legend.is_visible() and "reused" in legend.inner_text()
+        kvmap = page.locator(".nbkv-kvmap").first
+        kvmap.scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        kvmap.screenshot(path=str(shots / "imc-kvmap.png"))
+        # the live map marks where the latest divergence happened (a triangle on a row)
+        assert kvmap.locator(".scatterlayer .point").count() >= 1
+        page.screenshot(path=str(shots / "imc.png"), full_page=True)
+
+    _run_notebook(lab, tmp_path, "02_how_imc_works.ipynb", check)
 
 
 def _dismiss_toasts(page) -> None:
