@@ -219,7 +219,7 @@ class ExplainReport:
     def _repr_html_(self) -> str:
         ch, ct, nh, nt = self._parts()
         esc = html.escape
-        cell = ("vertical-align:top;width:50%;padding:4px 8px;white-space:pre-wrap;"
+        cell = ("vertical-align:top;width:50%;padding:4px 8px;white-space:pre-wrap;text-align:left;"
                 "font:11px monospace;border:1px solid #e0e0e0")
 
         def side(head: str, tail: str, color: str, label: str) -> str:

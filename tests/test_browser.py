@@ -194,12 +194,12 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         legend = page.locator(".nbkv-table .nbkv-legend").first  # under %kvcache slots
         legend.scroll_into_view_if_needed()
         assert legend.is_visible() and "reused" in legend.inner_text()
-        kvmap = page.locator(".nbkv-kvmap").first
-        kvmap.scroll_into_view_if_needed()
+        snapshot = page.locator(".nbkv-kvmap").nth(1)  # the map taken right after the edit
+        snapshot.scroll_into_view_if_needed()
         page.wait_for_timeout(500)
-        kvmap.screenshot(path=str(shots / "imc-kvmap.png"))
-        # the live map marks where the latest divergence happened (a triangle on a row)
-        assert kvmap.locator(".scatterlayer .point").count() >= 1
+        snapshot.screenshot(path=str(shots / "imc-kvmap.png"))
+        # it marks where Alice's edited prompt left the cached conversation (a triangle)
+        assert snapshot.locator(".scatterlayer .point").count() >= 1
         page.screenshot(path=str(shots / "imc.png"), full_page=True)
 
     _run_notebook(lab, tmp_path, "02_how_imc_works.ipynb", check)

@@ -492,3 +492,15 @@ def test_one_legend_for_the_dashboard_and_the_slot_strips():
     assert [r[0] for r in table.rows] == ["requests", "reused from cache"]
     assert [r[0] for r in table.details] == ["evictions"]
     assert "<details>" in table._repr_html_() and table.note == ""
+
+
+def test_a_map_made_after_the_requests_starts_from_the_latest_one():
+    from nbkv.reasons import Divergence
+
+    eng = FakeEngine()
+    eng.set_slot(0, segments=SEGS, tokens=tuple(range(104)), session="alice", last_request=7)
+    div = Divergence(63, 2, "assistant", (), (), 63)
+    eng.publish(RequestFinished(record(6)))
+    eng.publish(RequestFinished(record(7, reason="edited", divergence=div)))
+    kv = KVMap(eng, Feed(eng, live=False))  # drawn once, right away: no flush
+    assert list(kv.traces["divergence"].x) == [63]

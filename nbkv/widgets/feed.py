@@ -104,6 +104,11 @@ class Feed:
         self._stop = threading.Event()
         self._last = 0.0
         self._unsubscribe = engine.subscribe(self._on_event)
+        # a view made after some requests starts from the latest one on each slot
+        slots = {s.index: s.last_request for s in engine.slots()}
+        for r in engine.history:
+            if slots.get(r.slot) == r.id:
+                self.state.last_by_slot[r.slot] = r
         self._thread: threading.Thread | None = None
         if live:
             self._thread = threading.Thread(target=self._run, name="nbkv-widgets", daemon=True)
