@@ -1,0 +1,110 @@
+"""Media-aware IMC on other vision families: generated text model + projector pairs.
+
+Each pair is a tiny random-weight text model (``nbkv.fixtures.make_text_model``) with a tiny
+projector of the matching type and width (``make_mmproj(text_width=64)``). The flows are the
+ones tests/test_vision.py runs on SmolLM2 + mlp: cached replies equal fresh ones (greedy),
+every slot's KV matches its record, one encoder run per distinct image.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_consistent
+from nbkv import Engine, policy
+from nbkv.errors import ProjectorError
+from nbkv.fixtures import make_mmproj, make_text_model
+
+pytest.importorskip("PIL.Image")
+MAX = 6
+SYSTEM = "You describe pictures. Be brief."
+
+#: (text family, projector type): the pairs nbkv serves with exact caching
+PAIRS = [("gemma3", "gemma3")]
+
+
+def picture(seed, size=32):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def image_msg(text, img):
+    return {"role": "user", "content": [{"type": "text", "text": text},
+                                        {"type": "image", "image": img}]}
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: f"{p[0]}+{p[1]}")
+def pair(request):
+    family, proj = request.param
+    return str(make_text_model(family)), str(make_mmproj(kind="tiny", projector=proj,
+                                                         text_width=64))
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    text, mmproj = pair
+    with Engine(text, mmproj=mmproj, n_slots=2, n_ctx=1024, n_threads=1) as e:
+        yield e
+
+
+def scratch(pair, messages):
+    text, mmproj = pair
+    with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=1024, cache="off", n_threads=1) as e:
+        return e.chat(messages, max_tokens=MAX, temperature=0).text
+
+
+def talk(engine, msgs, text_or_msg, session):
+    msgs.append(text_or_msg if isinstance(text_or_msg, dict)
+                else {"role": "user", "content": text_or_msg})
+    r = engine.chat(msgs, session=session, max_tokens=MAX, temperature=0)
+    msgs.append(r.message)
+    return r
+
+
+def test_four_requests_match_scratch_and_encode_once(engine, pair):
+    engine.clear()
+    msgs = [{"role": "system", "content": SYSTEM}]
+    records = []
+    for turn in (image_msg("What is in this picture?", picture(1)), "Describe its colours.",
+                 "What is two plus two?", "Back to the picture: is it bright?"):
+        r = talk(engine, msgs, turn, "pics")
+        assert r.text == scratch(pair, msgs[:-1]), f"turn {len(records) + 1}"
+        records.append(r.record)
+        assert_consistent(engine)
+    assert records[0].encoder_runs == 1 and records[0].media_chunks == 1
+    for r in records[1:]:
+        assert r.strategy == policy.HASH_EXTEND
+        assert r.encoder_runs == 0 and r.embedding_cache_hits == 0  # the image stays in KV
+        assert r.media_chunks == 1 and r.media_reused == 1
+    images = [s for s in records[-1].segments if s.kind == "image"]
+    assert len(images) == 1 and images[0].state == "reused"
+
+
+def test_images_added_mid_conversation_extend_the_slot(engine, pair):
+    engine.clear()
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for q in ("Hello!", "What can you do?"):
+        talk(engine, msgs, q, "mid")
+    held = next(s.n_tokens for s in engine.slots() if s.session == "mid")
+    r = talk(engine, msgs, image_msg("Now look at this.", picture(2)), "mid")
+    assert r.text == scratch(pair, msgs[:-1])
+    assert r.record.strategy == policy.HASH_EXTEND
+    assert r.record.reused_tokens >= held - 2  # the text conversation was not re-decoded
+    assert r.record.encoder_runs == 1
+    r2 = talk(engine, msgs, "And the corners?", "mid")
+    assert r2.text == scratch(pair, msgs[:-1])
+    assert r2.record.encoder_runs == 0 and r2.record.media_reused == 1
+    r3 = talk(engine, msgs, image_msg("Compare with this one.", picture(3)), "mid")
+    assert r3.text == scratch(pair, msgs[:-1])
+    assert r3.record.strategy == policy.HASH_EXTEND and r3.record.encoder_runs == 1
+    assert r3.record.media_chunks == 2 and r3.record.media_reused == 1
+    assert r3.record.reused_tokens > r2.record.prompt_tokens - 2
+    assert_consistent(engine)
+
+
+@pytest.mark.parametrize("family,proj", PAIRS)
+def test_a_projector_for_another_width_is_refused(family, proj):
+    text = str(make_text_model(family))
+    with pytest.raises(ProjectorError, match="64"):
+        Engine(text, mmproj=str(make_mmproj(kind="tiny", projector=proj, text_width=96)))
