@@ -46,7 +46,7 @@ import numpy as np
 #: Bump when the generator changes what it writes (invalidates cached files).
 FIXTURE_VERSION = 2
 
-PROJECTORS = ("mlp", "gemma3", "idefics3")
+PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2")
 KINDS = ("tiny", "realistic")
 
 
@@ -301,7 +301,7 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         for ln in ("ln1", "ln2"):
             w.add_tensor(f"{blk}.{ln}.weight", vec(e, base=1.0))
             w.add_tensor(f"{blk}.{ln}.bias", vec(e))
-    if spec.projector != "mlp":
+    if spec.projector not in ("mlp", "lfm2"):
         w.add_tensor("v.post_ln.weight", vec(e, base=1.0))
         w.add_tensor("v.post_ln.bias", vec(e))
 
@@ -315,6 +315,14 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor("mm.soft_emb_norm.weight", vec(e, base=1.0))
         # used transposed by clip.cpp: ne = [text_width, n_embd]
         w.add_tensor("mm.input_projection.weight", mat(out, e).T.copy())
+    elif spec.projector == "lfm2":  # pixel unshuffle, layer norm, mm.1 -> GELU -> mm.2
+        n_in = e * spec.scale_factor**2
+        w.add_tensor("mm.input_norm.weight", vec(n_in, base=1.0))
+        w.add_tensor("mm.input_norm.bias", vec(n_in))
+        w.add_tensor("mm.1.weight", mat(spec.mm_hidden, n_in))
+        w.add_tensor("mm.1.bias", vec(spec.mm_hidden))
+        w.add_tensor("mm.2.weight", mat(out, spec.mm_hidden))
+        w.add_tensor("mm.2.bias", vec(out))
     else:  # idefics3: pixel shuffle concatenates scale^2 patches, then one linear layer
         w.add_tensor("mm.model.fc.weight", mat(out, e * spec.scale_factor**2))
 
@@ -335,6 +343,18 @@ TEXT_MODEL_VERSION = 1
 #: sliding-window attention, hybrid (short convolutions + attention), recurrent (Mamba-2),
 #: hybrid (Mamba-2 + attention, Granite 4.0-H).
 TEXT_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid")
+
+#: Also accepted by :func:`make_text_model`, as text halves of vision pairs: plain attention
+#: (SmolVLM's text model is a llama).
+VISION_TEXT_FAMILIES = ("llama",)
+
+#: Special tokens a projector type's libmtmd path looks up in the text vocabulary (required
+#: ones and delimiters); ``make_text_model(vision=...)`` appends those SmolLM2 lacks.
+VISION_TOKENS: dict[str, tuple[str, ...]] = {
+    "gemma3": ("<start_of_image>", "<end_of_image>"),
+    "idefics3": ("<fake_token_around_image>", "<global-img>"),
+    "lfm2": ("<|img_thumbnail|>", "<|image_start|>", "<|image_end|>"),
+}
 
 
 @dataclass(frozen=True)
@@ -363,6 +383,7 @@ class TextModelSpec:
     n_ssm_head: int = 0
     n_group: int = 0
     d_conv: int = 0
+    extra_tokens: tuple[str, ...] = ()  # appended to the tokenizer (user-defined tokens)
     version: int = TEXT_MODEL_VERSION
 
     @property
@@ -372,13 +393,19 @@ class TextModelSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def text_model_spec(family: str, seed: int = 0) -> TextModelSpec:
+def text_model_spec(family: str, seed: int = 0, vision: str | None = None) -> TextModelSpec:
     """The shape :func:`make_text_model` uses for a family (64 wide, 4 layers, 2x32 heads)."""
-    if family not in TEXT_FAMILIES:
-        raise ValueError(f"family must be one of {TEXT_FAMILIES}, not {family!r}")
+    families = TEXT_FAMILIES + VISION_TEXT_FAMILIES
+    if family not in families:
+        raise ValueError(f"family must be one of {families}, not {family!r}")
+    if vision is not None and vision not in VISION_TOKENS:
+        raise ValueError(f"vision must be one of {tuple(VISION_TOKENS)}, not {vision!r}")
     src = _tokenizer_source()
+    extra = VISION_TOKENS[vision] if vision else ()
     common = dict(family=family, seed=seed, tokenizer=f"{src.name}:{src.stat().st_size}",
-                  n_vocab=49152, n_embd=64, n_layer=4)
+                  n_vocab=49152 + len(extra), n_embd=64, n_layer=4)
+    if extra:
+        common["extra_tokens"] = extra
     attn = dict(n_head=2, head_dim=32, n_ff=128)
     ssm = dict(d_inner=128, d_state=16, n_ssm_head=4, n_group=1, d_conv=4)
     if family == "gemma3":  # layers 0-2 slide over 8 tokens, layer 3 sees everything
@@ -387,6 +414,8 @@ def text_model_spec(family: str, seed: int = 0) -> TextModelSpec:
         return TextModelSpec(**common, **attn, n_head_kv=(0, 1, 0, 1), l_cache=3)
     if family == "mamba2":
         return TextModelSpec(**common, **ssm)
+    if family == "llama":
+        return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4)
     # granitehybrid: mamba2, mamba2, attention (no RoPE, as in Granite 4.0-H), mamba2
     return TextModelSpec(**common, **attn, **ssm, n_head_kv=(0, 0, 1, 0))
 
@@ -397,8 +426,8 @@ def _tokenizer_source() -> Path:
     return default_model_path()
 
 
-def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None
-                    ) -> Path:
+def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                    vision: str | None = None) -> Path:
     """Return the path of a tiny random-weight GGUF text model of ``family``, writing it if needed.
 
     ``family`` is one of :data:`TEXT_FAMILIES`: ``"gemma3"`` (sliding-window attention,
@@ -413,10 +442,16 @@ def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike 
     Files are cached like :func:`make_mmproj`'s (in ``cache_dir``, default :func:`cache_dir`)
     under a name derived from the parameters; a missing, truncated or foreign file is
     regenerated, atomically.
+
+    ``vision`` (a projector type of :data:`VISION_TOKENS`) appends the image special tokens
+    that projector's libmtmd path needs (``"<global-img>"`` for ``idefics3``, ...) as
+    user-defined tokens, making the text half of a vision pair; ``family`` may then also be
+    ``"llama"`` (plain attention, SmolVLM's text architecture).
     """
-    spec = text_model_spec(family, seed)
+    spec = text_model_spec(family, seed, vision)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
-    target = directory / f"textmodel-{family}-s{seed}-{spec.digest}.gguf"
+    tag = f"-{vision}" if vision else ""
+    target = directory / f"textmodel-{family}{tag}-s{seed}-{spec.digest}.gguf"
     return _cached(target, spec, _write_text_model)
 
 
@@ -424,11 +459,21 @@ def _default_cache_dir() -> Path:
     return cache_dir()
 
 
-def _copy_tokenizer(w, source: Path) -> int:
-    """Copy every ``tokenizer.*`` key of ``source`` into the writer; return the vocab size."""
+def _copy_tokenizer(w, source: Path, extra: tuple[str, ...] = ()) -> int:
+    """Copy every ``tokenizer.*`` key of ``source`` into the writer; return the vocab size.
+
+    ``extra`` tokens are appended as user-defined ones.
+    """
     import gguf
 
     fields, _ = _scan_gguf(source, lambda key: key.startswith("tokenizer."))
+    if extra:
+        for key, more in (("tokenizer.ggml.tokens", list(extra)),
+                          ("tokenizer.ggml.token_type", [4] * len(extra)),  # USER_DEFINED
+                          ("tokenizer.ggml.scores", [0.0] * len(extra))):
+            if key in fields:
+                vtype, sub, value = fields[key]
+                fields[key] = (vtype, sub, list(value) + more)
     for key, (vtype, sub, value) in fields.items():  # in the source's order
         w.add_key_value(key, value, gguf.GGUFValueType(vtype),
                         None if sub is None else gguf.GGUFValueType(sub))
@@ -442,7 +487,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
         raise ImportError("generating a model needs the gguf package: pip install gguf") from e
 
     family = spec.family
-    rng = np.random.default_rng([spec.seed, TEXT_FAMILIES.index(family)])
+    rng = np.random.default_rng([spec.seed, (TEXT_FAMILIES + VISION_TEXT_FAMILIES).index(family)])
     w = gguf.GGUFWriter(str(path), family)
 
     def mat(rows: int, cols: int, std: float | None = None) -> np.ndarray:
@@ -462,7 +507,8 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     w.add_string("nbkv.fixture.digest", spec.digest)
     w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_F16))
     w.add_uint32(f"{family}.vocab_size", spec.n_vocab)
-    w.add_uint32(f"{family}.context_length", 8192 if family in ("gemma3", "lfm2") else 1 << 20)
+    w.add_uint32(f"{family}.context_length",
+                 8192 if family in ("gemma3", "lfm2", "llama") else 1 << 20)
     w.add_uint32(f"{family}.embedding_length", e)
     w.add_uint32(f"{family}.block_count", spec.n_layer)
     w.add_uint32(f"{family}.feed_forward_length", spec.n_ff)
@@ -492,7 +538,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
         w.add_uint32(f"{family}.ssm.group_count", spec.n_group)
     if family == "granitehybrid":
         w.add_bool(f"{family}.rope.scaling.finetuned", False)  # Granite 4.0-H: no RoPE
-    n_vocab = _copy_tokenizer(w, _tokenizer_source())
+    n_vocab = _copy_tokenizer(w, _tokenizer_source(), spec.extra_tokens)
     if n_vocab != spec.n_vocab:
         raise ValueError(f"the tokenizer has {n_vocab} tokens, expected {spec.n_vocab}")
 
@@ -536,7 +582,10 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
         w.add_tensor(f"{blk}.attn_norm.weight", norm(e))
-        if family == "gemma3":
+        if family == "llama":
+            attention(blk, spec.n_head_kv[i])
+            ffn(blk)
+        elif family == "gemma3":
             attention(blk, spec.n_head_kv[i])
             w.add_tensor(f"{blk}.post_attention_norm.weight", norm(e))
             ffn(blk)

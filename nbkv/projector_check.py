@@ -34,7 +34,7 @@ KNOWN_PROJECTORS = frozenset("""
 """.split())
 
 #: Projector types whose files nbkv checks completely (keys, tensor names, shapes, types).
-VALIDATED_PROJECTORS = ("mlp", "gemma3", "idefics3")
+VALIDATED_PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2")
 
 # tokens libmtmd looks up in the text vocabulary by exact piece (mtmd.cpp, lookup_token); a
 # missing one becomes token -1 in a text chunk, which aborts the process when evaluated
@@ -445,6 +445,29 @@ def _check_tensors(
                 f"[n_out, {e}]"
             )
         return int(w.shape[0]), (side // k) ** 2
+    if ptype == "lfm2":  # pixel unshuffle, optional layer norm, mm.1 -> GELU -> mm.2
+        k = scale if scale is not None else 1
+        if k < 1 or side % k:
+            raise ProjectorError(f"{p} (lfm2): {side} patches per side do not unshuffle by {k}")
+        n_in = e * k * k
+        expect("mm.input_norm.weight", [n_in], required=False)
+        expect("mm.input_norm.bias", [n_in], required=False)
+        w1 = get("mm.1.weight")
+        if len(w1.shape) != 2 or int(w1.shape[0]) != n_in:
+            raise ProjectorError(
+                f"{p} (lfm2): mm.1.weight has shape {shape(w1)}, expected [{n_in}, hidden]"
+            )
+        hidden = int(w1.shape[1])
+        expect("mm.1.bias", [hidden], required=False)
+        w2 = get("mm.2.weight")
+        if len(w2.shape) != 2 or int(w2.shape[0]) != hidden:
+            raise ProjectorError(
+                f"{p} (lfm2): mm.2.weight has shape {shape(w2)}, expected [{hidden}, n_out]"
+            )
+        n_out = int(w2.shape[1])
+        expect("mm.2.bias", [n_out], required=False)
+        # libmtmd resizes the image to 64..256 tokens; this is the count at image_size
+        return n_out, (side // k) ** 2
     # idefics3: pixel shuffle by `scale` per side, then one linear layer
     k = scale if scale is not None else 1
     if k < 1 or side % k:
