@@ -239,7 +239,10 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
         style = {"reused": "", "prefilled": "opacity:0.6;",
                  "generated": "background-image:repeating-linear-gradient(45deg,transparent 0 "
                               "3px,rgba(255,255,255,.5) 3px 6px);"}.get(seg.state, "")
-        tip = html.escape(f"message {seg.message} · {seg.role} · tokens {seg.start}–{seg.end} "
+        where = f"tokens {seg.start}–{seg.end}"
+        if seg.is_media and seg.embeddings and seg.embeddings != seg.length:  # M-RoPE
+            where = f"positions {seg.start}–{seg.end} ({seg.embeddings} image tokens)"
+        tip = html.escape(f"message {seg.message} · {seg.role} · {where} "
                           f"· {seg.state}: {seg.preview}", quote=True)
         spans.append(f'<span title="{tip}" style="display:inline-block;height:12px;'
                      f"width:{100 * seg.length / cap:.2f}%;background:{color};{style}"

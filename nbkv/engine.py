@@ -1247,7 +1247,8 @@ class Engine:
                                   (max(a, cuts[1]), b, GENERATED)):
                 if hi > lo:
                     out.append(Segment(lo, hi, i, role, state, text))
-        runs = [(s.start, s.end, s.image_hash) for s in spans(p.tokens) if s.kind == "image"]
+        runs = [(s.start, s.end, s.image_hash, s.n_tokens)
+                for s in spans(p.tokens) if s.kind == "image"]
         if not runs:
             return tuple(out)
         marker = self.projector.marker if self.projector is not None else "\0"
@@ -1255,13 +1256,14 @@ class Engine:
         for seg in out:
             seg = replace(seg, preview=seg.preview.replace(marker, "[image]"))
             pos = seg.start
-            for a, b, h in runs:
+            for a, b, h, n_emb in runs:
                 lo, hi = max(a, seg.start), min(b, seg.end)
                 if hi <= lo:
                     continue
                 if lo > pos:
                     split.append(replace(seg, start=pos, end=lo))
-                split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h))
+                split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h,
+                                     embeddings=n_emb))
                 pos = hi
             if pos < seg.end:
                 split.append(replace(seg, start=pos, end=seg.end))

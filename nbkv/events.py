@@ -33,6 +33,9 @@ class Segment:
     preview: str = ""
     kind: str = "text"  # "text", or "image" for the positions an image's embeddings occupy
     image_hash: str | None = None
+    #: image segments: embeddings the image fed the model; with M-RoPE (Qwen-VL) more than
+    #: the KV positions it occupies (``length``)
+    embeddings: int = 0
 
     @property
     def length(self) -> int:

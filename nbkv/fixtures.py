@@ -46,7 +46,7 @@ import numpy as np
 #: Bump when the generator changes what it writes (invalidates cached files).
 FIXTURE_VERSION = 2
 
-PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2")
+PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger")
 KINDS = ("tiny", "realistic")
 
 
@@ -278,17 +278,23 @@ def _write(path: Path, spec: FixtureSpec) -> None:
     w.add_uint32("clip.vision.patch_size", p)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    if spec.projector != "mlp":
+    if spec.projector == "qwen2vl_merger":
+        w.add_uint32("clip.vision.spatial_merge_size", spec.scale_factor)
+    elif spec.projector != "mlp":
         w.add_uint32("clip.vision.projector.scale_factor", spec.scale_factor)
         w.add_bool("clip.use_gelu", True)
 
     # patch embedding: a p x p x 3 convolution, ne = [p, p, 3, n_embd]
     patch = rng.standard_normal((e, 3, p, p), dtype=np.float32) / np.sqrt(3 * p * p)
     w.add_tensor("v.patch_embd.weight", patch.astype(np.float16))
-    w.add_tensor("v.patch_embd.bias", vec(e))
-    # position embeddings are added to activations: F32, as llama.cpp's converter writes them
-    # (an F16 one makes ggml's CPU add abort the process for SigLIP-style graphs)
-    w.add_tensor("v.position_embd.weight", mat(spec.n_patches, e).astype(np.float32))
+    if spec.projector == "qwen2vl_merger":  # a second conv for the temporal pair; M-RoPE
+        patch1 = rng.standard_normal((e, 3, p, p), dtype=np.float32) / np.sqrt(3 * p * p)
+        w.add_tensor("v.patch_embd.weight.1", patch1.astype(np.float16))
+    else:
+        w.add_tensor("v.patch_embd.bias", vec(e))
+        # position embeddings are added to activations: F32, as llama.cpp's converter writes
+        # them (an F16 one makes ggml's CPU add abort the process for SigLIP-style graphs)
+        w.add_tensor("v.position_embd.weight", mat(spec.n_patches, e).astype(np.float32))
     for i in range(spec.n_layer):
         blk = f"v.blk.{i}"
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
@@ -301,7 +307,7 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         for ln in ("ln1", "ln2"):
             w.add_tensor(f"{blk}.{ln}.weight", vec(e, base=1.0))
             w.add_tensor(f"{blk}.{ln}.bias", vec(e))
-    if spec.projector not in ("mlp", "lfm2"):
+    if spec.projector not in ("mlp", "lfm2", "qwen2vl_merger"):
         w.add_tensor("v.post_ln.weight", vec(e, base=1.0))
         w.add_tensor("v.post_ln.bias", vec(e))
 
@@ -315,6 +321,12 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor("mm.soft_emb_norm.weight", vec(e, base=1.0))
         # used transposed by clip.cpp: ne = [text_width, n_embd]
         w.add_tensor("mm.input_projection.weight", mat(out, e).T.copy())
+    elif spec.projector == "qwen2vl_merger":  # 2x2 patches concatenated, mm.0 -> GELU -> mm.2
+        n_in = e * spec.scale_factor**2
+        w.add_tensor("mm.0.weight", mat(spec.mm_hidden, n_in))
+        w.add_tensor("mm.0.bias", vec(spec.mm_hidden))
+        w.add_tensor("mm.2.weight", mat(out, spec.mm_hidden))
+        w.add_tensor("mm.2.bias", vec(out))
     elif spec.projector == "lfm2":  # pixel unshuffle, layer norm, mm.1 -> GELU -> mm.2
         n_in = e * spec.scale_factor**2
         w.add_tensor("mm.input_norm.weight", vec(n_in, base=1.0))
@@ -346,7 +358,7 @@ TEXT_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid")
 
 #: Also accepted by :func:`make_text_model`, as text halves of vision pairs: plain attention
 #: (SmolVLM's text model is a llama).
-VISION_TEXT_FAMILIES = ("llama",)
+VISION_TEXT_FAMILIES = ("llama", "qwen2vl")
 
 #: Special tokens a projector type's libmtmd path looks up in the text vocabulary (required
 #: ones and delimiters); ``make_text_model(vision=...)`` appends those SmolLM2 lacks.
@@ -354,6 +366,7 @@ VISION_TOKENS: dict[str, tuple[str, ...]] = {
     "gemma3": ("<start_of_image>", "<end_of_image>"),
     "idefics3": ("<fake_token_around_image>", "<global-img>"),
     "lfm2": ("<|img_thumbnail|>", "<|image_start|>", "<|image_end|>"),
+    "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
 }
 
 
@@ -378,6 +391,7 @@ class TextModelSpec:
     n_swa: int = 0  # gemma3: sliding window; every swa_pattern-th layer is global
     swa_pattern: int = 0
     l_cache: int = 0  # lfm2: short-convolution length
+    rope_sections: tuple[int, ...] = ()  # qwen2vl: M-RoPE sections (t, h, w, -), sum head_dim/2
     d_inner: int = 0  # mamba2 / granitehybrid mixer
     d_state: int = 0
     n_ssm_head: int = 0
@@ -416,6 +430,8 @@ def text_model_spec(family: str, seed: int = 0, vision: str | None = None) -> Te
         return TextModelSpec(**common, **ssm)
     if family == "llama":
         return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4)
+    if family == "qwen2vl":  # M-RoPE: 16 rotated pairs per head, split time / height / width
+        return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4, rope_sections=(4, 6, 6, 0))
     # granitehybrid: mamba2, mamba2, attention (no RoPE, as in Granite 4.0-H), mamba2
     return TextModelSpec(**common, **attn, **ssm, n_head_kv=(0, 0, 1, 0))
 
@@ -508,7 +524,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_F16))
     w.add_uint32(f"{family}.vocab_size", spec.n_vocab)
     w.add_uint32(f"{family}.context_length",
-                 8192 if family in ("gemma3", "lfm2", "llama") else 1 << 20)
+                 8192 if family in ("gemma3", "lfm2", "llama", "qwen2vl") else 1 << 20)
     w.add_uint32(f"{family}.embedding_length", e)
     w.add_uint32(f"{family}.block_count", spec.n_layer)
     w.add_uint32(f"{family}.feed_forward_length", spec.n_ff)
@@ -527,6 +543,9 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
         w.add_uint32(f"{family}.attention.sliding_window_pattern", spec.swa_pattern)
         w.add_float32(f"{family}.rope.freq_base", 1_000_000.0)
         w.add_float32(f"{family}.rope.freq_base_swa", 10_000.0)
+    if spec.rope_sections:
+        w.add_key_value(f"{family}.rope.dimension_sections", list(spec.rope_sections),
+                        gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
     if family == "lfm2":
         w.add_uint32(f"{family}.shortconv.l_cache", spec.l_cache)
         w.add_float32(f"{family}.rope.freq_base", 1_000_000.0)
@@ -582,8 +601,12 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
         w.add_tensor(f"{blk}.attn_norm.weight", norm(e))
-        if family == "llama":
+        if family in ("llama", "qwen2vl"):
             attention(blk, spec.n_head_kv[i])
+            if family == "qwen2vl":  # Qwen2: biased q, k, v
+                for n, rows in (("q", spec.n_head * hd), ("k", hd), ("v", hd)):
+                    w.add_tensor(f"{blk}.attn_{n}.bias", vec(rows * (1 if n == "q" else
+                                                                      spec.n_head_kv[i])))
             ffn(blk)
         elif family == "gemma3":
             attention(blk, spec.n_head_kv[i])

@@ -21,9 +21,10 @@ MAX = 6
 SYSTEM = "You describe pictures. Be brief."
 
 #: (text family, projector type): the pairs nbkv serves with exact caching
-PAIRS = [("gemma3", "gemma3"), ("lfm2", "lfm2"), ("llama", "idefics3")]
+PAIRS = [("gemma3", "gemma3"), ("lfm2", "lfm2"), ("llama", "idefics3"),
+         ("qwen2vl", "qwen2vl_merger")]
 #: image chunks libmtmd makes of one 32-px picture (idefics3: an overview and one slice)
-CHUNKS = {"gemma3": 1, "lfm2": 1, "idefics3": 2}
+CHUNKS = {"gemma3": 1, "lfm2": 1, "idefics3": 2, "qwen2vl_merger": 1}
 
 
 def picture(seed, size=32):
@@ -123,3 +124,46 @@ def test_a_vocabulary_without_the_image_tokens_is_refused(family, proj):
     text = str(make_text_model(family, vision="gemma3"))  # other image tokens
     with pytest.raises(ProjectorError, match="image special token"):
         Engine(text, mmproj=str(make_mmproj(kind="tiny", projector=proj, text_width=64)))
+
+
+def test_mrope_images_advance_positions_not_tokens():
+    """Qwen2-VL: an image takes fewer KV positions than embeddings; the slot counts positions,
+    the KV map shows both, and the KV holds exactly the recorded positions."""
+    text = str(make_text_model("qwen2vl", vision="qwen2vl_merger"))
+    mmproj = str(make_mmproj(kind="tiny", projector="qwen2vl_merger", text_width=64))
+    with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=1024, n_threads=1) as e:
+        assert e.projector.uses_mrope
+        r = e.chat([image_msg("What?", picture(5))], max_tokens=MAX, temperature=0)
+        (img,) = [s for s in r.record.segments if s.kind == "image"]
+        assert img.embeddings > img.length > 0  # e.g. 3x3 embeddings on 3 positions
+        assert_consistent(e)  # the KV's last position + 1 == the slot's count
+        (slot,) = e.slots()
+        assert slot.n_tokens == sum(s.length for s in r.record.segments)  # positions
+
+
+def _variant(tmp_path, family, vision, **changes):
+    import dataclasses
+
+    from nbkv import fixtures
+
+    spec = dataclasses.replace(fixtures.text_model_spec(family, 0, vision), **changes)
+    return str(fixtures._cached(tmp_path / f"{family}-variant.gguf", spec,
+                                fixtures._write_text_model))
+
+
+def test_wrong_dimension_sections_are_refused(tmp_path):
+    mmproj = str(make_mmproj(kind="tiny", projector="qwen2vl_merger", text_width=64))
+    text = _variant(tmp_path, "qwen2vl", "qwen2vl_merger", rope_sections=(4, 4, 4, 0))
+    with pytest.raises(ProjectorError, match=r"dimension_sections \[4, 4, 4, 0\] sum to 12"):
+        Engine(text, mmproj=mmproj)
+
+
+def test_mrope_and_single_position_pairs_do_not_mix():
+    qwen_text = str(make_text_model("qwen2vl", vision="qwen2vl_merger"))
+    with pytest.raises(ProjectorError, match="multi-axis"):
+        Engine(qwen_text, mmproj=str(make_mmproj(kind="tiny", projector="gemma3",
+                                                  text_width=64)))
+    plain = str(make_text_model("llama", vision="qwen2vl_merger"))
+    with pytest.raises(ProjectorError, match="M-RoPE"):
+        Engine(plain, mmproj=str(make_mmproj(kind="tiny", projector="qwen2vl_merger",
+                                             text_width=64)))
