@@ -323,6 +323,10 @@ class Engine:
             source = template or self.model.chat_template or CHATML
             self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
             slot_ctx = -(-max(n_ctx, 256) // 256) * 256
+            if mmproj is not None:  # a non-causal image must fit one micro-batch
+                from .projector_check import batch_for_projector
+
+                n_batch = batch_for_projector(mmproj, n_batch)
             self.ctx = Context(self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
                                flash_attn=1 if flash_attn else 0)
         except BaseException:
@@ -1104,6 +1108,7 @@ class Engine:
         near_end = len(slot.redo) - REPLY_TAIL if kv.memory.checkpoints else 0
         take = chunk_length(len(slot.redo), REWRITE_CHUNK, (),
                             (near_end,) if near_end > 0 else ())
+        take = min(take, self.ctx.n_batch)
         toks = slot.redo[:take]
         batch = self._batch
         batch.clear()

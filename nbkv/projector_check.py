@@ -532,6 +532,33 @@ def _check_tensors(
     return int(w.shape[1]), (side // k) ** 2
 
 
+#: Projector types whose image chunks libmtmd decodes with non-causal attention, in one batch
+#: (``mtmd_decode_use_non_causal``): the micro-batch must hold a whole image chunk.
+NON_CAUSAL_PROJECTORS = ("gemma3", "gemma4uv", "deepseek4v")
+
+
+def batch_for_projector(path: str | os.PathLike | None, n_batch: int) -> int:
+    """``n_batch`` raised, with a log line, to hold one image chunk of a non-causal projector.
+
+    Gemma 3's image tokens attend to each other both ways, so libmtmd decodes a whole image in
+    one micro-batch; a smaller one makes llama.cpp assert. The count is the projector's tokens
+    per image (fixed for these types: the image is resized to ``image_size``). Anything this
+    cannot read is left to :func:`inspect_projector`, which reports it properly.
+    """
+    if path is None:
+        return n_batch
+    try:
+        info = inspect_projector(path, trust=True)
+    except ProjectorError:
+        return n_batch
+    need = info.tokens_per_tile
+    if info.projector_type in NON_CAUSAL_PROJECTORS and need and need > n_batch:
+        log.info("n_batch raised from %d to %d: %s images are decoded in one non-causal "
+                 "batch of %d tokens", n_batch, need, info.projector_type, need)
+        return need
+    return n_batch
+
+
 def _check_rope_sections(model: Model) -> None:
     """Check an M-RoPE text model's ``rope.dimension_sections``.
 

@@ -167,3 +167,17 @@ def test_mrope_and_single_position_pairs_do_not_mix():
     with pytest.raises(ProjectorError, match="M-RoPE"):
         Engine(plain, mmproj=str(make_mmproj(kind="tiny", projector="qwen2vl_merger",
                                              text_width=64)))
+
+
+def test_a_micro_batch_too_small_for_a_non_causal_image_is_sized_up(caplog):
+    """Gemma 3 decodes an image in one non-causal batch: n_batch is raised to hold it."""
+    text = str(make_text_model("gemma3", vision="gemma3"))
+    mmproj = str(make_mmproj(kind="tiny", projector="gemma3", text_width=64))
+    msgs = [{"role": "system", "content": SYSTEM}, image_msg("What?", picture(6))]
+    with caplog.at_level("INFO", logger="nbkv"):
+        with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=512, n_batch=2, n_threads=1) as e:
+            assert e.ctx.n_batch == e.ctx.n_ubatch == 4  # 4 tokens per tiny gemma3 image
+            small = e.chat(msgs, max_tokens=MAX, temperature=0).text
+    assert any("n_batch raised from 2 to 4" in r.getMessage() for r in caplog.records)
+    with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=512, n_threads=1) as e:
+        assert e.chat(msgs, max_tokens=MAX, temperature=0).text == small
