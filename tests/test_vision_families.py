@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_consistent
+from nbkv.backend import Batch, Context
 from nbkv import Engine, policy
 from nbkv.errors import ProjectorError
 from nbkv.fixtures import make_mmproj, make_text_model
@@ -69,6 +70,43 @@ def talk(engine, msgs, text_or_msg, session):
     return r
 
 
+def assert_kv_exact(engine, session, prompt_msgs, probe=42):
+    """The session's slot KV equals a from-scratch decode of its units: the prompt of
+    ``prompt_msgs`` (text and image chunks, images from the embedding cache) then the reply
+    tokens; compared by the logits of a probe token, ``np.array_equal``."""
+    engine.settle()
+    assert_consistent(engine)
+    (slot,) = [s for s in engine.slots() if s.session == session]
+    cached = np.array(engine.probe(slot.index, probe))
+    prompt = engine._call(lambda: engine._prepare(prompt_msgs, "error", 1))
+    units = list(slot.tokens)
+    assert units[:len(prompt.tokens)] == list(prompt.tokens)
+    ctx, batch = Context(engine.model, 2048, 1, 256), Batch(256)
+    try:
+        pos = 0
+        for chunk in prompt.media.chunks:
+            if chunk.is_image:
+                pos = engine.projector.decode_chunk(ctx, chunk, 0, pos)
+            else:
+                batch.clear()
+                batch.add_run(list(chunk.tokens), pos, 0, False)
+                ctx.decode(batch)
+                pos += len(chunk.tokens)
+        assert pos == len(prompt.tokens)
+        tail = units[len(prompt.tokens):] + [probe, probe]
+        batch.clear()
+        for j, t in enumerate(tail):
+            batch.add(t, pos + j, 0, j == len(tail) - 2)
+        ctx.decode(batch)
+        fresh = np.array(ctx.logits(len(tail) - 2))
+    finally:
+        batch.close()
+        ctx.close()
+    assert np.array_equal(cached, fresh), (
+        f"slot {slot.index} ({slot.memory}): KV differs from a fresh decode, "
+        f"max |diff| {np.abs(cached - fresh).max()}")
+
+
 def test_four_requests_match_scratch_and_encode_once(engine, pair):
     k = CHUNKS[pair_type(pair)]
     engine.clear()
@@ -79,7 +117,7 @@ def test_four_requests_match_scratch_and_encode_once(engine, pair):
         r = talk(engine, msgs, turn, "pics")
         assert r.text == scratch(pair, msgs[:-1]), f"turn {len(records) + 1}"
         records.append(r.record)
-        assert_consistent(engine)
+        assert_kv_exact(engine, "pics", msgs[:-1])
     assert records[0].encoder_runs == 1 and records[0].media_chunks == k
     for r in records[1:]:
         assert r.strategy == policy.HASH_EXTEND
@@ -109,7 +147,7 @@ def test_images_added_mid_conversation_extend_the_slot(engine, pair):
     assert r3.record.strategy == policy.HASH_EXTEND and r3.record.encoder_runs == 1
     assert r3.record.media_chunks == 2 * k and r3.record.media_reused == k
     assert r3.record.reused_tokens > r2.record.prompt_tokens - 2
-    assert_consistent(engine)
+    assert_kv_exact(engine, "mid", msgs[:-1])
 
 
 @pytest.mark.parametrize("family,proj", PAIRS)
