@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import assert_consistent
-from nbkv.backend import Batch, Context
 from nbkv import Engine, policy
+from nbkv.backend import Batch, Context
 from nbkv.errors import ProjectorError
 from nbkv.fixtures import make_mmproj, make_text_model
 
