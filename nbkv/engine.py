@@ -224,6 +224,7 @@ class _Job:
         self.drafted = 0  # guesses decoded (speculative, exact mode)
         self.accepted = 0  # ... that the model confirmed
         self.encoding: Future | None = None  # the vision encoder working for this request
+        self.image_piece = 0  # sub-batches of the image at the head of todo already in KV
         self.embeddings: dict[str, Any] = {}  # image hash -> its embeddings, once known
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
@@ -907,6 +908,9 @@ class Engine:
         """
         for job in list(self._active):
             if job.cancel.is_set():
+                if job.image_piece:  # drop the part of an image decoded so far
+                    self.ctx.try_seq_rm(job.slot.seq_id, len(job.slot.kv), -1)
+                    job.image_piece = 0
                 self._finish(job, "cancelled")
         by_id = {j.id: j for j in self._active}
         generating = [j for j in self._active if j.next_token is not None]
@@ -976,16 +980,25 @@ class Engine:
             except BaseException as e:  # noqa: BLE001
                 self._fail(job, e, "error")
                 return True
-        elif chunk.sub_index == 0:  # the same picture again in this prompt
+        elif chunk.sub_index == 0 and not job.image_piece:  # the same picture again
             job.embedding_hits += 1
         job.embeddings[h] = emb
         slot = job.slot
+        # a big causal image goes in sub-batches, one per step, between the other
+        # requests' tokens (a non-causal one is a single batch)
+        total = self.projector.pieces(self.ctx, chunk)
+        piece = job.image_piece
         try:
             self.projector.decode_chunk(self.ctx, chunk, slot.seq_id, len(slot.kv),
-                                        embedding=emb)
+                                        embedding=emb, piece=piece if total > 1 else None)
         except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
+            job.image_piece = 0
             self._fail(job, e, "error")
             return True
+        if piece + 1 < total:
+            job.image_piece = piece + 1
+            return True
+        job.image_piece = 0
         slot.kv.extend(job.todo[:n])
         del job.todo[:n]
         slot.kv.checkpoint()  # a follow-up question never re-decodes the image

@@ -219,3 +219,38 @@ def test_a_micro_batch_too_small_for_a_non_causal_image_is_sized_up(caplog):
     assert any("n_batch raised from 2 to 4" in r.getMessage() for r in caplog.records)
     with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=512, n_threads=1) as e:
         assert e.chat(msgs, max_tokens=MAX, temperature=0).text == small
+
+
+def test_a_big_image_is_decoded_between_other_sessions_tokens():
+    """A causal image bigger than n_batch goes into KV one sub-batch per scheduler step, and
+    another session's generation runs between them (counted on the scheduler thread: no
+    timing). The result is exact."""
+    text = str(make_text_model("lfm2", vision="lfm2"))
+    mmproj = str(make_mmproj(kind="tiny", projector="lfm2", text_width=64))
+    with Engine(text, mmproj=mmproj, n_slots=2, n_ctx=1024, n_batch=16, n_threads=1) as e:
+        log = []
+        decode_chunk, decode = e.projector.decode_chunk, e.ctx.decode
+
+        def logged_chunk(*a, **k):
+            log.append(("piece", k.get("piece")))
+            return decode_chunk(*a, **k)
+
+        def logged_decode(batch):
+            log.append(("decode", None))
+            return decode(batch)
+
+        e.projector.decode_chunk, e.ctx.decode = logged_chunk, logged_decode
+        talker = e.chat([{"role": "user", "content": "Tell me a long story."}], session="text",
+                        stream=True, max_tokens=120, temperature=0)
+        first = next(iter(talker))  # the text session is generating
+        msgs = [{"role": "system", "content": SYSTEM}, image_msg("What?", picture(7))]
+        r = e.chat(msgs, session="img", max_tokens=MAX, temperature=0)
+        rest = list(talker)
+        assert first is not None and rest
+        pieces = [i for i, (kind, p) in enumerate(log) if kind == "piece"]
+        assert [log[i][1] for i in pieces] == [0, 1, 2, 3]  # 64 embeddings, 16 per step
+        between = [kind for kind, _ in log[pieces[0]:pieces[-1]] if kind == "decode"]
+        assert len(between) >= 3  # the other session's tokens, one step each
+        assert r.record.encoder_runs == 1
+        e.projector.decode_chunk, e.ctx.decode = decode_chunk, decode
+        assert_kv_exact(e, "img", msgs)
