@@ -18,15 +18,20 @@ Two sizes:
   per image, ``gemma3`` (4x4 average pooling) 64.
 
 Projector heads: ``mlp`` (LLaVA-1.5: ``mm.0`` -> GELU -> ``mm.2``), ``gemma3`` (pooling,
-RMS norm, ``mm.input_projection``) and ``idefics3`` (SmolVLM's pixel shuffle + ``mm.model.fc``;
+RMS norm, ``mm.input_projection``), ``idefics3`` (SmolVLM's pixel shuffle + ``mm.model.fc``;
 it needs image special tokens that SmolLM2 lacks, which is what makes it a useful *wrong*
-projector in tests). llama.cpp's ``tools/mtmd/clip.cpp`` is the authority on keys and shapes.
+projector in tests), ``lfm2`` (pixel unshuffle, layer norm, ``mm.1`` -> GELU -> ``mm.2``;
+libmtmd resizes images to 64..256 tokens) and ``qwen2vl_merger`` (Qwen2-VL: two patch
+convolutions, M-RoPE inside the ViT, 2x2 merge, ``mm.0`` -> GELU -> ``mm.2``). llama.cpp's
+``tools/mtmd/clip.cpp`` is the authority on keys and shapes.
 
 :func:`make_text_model` writes tiny text models (~14 MB, 64 wide, 4 layers) of the memory
 classes SmolLM2 does not cover, with SmolLM2's tokenizer: ``gemma3`` (sliding-window
 attention), ``lfm2`` (short convolutions + attention), ``mamba2`` (recurrent) and
-``granitehybrid`` (Mamba-2 + attention). Their loaders in llama.cpp's ``src/models/`` are the
-authority on keys and shapes.
+``granitehybrid`` (Mamba-2 + attention); and, as text halves of vision pairs, ``llama``
+(plain attention) and ``qwen2vl`` (M-RoPE, ``rope.dimension_sections``), with
+``vision=PROJECTOR_TYPE`` appending that projector's image special tokens to the vocabulary.
+Their loaders in llama.cpp's ``src/models/`` are the authority on keys and shapes.
 """
 
 from __future__ import annotations
