@@ -254,3 +254,28 @@ def test_a_big_image_is_decoded_between_other_sessions_tokens():
         assert r.record.encoder_runs == 1
         e.projector.decode_chunk, e.ctx.decode = decode_chunk, decode
         assert_kv_exact(e, "img", msgs)
+
+
+@pytest.mark.parametrize("proj,change,reason", [
+    ("qwen2vl_merger", {"drop": ("v.patch_embd.weight.1",)}, "missing tensor v.patch_embd"),
+    ("qwen2vl_merger", {"keys": {"clip.vision.spatial_merge_size": (3, "u32")}},
+     "spatial_merge_size 3"),
+    ("qwen2vl_merger", {"drop": ("mm.2.weight", "mm.2.bias")}, "missing tensor mm.2.weight"),
+    ("lfm2", {"drop": ("mm.1.weight", "mm.1.bias")}, "missing tensor mm.1.weight"),
+    ("lfm2", {"keys": {"clip.vision.projector.scale_factor": (3, "u32")}},
+     "do not unshuffle by 3"),
+])
+def test_malformed_projectors_are_refused_with_the_reason(proj, change, reason, tmp_path):
+    """Generated malformed files of each new type: a ProjectorError, never a native abort."""
+    import gguf
+    from test_media import rewrite
+
+    family = {"qwen2vl_merger": "qwen2vl", "lfm2": "lfm2"}[proj]
+    change = dict(change)
+    if "keys" in change:
+        change["keys"] = {k: (v, gguf.GGUFValueType.UINT32) for k, (v, _) in
+                          change["keys"].items()}
+    bad = rewrite(make_mmproj(kind="tiny", projector=proj, text_width=64),
+                  tmp_path / "bad.gguf", **change)
+    with pytest.raises(ProjectorError, match=reason):
+        Engine(str(make_text_model(family, vision=proj)), mmproj=str(bad))
