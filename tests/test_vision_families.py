@@ -279,3 +279,20 @@ def test_malformed_projectors_are_refused_with_the_reason(proj, change, reason, 
                   tmp_path / "bad.gguf", **change)
     with pytest.raises(ProjectorError, match=reason):
         Engine(str(make_text_model(family, vision=proj)), mmproj=str(bad))
+
+
+def test_an_edited_question_after_the_image_keeps_the_image(engine, pair):
+    """Prefix reuse after an edit lands on a position boundary, never inside the image: the
+    image is reused (not re-encoded, not re-decoded) and the KV stays exact."""
+    k = CHUNKS[pair_type(pair)]
+    engine.clear()
+    msgs = [{"role": "system", "content": SYSTEM}]
+    talk(engine, msgs, image_msg("What is this?", picture(8)), "ed")
+    talk(engine, msgs, "Is it bright?", "ed")
+    msgs[-2] = {"role": "user", "content": "Is it dark?"}  # edit the last question
+    del msgs[-1]
+    r = engine.chat(msgs, session="ed", max_tokens=MAX, temperature=0)
+    assert r.record.encoder_runs == 0 and r.record.media_reused == k
+    assert r.text == scratch(pair, msgs)
+    msgs.append(r.message)
+    assert_kv_exact(engine, "ed", msgs[:-1])
