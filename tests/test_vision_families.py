@@ -296,3 +296,16 @@ def test_an_edited_question_after_the_image_keeps_the_image(engine, pair):
     assert r.text == scratch(pair, msgs)
     msgs.append(r.message)
     assert_kv_exact(engine, "ed", msgs[:-1])
+
+
+def test_the_embedding_cache_skips_the_encoder_after_eviction(pair):
+    text, mmproj = pair
+    with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=1024, n_threads=1) as e:
+        a = [{"role": "system", "content": SYSTEM}]
+        assert talk(e, a, image_msg("What is this?", picture(4)), "a").record.encoder_runs == 1
+        talk(e, [{"role": "system", "content": "Unrelated."}], "Hi there", "b")  # evicts a
+        r = talk(e, a, "Tell me more.", "a")
+        assert r.record.evicted_session == "b"
+        assert r.record.encoder_runs == 0 and r.record.embedding_cache_hits == 1
+        assert r.text == scratch(pair, a[:-1])
+        assert_kv_exact(e, "a", a[:-1])
