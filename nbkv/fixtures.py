@@ -21,8 +21,9 @@ Projector heads: ``mlp`` (LLaVA-1.5: ``mm.0`` -> GELU -> ``mm.2``), ``gemma3`` (
 RMS norm, ``mm.input_projection``), ``idefics3`` (SmolVLM's pixel shuffle + ``mm.model.fc``;
 it needs image special tokens that SmolLM2 lacks, which is what makes it a useful *wrong*
 projector in tests), ``lfm2`` (pixel unshuffle, layer norm, ``mm.1`` -> GELU -> ``mm.2``;
-libmtmd resizes images to 64..256 tokens) and ``qwen2vl_merger`` (Qwen2-VL: two patch
-convolutions, M-RoPE inside the ViT, 2x2 merge, ``mm.0`` -> GELU -> ``mm.2``). llama.cpp's
+libmtmd resizes images to 64..256 tokens), ``qwen2vl_merger`` (Qwen2-VL: two patch
+convolutions, M-RoPE inside the ViT, 2x2 merge, ``mm.0`` -> GELU -> ``mm.2``) and
+``qwen2.5vl_merger`` (the same with window attention and SwiGLU blocks). llama.cpp's
 ``tools/mtmd/clip.cpp`` is the authority on keys and shapes.
 
 :func:`make_text_model` writes tiny text models (~14 MB, 64 wide, 4 layers) of the memory
@@ -51,7 +52,8 @@ import numpy as np
 #: Bump when the generator changes what it writes (invalidates cached files).
 FIXTURE_VERSION = 2
 
-PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger")
+PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger")
+_QWEN = ("qwen2vl_merger", "qwen2.5vl_merger")
 KINDS = ("tiny", "realistic")
 
 
@@ -283,8 +285,11 @@ def _write(path: Path, spec: FixtureSpec) -> None:
     w.add_uint32("clip.vision.patch_size", p)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    if spec.projector == "qwen2vl_merger":
+    if spec.projector in _QWEN:
         w.add_uint32("clip.vision.spatial_merge_size", spec.scale_factor)
+        if spec.projector == "qwen2.5vl_merger":  # window attention; every 2nd layer full
+            w.add_uint32("clip.vision.n_wa_pattern", 2)
+            w.add_bool("clip.use_silu", True)
     elif spec.projector != "mlp":
         w.add_uint32("clip.vision.projector.scale_factor", spec.scale_factor)
         w.add_bool("clip.use_gelu", True)
@@ -292,7 +297,7 @@ def _write(path: Path, spec: FixtureSpec) -> None:
     # patch embedding: a p x p x 3 convolution, ne = [p, p, 3, n_embd]
     patch = rng.standard_normal((e, 3, p, p), dtype=np.float32) / np.sqrt(3 * p * p)
     w.add_tensor("v.patch_embd.weight", patch.astype(np.float16))
-    if spec.projector == "qwen2vl_merger":  # a second conv for the temporal pair; M-RoPE
+    if spec.projector in _QWEN:  # a second conv for the temporal pair; M-RoPE
         patch1 = rng.standard_normal((e, 3, p, p), dtype=np.float32) / np.sqrt(3 * p * p)
         w.add_tensor("v.patch_embd.weight.1", patch1.astype(np.float16))
     else:
@@ -309,10 +314,13 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor(f"{blk}.ffn_up.bias", vec(spec.n_ff))
         w.add_tensor(f"{blk}.ffn_down.weight", mat(e, spec.n_ff))
         w.add_tensor(f"{blk}.ffn_down.bias", vec(e))
+        if spec.projector == "qwen2.5vl_merger":  # SwiGLU
+            w.add_tensor(f"{blk}.ffn_gate.weight", mat(spec.n_ff, e))
+            w.add_tensor(f"{blk}.ffn_gate.bias", vec(spec.n_ff))
         for ln in ("ln1", "ln2"):
             w.add_tensor(f"{blk}.{ln}.weight", vec(e, base=1.0))
             w.add_tensor(f"{blk}.{ln}.bias", vec(e))
-    if spec.projector not in ("mlp", "lfm2", "qwen2vl_merger"):
+    if spec.projector not in ("mlp", "lfm2", *_QWEN):
         w.add_tensor("v.post_ln.weight", vec(e, base=1.0))
         w.add_tensor("v.post_ln.bias", vec(e))
 
@@ -326,7 +334,7 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor("mm.soft_emb_norm.weight", vec(e, base=1.0))
         # used transposed by clip.cpp: ne = [text_width, n_embd]
         w.add_tensor("mm.input_projection.weight", mat(out, e).T.copy())
-    elif spec.projector == "qwen2vl_merger":  # 2x2 patches concatenated, mm.0 -> GELU -> mm.2
+    elif spec.projector in _QWEN:  # 2x2 patches concatenated, mm.0 -> GELU -> mm.2
         n_in = e * spec.scale_factor**2
         w.add_tensor("mm.0.weight", mat(spec.mm_hidden, n_in))
         w.add_tensor("mm.0.bias", vec(spec.mm_hidden))
@@ -372,6 +380,7 @@ VISION_TOKENS: dict[str, tuple[str, ...]] = {
     "idefics3": ("<fake_token_around_image>", "<global-img>"),
     "lfm2": ("<|img_thumbnail|>", "<|image_start|>", "<|image_end|>"),
     "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
 }
 
 

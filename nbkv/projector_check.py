@@ -34,7 +34,9 @@ KNOWN_PROJECTORS = frozenset("""
 """.split())
 
 #: Projector types whose files nbkv checks completely (keys, tensor names, shapes, types).
-VALIDATED_PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger")
+VALIDATED_PROJECTORS = (
+    "mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger"
+)
 
 #: Projector types that give image tokens multi-axis (M-RoPE) positions: their text model must
 #: use M-RoPE, and an M-RoPE text model needs one of them.
@@ -387,7 +389,9 @@ def _check_tensors(
             f"{p} ({ptype}): v.patch_embd.weight is {pe.tensor_type.name} {shape(pe)}, "
             f"the graph needs F16/F32 {[patch, patch, 3, e]}"
         )
-    qwen = ptype == "qwen2vl_merger"
+    qwen = ptype in MROPE_PROJECTORS
+    if ptype == "qwen2.5vl_merger" and fld("clip.vision.n_wa_pattern") is None:
+        raise ProjectorError(f"{p} ({ptype}): missing clip.vision.n_wa_pattern")
     if qwen:  # two convolutions (a temporal pair), M-RoPE instead of position embeddings
         pe1 = get("v.patch_embd.weight.1")
         if shape(pe1) != [patch, patch, 3, e] or pe1.tensor_type not in (F32, F16):
@@ -433,7 +437,10 @@ def _check_tensors(
             )
         expect(up_b, [n_ff], required=False)
         expect(down_b, [e], required=False)
-        if f"{b}.ffn_gate.weight" in tensors or f"{b}.ffn_gate_exps.weight" in tensors:
+        if ptype == "qwen2.5vl_merger":  # SwiGLU: the gate is shaped like up
+            expect(f"{b}.ffn_gate.weight", shape(get(up_b.replace("bias", "weight"))))
+            expect(f"{b}.ffn_gate.bias", [n_ff], required=False)
+        elif f"{b}.ffn_gate.weight" in tensors or f"{b}.ffn_gate_exps.weight" in tensors:
             raise ProjectorError(f"{p} ({ptype}): gated / MoE vision FFNs are not validated")
 
     if ptype == "mlp":

@@ -23,9 +23,9 @@ SYSTEM = "You describe pictures. Be brief."
 
 #: (text family, projector type): the pairs nbkv serves with exact caching
 PAIRS = [("gemma3", "gemma3"), ("lfm2", "lfm2"), ("llama", "idefics3"),
-         ("qwen2vl", "qwen2vl_merger")]
+         ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger")]
 #: image chunks libmtmd makes of one 32-px picture (idefics3: an overview and one slice)
-CHUNKS = {"gemma3": 1, "lfm2": 1, "idefics3": 2, "qwen2vl_merger": 1}
+CHUNKS = {"gemma3": 1, "lfm2": 1, "idefics3": 2, "qwen2vl_merger": 1, "qwen2.5vl_merger": 1}
 
 
 def picture(seed, size=32):
@@ -261,6 +261,8 @@ def test_a_big_image_is_decoded_between_other_sessions_tokens():
     ("qwen2vl_merger", {"keys": {"clip.vision.spatial_merge_size": (3, "u32")}},
      "spatial_merge_size 3"),
     ("qwen2vl_merger", {"drop": ("mm.2.weight", "mm.2.bias")}, "missing tensor mm.2.weight"),
+    ("qwen2.5vl_merger", {"drop": ("clip.vision.n_wa_pattern",)}, "missing clip.vision.n_wa"),
+    ("qwen2.5vl_merger", {"drop": ("v.blk.0.ffn_gate.weight",)}, "missing tensor v.blk.0.ffn_g"),
     ("lfm2", {"drop": ("mm.1.weight", "mm.1.bias")}, "missing tensor mm.1.weight"),
     ("lfm2", {"keys": {"clip.vision.projector.scale_factor": (3, "u32")}},
      "do not unshuffle by 3"),
@@ -270,7 +272,7 @@ def test_malformed_projectors_are_refused_with_the_reason(proj, change, reason, 
     import gguf
     from test_media import rewrite
 
-    family = {"qwen2vl_merger": "qwen2vl", "lfm2": "lfm2"}[proj]
+    family = {"qwen2vl_merger": "qwen2vl", "qwen2.5vl_merger": "qwen2vl", "lfm2": "lfm2"}[proj]
     change = dict(change)
     if "keys" in change:
         change["keys"] = {k: (v, gguf.GGUFValueType.UINT32) for k, (v, _) in
