@@ -909,8 +909,8 @@ class Engine:
         for job in list(self._active):
             if job.cancel.is_set():
                 if job.image_piece:  # drop the part of an image decoded so far
-                    self.ctx.try_seq_rm(job.slot.seq_id, len(job.slot.kv), -1)
                     job.image_piece = 0
+                    job.slot.kv.resync()
                 self._finish(job, "cancelled")
         by_id = {j.id: j for j in self._active}
         generating = [j for j in self._active if j.next_token is not None]

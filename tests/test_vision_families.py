@@ -8,6 +8,8 @@ every slot's KV matches its record, one encoder run per distinct image.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -311,3 +313,33 @@ def test_the_embedding_cache_skips_the_encoder_after_eviction(pair):
         assert r.record.encoder_runs == 0 and r.record.embedding_cache_hits == 1
         assert r.text == scratch(pair, a[:-1])
         assert_kv_exact(e, "a", a[:-1])
+
+
+@pytest.mark.parametrize("family,proj", [("lfm2", "lfm2"), ("qwen2vl", "qwen2vl_merger")])
+def test_cancel_between_the_pieces_of_an_image_leaves_the_slot_exact(family, proj):
+    """Cancelled after part of an image is in KV: the part goes (a hybrid model back to its
+    checkpoint), the slot stays exact and the next request serves the image."""
+    text = str(make_text_model(family, vision=proj))
+    mmproj = str(make_mmproj(kind="tiny", projector=proj, text_width=64))
+    with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=1024, n_batch=4, n_threads=1) as e:
+        msgs = [{"role": "system", "content": SYSTEM}, image_msg("What?", picture(9))]
+        decode_chunk, seen, holder = e.projector.decode_chunk, [], {}
+
+        def cancelling(*a, **k):
+            seen.append(k.get("piece"))
+            out = decode_chunk(*a, **k)
+            if k.get("piece") == 1:
+                while "s" not in holder:  # chat() has returned the stream by now, or nearly
+                    time.sleep(0.001)
+                holder["s"]._job.cancel.set()  # on the scheduler thread: no waiting
+            return out
+
+        e.projector.decode_chunk = cancelling
+        holder["s"] = s = e.chat(msgs, session="c", stream=True, max_tokens=MAX, temperature=0)
+        assert list(s) == []  # ends when cancelled
+        assert s.finish_reason == "cancelled" and seen[:2] == [0, 1] and 2 not in seen
+        e.projector.decode_chunk = decode_chunk
+        assert_consistent(e)
+        r = e.chat(msgs, session="c", max_tokens=MAX, temperature=0)
+        assert r.text == scratch((text, mmproj), msgs)
+        assert_kv_exact(e, "c", msgs)
