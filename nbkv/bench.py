@@ -1142,6 +1142,49 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
         "exact_variants": sum(x["final_reply_equals_fresh"] and x["probe_logits_equal_fresh"]
                               for x in out["variants"].values()),
     }
+
+
+#: (text family, projector type) of the generated vision pairs (tests/test_vision_families.py)
+VISION_PAIRS = (("gemma3", "gemma3"), ("lfm2", "lfm2"), ("llama", "idefics3"),
+                ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger"))
+
+
+def scenario_vision_families(path: str, quick: bool) -> dict[str, Any]:
+    """The 6-turn image conversation on every generated vision pair: TTFT of nbkv IMC against
+    nbkv ``cache="off"`` (re-encoding and re-prefilling every turn). The pairs are tiny
+    (64-wide text models, 32-px images), so the ratios show the mechanism, not a realistic
+    speed-up; ``path`` is unused (each pair brings its own text model)."""
+    from .fixtures import make_mmproj, make_text_model
+    from .media import EmbeddingCache
+
+    n_turns = 3 if quick else 6
+    first = {"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": _png_data_uri(7, 32)}}]}
+    followups = ["Describe its colours.", "Is it a photo?", "What is two plus two?",
+                 "Back to the picture: is it bright?", "Summarize."]
+    out: dict[str, Any] = {"turns": n_turns, "pairs": {}, "ratios": {}}
+    for family, proj in VISION_PAIRS:
+        text = str(make_text_model(family, vision=proj))
+        mmproj = str(make_mmproj(kind="tiny", projector=proj, text_width=64))
+        per: dict[str, Any] = {}
+        for variant in ("imc", "off"):
+            cache = EmbeddingCache(0 if variant == "off" else 64 << 20)
+            with Engine(text, n_slots=1, n_ctx=2048, cache=variant, mmproj=mmproj,
+                        embedding_cache=cache) as e:
+                hist: list[dict] = [{"role": "system", "content": "Describe pictures."}]
+                ttft, runs = [], 0
+                for t in range(n_turns):
+                    hist.append(first if t == 0 else {"role": "user", "content": followups[t - 1]})
+                    r = e.chat(hist, session="v", max_tokens=MAX_TOKENS, temperature=0)
+                    hist.append(r.message)
+                    ttft.append(r.record.ttft_s)
+                    runs += r.record.encoder_runs
+            per[variant] = {"ttft_s_per_turn": ttft, "encoder_runs": runs}
+        name = f"{family}+{proj}"
+        out["pairs"][name] = per
+        out["ratios"][f"{name}_imc_vs_off_final_turn_ttft"] = (
+            per["off"]["ttft_s_per_turn"][-1] / per["imc"]["ttft_s_per_turn"][-1])
     return out
 
 
@@ -1152,6 +1195,7 @@ SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "shared-system": scenario_shared_system,
     "vision": scenario_vision,
     "vision-realistic": scenario_vision_realistic,
+    "vision-families": scenario_vision_families,
     "subagents": scenario_subagents,
     "speculative": scenario_speculative,
     "decode": scenario_decode,

@@ -278,7 +278,10 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
                  "generated": "background-image:repeating-linear-gradient(45deg,transparent 0 "
                               "3px,rgba(255,255,255,.5) 3px 6px);"}.get(seg.state, "")
         what = f"image {seg.image_name}" if seg.is_media and seg.image_name else seg.preview
-        tip = html.escape(f"message {seg.message} · {seg.role} · tokens {seg.start}–{seg.end} "
+        where = f"tokens {seg.start}–{seg.end}"
+        if seg.is_media and seg.embeddings and seg.embeddings != seg.length:  # M-RoPE
+            where = f"positions {seg.start}–{seg.end} ({seg.embeddings} image tokens)"
+        tip = html.escape(f"message {seg.message} · {seg.role} · {where} "
                           f"· {seg.state}: {what}", quote=True)
         spans.append(f'<span title="{tip}" style="display:inline-block;height:12px;'
                      f"width:{100 * seg.length / cap:.2f}%;background:{color};{style}"

@@ -228,6 +228,7 @@ class _Job:
         self.drafted = 0  # guesses decoded (speculative, exact mode)
         self.accepted = 0  # ... that the model confirmed
         self.encoding: Future | None = None  # the vision encoder working for this request
+        self.image_piece = 0  # sub-batches of the image at the head of todo already in KV
         self.embeddings: dict[str, Any] = {}  # image hash -> its embeddings, once known
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
@@ -378,6 +379,10 @@ class Engine:
                 log.info("%s", self.sized)
             self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
             slot_ctx = -(-max(n_ctx, 256) // 256) * 256
+            if mmproj is not None:  # a non-causal image must fit one micro-batch
+                from .projector_check import batch_for_projector
+
+                n_batch = batch_for_projector(mmproj, n_batch)
             self.plan = memplan.plan(meta, n_slots, slot_ctx, type_k, type_v,
                                      self.model.is_recurrent, self.model.is_hybrid)
             if check_memory:
@@ -986,6 +991,9 @@ class Engine:
         """
         for job in list(self._active):
             if job.cancel.is_set():
+                if job.image_piece:  # drop the part of an image decoded so far
+                    job.image_piece = 0
+                    job.slot.kv.resync()
                 self._finish(job, "cancelled")
         by_id = {j.id: j for j in self._active}
         generating = [j for j in self._active if j.next_token is not None]
@@ -1055,16 +1063,25 @@ class Engine:
             except BaseException as e:  # noqa: BLE001
                 self._fail(job, e, "error")
                 return True
-        elif chunk.sub_index == 0:  # the same picture again in this prompt
+        elif chunk.sub_index == 0 and not job.image_piece:  # the same picture again
             job.embedding_hits += 1
         job.embeddings[h] = emb
         slot = job.slot
+        # a big causal image goes in sub-batches, one per step, between the other
+        # requests' tokens (a non-causal one is a single batch)
+        total = self.projector.pieces(self.ctx, chunk)
+        piece = job.image_piece
         try:
             self.projector.decode_chunk(self.ctx, chunk, slot.seq_id, len(slot.kv),
-                                        embedding=emb)
+                                        embedding=emb, piece=piece if total > 1 else None)
         except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
+            job.image_piece = 0
             self._fail(job, e, "error")
             return True
+        if piece + 1 < total:
+            job.image_piece = piece + 1
+            return True
+        job.image_piece = 0
         slot.kv.extend(job.todo[:n])
         del job.todo[:n]
         slot.kv.checkpoint()  # a follow-up question never re-decodes the image
@@ -1187,6 +1204,7 @@ class Engine:
         near_end = len(slot.redo) - REPLY_TAIL if kv.memory.checkpoints else 0
         take = chunk_length(len(slot.redo), REWRITE_CHUNK, (),
                             (near_end,) if near_end > 0 else ())
+        take = min(take, self.ctx.n_batch)
         toks = slot.redo[:take]
         batch = self._batch
         batch.clear()
@@ -1330,7 +1348,8 @@ class Engine:
                                   (max(a, cuts[1]), b, GENERATED)):
                 if hi > lo:
                     out.append(Segment(lo, hi, i, role, state, text))
-        runs = [(s.start, s.end, s.image_hash) for s in spans(p.tokens) if s.kind == "image"]
+        runs = [(s.start, s.end, s.image_hash, s.n_tokens)
+                for s in spans(p.tokens) if s.kind == "image"]
         names = {im.hash: Path(im.source).name for im in (p.media.images if p.media else ())
                  if im.source and not im.source.startswith("data:")}
         if not runs:
@@ -1340,14 +1359,14 @@ class Engine:
         for seg in out:
             seg = replace(seg, preview=seg.preview.replace(marker, "[image]"))
             pos = seg.start
-            for a, b, h in runs:
+            for a, b, h, n_emb in runs:
                 lo, hi = max(a, seg.start), min(b, seg.end)
                 if hi <= lo:
                     continue
                 if lo > pos:
                     split.append(replace(seg, start=pos, end=lo))
                 split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h,
-                                     image_name=names.get(h, "")))
+                                     image_name=names.get(h, ""), embeddings=n_emb))
                 pos = hi
             if pos < seg.end:
                 split.append(replace(seg, start=pos, end=seg.end))

@@ -34,6 +34,9 @@ class Segment:
     kind: str = "text"  # "text", or "image" for the positions an image's embeddings occupy
     image_hash: str | None = None
     image_name: str = ""  # the image's file name, when it came from a file
+    #: image segments: embeddings the image fed the model; with M-RoPE (Qwen-VL) more than
+    #: the KV positions it occupies (``length``)
+    embeddings: int = 0
 
     @property
     def length(self) -> int:

@@ -18,15 +18,21 @@ Two sizes:
   per image, ``gemma3`` (4x4 average pooling) 64.
 
 Projector heads: ``mlp`` (LLaVA-1.5: ``mm.0`` -> GELU -> ``mm.2``), ``gemma3`` (pooling,
-RMS norm, ``mm.input_projection``) and ``idefics3`` (SmolVLM's pixel shuffle + ``mm.model.fc``;
+RMS norm, ``mm.input_projection``), ``idefics3`` (SmolVLM's pixel shuffle + ``mm.model.fc``;
 it needs image special tokens that SmolLM2 lacks, which is what makes it a useful *wrong*
-projector in tests). llama.cpp's ``tools/mtmd/clip.cpp`` is the authority on keys and shapes.
+projector in tests), ``lfm2`` (pixel unshuffle, layer norm, ``mm.1`` -> GELU -> ``mm.2``;
+libmtmd resizes images to 64..256 tokens), ``qwen2vl_merger`` (Qwen2-VL: two patch
+convolutions, M-RoPE inside the ViT, 2x2 merge, ``mm.0`` -> GELU -> ``mm.2``) and
+``qwen2.5vl_merger`` (the same with window attention and SwiGLU blocks). llama.cpp's
+``tools/mtmd/clip.cpp`` is the authority on keys and shapes.
 
 :func:`make_text_model` writes tiny text models (~14 MB, 64 wide, 4 layers) of the memory
 classes SmolLM2 does not cover, with SmolLM2's tokenizer: ``gemma3`` (sliding-window
 attention), ``lfm2`` (short convolutions + attention), ``mamba2`` (recurrent) and
-``granitehybrid`` (Mamba-2 + attention). Their loaders in llama.cpp's ``src/models/`` are the
-authority on keys and shapes.
+``granitehybrid`` (Mamba-2 + attention); and, as text halves of vision pairs, ``llama``
+(plain attention) and ``qwen2vl`` (M-RoPE, ``rope.dimension_sections``), with
+``vision=PROJECTOR_TYPE`` appending that projector's image special tokens to the vocabulary.
+Their loaders in llama.cpp's ``src/models/`` are the authority on keys and shapes.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ import numpy as np
 #: Bump when the generator changes what it writes (invalidates cached files).
 FIXTURE_VERSION = 2
 
-PROJECTORS = ("mlp", "gemma3", "idefics3")
+PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger")
+_QWEN = ("qwen2vl_merger", "qwen2.5vl_merger")
 KINDS = ("tiny", "realistic")
 
 
@@ -278,17 +285,26 @@ def _write(path: Path, spec: FixtureSpec) -> None:
     w.add_uint32("clip.vision.patch_size", p)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    if spec.projector != "mlp":
+    if spec.projector in _QWEN:
+        w.add_uint32("clip.vision.spatial_merge_size", spec.scale_factor)
+        if spec.projector == "qwen2.5vl_merger":  # window attention; every 2nd layer full
+            w.add_uint32("clip.vision.n_wa_pattern", 2)
+            w.add_bool("clip.use_silu", True)
+    elif spec.projector != "mlp":
         w.add_uint32("clip.vision.projector.scale_factor", spec.scale_factor)
         w.add_bool("clip.use_gelu", True)
 
     # patch embedding: a p x p x 3 convolution, ne = [p, p, 3, n_embd]
     patch = rng.standard_normal((e, 3, p, p), dtype=np.float32) / np.sqrt(3 * p * p)
     w.add_tensor("v.patch_embd.weight", patch.astype(np.float16))
-    w.add_tensor("v.patch_embd.bias", vec(e))
-    # position embeddings are added to activations: F32, as llama.cpp's converter writes them
-    # (an F16 one makes ggml's CPU add abort the process for SigLIP-style graphs)
-    w.add_tensor("v.position_embd.weight", mat(spec.n_patches, e).astype(np.float32))
+    if spec.projector in _QWEN:  # a second conv for the temporal pair; M-RoPE
+        patch1 = rng.standard_normal((e, 3, p, p), dtype=np.float32) / np.sqrt(3 * p * p)
+        w.add_tensor("v.patch_embd.weight.1", patch1.astype(np.float16))
+    else:
+        w.add_tensor("v.patch_embd.bias", vec(e))
+        # position embeddings are added to activations: F32, as llama.cpp's converter writes
+        # them (an F16 one makes ggml's CPU add abort the process for SigLIP-style graphs)
+        w.add_tensor("v.position_embd.weight", mat(spec.n_patches, e).astype(np.float32))
     for i in range(spec.n_layer):
         blk = f"v.blk.{i}"
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
@@ -298,10 +314,13 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor(f"{blk}.ffn_up.bias", vec(spec.n_ff))
         w.add_tensor(f"{blk}.ffn_down.weight", mat(e, spec.n_ff))
         w.add_tensor(f"{blk}.ffn_down.bias", vec(e))
+        if spec.projector == "qwen2.5vl_merger":  # SwiGLU
+            w.add_tensor(f"{blk}.ffn_gate.weight", mat(spec.n_ff, e))
+            w.add_tensor(f"{blk}.ffn_gate.bias", vec(spec.n_ff))
         for ln in ("ln1", "ln2"):
             w.add_tensor(f"{blk}.{ln}.weight", vec(e, base=1.0))
             w.add_tensor(f"{blk}.{ln}.bias", vec(e))
-    if spec.projector != "mlp":
+    if spec.projector not in ("mlp", "lfm2", *_QWEN):
         w.add_tensor("v.post_ln.weight", vec(e, base=1.0))
         w.add_tensor("v.post_ln.bias", vec(e))
 
@@ -315,6 +334,20 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor("mm.soft_emb_norm.weight", vec(e, base=1.0))
         # used transposed by clip.cpp: ne = [text_width, n_embd]
         w.add_tensor("mm.input_projection.weight", mat(out, e).T.copy())
+    elif spec.projector in _QWEN:  # 2x2 patches concatenated, mm.0 -> GELU -> mm.2
+        n_in = e * spec.scale_factor**2
+        w.add_tensor("mm.0.weight", mat(spec.mm_hidden, n_in))
+        w.add_tensor("mm.0.bias", vec(spec.mm_hidden))
+        w.add_tensor("mm.2.weight", mat(out, spec.mm_hidden))
+        w.add_tensor("mm.2.bias", vec(out))
+    elif spec.projector == "lfm2":  # pixel unshuffle, layer norm, mm.1 -> GELU -> mm.2
+        n_in = e * spec.scale_factor**2
+        w.add_tensor("mm.input_norm.weight", vec(n_in, base=1.0))
+        w.add_tensor("mm.input_norm.bias", vec(n_in))
+        w.add_tensor("mm.1.weight", mat(spec.mm_hidden, n_in))
+        w.add_tensor("mm.1.bias", vec(spec.mm_hidden))
+        w.add_tensor("mm.2.weight", mat(out, spec.mm_hidden))
+        w.add_tensor("mm.2.bias", vec(out))
     else:  # idefics3: pixel shuffle concatenates scale^2 patches, then one linear layer
         w.add_tensor("mm.model.fc.weight", mat(out, e * spec.scale_factor**2))
 
@@ -335,6 +368,20 @@ TEXT_MODEL_VERSION = 1
 #: sliding-window attention, hybrid (short convolutions + attention), recurrent (Mamba-2),
 #: hybrid (Mamba-2 + attention, Granite 4.0-H).
 TEXT_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid")
+
+#: Also accepted by :func:`make_text_model`, as text halves of vision pairs: plain attention
+#: (SmolVLM's text model is a llama).
+VISION_TEXT_FAMILIES = ("llama", "qwen2vl")
+
+#: Special tokens a projector type's libmtmd path looks up in the text vocabulary (required
+#: ones and delimiters); ``make_text_model(vision=...)`` appends those SmolLM2 lacks.
+VISION_TOKENS: dict[str, tuple[str, ...]] = {
+    "gemma3": ("<start_of_image>", "<end_of_image>"),
+    "idefics3": ("<fake_token_around_image>", "<global-img>"),
+    "lfm2": ("<|img_thumbnail|>", "<|image_start|>", "<|image_end|>"),
+    "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+}
 
 
 @dataclass(frozen=True)
@@ -358,11 +405,13 @@ class TextModelSpec:
     n_swa: int = 0  # gemma3: sliding window; every swa_pattern-th layer is global
     swa_pattern: int = 0
     l_cache: int = 0  # lfm2: short-convolution length
+    rope_sections: tuple[int, ...] = ()  # qwen2vl: M-RoPE sections (t, h, w, -), sum head_dim/2
     d_inner: int = 0  # mamba2 / granitehybrid mixer
     d_state: int = 0
     n_ssm_head: int = 0
     n_group: int = 0
     d_conv: int = 0
+    extra_tokens: tuple[str, ...] = ()  # appended to the tokenizer (user-defined tokens)
     version: int = TEXT_MODEL_VERSION
 
     @property
@@ -372,13 +421,19 @@ class TextModelSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def text_model_spec(family: str, seed: int = 0) -> TextModelSpec:
+def text_model_spec(family: str, seed: int = 0, vision: str | None = None) -> TextModelSpec:
     """The shape :func:`make_text_model` uses for a family (64 wide, 4 layers, 2x32 heads)."""
-    if family not in TEXT_FAMILIES:
-        raise ValueError(f"family must be one of {TEXT_FAMILIES}, not {family!r}")
+    families = TEXT_FAMILIES + VISION_TEXT_FAMILIES
+    if family not in families:
+        raise ValueError(f"family must be one of {families}, not {family!r}")
+    if vision is not None and vision not in VISION_TOKENS:
+        raise ValueError(f"vision must be one of {tuple(VISION_TOKENS)}, not {vision!r}")
     src = _tokenizer_source()
+    extra = VISION_TOKENS[vision] if vision else ()
     common = dict(family=family, seed=seed, tokenizer=f"{src.name}:{src.stat().st_size}",
-                  n_vocab=49152, n_embd=64, n_layer=4)
+                  n_vocab=49152 + len(extra), n_embd=64, n_layer=4)
+    if extra:
+        common["extra_tokens"] = extra
     attn = dict(n_head=2, head_dim=32, n_ff=128)
     ssm = dict(d_inner=128, d_state=16, n_ssm_head=4, n_group=1, d_conv=4)
     if family == "gemma3":  # layers 0-2 slide over 8 tokens, layer 3 sees everything
@@ -387,6 +442,10 @@ def text_model_spec(family: str, seed: int = 0) -> TextModelSpec:
         return TextModelSpec(**common, **attn, n_head_kv=(0, 1, 0, 1), l_cache=3)
     if family == "mamba2":
         return TextModelSpec(**common, **ssm)
+    if family == "llama":
+        return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4)
+    if family == "qwen2vl":  # M-RoPE: 16 rotated pairs per head, split time / height / width
+        return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4, rope_sections=(4, 6, 6, 0))
     # granitehybrid: mamba2, mamba2, attention (no RoPE, as in Granite 4.0-H), mamba2
     return TextModelSpec(**common, **attn, **ssm, n_head_kv=(0, 0, 1, 0))
 
@@ -397,8 +456,8 @@ def _tokenizer_source() -> Path:
     return default_model_path()
 
 
-def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None
-                    ) -> Path:
+def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                    vision: str | None = None) -> Path:
     """Return the path of a tiny random-weight GGUF text model of ``family``, writing it if needed.
 
     ``family`` is one of :data:`TEXT_FAMILIES`: ``"gemma3"`` (sliding-window attention,
@@ -413,10 +472,16 @@ def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike 
     Files are cached like :func:`make_mmproj`'s (in ``cache_dir``, default :func:`cache_dir`)
     under a name derived from the parameters; a missing, truncated or foreign file is
     regenerated, atomically.
+
+    ``vision`` (a projector type of :data:`VISION_TOKENS`) appends the image special tokens
+    that projector's libmtmd path needs (``"<global-img>"`` for ``idefics3``, ...) as
+    user-defined tokens, making the text half of a vision pair; ``family`` may then also be
+    ``"llama"`` (plain attention, SmolVLM's text architecture).
     """
-    spec = text_model_spec(family, seed)
+    spec = text_model_spec(family, seed, vision)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
-    target = directory / f"textmodel-{family}-s{seed}-{spec.digest}.gguf"
+    tag = f"-{vision}" if vision else ""
+    target = directory / f"textmodel-{family}{tag}-s{seed}-{spec.digest}.gguf"
     return _cached(target, spec, _write_text_model)
 
 
@@ -424,11 +489,21 @@ def _default_cache_dir() -> Path:
     return cache_dir()
 
 
-def _copy_tokenizer(w, source: Path) -> int:
-    """Copy every ``tokenizer.*`` key of ``source`` into the writer; return the vocab size."""
+def _copy_tokenizer(w, source: Path, extra: tuple[str, ...] = ()) -> int:
+    """Copy every ``tokenizer.*`` key of ``source`` into the writer; return the vocab size.
+
+    ``extra`` tokens are appended as user-defined ones.
+    """
     import gguf
 
     fields, _ = _scan_gguf(source, lambda key: key.startswith("tokenizer."))
+    if extra:
+        for key, more in (("tokenizer.ggml.tokens", list(extra)),
+                          ("tokenizer.ggml.token_type", [4] * len(extra)),  # USER_DEFINED
+                          ("tokenizer.ggml.scores", [0.0] * len(extra))):
+            if key in fields:
+                vtype, sub, value = fields[key]
+                fields[key] = (vtype, sub, list(value) + more)
     for key, (vtype, sub, value) in fields.items():  # in the source's order
         w.add_key_value(key, value, gguf.GGUFValueType(vtype),
                         None if sub is None else gguf.GGUFValueType(sub))
@@ -442,7 +517,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
         raise ImportError("generating a model needs the gguf package: pip install gguf") from e
 
     family = spec.family
-    rng = np.random.default_rng([spec.seed, TEXT_FAMILIES.index(family)])
+    rng = np.random.default_rng([spec.seed, (TEXT_FAMILIES + VISION_TEXT_FAMILIES).index(family)])
     w = gguf.GGUFWriter(str(path), family)
 
     def mat(rows: int, cols: int, std: float | None = None) -> np.ndarray:
@@ -462,7 +537,8 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     w.add_string("nbkv.fixture.digest", spec.digest)
     w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_F16))
     w.add_uint32(f"{family}.vocab_size", spec.n_vocab)
-    w.add_uint32(f"{family}.context_length", 8192 if family in ("gemma3", "lfm2") else 1 << 20)
+    w.add_uint32(f"{family}.context_length",
+                 8192 if family in ("gemma3", "lfm2", "llama", "qwen2vl") else 1 << 20)
     w.add_uint32(f"{family}.embedding_length", e)
     w.add_uint32(f"{family}.block_count", spec.n_layer)
     w.add_uint32(f"{family}.feed_forward_length", spec.n_ff)
@@ -481,6 +557,9 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
         w.add_uint32(f"{family}.attention.sliding_window_pattern", spec.swa_pattern)
         w.add_float32(f"{family}.rope.freq_base", 1_000_000.0)
         w.add_float32(f"{family}.rope.freq_base_swa", 10_000.0)
+    if spec.rope_sections:
+        w.add_key_value(f"{family}.rope.dimension_sections", list(spec.rope_sections),
+                        gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
     if family == "lfm2":
         w.add_uint32(f"{family}.shortconv.l_cache", spec.l_cache)
         w.add_float32(f"{family}.rope.freq_base", 1_000_000.0)
@@ -492,7 +571,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
         w.add_uint32(f"{family}.ssm.group_count", spec.n_group)
     if family == "granitehybrid":
         w.add_bool(f"{family}.rope.scaling.finetuned", False)  # Granite 4.0-H: no RoPE
-    n_vocab = _copy_tokenizer(w, _tokenizer_source())
+    n_vocab = _copy_tokenizer(w, _tokenizer_source(), spec.extra_tokens)
     if n_vocab != spec.n_vocab:
         raise ValueError(f"the tokenizer has {n_vocab} tokens, expected {spec.n_vocab}")
 
@@ -536,7 +615,14 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
         w.add_tensor(f"{blk}.attn_norm.weight", norm(e))
-        if family == "gemma3":
+        if family in ("llama", "qwen2vl"):
+            attention(blk, spec.n_head_kv[i])
+            if family == "qwen2vl":  # Qwen2: biased q, k, v
+                for n, rows in (("q", spec.n_head * hd), ("k", hd), ("v", hd)):
+                    w.add_tensor(f"{blk}.attn_{n}.bias", vec(rows * (1 if n == "q" else
+                                                                      spec.n_head_kv[i])))
+            ffn(blk)
+        elif family == "gemma3":
             attention(blk, spec.n_head_kv[i])
             w.add_tensor(f"{blk}.post_attention_norm.weight", norm(e))
             ffn(blk)

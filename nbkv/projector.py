@@ -343,8 +343,13 @@ class Projector:
         embedding: ImageEmbedding | None = None,
         logits_last: bool = False,
         n_batch: int | None = None,
+        piece: int | None = None,
     ) -> int:
         """Decode an image chunk's embeddings into sequence ``seq`` from KV position ``pos``.
+
+        ``piece`` decodes only that sub-batch (0 .. :meth:`pieces` - 1), so that a scheduler
+        can interleave a big image with other work; the pieces together decode exactly what
+        one call does. A failing piece removes the whole image from ``pos`` on.
 
         The embeddings come from ``embedding`` (as returned by :meth:`embed`), else from the
         cache, else the encoder runs. Returns the next free position (``pos + chunk.n_pos``).
@@ -358,8 +363,16 @@ class Projector:
         :class:`~nbkv.errors.MediaError` / :class:`~nbkv.errors.ContextOverflowError`,
         before anything ran) is raised.
         """
-        self._decode(ctx, chunk, seq, pos, embedding, logits_last, n_batch)
+        self._decode(ctx, chunk, seq, pos, embedding, logits_last, n_batch, piece)
         return pos + chunk.n_pos
+
+    def pieces(self, ctx: Context, chunk: MediaChunk, n_batch: int | None = None) -> int:
+        """Sub-batches :meth:`decode_chunk` splits ``chunk`` into (1 for a non-causal one)."""
+        M = mtmd_lib()
+        n = chunk.n_tokens
+        if M.mtmd_decode_use_non_causal(self._native(), chunk.native()):
+            return 1
+        return len(_split(n, max(1, min(n_batch or ctx.n_batch, ctx.n_ubatch, n))))
 
     def decode_chunk_logits(
         self, ctx: Context, chunk: MediaChunk, seq: int, pos: int, *,
@@ -372,6 +385,7 @@ class Projector:
     def _decode(
         self, ctx: Context, chunk: MediaChunk, seq: int, pos: int,
         embedding: ImageEmbedding | None, logits_last: bool, n_batch: int | None,
+        piece: int | None = None,
     ) -> int:
         M = mtmd_lib()
         if not chunk.is_image or chunk.image is None:
@@ -421,7 +435,11 @@ class Projector:
         t0 = time.perf_counter()
         try:
             off = 0
-            for k in _split(n, step):
+            sizes = _split(n, step)
+            for i, k in enumerate(sizes):
+                if piece is not None and i != piece:
+                    off += k
+                    continue
                 last = logits_last and off + k == n
                 ctx.decode_embeddings(embd[off : off + k], positions[:, off : off + k], seq,
                                       logits_last=last, causal=not non_causal)
@@ -431,8 +449,9 @@ class Projector:
         except BaseException:
             ctx.try_seq_rm(seq, pos, -1)
             raise
-        self.stats.add(chunks_decoded=1, embeddings_decoded=n, positions_decoded=chunk.n_pos,
-                       decode_seconds=time.perf_counter() - t0)
+        if piece is None or piece == len(sizes) - 1:  # the last piece completes the chunk
+            self.stats.add(chunks_decoded=1, embeddings_decoded=n, positions_decoded=chunk.n_pos)
+        self.stats.add(decode_seconds=time.perf_counter() - t0)
         return last_index
 
 

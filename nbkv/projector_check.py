@@ -34,7 +34,13 @@ KNOWN_PROJECTORS = frozenset("""
 """.split())
 
 #: Projector types whose files nbkv checks completely (keys, tensor names, shapes, types).
-VALIDATED_PROJECTORS = ("mlp", "gemma3", "idefics3")
+VALIDATED_PROJECTORS = (
+    "mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger"
+)
+
+#: Projector types that give image tokens multi-axis (M-RoPE) positions: their text model must
+#: use M-RoPE, and an M-RoPE text model needs one of them.
+MROPE_PROJECTORS = ("qwen2vl_merger", "qwen2.5vl_merger")
 
 # tokens libmtmd looks up in the text vocabulary by exact piece (mtmd.cpp, lookup_token); a
 # missing one becomes token -1 in a text chunk, which aborts the process when evaluated
@@ -281,10 +287,20 @@ def inspect_projector(
                 f"({model.description}) takes {n_text}: it belongs to another model"
             )
         rope = model.rope_type
-        if rope not in ("none", "norm", "neox") and not trust:
+        mrope_proj = ptype in MROPE_PROJECTORS
+        if rope == "mrope-8" and mrope_proj:  # Qwen2-VL's M-RoPE with a Qwen-VL projector
+            _check_rope_sections(model)
+        elif rope not in ("none", "norm", "neox") and not trust:
             raise ProjectorError(
-                f"the text model uses RoPE type {rope} (multi-axis image positions), "
-                "which nbkv does not validate; pass trust_projector=True to try it"
+                f"the text model uses RoPE type {rope} (multi-axis image positions) but "
+                f"projector {p.name} is {ptype!r}, which gives image tokens one position "
+                "each; pass trust_projector=True to try it"
+            )
+        elif mrope_proj and rope in ("none", "norm", "neox") and not trust:
+            raise ProjectorError(
+                f"projector {p.name} ({ptype}) gives image tokens multi-axis (M-RoPE) "
+                f"positions, but the text model ({model.description}) uses RoPE type {rope}: "
+                "the projector belongs to a Qwen-VL model"
             )
         missing = [t for t in REQUIRED_TOKENS.get(ptype, ()) if not _has_token(model, t)]
         if missing:
@@ -373,13 +389,29 @@ def _check_tensors(
             f"{p} ({ptype}): v.patch_embd.weight is {pe.tensor_type.name} {shape(pe)}, "
             f"the graph needs F16/F32 {[patch, patch, 3, e]}"
         )
-    expect("v.patch_embd.bias", [e], required=False)
+    qwen = ptype in MROPE_PROJECTORS
+    if ptype == "qwen2.5vl_merger" and fld("clip.vision.n_wa_pattern") is None:
+        raise ProjectorError(f"{p} ({ptype}): missing clip.vision.n_wa_pattern")
+    if qwen:  # two convolutions (a temporal pair), M-RoPE instead of position embeddings
+        pe1 = get("v.patch_embd.weight.1")
+        if shape(pe1) != [patch, patch, 3, e] or pe1.tensor_type not in (F32, F16):
+            raise ProjectorError(
+                f"{p} ({ptype}): v.patch_embd.weight.1 is {pe1.tensor_type.name} "
+                f"{shape(pe1)}, the graph needs F16/F32 {[patch, patch, 3, e]}"
+            )
+        if "v.patch_embd.bias" in tensors:  # clip.cpp asserts it away (a process abort)
+            raise ProjectorError(f"{p} ({ptype}): unexpected v.patch_embd.bias")
+        if (e // int(fld("clip.vision.attention.head_count").contents())) % 4:
+            raise ProjectorError(f"{p} ({ptype}): the vision head size must be a multiple of 4")
+    else:
+        expect("v.patch_embd.bias", [e], required=False)
     has_class = "v.class_embd" in tensors
     if has_class and ptype != "mlp":
         raise ProjectorError(f"{p} ({ptype}): unexpected v.class_embd")
     if has_class:
         expect("v.class_embd", [e], f32=True)
-    expect("v.position_embd.weight", [e, n_patches + (1 if has_class else 0)], f32=True)
+    if not qwen:
+        expect("v.position_embd.weight", [e, n_patches + (1 if has_class else 0)], f32=True)
     for ln in ("pre_ln", "post_ln"):
         expect(f"v.{ln}.weight", [e], required=False)
         expect(f"v.{ln}.bias", [e], required=False)
@@ -405,7 +437,10 @@ def _check_tensors(
             )
         expect(up_b, [n_ff], required=False)
         expect(down_b, [e], required=False)
-        if f"{b}.ffn_gate.weight" in tensors or f"{b}.ffn_gate_exps.weight" in tensors:
+        if ptype == "qwen2.5vl_merger":  # SwiGLU: the gate is shaped like up
+            expect(f"{b}.ffn_gate.weight", shape(get(up_b.replace("bias", "weight"))))
+            expect(f"{b}.ffn_gate.bias", [n_ff], required=False)
+        elif f"{b}.ffn_gate.weight" in tensors or f"{b}.ffn_gate_exps.weight" in tensors:
             raise ProjectorError(f"{p} ({ptype}): gated / MoE vision FFNs are not validated")
 
     if ptype == "mlp":
@@ -445,6 +480,52 @@ def _check_tensors(
                 f"[n_out, {e}]"
             )
         return int(w.shape[0]), (side // k) ** 2
+    if qwen:  # 2x2 neighbouring patches concatenated, mm.0 -> GELU -> mm.2
+        merge = fld("clip.vision.spatial_merge_size")
+        if merge is not None and int(merge.contents()) != 2:
+            raise ProjectorError(
+                f"{p} ({ptype}): spatial_merge_size {int(merge.contents())}; the graph merges 2x2"
+            )
+        n_in = 4 * e
+        w0 = get("mm.0.weight")
+        if len(w0.shape) != 2 or int(w0.shape[0]) != n_in:
+            raise ProjectorError(
+                f"{p} ({ptype}): mm.0.weight has shape {shape(w0)}, expected [{n_in}, hidden]"
+            )
+        hidden = int(w0.shape[1])
+        expect("mm.0.bias", [hidden])
+        w2 = get("mm.2.weight")
+        if len(w2.shape) != 2 or int(w2.shape[0]) != hidden:
+            raise ProjectorError(
+                f"{p} ({ptype}): mm.2.weight has shape {shape(w2)}, expected [{hidden}, n_out]"
+            )
+        n_out = int(w2.shape[1])
+        expect("mm.2.bias", [n_out])
+        # libmtmd resizes the image (8..4096 tokens); this is the count at image_size
+        return n_out, (side // 2) ** 2
+    if ptype == "lfm2":  # pixel unshuffle, optional layer norm, mm.1 -> GELU -> mm.2
+        k = scale if scale is not None else 1
+        if k < 1 or side % k:
+            raise ProjectorError(f"{p} (lfm2): {side} patches per side do not unshuffle by {k}")
+        n_in = e * k * k
+        expect("mm.input_norm.weight", [n_in], required=False)
+        expect("mm.input_norm.bias", [n_in], required=False)
+        w1 = get("mm.1.weight")
+        if len(w1.shape) != 2 or int(w1.shape[0]) != n_in:
+            raise ProjectorError(
+                f"{p} (lfm2): mm.1.weight has shape {shape(w1)}, expected [{n_in}, hidden]"
+            )
+        hidden = int(w1.shape[1])
+        expect("mm.1.bias", [hidden], required=False)
+        w2 = get("mm.2.weight")
+        if len(w2.shape) != 2 or int(w2.shape[0]) != hidden:
+            raise ProjectorError(
+                f"{p} (lfm2): mm.2.weight has shape {shape(w2)}, expected [{hidden}, n_out]"
+            )
+        n_out = int(w2.shape[1])
+        expect("mm.2.bias", [n_out], required=False)
+        # libmtmd resizes the image to 64..256 tokens; this is the count at image_size
+        return n_out, (side // k) ** 2
     # idefics3: pixel shuffle by `scale` per side, then one linear layer
     k = scale if scale is not None else 1
     if k < 1 or side % k:
@@ -456,6 +537,75 @@ def _check_tensors(
             f"[{e * k * k}, n_out]"
         )
     return int(w.shape[1]), (side // k) ** 2
+
+
+#: Projector types whose image chunks libmtmd decodes with non-causal attention, in one batch
+#: (``mtmd_decode_use_non_causal``): the micro-batch must hold a whole image chunk.
+NON_CAUSAL_PROJECTORS = ("gemma3", "gemma4uv", "deepseek4v")
+
+
+def batch_for_projector(path: str | os.PathLike | None, n_batch: int) -> int:
+    """``n_batch`` raised, with a log line, to hold one image chunk of a non-causal projector.
+
+    Gemma 3's image tokens attend to each other both ways, so libmtmd decodes a whole image in
+    one micro-batch; a smaller one makes llama.cpp assert. The count is the projector's tokens
+    per image (fixed for these types: the image is resized to ``image_size``). Anything this
+    cannot read is left to :func:`inspect_projector`, which reports it properly.
+    """
+    if path is None:
+        return n_batch
+    try:
+        info = inspect_projector(path, trust=True)
+    except ProjectorError:
+        return n_batch
+    need = info.tokens_per_tile
+    if info.projector_type in NON_CAUSAL_PROJECTORS and need and need > n_batch:
+        log.info("n_batch raised from %d to %d: %s images are decoded in one non-causal "
+                 "batch of %d tokens", n_batch, need, info.projector_type, need)
+        return need
+    return n_batch
+
+
+def _check_rope_sections(model: Model) -> None:
+    """Check an M-RoPE text model's ``rope.dimension_sections``.
+
+    They must be 4 non-negative counts of rotated pairs (time, height, width, extra) that sum
+    to half the rotated head size.
+    """
+    arch = model.meta("general.architecture") or ""
+    path = getattr(model, "path", None)
+    if path is None:
+        return
+    sections = _gguf_array(Path(path), f"{arch}.rope.dimension_sections")
+    if sections is None:
+        raise ProjectorError(
+            f"the text model ({model.description}) uses M-RoPE but has no "
+            f"{arch}.rope.dimension_sections"
+        )
+    n_rot = model.meta(f"{arch}.rope.dimension_count") or model.meta(f"{arch}.attention.key_length")
+    if n_rot is None:
+        heads = model.meta(f"{arch}.attention.head_count")
+        width = model.meta(f"{arch}.embedding_length")
+        n_rot = int(width) // int(heads) if heads and width else None
+    if len(sections) != 4 or any(int(x) < 0 for x in sections) or sum(sections[:3]) == 0:
+        raise ProjectorError(
+            f"the text model's {arch}.rope.dimension_sections {list(sections)} must be 4 "
+            "non-negative counts (time, height, width, extra), not all zero"
+        )
+    if n_rot is not None and sum(int(x) for x in sections) != int(n_rot) // 2:
+        raise ProjectorError(
+            f"the text model's {arch}.rope.dimension_sections {list(sections)} sum to "
+            f"{sum(int(x) for x in sections)}, but its heads rotate {int(n_rot) // 2} pairs "
+            f"(rope dimension {n_rot}): image positions would be rotated wrongly"
+        )
+
+
+def _gguf_array(path: Path, key: str) -> list[int] | None:
+    """One metadata array of a GGUF file (its header only), or None."""
+    from .fixtures import _scan_gguf
+
+    fields, _ = _scan_gguf(path, lambda k: k == key)
+    return list(fields[key][2]) if key in fields else None
 
 
 def _has_token(model: Model, text: str) -> bool:

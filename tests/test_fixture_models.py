@@ -92,4 +92,4 @@ def test_cached_and_deterministic(text_models, tmp_path):
 
 def test_unknown_family():
     with pytest.raises(ValueError, match="family must be one of"):
-        fixtures.make_text_model("llama")
+        fixtures.make_text_model("transformer-xl")
