@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml binder/requirements.txt | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-fast bench lint clean browser
+.PHONY: demo test test-fast bench lint clean browser llama-server
 
 $(STAMP): pyproject.toml binder/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m nbkv.bench
+
+# llama-server from the llama-cpp-python sdist (issue 15), cached in .venv by version.
+# Not yet a prerequisite of `test`: add it there once tests/test_remote.py lands.
+llama-server: $(STAMP)
+	.ci/build-llama-server
 
 clean:
 	rm -rf $(VENV)
