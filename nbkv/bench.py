@@ -1076,8 +1076,8 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
     """
     import numpy as np
 
-    from .backend import Batch
     from .hardware import kv_type_id
+    from .oracle import scratch_logits
 
     n_turns = 6 if quick else 12
     variants = {"f16": dict(type_k="f16", type_v="f16", flash_attn="off"),
@@ -1100,25 +1100,9 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
         fresh.close()
         slot = e.slots()[0]
         got = np.array(e.probe(0, 42), dtype=np.float32)
-        ctx = Context(e.model, 4096, 1, 256, flash_attn=1 if kw["flash_attn"] == "on" else 0,
-                      type_k=kv_type_id(kw["type_k"]), type_v=kv_type_id(kw["type_v"]))
-        batch = Batch(256)
-        seq = list(slot.tokens) + [42, 42]
-        target, i = len(slot.tokens), 0
-        want = None
-        while i < len(seq):
-            n = min(200, len(seq) - i)
-            if len(seq) - i - n == 1:
-                n -= 1
-            batch.clear()
-            for k in range(i, i + n):
-                batch.add(seq[k], k, 0, k == target)
-            ctx.decode(batch)
-            if i <= target < i + n:
-                want = np.array(ctx.logits(target - i))
-            i += n
-        batch.close()
-        ctx.close()
+        want = scratch_logits(e.model, slot.tokens, 42,
+                              flash_attn=1 if kw["flash_attn"] == "on" else 0,
+                              type_k=kv_type_id(kw["type_k"]), type_v=kv_type_id(kw["type_v"]))
         later = rs[1:]
         out["variants"][v] = {
             "bytes_per_slot_planned": e.plan.per_slot,

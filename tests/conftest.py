@@ -9,6 +9,7 @@ from nbkv.backend import Batch, Context
 from nbkv.errors import ContextOverflowError, MediaError
 from nbkv.media_prompt import ImageEmbedding, MediaPrompt
 from nbkv.models import default_model_path
+from nbkv.oracle import scratch_logits
 from nbkv.projector import Projector
 
 # a system prompt of ~150 tokens, so that salvage thresholds (100 tokens) matter
@@ -69,24 +70,7 @@ def fresh_probe(model, tokens, probe, **context):
 
     ``context``: :class:`~nbkv.backend.Context` settings (KV types, flash attention).
     """
-    seq = list(tokens) + [probe, probe]
-    target = len(tokens)
-    cuts = list(range(0, len(seq), 200)) + [len(seq)]
-    if cuts[-1] - cuts[-2] == 1:
-        cuts[-2] -= 1
-    ctx, batch = Context(model, 2048, 1, 256, **context), Batch(256)
-    try:
-        for a, z in zip(cuts, cuts[1:]):
-            batch.clear()
-            for j in range(a, z):
-                batch.add(seq[j], j, 0, j == target)
-            ctx.decode(batch)
-            if a <= target < z:
-                out = np.array(ctx.logits(target - a))
-        return out
-    finally:
-        batch.close()
-        ctx.close()
+    return scratch_logits(model, tokens, probe, **context)
 
 
 def eval_prompt(

@@ -134,7 +134,8 @@ def _run_notebook(lab, tmp_path, name: str, check) -> None:
             page.set_default_timeout(60_000)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
-            page.goto(f"{base}/lab/tree/{name}?token={token}")
+            # ?reset: a fresh workspace (else the previous notebook reopens beside this one)
+            page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                                    timeout=120_000)

@@ -18,9 +18,8 @@ import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine, persist, policy
-from nbkv.backend import Batch, Context
 from nbkv.errors import RestoreError, SaveError
-from nbkv.media import MediaUnit
+from nbkv.oracle import scratch_logits
 from nbkv.sessions import SessionStore
 
 PIL = pytest.importorskip("PIL.Image")
@@ -55,37 +54,7 @@ def scratch_probe(model, projector, units, probe, images):
     Text in batched runs (never a lone-token batch), each image from a fresh encode by
     ``projector`` (give it its own embedding cache).
     """
-    seq = list(units) + [probe, probe]
-    target = len(units)
-    ctx, batch = Context(model, 2048, 1, 256), Batch(256)
-    out = None
-    try:
-        i = 0
-        while i < len(seq):
-            u = seq[i]
-            if isinstance(u, MediaUnit):
-                with projector.tokenize(projector.marker, [images[u.key.image_hash]],
-                                        use_cache=False) as mp:
-                    projector.decode_chunk(ctx, mp.image_chunks()[u.key.sub_index], 0, i)
-                i += u.key.n_pos
-                continue
-            run = i
-            while run < len(seq) and not isinstance(seq[run], MediaUnit):
-                run += 1
-            n = min(200, run - i)
-            if run - i - n == 1:
-                n -= 1
-            batch.clear()
-            for k in range(i, i + n):
-                batch.add(seq[k], k, 0, k == target)
-            ctx.decode(batch)
-            if i <= target < i + n:
-                out = np.array(ctx.logits(target - i))
-            i += n
-        return out
-    finally:
-        batch.close()
-        ctx.close()
+    return scratch_logits(model, units, probe, projector=projector, images=images)
 
 
 def run_py(code, *args, timeout=300):
