@@ -1126,6 +1126,7 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
         "exact_variants": sum(x["final_reply_equals_fresh"] and x["probe_logits_equal_fresh"]
                               for x in out["variants"].values()),
     }
+    return out
 
 
 #: (text family, projector type) of the generated vision pairs (tests/test_vision_families.py)
