@@ -44,20 +44,33 @@ class _Reader:
     def skip_string(self) -> None:
         self.read(self.u64())
 
-    def skip_value(self, vtype: int) -> None:
-        if vtype in _FIXED:
-            self.read(_FIXED[vtype])
-        elif vtype == _STRING:
-            self.skip_string()
-        elif vtype == _ARRAY:
-            itype, n = self.u32(), self.u64()
-            if itype in _FIXED:
-                self.read(_FIXED[itype] * n)
-            else:
-                for _ in range(n):
-                    self.skip_value(itype)
-        else:
+    def value(self, vtype: int, max_array: int = -1) -> object | None:
+        """Read one value; returns it, or None for what is only read past.
+
+        Scalars, strings and numeric arrays of up to ``max_array`` items are returned.
+        """
+        if vtype in _SCALAR:
+            return struct.unpack(_SCALAR[vtype], self.read(_FIXED[vtype]))[0]
+        if vtype == _STRING:
+            return self.read(self.u64()).decode("utf-8", errors="replace")
+        if vtype != _ARRAY:
             raise ValueError(f"unknown GGUF value type {vtype}")
+        itype, n = self.u32(), self.u64()
+        if itype in _SCALAR and n <= max_array:
+            return list(struct.unpack("<" + _SCALAR[itype][1] * n, self.read(_FIXED[itype] * n)))
+        if itype in _FIXED:
+            self.read(_FIXED[itype] * n)
+        else:
+            for _ in range(n):
+                self.value(itype)
+        return None
+
+    def header(self, path: object) -> tuple[int, int]:
+        """Check the magic and read the version; returns (tensor count, key-value count)."""
+        if self.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        self.u32()  # version
+        return self.u64(), self.u64()
 
 
 class _NoHash:
@@ -77,29 +90,11 @@ def read_metadata(path: str | os.PathLike, max_array: int = 4096) -> dict[str, o
     out: dict[str, object] = {}
     with Path(path).open("rb") as f:
         r = _Reader(f, _NoHash())
-        if r.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        r.u32()
-        r.u64()
-        for _ in range(r.u64()):
+        for _ in range(r.header(path)[1]):
             key = r.read(r.u64()).decode("utf-8", errors="replace")
-            vtype = r.u32()
-            if vtype in _SCALAR:
-                out[key] = struct.unpack(_SCALAR[vtype], r.read(_FIXED[vtype]))[0]
-            elif vtype == _STRING:
-                out[key] = r.read(r.u64()).decode("utf-8", errors="replace")
-            elif vtype == _ARRAY:
-                itype, n = r.u32(), r.u64()
-                if itype in _SCALAR and n <= max_array:
-                    fmt = "<" + _SCALAR[itype][1] * n
-                    out[key] = list(struct.unpack(fmt, r.read(_FIXED[itype] * n)))
-                elif itype in _FIXED:
-                    r.read(_FIXED[itype] * n)
-                else:
-                    for _ in range(n):
-                        r.skip_value(itype)
-            else:
-                raise ValueError(f"unknown GGUF value type {vtype}")
+            v = r.value(r.u32(), max_array)
+            if v is not None:
+                out[key] = v
     return out
 
 
@@ -113,13 +108,10 @@ def gguf_fingerprint(path: str | os.PathLike) -> str:
         h = hashlib.sha256()
         with p.open("rb") as f:
             r = _Reader(f, h)
-            if r.read(4) != b"GGUF":
-                raise ValueError(f"{p} is not a GGUF file")
-            r.u32()  # version
-            n_tensors, n_kv = r.u64(), r.u64()
+            n_tensors, n_kv = r.header(p)
             for _ in range(n_kv):
                 r.skip_string()
-                r.skip_value(r.u32())
+                r.value(r.u32())
             for _ in range(n_tensors):
                 r.skip_string()
                 r.read(8 * r.u32())  # dims

@@ -131,3 +131,21 @@ def eval_prompt(
         batch.close()
     assert logits is not None
     return pos, logits
+
+
+def picture(seed, size=32):
+    """A deterministic 32x32 RGB test picture: gradients plus seeded noise."""
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, size, dtype=np.uint8)
+    a = np.stack([np.add.outer(base, base) // 2, np.tile(base, (size, 1)),
+                  rng.integers(0, 256, (size, size), dtype=np.uint8)], axis=-1)
+    return a.astype(np.uint8)
+
+
+def talk(engine, msgs, text_or_msg, session, max_tokens=8):
+    """Append a user turn (text or a whole message) to ``msgs``, chat, append the reply."""
+    msgs.append(text_or_msg if isinstance(text_or_msg, dict)
+                else {"role": "user", "content": text_or_msg})
+    r = engine.chat(msgs, session=session, max_tokens=max_tokens, temperature=0)
+    msgs.append(r.message)
+    return r

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe
+from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture
 from nbkv import Engine, persist, policy
 from nbkv.errors import RestoreError, SaveError
 from nbkv.oracle import scratch_logits
@@ -32,14 +32,6 @@ TURNS_B = QUESTIONS[:3]
 NEXT_A, NEXT_B = "Name one shape in it.", QUESTIONS[3]
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-
-
-def picture(seed, size=32):
-    rng = np.random.default_rng(seed)
-    base = np.linspace(0, 255, size, dtype=np.uint8)
-    a = np.stack([np.add.outer(base, base) // 2, np.tile(base, (size, 1)),
-                  rng.integers(0, 256, (size, size), dtype=np.uint8)], axis=-1)
-    return a.astype(np.uint8)
 
 
 def content(turn):

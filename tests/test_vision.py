@@ -14,10 +14,9 @@ import sys
 import textwrap
 import threading
 
-import numpy as np
 import pytest
 
-from conftest import assert_consistent
+from conftest import assert_consistent, picture, talk
 from nbkv import Engine, fixtures, policy, templates
 from nbkv.errors import MediaError, ProjectorError
 from nbkv.events import RequestFinished
@@ -26,14 +25,6 @@ from nbkv.fixtures import fixture_spec, make_mmproj
 PIL = pytest.importorskip("PIL.Image")
 MAX = 8
 SYSTEM = "You describe pictures for a blind user. Be brief and concrete."
-
-
-def picture(seed, size=32):
-    rng = np.random.default_rng(seed)
-    base = np.linspace(0, 255, size, dtype=np.uint8)
-    a = np.stack([np.add.outer(base, base) // 2, np.tile(base, (size, 1)),
-                  rng.integers(0, 256, (size, size), dtype=np.uint8)], axis=-1)
-    return a.astype(np.uint8)
 
 
 def png(a):
@@ -64,14 +55,6 @@ def scratch(model_path, mmproj, messages, template=None):
         r = e.chat(messages, max_tokens=MAX, temperature=0)
         assert r.record.encoder_runs >= 1 or r.record.media_chunks == 0
         return r.text
-
-
-def talk(engine, msgs, text_or_msg, session):
-    msgs.append(text_or_msg if isinstance(text_or_msg, dict)
-                else {"role": "user", "content": text_or_msg})
-    r = engine.chat(msgs, session=session, max_tokens=MAX, temperature=0)
-    msgs.append(r.message)
-    return r
 
 
 def test_image_conversation_matches_scratch_and_encodes_once(engine, model_path, mmproj, tmp_path):
@@ -306,7 +289,7 @@ FAILING_ENCODER = textwrap.dedent(
     import json, resource, sys
     sys.path.insert(0, sys.argv[3])
     import numpy as np
-    from conftest import assert_consistent
+    from conftest import assert_consistent, picture, talk
     from nbkv import Engine
 
     def address_space():

@@ -9,11 +9,12 @@ every slot's KV matches its record, one encoder run per distinct image.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 import pytest
 
-from conftest import assert_consistent
+from conftest import assert_consistent, talk
 from nbkv import Engine, policy
 from nbkv.backend import Batch, Context
 from nbkv.errors import ProjectorError
@@ -64,12 +65,7 @@ def scratch(pair, messages):
         return e.chat(messages, max_tokens=MAX, temperature=0).text
 
 
-def talk(engine, msgs, text_or_msg, session):
-    msgs.append(text_or_msg if isinstance(text_or_msg, dict)
-                else {"role": "user", "content": text_or_msg})
-    r = engine.chat(msgs, session=session, max_tokens=MAX, temperature=0)
-    msgs.append(r.message)
-    return r
+talk = partial(talk, max_tokens=MAX)
 
 
 def assert_kv_exact(engine, session, prompt_msgs, probe=42):
