@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "Engine", "ChatResult", "ChatStream", "SlotInfo", "session", "current_engine",
+    "Engine", "ChatResult", "ChatStream", "SlotInfo", "connect", "session", "current_engine",
     "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
 
 if TYPE_CHECKING:
     from .engine import ChatResult, ChatStream, Engine, SlotInfo
+    from .remote import connect
     from .sessions import current_engine, session
 
 
@@ -39,6 +40,10 @@ def __getattr__(name: str):
         from . import engine
 
         return getattr(engine, name)
+    if name == "connect":
+        from .remote import connect
+
+        return connect
     if name in ("session", "current_engine"):
         from . import sessions
 

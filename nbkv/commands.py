@@ -104,6 +104,23 @@ def load(ws: Workspace, args: Any) -> Any:
     return None if ws.notebook else summary
 
 
+def connect(ws: Workspace, args: Any) -> Any:
+    """Drive a serving engine instead of the in-kernel one (``%kvcache connect URL``)."""
+    if not args.target:
+        raise InvalidRequestError("%kvcache connect: give the server's URL, e.g. "
+                                  "%kvcache connect http://127.0.0.1:8080 (python -m "
+                                  "nbkv.server starts one)")
+    key = None
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            raise InvalidRequestError(f"--api-key-env: ${args.api_key_env} is not set")
+    engine = ws.store.connect(args.target, slots=args.slots, api_key=key,
+                              min_tokens=ws.settings.min_tokens)
+    ws.sync_autosave()
+    return disp.status_table(engine, ws.store)
+
+
 def _offer_restore(ws: Workspace, engine: Engine, restore: bool) -> str | None:
     """After a load: restore the notebook's save (``--restore``), or say that one fits."""
     from . import persist
@@ -191,6 +208,7 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "status": (status, frozenset(), False),
     "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
                               "restore", "gpu_layers", "kv_type", "flash_attn"}), True),
+    "connect": (connect, frozenset({"slots", "api_key_env"}), True),
     "slots": (slots, frozenset(), False),
     "stats": (stats, frozenset(), False),
     "history": (history, frozenset({"last"}), False),

@@ -335,14 +335,39 @@ def checkpoints_text(slot: SlotInfo, used: bool) -> str:
     return f"{n} ({size_text(slot.checkpoint_bytes)})" if n else "0"
 
 
+def engine_label(engine: Any) -> str:
+    """What the engine runs: the model's name, and the server for a remote engine."""
+    if hasattr(engine, "describe"):
+        return f"{engine.kind} {engine.model_name} at {engine.url}"
+    return engine.model.name
+
+
+def slots_label(engine: Any) -> str:
+    """``4 slots x 2048 tokens``, or who manages them."""
+    if not engine.n_slots:
+        return "slots managed by the server"
+    return f"{engine.n_slots} slots x {engine.n_ctx} tokens"
+
+
 def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table | Message:
     """Model, slots, cache mode, totals."""
     if engine is None:
         return Message("no engine loaded: run %kvcache load (the embedded SmolLM2-135M) "
                        "or %kvcache load PATH.gguf")
     s = engine.stats()
-    used = sum(x.n_tokens for x in engine.slots())
     names = [x.name for x in sessions]
+    if hasattr(engine, "describe"):  # a remote engine (nbkv.remote)
+        unverified = s.get("not_verified")
+        return Table("nbkv remote engine", ("", ""), (
+            *engine.describe(),
+            ("requests", f"{s['requests']} ({_strategies(s['strategies'])})"),
+            ("served from cache", f"{s['reused_tokens']}/{s['prompt_tokens']} prompt tokens "
+                                  f"({s['salvage_pct']:.0f}%)"),
+            *((("not verified", f"{unverified} request(s): the server's figures differed "
+                                f"from nbkv's slot table"),) if unverified else ()),
+            ("sessions", ", ".join(names) or "none"),
+        ), note=s.get("advice") or "")
+    used = sum(x.n_tokens for x in engine.slots())
     rows = (
         ("model", f"{engine.model.name} · {engine.model.path.name}"),
         *((("vision", f"{engine.projector.info.projector_type} projector · "
@@ -408,13 +433,18 @@ def slots_table(engine: Engine) -> Table:
     rank = {s.index: i + 1 for i, s in enumerate(order)}
     cap = max((s.capacity for s in slots), default=1)
     span = min(cap, max(max((s.n_tokens for s in slots), default=0) * 5 // 4, cap // 8, 1))
-    used = engine.memory.checkpoints
+    memory = getattr(engine, "memory", None)
+    used = memory.checkpoints if memory is not None else False
     rows = tuple(
-        (s.index, s.session or "-", s.n_messages, f"{s.n_tokens}/{s.capacity}",
+        (s.index, (s.session or "-") + ("" if s.verified else f" (not verified: {s.note})"),
+         s.n_messages, f"{s.n_tokens}/{s.capacity}",
          rank.get(s.index, "-"), "yes" if s.pending else "", s.n_media,
          checkpoints_text(s, used), kv_strip(s, span=span))
         for s in slots
     )
+    if not slots:
+        return Table("slots", ("",), (), note="slots are managed by the server: nbkv sees "
+                                              "its sessions and what each request reused")
     return Table("slots", ("slot", "session", "messages", "tokens", "LRU", "pending", "media",
                            "checkpoints", f"KV map (positions 0–{span})"), rows,
                  note="LRU 1 = most recently used, evicted last. " + LEGEND_TEXT
@@ -441,7 +471,7 @@ def stats_table(engine: Engine) -> Table:
 
     rows = tuple((labels.get(k, k), fmt(s[k])) for k in main if k in s)
     hidden = {"advice", "thrashing", "returning_misses", "active_sessions"}
-    if not engine.speculative:
+    if not getattr(engine, "speculative", False):
         hidden |= {k for k in s if k.startswith("draft")}
     details = tuple((k, fmt(v)) for k, v in s.items() if k not in main and k not in hidden)
     return Table("cache statistics", ("", ""), rows, note=s.get("advice") or "",

@@ -10,7 +10,6 @@ extended only after a successful decode, and on any failure the KV is trimmed ba
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import queue
@@ -28,6 +27,7 @@ from typing import Any
 from . import memplan, policy, reasons
 from .backend import Batch, Context, Model
 from .batching import Prefilling, chunk_length, plan_step
+from .chat_api import ChatAPI, request_totals
 from .config import DEFAULTS, EngineConfig
 from .drafts import NgramDrafter
 from .errors import (
@@ -38,9 +38,6 @@ from .errors import (
     SlotTimeoutError,
 )
 from .events import (
-    GENERATED,
-    PREFILLED,
-    REUSED,
     EventBus,
     Progress,
     RequestFinished,
@@ -49,7 +46,7 @@ from .events import (
     Segment,
     SlotRewritten,
     SlotsChanged,
-    Subscriber,
+    message_segments,
 )
 from .gguf_header import read_metadata
 from .hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, devices, kv_type_id
@@ -59,13 +56,13 @@ from .media import (
     snap_to_media_boundary,
     spans,
 )
-from .messages import normalize, prefix_hashes, preview
+from .messages import normalize, prefix_hashes
 from .models import resolve_model_path
 from .prompt import Prompt, PromptBuilder
 from .sampling import Sampler, SamplingParams
 from .slot_kv import SlotKV, probe_memory
 from .spc import SystemPromptStore
-from .streams import AsyncChatStream, ChatResult, ChatStream
+from .streams import ChatResult, ChatStream
 from .templates import CHATML, ChatTemplate
 from .textstream import TextStream
 
@@ -73,7 +70,6 @@ log = logging.getLogger("nbkv")
 
 CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
 REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
-EXPLAINED = 32  # requests whose token comparison explain() keeps
 REWRITE_CHUNK = 64  # positions per idle-time rewrite step: what a new request may wait for
 
 
@@ -128,6 +124,9 @@ class SlotInfo:
     checkpoint_bytes: int = 0
     memory: str = "plain"  # the model's memory class (nbkv.slot_kv)
     rewriting: int = 0  # trailing positions out of the KV while a reply's KV is rewritten
+    #: remote engines: False when the server's slot differs from what nbkv expects
+    verified: bool = True
+    note: str = ""  # ... and why
 
     @property
     def n_tokens(self) -> int:
@@ -235,7 +234,7 @@ class _Job:
         self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
 
 
-class Engine:
+class Engine(ChatAPI):
     """A persistent multi-slot chat engine with Incremental Message and System Prompt Caches.
 
     Args:
@@ -482,51 +481,6 @@ class Engine:
         s = ChatStream(self, job)
         return s if stream else s.result()
 
-    def chat_many(
-        self,
-        conversations: Sequence[Sequence[Mapping[str, Any]]],
-        sessions: Sequence[str | None] | None = None,
-        *,
-        stream: bool = False,
-        **sampling: Any,
-    ) -> list[ChatResult] | list[ChatStream]:
-        """Reply to several conversations at once; their tokens share ``llama_decode`` batches.
-
-        Returns results in order, or with ``stream=True`` one :class:`ChatStream` per
-        conversation (each may be consumed from its own thread).
-        """
-        sessions = list(sessions) if sessions is not None else [None] * len(conversations)
-        if len(sessions) != len(conversations):
-            raise InvalidRequestError("sessions must have one entry per conversation")
-        streams: list[ChatStream] = []
-        try:
-            for conv, sess in zip(conversations, sessions):
-                streams.append(self.chat(conv, sess, stream=True, **sampling))  # type: ignore[arg-type]
-            if stream:
-                return streams
-            return [s.result() for s in streams]
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
-
-    async def achat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        session: str | None = None,
-        *,
-        stream: bool = False,
-        **sampling: Any,
-    ) -> ChatResult | AsyncChatStream:
-        """:meth:`chat` for asyncio: await a :class:`ChatResult`, or ``async for`` the deltas.
-
-        Many ``achat`` calls in flight at once are decoded together, like :meth:`chat_many`.
-        """
-        loop = asyncio.get_running_loop()
-        s = self.chat(messages, session, stream=True, **sampling)
-        astream = AsyncChatStream(s, loop)  # type: ignore[arg-type]
-        return astream if stream else await astream.result()
-
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
                ) -> str:
         """The prompt text the template makes of ``messages``."""
@@ -596,22 +550,7 @@ class Engine:
         Its reason, and the cached and new renderings split at the divergence point (kept
         for the last 32 requests).
         """
-        records = self.history
-        if not records:
-            raise InvalidRequestError("no request yet: nothing to explain")
-        rec = records[-1] if request is None else next(
-            (r for r in records if r.id == request), None)
-        if rec is None:
-            raise InvalidRequestError(f"no request #{request} in the history")
-        pair = self._compared.get(rec.id)
-        if pair is None:
-            raise InvalidRequestError(
-                f"request #{rec.id} is too old to explain (the last {EXPLAINED} are kept)")
-        cached, new = pair
-        cut = rec.divergence.position if rec.divergence is not None else min(
-            reasons.common_prefix(cached, new), len(cached))
-        return reasons.Explanation(rec, self._text_of(cached[:cut]), self._text_of(cached[cut:]),
-                                   self._text_of(new[:cut]), self._text_of(new[cut:]))
+        return reasons.explain_request(self.history, self._compared, self._text_of, request)
 
     def _text_of(self, units: Sequence[Any]) -> str:
         """Text of KV units: tokens detokenized, each image as ``[image]``."""
@@ -664,33 +603,13 @@ class Engine:
 
         return restore(self, path, sessions)
 
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""
-        return self.events.subscribe(callback)
-
-    @property
-    def history(self) -> list[RequestRecord]:
-        """Records of the most recent requests, oldest first."""
-        return list(self.events.history)
-
     def stats(self) -> dict[str, Any]:
         """Totals over the request history."""
         h = self.history
-        prompt = sum(r.prompt_tokens for r in h)
-        reused = sum(r.reused_tokens for r in h)
         drafted = sum(r.draft_tokens for r in h)
         accepted = sum(r.draft_accepted for r in h)
-        by: dict[str, int] = {}
-        for r in h:
-            by[r.strategy] = by.get(r.strategy, 0) + 1
         return {
-            "requests": len(h),
-            "strategies": by,
-            "prompt_tokens": prompt,
-            "reused_tokens": reused,
-            "prefilled_tokens": sum(r.prefilled_tokens for r in h),
-            "generated_tokens": sum(r.generated_tokens for r in h),
-            "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
+            **request_totals(h),
             "draft_tokens": drafted,
             "draft_accepted": accepted,
             "draft_acceptance_pct": 100.0 * accepted / drafted if drafted else 0.0,
@@ -955,7 +874,7 @@ class Engine:
         source = own.tokens if own is not None else (
             self._slots[donor].tokens if donor is not None else ())
         self._compared[job.id] = (tuple(source), tuple(p.tokens))
-        while len(self._compared) > EXPLAINED:
+        while len(self._compared) > reasons.EXPLAINED:
             self._compared.popitem(last=False)
         return why
 
@@ -1332,22 +1251,7 @@ class Engine:
     def _segments(self, job: _Job, n: int) -> tuple[Segment, ...]:
         """KV map of ``job``'s slot: message spans split by reused / prefilled / generated."""
         p = job.prompt
-        messages, start = [], 0
-        for i, end in enumerate(p.ends):
-            messages.append((start, end, i, p.messages[i]["role"], preview(p.messages[i])))
-            start = end
-        reply = len(p.messages)
-        messages.append((start, len(p.tokens), reply, "assistant", "(generation prompt)"))
-        messages.append((len(p.tokens), max(n, len(p.tokens)), reply, "assistant",
-                         preview({"content": job.text.text})))
-        out = []
-        cuts = (job.reuse, len(p.tokens))
-        for a, b, i, role, text in messages:
-            for lo, hi, state in ((a, min(b, cuts[0]), REUSED),
-                                  (max(a, cuts[0]), min(b, cuts[1]), PREFILLED),
-                                  (max(a, cuts[1]), b, GENERATED)):
-                if hi > lo:
-                    out.append(Segment(lo, hi, i, role, state, text))
+        out = message_segments(p.messages, p.ends, len(p.tokens), job.reuse, n, job.text.text)
         runs = [(s.start, s.end, s.image_hash, s.n_tokens)
                 for s in spans(p.tokens) if s.kind == "image"]
         names = {im.hash: Path(im.source).name for im in (p.media.images if p.media else ())

@@ -82,3 +82,27 @@ class RestoreError(NbkvError):
     The save is corrupt or incomplete, from another model, for other settings, or from a
     newer nbkv: the message says what differs.
     """
+
+
+class ServerError(NbkvError):
+    """A remote engine's server failed a request (the message says what it answered)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class ServerUnreachableError(ServerError, ConnectionError):
+    """Nothing answers at the server's address (connection refused, host unknown)."""
+
+
+class ServerTimeoutError(ServerError, TimeoutError):
+    """The server did not answer within the time limit."""
+
+
+class ServerUnsupportedError(ServerError):
+    """The server lacks an endpoint or a setting nbkv needs (the message names the flag)."""
+
+
+class TemplateMismatchError(TemplateError):
+    """The kernel's rendering or tokenization of a conversation differs from the server's."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
+from .messages import preview
 from .reasons import Divergence
 
 log = logging.getLogger("nbkv.events")
@@ -91,6 +92,9 @@ class RequestRecord:
     reason: str = ""  # why it reused what it reused (a code of nbkv.reasons)
     reason_text: str = ""  # ... in plain words
     divergence: Divergence | None = None  # where the prompt left the cached conversation
+    #: False when a remote server's figures disagree with what nbkv expected of the slot
+    verified: bool = True
+    note: str = ""  # ... and why (or another remark of a remote engine)
 
     @property
     def salvage_pct(self) -> float:
@@ -152,6 +156,8 @@ class RequestRecord:
         if r.draft_tokens:
             out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
                         "speculative guesses of the next token that proved right"))
+        if not r.verified:
+            out.append(("not verified", r.note or "the server's figures differ from nbkv's"))
         ending = {"length": "stopped at the token limit", "cancelled": "interrupted",
                   "error": "failed"}.get(r.finish_reason)
         if ending:
@@ -161,6 +167,30 @@ class RequestRecord:
     def summary(self) -> str:
         """The one-line figures shown after a reply (the notebook view and the terminal)."""
         return " · ".join(text for text, _ in self.actions())
+
+
+def message_segments(messages: Sequence[Mapping[str, Any]], ends: Sequence[int],
+                     n_prompt: int, reuse: int, n: int, reply: str) -> tuple[Segment, ...]:
+    """A slot's KV map: a span per message and the reply, split by reused/prefilled/generated.
+
+    The prompt has ``n_prompt`` positions, the first ``reuse`` from cache; the slot holds ``n``
+    (the reply's after the prompt). Text only: the engine splits image positions out itself.
+    """
+    spans, start = [], 0
+    for i, end in enumerate(ends):
+        spans.append((start, end, i, messages[i]["role"], preview(messages[i])))
+        start = end
+    k = len(messages)
+    spans.append((start, n_prompt, k, "assistant", "(generation prompt)"))
+    spans.append((n_prompt, max(n, n_prompt), k, "assistant", preview({"content": reply})))
+    out = []
+    for a, b, i, role, text in spans:
+        for lo, hi, state in ((a, min(b, reuse), REUSED),
+                              (max(a, reuse), min(b, n_prompt), PREFILLED),
+                              (max(a, n_prompt), b, GENERATED)):
+            if hi > lo:
+                out.append(Segment(lo, hi, i, role, state, text))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -60,12 +60,16 @@ class Nbkv(Magics, Settings):
     @argument("command", nargs="?", default="status", choices=tuple(commands.COMMANDS),
               help="what to do (default: status)")
     @argument("target", nargs="?",
-              help="load: a GGUF file (default: the embedded SmolLM2-135M); clear: a slot; "
+              help="load: a GGUF file (default: the embedded SmolLM2-135M); connect: a "
+                   "server's URL (llama-server or OpenAI-compatible); clear: a slot; "
                    "explain: a request number (default: the latest); save, restore: a "
                    "directory (default: one per notebook in the user cache)")
     @argument("--mmproj", metavar="F",
               help="load: vision projector GGUF (lets chat cells attach images)")
-    @argument("--slots", type=int, metavar="N", help="load: number of slots")
+    @argument("--slots", type=int, metavar="N",
+              help="load: number of slots; connect: llama-server slots to use")
+    @argument("--api-key-env", metavar="VAR",
+              help="connect: environment variable holding the server's API key")
     @argument("--ctx", type=int, metavar="N", help="load: tokens per slot")
     @argument("--mode", choices=CACHE_MODES, help="load: cache mode")
     @argument("--min-tokens", type=int, metavar="N", help="load: shortest salvageable prefix")
@@ -79,13 +83,14 @@ class Nbkv(Magics, Settings):
     @argument("-n", "--last", type=int, metavar="N", help="history: records shown (20)")
     @line_magic
     def kvcache(self, line: str = "") -> Any:
-        """Load, inspect and clear the in-kernel engine.
+        """Load, connect, inspect and clear the engine (in the kernel, or a server).
 
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
                         [--min-tokens N] [--template F] [--restore] [--gpu-layers N]
                         [--kv-type T] [--flash-attn auto|on|off]
+          %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N]
           %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
           %kvcache widget | unload | config

@@ -662,3 +662,17 @@ def content_with_images(text: str, paths: Sequence[str] = ()) -> str | list[dict
     if text[at:].strip():
         parts.append({"type": "text", "text": text[at:]})
     return parts
+
+
+def to_data_url(part: Any, where: str = "image") -> str:
+    """An image content part (or raw image object) as a ``data:image/png;base64,...`` URL.
+
+    What an OpenAI-compatible server takes; the pixels are read and checked here first.
+    """
+    import base64
+    import io
+
+    image = _load_in(_part_source(part, where) if isinstance(part, Mapping) else part, where)
+    buf = io.BytesIO()
+    _pil().Image.fromarray(image.array()).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

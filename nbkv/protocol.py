@@ -40,6 +40,7 @@ class EngineLike(Protocol):
     def stats(self) -> dict[str, Any]:
         """Aggregate figures."""
 
+    @property
     def history(self) -> list[RequestRecord]:
         """Every request record so far."""
 

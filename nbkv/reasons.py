@@ -9,7 +9,7 @@ detokenized only when someone asks (:meth:`Divergence.excerpts`).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,3 +197,35 @@ class Explanation:
     cached_tail: str
     new_head: str
     new_tail: str
+
+
+#: requests whose cached and new units are kept for :func:`explain_request`
+EXPLAINED = 32
+
+
+def explain_request(records: Sequence[Any], compared: Mapping[int, tuple[Sequence[Any],
+                    Sequence[Any]]], text_of: Callable[[Sequence[Any]], str],
+                    request: int | None = None) -> Explanation:
+    """The story of request ``request`` (default: the latest) from the engine's history.
+
+    ``compared`` maps a request id to (the cached units it was compared with, its prompt);
+    ``text_of`` renders units as text. Raises ``InvalidRequestError`` when there is nothing
+    to explain.
+    """
+    from .errors import InvalidRequestError
+
+    if not records:
+        raise InvalidRequestError("no request yet: nothing to explain")
+    rec = records[-1] if request is None else next(
+        (r for r in records if r.id == request), None)
+    if rec is None:
+        raise InvalidRequestError(f"no request #{request} in the history")
+    pair = compared.get(rec.id)
+    if pair is None:
+        raise InvalidRequestError(
+            f"request #{rec.id} is too old to explain (the last {EXPLAINED} are kept)")
+    cached, new = pair
+    cut = rec.divergence.position if rec.divergence is not None else min(
+        common_prefix(cached, new), len(cached))
+    return Explanation(rec, text_of(cached[:cut]), text_of(cached[cut:]), text_of(new[:cut]),
+                       text_of(new[cut:]))

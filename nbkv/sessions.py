@@ -217,6 +217,18 @@ class SessionStore:
         self.engine = Engine(model_path, **engine_kwargs)
         return self.engine
 
+    def connect(self, url: str, **kwargs: Any) -> Any:
+        """Connect to a serving engine (:func:`nbkv.remote.connect`), then close the old one.
+
+        The old engine stays if the connection fails. Sessions keep their messages.
+        """
+        from .remote import connect
+
+        engine = connect(url, **kwargs)
+        self.close_engine()
+        self.engine = engine
+        return engine
+
     def autosave(self, path: Any, interval: float = 30.0) -> None:
         """Save the engine and sessions to ``path`` after requests, in the background.
 

@@ -8,7 +8,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Float, observe, validate
 
-from ..display import legend_html
+from ..display import engine_label, legend_html, slots_label
 from .feed import Feed, LiveState
 from .kvmap import KVMap
 from .slots import SlotCards
@@ -31,8 +31,10 @@ class CacheDashboard(W.VBox):
         self.kvmap = KVMap(engine, self.feed)
         self.timeline = Timeline(engine, self.feed)
         self.legend = W.HTML(legend_html())
-        super().__init__([self.header, self.legend, self.slots, self.kvmap, self.timeline],
-                         **kw)
+        parts = [self.header, self.legend, self.slots, self.kvmap, self.timeline]
+        if not engine.n_slots:  # a server that manages its own slots: no KV map to draw
+            parts.remove(self.kvmap)
+        super().__init__(parts, **kw)
         self.interval = interval
         self.add_class("nbkv-dashboard")
 
@@ -57,7 +59,7 @@ class CacheDashboard(W.VBox):
         running = len(state.running)
         self.header.value = (
             f'<div style="font:13px sans-serif"><b>nbkv</b> · '
-            f"{html.escape(e.model.name)} · {e.n_slots} slots x {e.n_ctx} tokens · "
+            f"{html.escape(engine_label(e))} · {slots_label(e)} · "
             f"cache {e.cache} · {s['requests']} requests, {s['salvage_pct']:.0f}% of prompt "
             f"tokens from cache · {running} running</div>"
         )

@@ -75,6 +75,11 @@ class KVMap(FeedView, W.VBox):
             name="divergence", mode="markers", x=[], y=[], customdata=[],
             marker=dict(symbol="triangle-down", size=11, color="#222"),
             hovertemplate="%{customdata}<extra>divergence</extra>")
+        # remote engines: a slot whose server content differs from nbkv's table
+        self.figure.add_scatter(
+            name="not verified", mode="markers", x=[], y=[], customdata=[],
+            marker=dict(symbol="x", size=12, color=COLORS["trimmed"]),
+            hovertemplate="%{customdata}<extra>not verified</extra>")
         self.traces = {t.name: t for t in self.figure.data}
         self.note = W.HTML()
         super().__init__([self.figure, self.note], **kw)
@@ -94,10 +99,13 @@ class KVMap(FeedView, W.VBox):
         """Redraw from the slot snapshots and the requests in flight."""
         bars: dict[str, list[tuple[str, int, int, list[Any], float]]] = {
             name: [] for name in self.traces
-            if name not in ("capacity", "checkpoint", "divergence")}
+            if name not in ("capacity", "checkpoint", "divergence", "not verified")}
         diverged: list[tuple[int, str, str]] = []
         marks: list[tuple[int, str]] = []
+        unverified: list[tuple[str, str]] = []
         for s in self.engine.slots():
+            if not s.verified:
+                unverified.append((_label(s.index, "messages"), html.escape(s.note)))
             marks.extend((pos, _label(s.index, "messages")) for pos in s.checkpoints)
             run = state.running_on(s.index)
             segs = run.record.segments if run is not None else s.segments
@@ -140,8 +148,14 @@ class KVMap(FeedView, W.VBox):
             dv.x = [m[0] for m in diverged]
             dv.y = [m[1] for m in diverged]
             dv.customdata = [m[2] for m in diverged]
+            nv = self.traces["not verified"]
+            nv.x = [0] * len(unverified)
+            nv.y = [m[0] for m in unverified]
+            nv.customdata = [m[1] for m in unverified]
         self.segments = sum(len(rows) for rows in bars.values())
-        self.note.value = "engine closed" if state.closed else ""
+        self.note.value = "engine closed" if state.closed else "".join(
+            f'<div class="nbkv-unverified" style="color:{COLORS["trimmed"]};font-size:12px">'
+            f"✗ {label}: not verified: {note}</div>" for label, note in unverified)
 
 
 

@@ -46,7 +46,9 @@ class SlotCards(FeedView, W.VBox):
                 card.value = _card(s, rank.get(s.index), len(order), state.running_on(s.index))
             self.busy = sum(1 for s in slots if s.pending)
             self.used = sum(s.n_tokens for s in slots)
-            self.note.value = "engine closed" if state.closed else ""
+            self.note.value = "engine closed" if state.closed else (
+                "" if self.cards else "slots are managed by the server: nbkv sees its "
+                                      "sessions and what each request reused")
 
 
 
@@ -76,8 +78,16 @@ def _card(s: Any, rank: int | None, n_used: int, run: Any) -> str:
         f'<div style="background:#3b7dd8;height:6px;border-radius:3px;width:{pct:.1f}%">'
         f"</div></div>"
         f"{lru} · media chunks: {s.n_media}<br>"
-        f'<span class="nbkv-memory">{_memory(s)}</span><br>{badge}</div>'
+        f'<span class="nbkv-memory">{_memory(s)}</span><br>{badge}{_unverified(s)}</div>'
     )
+
+
+def _unverified(s: Any) -> str:
+    """A remote slot whose server content differs from what nbkv expects."""
+    if s.verified:
+        return ""
+    return (f'<div class="nbkv-unverified" title="{html.escape(s.note, quote=True)}" '
+            f'style="color:{COLORS["trimmed"]}">✗ not verified</div>')
 
 
 def _memory(s: Any) -> str:

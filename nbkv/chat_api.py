@@ -1,0 +1,101 @@
+"""What every engine offers on top of its own ``chat``: many at once, asyncio, events, totals.
+
+:class:`ChatAPI` is shared by the in-kernel :class:`~nbkv.engine.Engine` and the remote
+engines (:mod:`nbkv.remote`); a subclass provides ``chat(messages, session, stream=...)``
+returning a :class:`~nbkv.streams.ChatStream` when streaming, and an ``events`` bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .errors import InvalidRequestError
+from .events import EventBus, RequestRecord, Subscriber
+from .streams import AsyncChatStream, ChatResult, ChatStream
+
+
+class ChatAPI:
+    """``chat_many``, ``achat``, ``subscribe``, ``history`` and request totals, from ``chat``."""
+
+    events: EventBus
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: bool = False, **sampling: Any) -> Any:
+        """Reply to ``messages``: a ChatResult, or a ChatStream with ``stream=True``."""
+        raise NotImplementedError
+
+    def chat_many(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        sessions: Sequence[str | None] | None = None,
+        *,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> list[ChatResult] | list[ChatStream]:
+        """Reply to several conversations at once (their work overlaps).
+
+        Returns results in order, or with ``stream=True`` one :class:`ChatStream` per
+        conversation (each may be consumed from its own thread).
+        """
+        sessions = list(sessions) if sessions is not None else [None] * len(conversations)
+        if len(sessions) != len(conversations):
+            raise InvalidRequestError("sessions must have one entry per conversation")
+        streams: list[ChatStream] = []
+        try:
+            for conv, sess in zip(conversations, sessions):
+                streams.append(self.chat(conv, sess, stream=True, **sampling))
+            if stream:
+                return streams
+            return [s.result() for s in streams]
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+
+    async def achat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        session: str | None = None,
+        *,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> ChatResult | AsyncChatStream:
+        """:meth:`chat` for asyncio: await a :class:`ChatResult`, or ``async for`` the deltas.
+
+        Many ``achat`` calls in flight at once are served together, like :meth:`chat_many`.
+        """
+        loop = asyncio.get_running_loop()
+        s = self.chat(messages, session, stream=True, **sampling)
+        astream = AsyncChatStream(s, loop)
+        return astream if stream else await astream.result()
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""
+        return self.events.subscribe(callback)
+
+    @property
+    def history(self) -> list[RequestRecord]:
+        """Records of the most recent requests, oldest first."""
+        return list(self.events.history)
+
+
+def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Totals over request records: requests by strategy, prompt, reused, read, generated."""
+    prompt = sum(r.prompt_tokens for r in history)
+    reused = sum(r.reused_tokens for r in history)
+    by: dict[str, int] = {}
+    for r in history:
+        by[r.strategy] = by.get(r.strategy, 0) + 1
+    ttfts = [r.ttft_s for r in history if r.ttft_s > 0]
+    return {
+        "requests": len(history),
+        "strategies": by,
+        "prompt_tokens": prompt,
+        "reused_tokens": reused,
+        "prefilled_tokens": sum(r.prefilled_tokens for r in history),
+        "generated_tokens": sum(r.generated_tokens for r in history),
+        "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
+        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+    }
