@@ -27,10 +27,11 @@ browser:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    --no-install-recommends chromium fonts-liberation >/dev/null; }
 
-# the notebooks run too (nbval, in this environment's kernel)
-test: $(STAMP) browser
+# the notebooks run too (nbval, in this environment's kernel); the remote-engine tests and
+# notebook need llama-server, so it is built first (cached) and required
+test: $(STAMP) browser llama-server
 	$(PY) -m ruff check nbkv tests
-	$(PY) -m pytest --nbval-lax --nbval-current-env tests notebooks
+	NBKV_REQUIRE_SERVER=1 $(PY) -m pytest --nbval-lax --nbval-current-env tests notebooks
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
@@ -38,8 +39,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m nbkv.bench
 
-# llama-server from the llama-cpp-python sdist (issue 15), cached in .venv by version.
-# Not yet a prerequisite of `test`: add it there once tests/test_remote.py lands.
+# llama-server from the llama-cpp-python sdist (issue 15), cached in .venv by version
 llama-server: $(STAMP)
 	.ci/build-llama-server
 

@@ -1173,6 +1173,102 @@ def scenario_vision_families(path: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+class RemoteRunner:
+    """nbkv's remote engine on a llama-server: ``pin`` (nbkv's policy, ``id_slot``) or not.
+
+    Unpinned is the same client without ``id_slot``: llama-server picks the slot itself (the
+    idle slot whose cached prompt is most similar, else the least recently used).
+    """
+
+    def __init__(self, url: str, pin: bool, max_tokens: int = MAX_TOKENS) -> None:
+        from .remote import connect
+
+        self.engine = connect(url)
+        self.engine.clear()
+        self.pin = pin
+        self.max_tokens = max_tokens
+
+    def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
+        if self.pin:
+            res = self.engine.chat(messages, session=session, max_tokens=self.max_tokens,
+                                   temperature=0)
+            r = res.record
+            return {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "reused": r.reused_tokens,
+                    "prefilled": r.prefilled_tokens, "server_prefill_s": r.prefill_s,
+                    "slot": r.slot, "verified": r.verified, "text": res.text}
+        tokens = self.engine.tokenize_prompt(messages)
+        body = {"prompt": tokens, "cache_prompt": True, "stream": True, "n_cache_reuse": 0,
+                "n_predict": self.max_tokens, "temperature": 0}
+        t0 = time.perf_counter()
+        ttft, text, final = 0.0, "", {}
+        for ev in self.engine.client.stream("/completion", body):
+            if ev.get("content") and not ttft:
+                ttft = time.perf_counter() - t0
+            text += ev.get("content") or ""
+            if ev.get("stop"):
+                final = ev
+        t = final.get("timings") or {}
+        return {"ttft": ttft, "prompt": len(tokens), "reused": int(t.get("cache_n", 0)),
+                "prefilled": int(t.get("prompt_n", 0)),
+                "server_prefill_s": float(t.get("prompt_ms", 0.0)) / 1000,
+                "slot": final.get("id_slot"), "verified": True, "text": text}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def scenario_remote(path: str, quick: bool) -> dict[str, Any]:
+    """Four sessions interleaved on llama-server with 2 and 4 slots: nbkv pinning its slots,
+    the same client leaving the choice to the server, and the in-kernel engine."""
+    from .server import LlamaServer, binary
+
+    if binary() is None:
+        return {"skipped": "no llama-server binary: run `make llama-server`", "ratios": {}}
+    rounds = 2 if quick else 4
+    names = ["Ada", "Brook", "Cyd", "Dale"]
+    convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
+    turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(names)]
+    n_ctx = 2048
+    out: dict[str, Any] = {"sessions": len(names), "rounds": rounds}
+    ratios: dict[str, float] = {}
+    replies = None
+    for slots in (4, 2):
+        results: dict[str, list] = {}
+        kernel = NbkvRunner(path, "imc", slots, n_ctx)
+        results["kernel"] = run_conversations(kernel, convs, turns, replies)
+        kernel.close()
+        if replies is None:
+            replies = [r["text"] for r in results["kernel"]]
+        with LlamaServer(path, slots=slots, ctx=n_ctx, threads=os.cpu_count(), batch=256,
+                         ubatch=256, flash_attn="off") as srv:
+            for name, pin in (("pinned", True), ("unpinned", False)):
+                runner = RemoteRunner(srv.url, pin)
+                results[name] = run_conversations(runner, convs, turns, replies)
+                runner.close()
+        later = slice(len(names), None)
+        ttft = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
+        reused = {v: mean([r["reused"] for r in rs[later]]) for v, rs in results.items()}
+        out[f"{slots}_slots"] = {
+            "mean_ttft_s_rounds_2_on": ttft,
+            "mean_reused_tokens_rounds_2_on": reused,
+            "reused_per_turn": {v: [r["reused"] for r in rs] for v, rs in results.items()},
+            "server_slot_per_turn": {v: [r["slot"] for r in rs]
+                                     for v, rs in results.items() if v != "kernel"},
+            "pinned_not_verified": sum(1 for r in results["pinned"] if not r["verified"]),
+            # what the HTTP path adds: first-token time not spent in the server's prefill
+            # (render, tokenize over HTTP, the request, the first streamed event)
+            "overhead_ms_per_request": 1000 * (
+                mean([r["ttft"] - r["server_prefill_s"] for r in results["pinned"][later]])),
+        }
+        ratios[f"pinned_over_kernel_ttft_{slots}_slots"] = ttft["pinned"] / ttft["kernel"]
+        ratios[f"pinned_over_kernel_reused_{slots}_slots"] = reused["pinned"] / max(
+            reused["kernel"], 1)
+        ratios[f"unpinned_over_pinned_ttft_{slots}_slots"] = ttft["unpinned"] / ttft["pinned"]
+    out["mean_ttft_s_rounds_2_on"] = out["4_slots"]["mean_ttft_s_rounds_2_on"]
+    out["ratios"] = ratios
+    return out
+
+
 SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "single": scenario_single,
     "interleaved": scenario_interleaved,
@@ -1187,6 +1283,7 @@ SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "families": scenario_families,
     "restore": scenario_restore,
     "kv-types": scenario_kv_types,
+    "remote": scenario_remote,
 }
 
 TARGETS = [
@@ -1203,6 +1300,8 @@ TARGETS = [
     ("kv-types", "q8_0_over_f16_bytes", "<=", 0.55),
     ("kv-types", "exact_variants", ">=", 2),
     ("restore", "rebuild_over_restored_ttft", ">=", 10.0),
+    ("remote", "pinned_over_kernel_ttft_4_slots", "<=", 1.3),
+    ("remote", "pinned_over_kernel_reused_4_slots", ">=", 1.0),
     # prefill over the minimum, mean over turns 2+: hybrid/recurrent models go back to a
     # checkpoint, plain/SWA ones cut anywhere. The minimum as such (new message + glue), and
     # what a cache could reuse at all (replies of the random-weight models often re-tokenize

@@ -435,9 +435,11 @@ def slots_table(engine: Engine) -> Table:
     span = min(cap, max(max((s.n_tokens for s in slots), default=0) * 5 // 4, cap // 8, 1))
     memory = getattr(engine, "memory", None)
     used = memory.checkpoints if memory is not None else False
+    server = {x.get("id"): x for x in getattr(engine, "server_slots", None) or ()}
     rows = tuple(
         (s.index, (s.session or "-") + ("" if s.verified else f" (not verified: {s.note})"),
          s.n_messages, f"{s.n_tokens}/{s.capacity}",
+         *((_server_slot(server.get(s.index)),) if server else ()),
          rank.get(s.index, "-"), "yes" if s.pending else "", s.n_media,
          checkpoints_text(s, used), kv_strip(s, span=span))
         for s in slots
@@ -445,8 +447,9 @@ def slots_table(engine: Engine) -> Table:
     if not slots:
         return Table("slots", ("",), (), note="slots are managed by the server: nbkv sees "
                                               "its sessions and what each request reused")
-    return Table("slots", ("slot", "session", "messages", "tokens", "LRU", "pending", "media",
-                           "checkpoints", f"KV map (positions 0–{span})"), rows,
+    return Table("slots", ("slot", "session", "messages", "tokens",
+                           *(("server holds (/slots)",) if server else ()), "LRU", "pending",
+                           "media", "checkpoints", f"KV map (positions 0–{span})"), rows,
                  note="LRU 1 = most recently used, evicted last. " + LEGEND_TEXT
                       + ("; | = checkpoint" if used else ""),
                  html_note='<div style="color:#666;font-size:90%">LRU 1 = most recently used, '
@@ -455,15 +458,24 @@ def slots_table(engine: Engine) -> Table:
                            "generated.</div>" + legend_html())
 
 
+def _server_slot(info: dict[str, Any] | None) -> str:
+    """What llama-server's ``/slots`` said of a slot at the last poll."""
+    if info is None:
+        return "-"
+    busy = " (busy)" if info.get("is_processing") else ""
+    return f"{info.get('n_prompt_tokens', '?')} tokens{busy}"
+
+
 def stats_table(engine: Engine) -> Table:
     """Totals over the request history; internals only when relevant, under "details"."""
     s = engine.stats()
     main = ("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens", "salvage_pct",
-            "strategies", "generated_tokens", "mean_ttft_s")
+            "strategies", "generated_tokens", "mean_ttft_s", "not_verified")
     labels = {"requests": "requests", "prompt_tokens": "prompt tokens",
               "reused_tokens": "reused from cache", "prefilled_tokens": "read new",
               "salvage_pct": "served from cache (%)", "strategies": "how requests were served",
-              "generated_tokens": "reply tokens", "mean_ttft_s": "mean first-token time (s)"}
+              "generated_tokens": "reply tokens", "mean_ttft_s": "mean first-token time (s)",
+              "not_verified": "requests not verified (remote)"}
 
     def fmt(v: Any) -> Any:
         return _strategies(v) if isinstance(v, dict) else (f"{v:.1f}" if isinstance(v, float)

@@ -39,8 +39,10 @@ class ServerClient:
             url = "http://" + url
         self.url = url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # idle connections are dropped before the server's own keep-alive limit (llama-server:
+        # 5 s) closes them under a request
         self._http = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(
-            read_timeout, connect=CONNECT_TIMEOUT))
+            read_timeout, connect=CONNECT_TIMEOUT), limits=httpx.Limits(keepalive_expiry=2.0))
 
     def get(self, path: str, timeout: float | None = None, **params: Any) -> Any:
         """``GET path``: the decoded JSON (or text, for ``/metrics``)."""
@@ -54,8 +56,8 @@ class ServerClient:
     def stream(self, path: str, body: dict[str, Any]) -> EventStream:
         """``POST path`` and read the answer as server-sent events (``data: {...}``)."""
         try:
-            req = self._http.build_request("POST", path, json=body)
-            resp = self._http.send(req, stream=True)
+            resp = self._again(lambda: self._http.send(
+                self._http.build_request("POST", path, json=body), stream=True))
         except httpx.HTTPError as e:
             raise self._transport_error(e, path) from e
         if resp.status_code >= 400:
@@ -78,7 +80,7 @@ class ServerClient:
         if timeout is not None:
             kw["timeout"] = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
         try:
-            resp = self._http.request(method, path, **kw)
+            resp = self._again(lambda: self._http.request(method, path, **kw))
         except httpx.HTTPError as e:
             raise self._transport_error(e, path) from e
         if resp.status_code >= 400:
@@ -86,6 +88,17 @@ class ServerClient:
         if "json" in resp.headers.get("content-type", ""):
             return resp.json()
         return resp.text
+
+    @staticmethod
+    def _again(send: Any) -> httpx.Response:
+        """``send()``, once more if the server closed a pooled connection before answering.
+
+        Safe to repeat: the server had not read the request (no response byte came back).
+        """
+        try:
+            return send()
+        except httpx.RemoteProtocolError:
+            return send()
 
     def _transport_error(self, e: httpx.HTTPError, path: str) -> ServerError:
         if isinstance(e, httpx.TimeoutException):

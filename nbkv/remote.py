@@ -28,6 +28,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from . import policy, reasons
@@ -282,6 +283,7 @@ class _Slot:
     verified: bool = True
     note: str = ""
     server_tokens: int | None = None  # n_prompt_tokens at the last /slots poll
+    version: int = 0  # bumped when a request takes or leaves the slot (stale polls skip it)
 
     def snapshot(self) -> SlotInfo:
         return SlotInfo(self.index, self.index, self.capacity, self.session, tuple(self.tokens),
@@ -295,6 +297,7 @@ class _Slot:
         self.known = not note
         self.verified = not note
         self.note = note
+        self.version += 1
 
 
 class LlamaServerEngine(_RemoteBase):
@@ -318,7 +321,9 @@ class LlamaServerEngine(_RemoteBase):
         self.cache = "imc"
         self.cache_min_tokens = min_tokens
         self.model_path = str(props.get("model_path") or "")
-        self.model_name = str(props.get("model_alias") or self.model_path or "?")
+        alias = str(props.get("model_alias") or "")
+        self.model_name = (Path(alias).name if alias == self.model_path else alias) or Path(
+            self.model_path).name or "?"
         self.build_info = str(props.get("build_info") or "")
         if (props.get("modalities") or {}).get("vision"):
             log.info("the server has a vision projector; nbkv sends text only for now")
@@ -398,7 +403,12 @@ class LlamaServerEngine(_RemoteBase):
                 raise NbkvError(f"slot {slot} is serving a request; cancel it first")
             targets = [s for s in targets if not s.pending]
         for s in targets:
-            self.client.post(f"/slots/{s.index}", {}, timeout=30.0, action="erase")
+            try:
+                self.client.post(f"/slots/{s.index}", {}, timeout=30.0, action="erase")
+            except ServerUnsupportedError as e:
+                raise ServerUnsupportedError(
+                    "the server cannot erase slots: start it with --slot-save-path DIR "
+                    "(python -m nbkv.server does)", e.status) from e
             with self._cv:
                 if s.session is not None and s.tokens:
                     self._whereabouts[s.session] = reasons.Whereabouts(
@@ -447,6 +457,8 @@ class LlamaServerEngine(_RemoteBase):
         """
         if not self.has_slots_endpoint:
             return False
+        with self._cv:
+            versions = [s.version for s in self._slots]
         try:
             data = self.client.get("/slots", timeout=5.0)
         except ServerUnsupportedError:
@@ -458,12 +470,15 @@ class LlamaServerEngine(_RemoteBase):
         self._last_poll = time.monotonic()
         changed = False
         with self._cv:
+            stale = {s.index for s in self._slots if s.version != versions[s.index]}
             self.server_slots = list(data) if isinstance(data, list) else []
             for info in self.server_slots:
                 i = info.get("id")
                 if not isinstance(i, int) or not 0 <= i < len(self._slots):
                     continue
                 s = self._slots[i]
+                if i in stale:  # a request came or went while the answer was on its way
+                    continue
                 n = info.get("n_prompt_tokens")
                 s.server_tokens = n if isinstance(n, int) else None
                 if s.pending or not s.known:
@@ -514,6 +529,7 @@ class LlamaServerEngine(_RemoteBase):
                                    evicted_tokens=len(t.tokens) - reuse if t.tokens else 0)
             slot = self._slots[plan.slot]
             slot.pending = True
+            slot.version += 1
             own = max((s for s in snaps if s.session == job.session and s.tokens
                        and job.session is not None), key=lambda s: s.last_used, default=None)
         return slot, plan, own
@@ -674,6 +690,10 @@ class LlamaServerEngine(_RemoteBase):
             slot.known, slot.verified, slot.note = True, verified, note if not verified else ""
             slot.server_tokens = n
             slot.last_used = next(self._clock)
+            slot.version += 1
+            for info in self.server_slots:  # what /slots will say, until the next poll
+                if info.get("id") == slot.index:
+                    info.update(n_prompt_tokens=n, is_processing=False)
 
     def _server_length(self, index: int, wait: float = 5.0) -> int | None:
         """The slot's cached token count once the server has let it go (``/slots``)."""

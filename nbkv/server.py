@@ -12,7 +12,8 @@ The flags that keep nbkv's slot pinning exact (``SERVER_FLAGS``):
   any new task starts, so a pinned conversation would vanish between turns;
 - ``--cache-ram 0``: no host-memory prompt cache swapping other prompts into a pinned slot
   behind nbkv's back (optional: with it, the records say when the server reused more);
-- ``--metrics`` and the ``/slots`` endpoint (on by default): the server's own figures.
+- ``--metrics`` and the ``/slots`` endpoint (on by default): the server's own figures;
+- ``--slot-save-path DIR``: slot save, restore and erase (``%kvcache save`` / ``clear``).
 
 :class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
 waits; the tests, the benchmark and the remote-engine notebook use it.
@@ -21,6 +22,7 @@ waits; the tests, the benchmark and the remote-engine notebook use it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.metadata
 import os
 import shutil
@@ -99,8 +101,9 @@ class LlamaServer:
             self.argv += ["-ub", str(ubatch)]
         if flash_attn:
             self.argv += ["-fa", flash_attn]
-        if slot_save_path:
-            self.argv += ["--slot-save-path", slot_save_path]
+        # also what lets /slots/N?action=erase work (%kvcache clear)
+        self.slot_save_path = slot_save_path or tempfile.mkdtemp(prefix="nbkv-slots-")
+        self.argv += ["--slot-save-path", self.slot_save_path]
         self.argv += list(extra)
         self.log_path = log_path or tempfile.mktemp(prefix="nbkv-llama-server-", suffix=".log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -118,8 +121,11 @@ class LlamaServer:
     def start(self, timeout: float = 120.0) -> LlamaServer:
         """Start the process and wait (at most ``timeout`` s) until ``/health`` says ok."""
         with open(self.log_path, "ab") as log:
+            # in the caller's process group: whoever stops the kernel (or the terminal's
+            # Ctrl-C) stops the server too; and stopped by PID at exit, at the latest
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL)
+        atexit.register(self.stop)
         self.wait_ready(timeout)
         return self
 
@@ -143,6 +149,7 @@ class LlamaServer:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the process by its PID, SIGKILL it after ``timeout`` s; idempotent."""
         proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
         if proc is None or proc.poll() is not None:
             return
         try:
