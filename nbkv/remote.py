@@ -587,6 +587,7 @@ class LlamaServerEngine(_RemoteBase):
             "repeat_last_n": prm.repeat_last_n, "seed": prm.seed, "stop": list(prm.stop),
         }
         final: dict[str, Any] = {}
+        seen_cache: int | None = None  # the server's cached count, from its progress events
         finish = "cancelled"
         error: BaseException | None = None
         try:
@@ -596,6 +597,7 @@ class LlamaServerEngine(_RemoteBase):
                     break
                 pp = ev.get("prompt_progress")
                 if pp:  # (its "tokens" field is a placeholder, not a generated token)
+                    seen_cache = int(pp["cache"])
                     done, total = pp["processed"] - pp["cache"], pp["total"] - pp["cache"]
                     self.events.publish(Progress(job.id, slot.index, "extend" if pp["cache"]
                                                  else "rebuild", done, total))
@@ -621,15 +623,16 @@ class LlamaServerEngine(_RemoteBase):
             finish = "error"
         now = time.perf_counter()
         t = final.get("timings") or {}
-        reused = int(t.get("cache_n", plan.reuse if not final else 0))
+        told = int(t["cache_n"]) if "cache_n" in t else seen_cache  # what the server said
+        reused = plan.reuse if told is None else told
         verified, note = True, ""
-        if final and expected is not None and reused != expected:
+        if told is not None and expected is not None and reused != expected:
             verified = False
             note = (f"the server reused {reused} tokens where nbkv expected {expected}: "
                     f"another client used slot {slot.index}, or the server cleared it")
-        elif final and expected is None:
+        elif told is not None and expected is None:
             note = f"slot {slot.index}'s content was unknown (after an error); now known again"
-        self._settle(slot, p, job, final, error, verified, note)
+        self._settle(slot, p, job, final, error, reused, verified, note)
         rec = replace(
             record, reused_tokens=reused,
             prefilled_tokens=int(t.get("prompt_n", len(p.tokens) - reused)) if final else 0,
@@ -654,7 +657,7 @@ class LlamaServerEngine(_RemoteBase):
         return rec
 
     def _settle(self, slot: _Slot, p: Prompt, job: _Job, final: Mapping[str, Any],
-                error: BaseException | None, verified: bool, note: str) -> None:
+                error: BaseException | None, reused: int, verified: bool, note: str) -> None:
         """Record what the slot now holds: the prompt and the reply tokens the server decoded.
 
         The last sampled token is never decoded into the KV. After an interruption the count
@@ -686,7 +689,7 @@ class LlamaServerEngine(_RemoteBase):
                 slot.msg_ends = p.ends[: len(full)]
             slot.hashes = full
             slot.segments = message_segments(p.messages, p.ends, len(p.tokens),
-                                              min(len(p.tokens) - 1, n), n, job.text)
+                                              min(reused, n), n, job.text)
             slot.known, slot.verified, slot.note = True, verified, note if not verified else ""
             slot.server_tokens = n
             slot.last_used = next(self._clock)

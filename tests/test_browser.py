@@ -62,7 +62,7 @@ def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 with a token, serving a copy of the notebooks."""
     _need_browser()
     root = tmp_path_factory.mktemp("lab")
-    for name in ("01_quickstart.ipynb", "02_how_imc_works.ipynb"):
+    for name in ("01_quickstart.ipynb", "02_how_imc_works.ipynb", "05_remote_engine.ipynb"):
         shutil.copy(ROOT / "notebooks" / name, root)
     home = tmp_path_factory.mktemp("jupyter-home")
     port, token = _free_port(), secrets.token_hex(16)
@@ -204,6 +204,36 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         page.screenshot(path=str(shots / "imc.png"), full_page=True)
 
     _run_notebook(lab, tmp_path, "02_how_imc_works.ipynb", check)
+
+
+def test_remote_engine_dashboard_renders_in_chromium(lab, tmp_path):
+    from nbkv.server import binary
+
+    if binary() is None and not os.environ.get("NBKV_REQUIRE_SERVER"):
+        pytest.skip("no llama-server binary: run `make llama-server`")
+
+    def check(page, shots):
+        dash = page.locator(".nbkv-dashboard")
+        dash.wait_for(timeout=30_000)
+        dash.scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        dash.screenshot(path=str(shots / "remote-dashboard.png"))
+        header = dash.locator(".nbkv-header").inner_text()
+        assert "llama-server" in header and "SmolLM2" in header
+        cards = page.locator(".nbkv-dashboard .nbkv-slot-card .nbkv-card")
+        assert cards.count() == 2
+        texts = [cards.nth(i).inner_text() for i in range(2)]
+        assert all("/2048 tokens" in t for t in texts)
+        assert any("ann" in t for t in texts) and any("server" in t for t in texts)
+        # the slot another client used behind nbkv's back is flagged, on its card and map
+        assert any("not verified" in t for t in texts)
+        assert dash.locator(".nbkv-kvmap .nbkv-unverified").count() == 1
+        assert page.locator(".nbkv-kvmap .js-plotly-plot .barlayer .point").count() > 4
+        assert page.locator(".nbkv-timeline .js-plotly-plot .barlayer .point").count() > 4
+        assert page.locator(".nbkv-figures").count() >= 5
+        page.screenshot(path=str(shots / "remote.png"), full_page=True)
+
+    _run_notebook(lab, tmp_path, "05_remote_engine.ipynb", check)
 
 
 def _dismiss_toasts(page) -> None:

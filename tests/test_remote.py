@@ -122,6 +122,12 @@ def test_three_sessions_on_two_slots_evict_by_lru(remote):
     # the server reused only what nbkv expected: the shared system prompt of the slot taken
     for r in returning:
         assert r.reused_tokens < r.prompt_tokens // 2
+    for r in recs:  # the KV map draws the server's figures
+        by = {}
+        for seg in r.segments:
+            by[seg.state] = by.get(seg.state, 0) + seg.length
+        assert by.get("reused", 0) == r.reused_tokens
+        assert by.get("prefilled", 0) == r.prompt_tokens - r.reused_tokens
 
 
 def test_another_client_on_a_pinned_slot_is_flagged_not_verified(remote, srv):
