@@ -366,6 +366,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
             *((("not verified", f"{unverified} request(s): the server's figures differed "
                                 f"from nbkv's slot table"),) if unverified else ()),
             ("sessions", ", ".join(names) or "none"),
+            *persist_rows(engine),
         ), note=s.get("advice") or "")
     used = sum(x.n_tokens for x in engine.slots())
     rows = (

@@ -189,8 +189,9 @@ def _require_local(engine: Any, what: str) -> None:
 
     if not isinstance(engine, Engine):
         err = SaveError if what == "save" else RestoreError
-        raise err(f"{what} is not supported for {type(engine).__name__}: only an in-kernel "
-                  "nbkv.Engine can save and restore its slots")
+        raise err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
+                  "nbkv.Engine or a llama-server engine can save and restore its slots; an "
+                  "OpenAI-compatible server keeps its cache to itself")
 
 
 # -- encoding --------------------------------------------------------------------------------
@@ -341,6 +342,10 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
     kernel's store). Raises :class:`SaveError` when the directory cannot be written; the
     previous save there is then untouched.
     """
+    if getattr(engine, "kind", None) == "llama-server":
+        from . import remote_persist
+
+        return remote_persist.save(engine, path, sessions)
     _require_local(engine, "save")
     from .sessions import STORE
 
@@ -743,6 +748,10 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
     Everything is checked before the engine is touched; on any mismatch or corruption
     :class:`RestoreError` says what, and the engine and sessions are unchanged.
     """
+    if getattr(engine, "kind", None) == "llama-server":
+        from . import remote_persist
+
+        return remote_persist.restore(engine, path, sessions)
     _require_local(engine, "restore")
     from .sessions import STORE
 

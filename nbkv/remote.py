@@ -143,6 +143,8 @@ class _RemoteBase(ChatAPI):
         self._jobs: set[_Job] = set()
         self._closed = False
         self.wait_timeout = 600.0
+        self.last_save: Any = None  # reports of %kvcache save / restore (llama-server)
+        self.last_restore: Any = None
 
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
              stream: bool = False, overflow: str | None = None, timeout: float | None = None,
@@ -415,6 +417,18 @@ class LlamaServerEngine(_RemoteBase):
                         s.last_request or 0, reasons.CLEARED)
                 s.forget()
         self.events.publish(SlotsChanged("cleared"))
+
+    def save(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Have the server save its slots, and nbkv its table (see :mod:`nbkv.remote_persist`)."""
+        from .remote_persist import save
+
+        return save(self, path, sessions)
+
+    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Bring a save back into the server's slots and nbkv's table, checked first."""
+        from .remote_persist import restore
+
+        return restore(self, path, sessions)
 
     def explain(self, request: int | None = None) -> reasons.Explanation:
         """Why request ``request`` (default: the latest) reused what it did."""

@@ -103,6 +103,7 @@ class LlamaServer:
             self.argv += ["-fa", flash_attn]
         # also what lets /slots/N?action=erase work (%kvcache clear)
         self.slot_save_path = slot_save_path or tempfile.mkdtemp(prefix="nbkv-slots-")
+        Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)
         self.argv += ["--slot-save-path", self.slot_save_path]
         self.argv += list(extra)
         self.log_path = log_path or tempfile.mktemp(prefix="nbkv-llama-server-", suffix=".log")

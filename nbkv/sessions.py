@@ -232,7 +232,8 @@ class SessionStore:
     def autosave(self, path: Any, interval: float = 30.0) -> None:
         """Save the engine and sessions to ``path`` after requests, in the background.
 
-        ``None`` stops it. Follows the loaded engine; only an in-kernel engine is saved.
+        ``None`` stops it. Follows the loaded engine; only an in-kernel engine is autosaved
+        (a server's slots are saved on demand: ``%kvcache save``).
         """
         from .persist import Autosaver
 
@@ -242,7 +243,7 @@ class SessionStore:
             saver.stop()
             self.autosaver = saver = None
         if saver is None and path is not None and engine is not None \
-                and hasattr(engine, "_slots"):  # an in-kernel engine
+                and hasattr(engine, "_native"):  # an in-kernel engine
             self.autosaver = Autosaver(engine, path, self, interval=interval)
 
     def close_engine(self) -> None:

@@ -20,6 +20,7 @@ from nbkv import Engine
 from nbkv.errors import (
     ContextOverflowError,
     InvalidRequestError,
+    RestoreError,
     ServerUnreachableError,
     ServerUnsupportedError,
 )
@@ -297,7 +298,7 @@ def test_a_new_connection_does_not_trust_what_the_server_already_holds(remote, s
         e.close()
 
 
-def test_magics_connect_chat_and_switch_back(srv):
+def test_magics_connect_chat_and_switch_back(srv, tmp_path):
     from IPython.testing.globalipapp import start_ipython
 
     from nbkv.sessions import STORE
@@ -323,11 +324,53 @@ def test_magics_connect_chat_and_switch_back(srv):
             ip.run_line_magic("kvcache", f"connect {srv.url} --api-key-env NBKV_TEST_NO_KEY")
         with pytest.raises(UsageError, match="does not take --mmproj"):
             ip.run_line_magic("kvcache", f"connect {srv.url} --mmproj x.gguf")
-        with pytest.raises(UsageError, match="not supported"):
-            ip.run_line_magic("kvcache", "save")
+        save_dir = tmp_path / "save"
+        assert "saved 1 slot(s)" in str(ip.run_line_magic("kvcache", f"save {save_dir}"))
+        assert "restored" in str(ip.run_line_magic("kvcache", f"restore {save_dir}"))
+        assert "last save" in str(ip.run_line_magic("kvcache", "status"))
         ip.run_line_magic("kvcache", "load --slots 1 --ctx 512")  # back in the kernel
         assert isinstance(STORE.engine, Engine)
     finally:
         ip.run_line_magic("kvcache", "unload")
         ip.run_line_magic("unload_ext", "nbkv")
         STORE.clear()
+
+
+def test_save_restore_survives_a_kernel_and_a_server_restart(tmp_path):
+    """Save, restart the server (same --slot-save-path) and the client, restore, continue:
+    the next turn reuses the whole conversation and replies as the uninterrupted run."""
+    from nbkv.sessions import SessionStore
+
+    srv = LlamaServer(slots=2, ctx=CTX, slot_save_path=str(tmp_path / "server"),
+                      **SAME_ARITHMETIC)
+    with srv:
+        e = nbkv.connect(srv.url)
+        store = SessionStore()
+        try:
+            for name in ("ann", "bob"):
+                store.get(name).system = SYSTEM
+                store.get(name).chat(QUESTIONS[name][0], engine=e, max_tokens=8)
+            rep = e.save(tmp_path / "kernel", store)
+            assert len(rep.slots) == 2 and set(rep.sessions) == {"ann", "bob"}
+            follow = store.get("ann").messages + [{"role": "user", "content": "Go on."}]
+            want = e.chat(follow, "ann", max_tokens=8)
+        finally:
+            e.close()
+        srv.stop()  # a server restart: its slots are empty again
+        srv.start()
+        e = nbkv.connect(srv.url)
+        fresh = SessionStore()
+        try:
+            with pytest.raises(RestoreError, match="no remote-engine save"):
+                e.restore(tmp_path / "nowhere", fresh)
+            rep = e.restore(tmp_path / "kernel", fresh)
+            assert {s.session for s in rep.slots} == {"ann", "bob"}
+            assert all(s.verified for s in e.slots())
+            assert fresh.get("ann").messages == store.get("ann").messages[:3]
+            got = e.chat(fresh.get("ann").messages + [{"role": "user", "content": "Go on."}],
+                         "ann", max_tokens=8)
+            assert got.text == want.text
+            assert got.record.verified and got.record.reason == "continued"
+            assert got.record.reused_tokens == want.record.reused_tokens
+        finally:
+            e.close()
