@@ -19,6 +19,7 @@ from .views import LoadProgress
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .protocol import EngineLike
     from .sessions import SessionStore
     from .settings import Settings
 
@@ -32,7 +33,7 @@ class Workspace:
     notebook: bool  # output goes to a notebook (else a terminal)
     user_ns: dict[str, Any]  # the kernel's namespace (it may name the notebook)
 
-    def engine(self) -> Engine:
+    def engine(self) -> EngineLike:
         """The loaded engine, or an error that says how to load one."""
         if self.store.engine is None:
             raise InvalidRequestError(

@@ -1,8 +1,7 @@
-"""The engine interface that magics, sessions and widgets rely on (issue 15).
+"""The engine interface that magics, sessions and widgets rely on.
 
-:class:`nbkv.engine.Engine` satisfies it; a remote engine (``nbkv.connect``, not yet
-implemented) is meant to satisfy it too, so callers should type against
-:class:`EngineLike` rather than the ``Engine`` class.
+:class:`nbkv.engine.Engine` and the remote engines of :mod:`nbkv.remote` (``nbkv.connect``)
+satisfy it, so callers type against :class:`EngineLike` rather than the ``Engine`` class.
 """
 
 from __future__ import annotations
@@ -46,6 +45,9 @@ class EngineLike(Protocol):
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback`` on each event; returns the unsubscribe function."""
+
+    def explain(self, request: int | None = None) -> Any:
+        """Why request ``request`` (default: the latest) reused what it did."""
 
     def clear(self, slot: int | None = None) -> None:
         """Empty one slot, or all."""

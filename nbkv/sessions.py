@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .engine import Engine
     from .events import RequestRecord
+    from .protocol import EngineLike
     from .streams import ChatStream
 
 DEFAULT_SESSION = "default"
@@ -87,7 +88,7 @@ class Session:
         """Number of user messages."""
         return sum(1 for m in self.messages if m.get("role") == "user")
 
-    def start(self, engine: Engine, content: Any, *, new: bool = False,
+    def start(self, engine: EngineLike, content: Any, *, new: bool = False,
               system: str | None = None, **sampling: Any) -> Turn:
         """Send ``content`` as the next user message; returns the streaming :class:`Turn`.
 
@@ -101,7 +102,7 @@ class Session:
         stream = engine.chat(self.messages + [user], session=self.name, stream=True, **sampling)
         return Turn(self, user, stream)
 
-    def chat(self, content: Any, engine: Engine | None = None, **sampling: Any) -> Reply:
+    def chat(self, content: Any, engine: EngineLike | None = None, **sampling: Any) -> Reply:
         """Send ``content`` and wait for the whole reply (the store's engine by default)."""
         engine = engine or (self.store.require_engine() if self.store else None)
         if engine is None:
@@ -175,7 +176,7 @@ class SessionStore:
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
-        self.engine: Engine | None = None
+        self.engine: EngineLike | None = None
         self.autosaver: Any = None  # nbkv.persist.Autosaver while autosave is on
 
     def __getitem__(self, name: str) -> Session:
@@ -217,7 +218,7 @@ class SessionStore:
         self.engine = Engine(model_path, **engine_kwargs)
         return self.engine
 
-    def connect(self, url: str, **kwargs: Any) -> Any:
+    def connect(self, url: str, **kwargs: Any) -> EngineLike:
         """Connect to a serving engine (:func:`nbkv.remote.connect`), then close the old one.
 
         The old engine stays if the connection fails. Sessions keep their messages.
@@ -257,7 +258,7 @@ class SessionStore:
             del engine
             gc.collect()  # views and records may still point at it: free the native memory now
 
-    def require_engine(self) -> Engine:
+    def require_engine(self) -> EngineLike:
         """The loaded engine; raises RuntimeError when there is none."""
         if self.engine is None:
             raise RuntimeError(
@@ -276,6 +277,6 @@ def session(name: str | None = None) -> Session:
     return STORE.get(name)
 
 
-def current_engine() -> Engine | None:
+def current_engine() -> EngineLike | None:
     """The engine loaded by ``%kvcache load``, or None."""
     return STORE.engine

@@ -374,3 +374,47 @@ def test_save_restore_survives_a_kernel_and_a_server_restart(tmp_path):
             assert got.record.reused_tokens == want.record.reused_tokens
         finally:
             e.close()
+
+
+def test_achat_on_the_server(remote):
+    import asyncio
+
+    async def both():
+        return await asyncio.gather(
+            remote.achat([{"role": "user", "content": "Hi!"}], "ann", max_tokens=4),
+            remote.achat([{"role": "user", "content": "Name a fruit."}], "bob", max_tokens=4))
+
+    a, b = asyncio.run(both())
+    assert a.text and b.text and {a.record.slot, b.record.slot} == {0, 1}
+
+
+def test_python_m_nbkv_server_runs_until_ctrl_c():
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nbkv.server", "--port", str(port),
+                             "--slots", "1", "--ctx", "512", "--threads", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "ready" in line or not line:
+                break
+        assert f"%kvcache connect http://127.0.0.1:{port}" in "".join(lines), lines
+        e = nbkv.connect(f"http://127.0.0.1:{port}")
+        assert e.n_slots == 1 and e.n_ctx == 512
+        e.close()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in its terminal
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    with pytest.raises(ServerUnreachableError):
+        nbkv.connect(f"http://127.0.0.1:{port}")
