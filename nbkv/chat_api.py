@@ -81,6 +81,31 @@ class ChatAPI:
         return list(self.events.history)
 
 
+class TemplatedAPI:
+    """``render`` and ``tokenize_prompt``, for engines that render the template themselves.
+
+    A subclass has a ``template`` (:class:`~nbkv.templates.ChatTemplate`) and a
+    ``_prepare(messages, overflow, max_tokens)`` returning a :class:`~nbkv.prompt.Prompt`.
+    """
+
+    template: Any
+
+    def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str,
+                 max_tokens: int) -> Any:
+        raise NotImplementedError
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+               ) -> str:
+        """The prompt text the template makes of ``messages``."""
+        from .messages import normalize
+
+        return self.template.render(normalize(messages), add_generation_prompt)
+
+    def tokenize_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The exact prompt tokens a request with ``messages`` feeds the model."""
+        return list(self._prepare(messages, "error", 1).tokens)
+
+
 def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
     """Totals over request records: requests by strategy, prompt, reused, read, generated."""
     prompt = sum(r.prompt_tokens for r in history)

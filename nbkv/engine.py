@@ -27,7 +27,7 @@ from typing import Any
 from . import memplan, policy, reasons
 from .backend import Batch, Context, Model
 from .batching import Prefilling, chunk_length, plan_step
-from .chat_api import ChatAPI, request_totals
+from .chat_api import ChatAPI, TemplatedAPI, request_totals
 from .config import DEFAULTS, EngineConfig
 from .drafts import NgramDrafter
 from .errors import (
@@ -56,7 +56,7 @@ from .media import (
     snap_to_media_boundary,
     spans,
 )
-from .messages import normalize, prefix_hashes
+from .messages import prefix_hashes
 from .models import resolve_model_path
 from .prompt import Prompt, PromptBuilder
 from .sampling import Sampler, SamplingParams
@@ -234,7 +234,7 @@ class _Job:
         self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
 
 
-class Engine(ChatAPI):
+class Engine(TemplatedAPI, ChatAPI):
     """A persistent multi-slot chat engine with Incremental Message and System Prompt Caches.
 
     Args:
@@ -480,15 +480,6 @@ class Engine(ChatAPI):
         self._submit(job)
         s = ChatStream(self, job)
         return s if stream else s.result()
-
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-               ) -> str:
-        """The prompt text the template makes of ``messages``."""
-        return self.template.render(normalize(messages), add_generation_prompt)
-
-    def tokenize_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The exact prompt tokens a request with ``messages`` would feed the model."""
-        return list(self._prepare(messages, "error", 1).tokens)
 
     def slots(self) -> tuple[SlotInfo, ...]:
         """An immutable snapshot of every slot."""

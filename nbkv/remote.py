@@ -26,13 +26,13 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import policy, reasons
-from .chat_api import ChatAPI, request_totals
+from .chat_api import ChatAPI, TemplatedAPI, request_totals
 from .engine import SlotInfo, thrashing
 from .errors import (
     EngineClosedError,
@@ -189,6 +189,22 @@ class _RemoteBase(ChatAPI):
         job.out.put(("error", error) if error is not None else ("done", job.record))
         job.done.set()
 
+    def _events(self, job: _Job, path: str, body: dict[str, Any]
+                 ) -> Iterator[dict[str, Any]]:
+        """The answer's events until the request is cancelled; the stream is closed after.
+
+        Raises what reading raised (a named server error, or ``KeyboardInterrupt``).
+        """
+        try:
+            job.stream = self.client.stream(path, body)
+            for ev in job.stream:
+                if job.cancel.is_set():
+                    return
+                yield ev
+        finally:
+            if job.stream is not None:
+                job.stream.close()
+
     def _wake(self) -> None:
         """Close the HTTP streams of cancelled requests (called by ``ChatStream.close``)."""
         with self._cv:
@@ -302,7 +318,7 @@ class _Slot:
         self.version += 1
 
 
-class LlamaServerEngine(_RemoteBase):
+class LlamaServerEngine(TemplatedAPI, _RemoteBase):
     """llama-server slots driven by nbkv's session table and IMC policy (see module doc)."""
 
     kind = "llama-server"
@@ -380,15 +396,6 @@ class LlamaServerEngine(_RemoteBase):
                 f"the kernel renders the chat template differently from the server at "
                 f"character {k}: kernel {mine[k:k + 40]!r} vs server {theirs[k:k + 40]!r}; "
                 f"nbkv could not pin slots exactly")
-
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-               ) -> str:
-        """The prompt text the template makes of ``messages``."""
-        return self.template.render(normalize(messages), add_generation_prompt)
-
-    def tokenize_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The exact prompt tokens a request with ``messages`` sends."""
-        return list(self._prepare(messages, "error", 1).tokens)
 
     def slots(self) -> tuple[SlotInfo, ...]:
         """Nbkv's slot table, with what the last ``/slots`` poll said (never blocks on HTTP)."""
@@ -605,10 +612,7 @@ class LlamaServerEngine(_RemoteBase):
         finish = "cancelled"
         error: BaseException | None = None
         try:
-            job.stream = self.client.stream("/completion", body)
-            for ev in job.stream:
-                if job.cancel.is_set():
-                    break
+            for ev in self._events(job, "/completion", body):
                 pp = ev.get("prompt_progress")
                 if pp:  # (its "tokens" field is a placeholder, not a generated token)
                     seen_cache = int(pp["cache"])
@@ -628,9 +632,6 @@ class LlamaServerEngine(_RemoteBase):
         except BaseException as e:
             error = e
             finish = "cancelled" if isinstance(e, KeyboardInterrupt) else "error"
-        finally:
-            if job.stream is not None:
-                job.stream.close()
         if error is None and not final and not job.cancel.is_set():
             error = ServerError(f"{self.url}/completion: the answer ended without its final "
                                 f"event (the server stopped?)")
@@ -821,10 +822,7 @@ class OpenAIEngine(_RemoteBase):
         usage: dict[str, Any] = {}
         finish, error = "cancelled", None
         try:
-            job.stream = self.client.stream("/v1/chat/completions", body)
-            for ev in job.stream:
-                if job.cancel.is_set():
-                    break
+            for ev in self._events(job, "/v1/chat/completions", body):
                 for choice in ev.get("choices") or ():
                     self._delta(job, (choice.get("delta") or {}).get("content") or "")
                     if choice.get("finish_reason"):
@@ -834,9 +832,6 @@ class OpenAIEngine(_RemoteBase):
         except BaseException as e:
             error = e
             finish = "cancelled" if isinstance(e, KeyboardInterrupt) else "error"
-        finally:
-            if job.stream is not None:
-                job.stream.close()
         now = time.perf_counter()
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
