@@ -35,6 +35,14 @@ QUESTIONS = [
 MAX_TOKENS = 12
 
 
+def ipython_shell():
+    """The process-wide test IPython shell (start_ipython returns None once it exists)."""
+    from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
+
+    return start_ipython() or get_ipython()
+
+
 @pytest.fixture(scope="session")
 def model_path():
     return str(default_model_path())

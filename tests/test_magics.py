@@ -9,11 +9,10 @@ from html import escape
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
 import nbkv
-from conftest import assert_consistent
+from conftest import assert_consistent, ipython_shell
 from nbkv.display import Figures
 from nbkv.events import Progress
 from nbkv.sessions import STORE
@@ -23,7 +22,7 @@ SYSTEM = "You are a concise assistant. Answer in one short sentence."
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython()
+    shell = ipython_shell()
     shell.run_line_magic("load_ext", "nbkv")
     shell.run_line_magic("config", "Nbkv.frontend = 'terminal'")
     shell.run_line_magic("config", "Nbkv.max_tokens = 8")

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from IPython.core.error import UsageError
 
 import nbkv
 import nbkv.protocol
@@ -24,7 +25,9 @@ from nbkv.errors import (
     ServerUnreachableError,
     ServerUnsupportedError,
 )
+from conftest import ipython_shell
 from nbkv.server import LlamaServer, binary, free_port
+from nbkv.sessions import STORE, SessionStore
 
 if binary() is None:
     if os.environ.get("NBKV_REQUIRE_SERVER"):
@@ -299,11 +302,7 @@ def test_a_new_connection_does_not_trust_what_the_server_already_holds(remote, s
 
 
 def test_magics_connect_chat_and_switch_back(srv, tmp_path):
-    from IPython.testing.globalipapp import start_ipython
-
-    from nbkv.sessions import STORE
-
-    ip = start_ipython()
+    ip = ipython_shell()
     ip.run_line_magic("load_ext", "nbkv")
     ip.run_line_magic("config", "Nbkv.frontend = 'terminal'")
     STORE.clear()
@@ -318,8 +317,6 @@ def test_magics_connect_chat_and_switch_back(srv, tmp_path):
             assert str(ip.run_line_magic("kvcache", cmd))
         assert "ann" in str(ip.run_line_magic("kvcache", "slots"))
         os.environ.pop("NBKV_TEST_NO_KEY", None)
-        from IPython.core.error import UsageError
-
         with pytest.raises(UsageError, match="NBKV_TEST_NO_KEY"):
             ip.run_line_magic("kvcache", f"connect {srv.url} --api-key-env NBKV_TEST_NO_KEY")
         with pytest.raises(UsageError, match="does not take --mmproj"):
@@ -339,8 +336,6 @@ def test_magics_connect_chat_and_switch_back(srv, tmp_path):
 def test_save_restore_survives_a_kernel_and_a_server_restart(tmp_path):
     """Save, restart the server (same --slot-save-path) and the client, restore, continue:
     the next turn reuses the whole conversation and replies as the uninterrupted run."""
-    from nbkv.sessions import SessionStore
-
     srv = LlamaServer(slots=2, ctx=CTX, slot_save_path=str(tmp_path / "server"),
                       **SAME_ARITHMETIC)
     with srv:
