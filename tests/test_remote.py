@@ -17,6 +17,7 @@ from IPython.core.error import UsageError
 
 import nbkv
 import nbkv.protocol
+from conftest import ipython_shell
 from nbkv import Engine
 from nbkv.errors import (
     ContextOverflowError,
@@ -25,7 +26,6 @@ from nbkv.errors import (
     ServerUnreachableError,
     ServerUnsupportedError,
 )
-from conftest import ipython_shell
 from nbkv.server import LlamaServer, binary, free_port
 from nbkv.sessions import STORE, SessionStore
 
