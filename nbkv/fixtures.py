@@ -109,7 +109,8 @@ def fixture_spec(
                     mm_hidden=256, scale_factor=2)
     else:  # SmolVLM-256M's vision tower: SigLIP-B/16 at 512 px
         dims = dict(n_embd=768, n_head=12, n_ff=3072, n_layer=12, image_size=512,
-                    patch_size=16, mm_hidden=text_width, scale_factor=4)
+                    patch_size=16, mm_hidden=text_width,
+                    scale_factor=2 if projector in _QWEN else 4)  # Qwen merges 2x2
     return FixtureSpec(kind=kind, projector=projector, seed=seed, text_width=text_width, **dims)
 
 

@@ -339,3 +339,59 @@ def test_cancel_between_the_pieces_of_an_image_leaves_the_slot_exact(family, pro
         r = e.chat(msgs, session="c", max_tokens=MAX, temperature=0)
         assert r.text == scratch((text, mmproj), msgs)
         assert_kv_exact(e, "c", msgs)
+
+
+@pytest.mark.parametrize("proj", ["qwen2vl_merger", "qwen2.5vl_merger"])
+def test_mrope_image_kv_equals_libmtmd_helper_decode(proj):
+    """nbkv builds an M-RoPE image's 4-axis position batch itself; libmtmd's own helper
+    (``mtmd_helper_decode_image_chunk``) decodes the same embeddings into another context.
+    Both end at the same next position, and a probe token after the prompt gets the same
+    logits (``np.array_equal``) in both."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import mtmd_cpp as M
+
+    text = str(make_text_model("qwen2vl", vision=proj))
+    mmproj = str(make_mmproj(kind="tiny", projector=proj, text_width=64))
+    msgs = [{"role": "system", "content": SYSTEM},
+            image_msg("What is here?", picture(3, size=48))]
+    with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=512, n_threads=1) as e:
+        p = e.projector
+        prompt = e._call(lambda: e._prepare(msgs, "error", 1))
+        logits, ends = [], []
+        for via_helper in (False, True):
+            ctx, batch = Context(e.model, 512, 1, 256), Batch(256)
+            try:
+                pos = 0
+                for chunk in prompt.media.chunks:
+                    if not chunk.is_image:
+                        batch.clear()
+                        batch.add_run(list(chunk.tokens), pos, 0, False)
+                        ctx.decode(batch)
+                        pos += len(chunk.tokens)
+                    elif not via_helper:
+                        pos = p.decode_chunk(ctx, chunk, 0, pos)
+                    else:
+                        emb = p.embedding(chunk.image, _prompt=chunk._prompt)
+                        arr = np.ascontiguousarray(emb.arrays[chunk.sub_index], np.float32)
+                        assert arr.shape[0] > chunk.n_pos  # M-RoPE: fewer positions
+                        new = llama_cpp.llama_pos(-1)
+                        rc = M.mtmd_helper_decode_image_chunk(
+                            p._native(), ctx.ptr, chunk.native(),
+                            arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), pos, 0,
+                            ctx.n_batch, ctypes.byref(new), M.mtmd_helper_post_decode_callback(),
+                            None)
+                        assert rc == 0
+                        pos = new.value
+                ends.append(pos)
+                batch.clear()
+                batch.add(42, pos, 0, True)
+                batch.add(42, pos + 1, 0, False)
+                ctx.decode(batch)
+                logits.append(np.array(ctx.logits(0)))
+            finally:
+                batch.close()
+                ctx.close()
+    assert ends[0] == ends[1] == len(prompt.tokens)
+    assert np.array_equal(logits[0], logits[1]), np.abs(logits[0] - logits[1]).max()
