@@ -1131,7 +1131,8 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
 
 #: (text family, projector type) of the generated vision pairs (tests/test_vision_families.py)
 VISION_PAIRS = (("gemma3", "gemma3"), ("lfm2", "lfm2"), ("llama", "idefics3"),
-                ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger"))
+                ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger"),
+                ("qwen3vl", "qwen3vl_merger"))
 
 
 def scenario_vision_families(path: str, quick: bool) -> dict[str, Any]:
