@@ -284,8 +284,17 @@ class Model:
         return bool(llama_cpp.llama_model_has_decoder(self.ptr))
 
     @property
+    def n_embd(self) -> int:
+        """Width of the hidden state (and of the token embeddings)."""
+        return int(llama_cpp.llama_model_n_embd(self.ptr))
+
+    @property
     def n_embd_inp(self) -> int:
-        """Width of the input embeddings (what a vision projector must produce)."""
+        """Width of the input embeddings (what a vision projector must produce).
+
+        ``n_embd``, except for DeepStack models (Qwen3-VL): ``n_embd * (1 + layers)``, the
+        main embedding followed by one slice per DeepStack layer (zeros for text tokens).
+        """
         return int(llama_cpp.llama_model_n_embd_inp(self.ptr))
 
     @property

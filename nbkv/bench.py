@@ -1135,7 +1135,8 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
 
 #: (text family, projector type) of the generated vision pairs (tests/test_vision_families.py)
 VISION_PAIRS = (("gemma3", "gemma3"), ("lfm2", "lfm2"), ("llama", "idefics3"),
-                ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger"))
+                ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger"),
+                ("qwen3vl", "qwen3vl_merger"))
 #: llama-cpp-python's chat handler for a projector type; the others get its LLaVA-1.5 handler,
 #: which runs any libmtmd projector (its ``MTMDChatHandler`` needs a chat template that takes
 #: content lists, which SmolLM2's, copied into the generated text models, does not)

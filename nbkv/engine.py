@@ -1112,9 +1112,9 @@ class Engine(TemplatedAPI, ChatAPI):
         # on checkpointed memory, one more checkpoint a few positions before the reply's end:
         # a reply whose last word re-tokenizes differently next turn still reuses the rest
         near_end = len(slot.redo) - REPLY_TAIL if kv.memory.checkpoints else 0
-        take = chunk_length(len(slot.redo), REWRITE_CHUNK, (),
+        # capped at n_batch inside chunk_length: capping after it could leave a lone last token
+        take = chunk_length(len(slot.redo), min(REWRITE_CHUNK, self.ctx.n_batch), (),
                             (near_end,) if near_end > 0 else ())
-        take = min(take, self.ctx.n_batch)
         toks = slot.redo[:take]
         batch = self._batch
         batch.clear()

@@ -15,23 +15,29 @@ Two sizes:
   in well under a millisecond. With the ``mlp`` projector an image is 16 tokens.
 - ``"realistic"``: SmolVLM-shaped (768 wide, 12 blocks, 12 heads, 512-px image, 16-px
   patches, ~170 MB in F16); an image costs seconds on a laptop CPU. ``mlp`` gives 1024 tokens
-  per image, ``gemma3`` (4x4 average pooling) 64.
+  per image, ``gemma3`` (4x4 average pooling) 64, the Qwen mergers (2x2) 256.
 
 Projector heads: ``mlp`` (LLaVA-1.5: ``mm.0`` -> GELU -> ``mm.2``), ``gemma3`` (pooling,
 RMS norm, ``mm.input_projection``), ``idefics3`` (SmolVLM's pixel shuffle + ``mm.model.fc``;
 it needs image special tokens that SmolLM2 lacks, which is what makes it a useful *wrong*
 projector in tests), ``lfm2`` (pixel unshuffle, layer norm, ``mm.1`` -> GELU -> ``mm.2``;
 libmtmd resizes images to 64..256 tokens), ``qwen2vl_merger`` (Qwen2-VL: two patch
-convolutions, M-RoPE inside the ViT, 2x2 merge, ``mm.0`` -> GELU -> ``mm.2``) and
-``qwen2.5vl_merger`` (the same with window attention and SwiGLU blocks). llama.cpp's
+convolutions, M-RoPE inside the ViT, 2x2 merge, ``mm.0`` -> GELU -> ``mm.2``),
+``qwen2.5vl_merger`` (the same with window attention and SwiGLU blocks) and
+``qwen3vl_merger`` (Qwen3-VL: fused ``attn_qkv``, a patch bias and learned position
+embeddings resized to the image, and DeepStack: the features of some ViT layers, merged 2x2
+by their own ``v.deepstack.N`` MLPs, are concatenated after the main output, so an image
+embedding is ``text_width * (1 + deepstack layers)`` wide). llama.cpp's
 ``tools/mtmd/clip.cpp`` is the authority on keys and shapes.
 
 :func:`make_text_model` writes tiny text models (~14 MB, 64 wide, 4 layers) of the memory
 classes SmolLM2 does not cover, with SmolLM2's tokenizer: ``gemma3`` (sliding-window
 attention), ``lfm2`` (short convolutions + attention), ``mamba2`` (recurrent) and
 ``granitehybrid`` (Mamba-2 + attention); and, as text halves of vision pairs, ``llama``
-(plain attention) and ``qwen2vl`` (M-RoPE, ``rope.dimension_sections``), with
-``vision=PROJECTOR_TYPE`` appending that projector's image special tokens to the vocabulary.
+(plain attention), ``qwen2vl`` (M-RoPE, ``rope.dimension_sections``) and ``qwen3vl`` (Qwen3:
+per-head q/k norms; interleaved M-RoPE; 2 DeepStack layers, so it takes 3 x 64 = 192-wide
+input embeddings), with ``vision=PROJECTOR_TYPE`` appending that projector's image special
+tokens to the vocabulary.
 Their loaders in llama.cpp's ``src/models/`` are the authority on keys and shapes.
 """
 
@@ -52,8 +58,10 @@ import numpy as np
 #: Bump when the generator changes what it writes (invalidates cached files).
 FIXTURE_VERSION = 2
 
-PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger")
-_QWEN = ("qwen2vl_merger", "qwen2.5vl_merger")
+PROJECTORS = ("mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger",
+              "qwen3vl_merger")
+_QWEN = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
+_QWEN2 = ("qwen2vl_merger", "qwen2.5vl_merger")  # no patch bias, positions or post-norm
 KINDS = ("tiny", "realistic")
 
 
@@ -72,7 +80,7 @@ class FixtureSpec:
     image_size: int
     patch_size: int
     mm_hidden: int
-    scale_factor: int  # gemma3 pooling kernel / idefics3 pixel-shuffle factor (per side)
+    scale_factor: int  # gemma3 pooling / idefics3 pixel shuffle / Qwen merge (per side)
     version: int = FIXTURE_VERSION
 
     @property
@@ -86,6 +94,17 @@ class FixtureSpec:
         if self.projector == "mlp":
             return self.n_patches
         return self.n_patches // (self.scale_factor**2)
+
+    @property
+    def deepstack_layers(self) -> tuple[int, ...]:
+        """ViT layers whose features also feed the text model (``qwen3vl_merger`` only).
+
+        Two, like the ``qwen3vl`` text model's DeepStack layers: every layer of the tiny ViT,
+        layers 4 and 8 of the realistic one (Qwen3-VL taps 3 of 24 or 27).
+        """
+        if self.projector != "qwen3vl_merger":
+            return ()
+        return (0, 1) if self.n_layer <= 2 else (self.n_layer // 3, 2 * self.n_layer // 3)
 
     @property
     def digest(self) -> str:
@@ -134,6 +153,10 @@ def make_mmproj(
     parameters. An existing file is reused only if it is whole and was generated from the
     same parameters (checked against a digest stored in its metadata); otherwise it is
     rewritten, atomically (concurrent test processes never see a half-written file).
+
+    ``text_width`` is the text model's width (``n_embd``). A ``qwen3vl_merger`` produces it
+    once for the main path and once per DeepStack layer, concatenated: its embeddings are
+    ``text_width * (1 + len(spec.deepstack_layers))`` wide, the text model's ``n_embd_inp``.
     """
     spec = fixture_spec(kind, projector, seed, text_width)
     if path is None:
@@ -291,6 +314,11 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         if spec.projector == "qwen2.5vl_merger":  # window attention; every 2nd layer full
             w.add_uint32("clip.vision.n_wa_pattern", 2)
             w.add_bool("clip.use_silu", True)
+        if spec.projector == "qwen3vl_merger":
+            w.add_bool("clip.use_gelu", True)
+            # as llama.cpp's converter writes it; clip.cpp counts the v.deepstack.N tensors
+            w.add_array("clip.vision.is_deepstack_layers",
+                        [i in spec.deepstack_layers for i in range(spec.n_layer)])
     elif spec.projector != "mlp":
         w.add_uint32("clip.vision.projector.scale_factor", spec.scale_factor)
         w.add_bool("clip.use_gelu", True)
@@ -301,14 +329,18 @@ def _write(path: Path, spec: FixtureSpec) -> None:
     if spec.projector in _QWEN:  # a second conv for the temporal pair; M-RoPE
         patch1 = rng.standard_normal((e, 3, p, p), dtype=np.float32) / np.sqrt(3 * p * p)
         w.add_tensor("v.patch_embd.weight.1", patch1.astype(np.float16))
-    else:
+    if spec.projector not in _QWEN2:  # Qwen3-VL also learns positions (resized to the image)
         w.add_tensor("v.patch_embd.bias", vec(e))
         # position embeddings are added to activations: F32, as llama.cpp's converter writes
         # them (an F16 one makes ggml's CPU add abort the process for SigLIP-style graphs)
         w.add_tensor("v.position_embd.weight", mat(spec.n_patches, e).astype(np.float32))
     for i in range(spec.n_layer):
         blk = f"v.blk.{i}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        fused = spec.projector == "qwen3vl_merger"  # one attn_qkv matrix
+        if fused:
+            w.add_tensor(f"{blk}.attn_qkv.weight", mat(3 * e, e))
+            w.add_tensor(f"{blk}.attn_qkv.bias", vec(3 * e))
+        for name in ("attn_out",) if fused else ("attn_q", "attn_k", "attn_v", "attn_out"):
             w.add_tensor(f"{blk}.{name}.weight", mat(e, e))
             w.add_tensor(f"{blk}.{name}.bias", vec(e))
         w.add_tensor(f"{blk}.ffn_up.weight", mat(spec.n_ff, e))
@@ -321,7 +353,7 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         for ln in ("ln1", "ln2"):
             w.add_tensor(f"{blk}.{ln}.weight", vec(e, base=1.0))
             w.add_tensor(f"{blk}.{ln}.bias", vec(e))
-    if spec.projector not in ("mlp", "lfm2", *_QWEN):
+    if spec.projector not in ("mlp", "lfm2", *_QWEN2):
         w.add_tensor("v.post_ln.weight", vec(e, base=1.0))
         w.add_tensor("v.post_ln.bias", vec(e))
 
@@ -341,6 +373,14 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         w.add_tensor("mm.0.bias", vec(spec.mm_hidden))
         w.add_tensor("mm.2.weight", mat(out, spec.mm_hidden))
         w.add_tensor("mm.2.bias", vec(out))
+        for i in spec.deepstack_layers:  # norm over the 2x2 merge, fc1 -> GELU -> fc2
+            ds = f"v.deepstack.{i}"
+            w.add_tensor(f"{ds}.norm.weight", vec(n_in, base=1.0))
+            w.add_tensor(f"{ds}.norm.bias", vec(n_in))
+            w.add_tensor(f"{ds}.fc1.weight", mat(spec.mm_hidden, n_in))
+            w.add_tensor(f"{ds}.fc1.bias", vec(spec.mm_hidden))
+            w.add_tensor(f"{ds}.fc2.weight", mat(out, spec.mm_hidden))
+            w.add_tensor(f"{ds}.fc2.bias", vec(out))
     elif spec.projector == "lfm2":  # pixel unshuffle, layer norm, mm.1 -> GELU -> mm.2
         n_in = e * spec.scale_factor**2
         w.add_tensor("mm.input_norm.weight", vec(n_in, base=1.0))
@@ -371,8 +411,14 @@ TEXT_MODEL_VERSION = 1
 TEXT_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid")
 
 #: Also accepted by :func:`make_text_model`, as text halves of vision pairs: plain attention
-#: (SmolVLM's text model is a llama).
-VISION_TEXT_FAMILIES = ("llama", "qwen2vl")
+#: (SmolVLM's text model is a llama), M-RoPE (Qwen2-VL), interleaved M-RoPE + DeepStack
+#: (Qwen3-VL).
+VISION_TEXT_FAMILIES = ("llama", "qwen2vl", "qwen3vl")
+
+#: DeepStack layers of the ``qwen3vl`` text model: its first layers each add one more slice of
+#: an image embedding (``n_embd_inp = n_embd * (1 + QWEN3VL_DEEPSTACK)``). Not in the spec:
+#: changing it changes what :func:`make_text_model` writes (bump TEXT_MODEL_VERSION).
+QWEN3VL_DEEPSTACK = 2
 
 #: Special tokens a projector type's libmtmd path looks up in the text vocabulary (required
 #: ones and delimiters); ``make_text_model(vision=...)`` appends those SmolLM2 lacks.
@@ -382,6 +428,7 @@ VISION_TOKENS: dict[str, tuple[str, ...]] = {
     "lfm2": ("<|img_thumbnail|>", "<|image_start|>", "<|image_end|>"),
     "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
     "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen3vl_merger": ("<|vision_start|>", "<|vision_end|>"),
 }
 
 
@@ -447,6 +494,8 @@ def text_model_spec(family: str, seed: int = 0, vision: str | None = None) -> Te
         return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4)
     if family == "qwen2vl":  # M-RoPE: 16 rotated pairs per head, split time / height / width
         return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4, rope_sections=(4, 6, 6, 0))
+    if family == "qwen3vl":  # interleaved M-RoPE, Qwen3-VL's 24/20/20 of 64 pairs scaled to 16
+        return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4, rope_sections=(6, 5, 5, 0))
     # granitehybrid: mamba2, mamba2, attention (no RoPE, as in Granite 4.0-H), mamba2
     return TextModelSpec(**common, **attn, **ssm, n_head_kv=(0, 0, 1, 0))
 
@@ -477,7 +526,9 @@ def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike 
     ``vision`` (a projector type of :data:`VISION_TOKENS`) appends the image special tokens
     that projector's libmtmd path needs (``"<global-img>"`` for ``idefics3``, ...) as
     user-defined tokens, making the text half of a vision pair; ``family`` may then also be
-    ``"llama"`` (plain attention, SmolVLM's text architecture).
+    ``"llama"`` (plain attention, SmolVLM's text architecture), ``"qwen2vl"`` (M-RoPE) or
+    ``"qwen3vl"`` (Qwen3 with interleaved M-RoPE and :data:`QWEN3VL_DEEPSTACK` DeepStack
+    layers: it takes 192-wide input embeddings).
     """
     spec = text_model_spec(family, seed, vision)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
@@ -539,7 +590,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_F16))
     w.add_uint32(f"{family}.vocab_size", spec.n_vocab)
     w.add_uint32(f"{family}.context_length",
-                 8192 if family in ("gemma3", "lfm2", "llama", "qwen2vl") else 1 << 20)
+                 8192 if family in ("gemma3", "lfm2", *VISION_TEXT_FAMILIES) else 1 << 20)
     w.add_uint32(f"{family}.embedding_length", e)
     w.add_uint32(f"{family}.block_count", spec.n_layer)
     w.add_uint32(f"{family}.feed_forward_length", spec.n_ff)
@@ -561,6 +612,9 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     if spec.rope_sections:
         w.add_key_value(f"{family}.rope.dimension_sections", list(spec.rope_sections),
                         gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+    if family == "qwen3vl":
+        w.add_float32(f"{family}.rope.freq_base", 5_000_000.0)
+        w.add_uint32(f"{family}.n_deepstack_layers", QWEN3VL_DEEPSTACK)
     if family == "lfm2":
         w.add_uint32(f"{family}.shortconv.l_cache", spec.l_cache)
         w.add_float32(f"{family}.rope.freq_base", 1_000_000.0)
@@ -588,7 +642,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
         w.add_tensor(f"{blk}.attn_k.weight", mat(n_kv * hd, e))
         w.add_tensor(f"{blk}.attn_v.weight", mat(n_kv * hd, e))
         w.add_tensor(f"{blk}.attn_output.weight", mat(e, n_q))
-        if family in ("gemma3", "lfm2"):
+        if family in ("gemma3", "lfm2", "qwen3vl"):
             w.add_tensor(f"{blk}.attn_q_norm.weight", norm(hd))
             w.add_tensor(f"{blk}.attn_k_norm.weight", norm(hd))
 
@@ -616,7 +670,7 @@ def _write_text_model(path: Path, spec: TextModelSpec) -> None:
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
         w.add_tensor(f"{blk}.attn_norm.weight", norm(e))
-        if family in ("llama", "qwen2vl"):
+        if family in VISION_TEXT_FAMILIES:
             attention(blk, spec.n_head_kv[i])
             if family == "qwen2vl":  # Qwen2: biased q, k, v
                 for n, rows in (("q", spec.n_head * hd), ("k", hd), ("v", hd)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +36,18 @@ KNOWN_PROJECTORS = frozenset("""
 
 #: Projector types whose files nbkv checks completely (keys, tensor names, shapes, types).
 VALIDATED_PROJECTORS = (
-    "mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger"
+    "mlp", "gemma3", "idefics3", "lfm2", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"
 )
 
 #: Projector types that give image tokens multi-axis (M-RoPE) positions: their text model must
 #: use M-RoPE, and an M-RoPE text model needs one of them.
-MROPE_PROJECTORS = ("qwen2vl_merger", "qwen2.5vl_merger")
+MROPE_PROJECTORS = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
+
+# the M-RoPE kind (Model.rope_type) of each M-RoPE projector's text models: Qwen2-VL and
+# Qwen2.5-VL rotate sections in blocks, Qwen3-VL interleaves them (LLAMA_ROPE_TYPE_IMROPE)
+_MROPE_KIND = {"qwen2vl_merger": "mrope-8", "qwen2.5vl_merger": "mrope-8",
+               "qwen3vl_merger": "mrope-40"}
+_MROPE_NAME = {"mrope-8": "M-RoPE (Qwen2-VL)", "mrope-40": "interleaved M-RoPE (Qwen3-VL)"}
 
 # tokens libmtmd looks up in the text vocabulary by exact piece (mtmd.cpp, lookup_token); a
 # missing one becomes token -1 in a text chunk, which aborts the process when evaluated
@@ -50,6 +57,12 @@ REQUIRED_TOKENS: dict[str, tuple[str, ...]] = {
     "minicpmv4_6": ("<image>", "</image>", "<slice>", "</slice>", "\n"),
     "step3vl": ("<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>"),
     "lfm2": ("<|img_thumbnail|>",),
+}
+
+# tokens every text model of the projector's family has: not looked up by libmtmd (a missing
+# one does not abort anything), but without them the text model belongs to another family
+PAIR_TOKENS: dict[str, tuple[str, ...]] = {
+    "qwen3vl_merger": ("<|vision_start|>", "<|vision_end|>"),
 }
 
 # image delimiters libmtmd inserts as text: harmless when missing (they become plain text),
@@ -122,6 +135,7 @@ class ProjectorInfo:
     file_size: int
     n_tensors: int
     warnings: tuple[str, ...] = ()
+    n_deepstack: int = 0  # qwen3vl_merger: ViT layers whose features follow the main output
 
 
 def _gguf_type_name(field: Any) -> str:
@@ -153,12 +167,15 @@ def inspect_projector(
     file is a whole GGUF (every tensor's data inside the file); it is a vision projector
     (``clip.has_vision_encoder``); its projector type is one libmtmd knows; every key
     ``clip.cpp`` reads has the GGUF type it expects (a mismatch aborts natively); the vision
-    hyper-parameters are present and consistent. For the validated types (``mlp``, ``gemma3``,
-    ``idefics3``) also every tensor the graph uses: present, shaped and typed as the graph
-    needs. With ``model``: the embedding width it produces equals the text model's input
-    width, the text model's RoPE is one nbkv handles, and every special token libmtmd looks up
-    for this projector type exists in the text vocabulary (``idefics3``, SmolVLM's projector,
-    needs ``<fake_token_around_image>``, which SmolLM2 lacks).
+    hyper-parameters are present and consistent. For the validated types
+    (:data:`VALIDATED_PROJECTORS`) also every tensor the graph uses: present, shaped and typed
+    as the graph needs. With ``model``: the embedding width it produces equals the text
+    model's input width (for ``qwen3vl_merger``: its main width equals the text model's width
+    and it has as many DeepStack layers), the text model's RoPE is the kind the projector's
+    positions are for, and every special token libmtmd looks up for this projector type exists
+    in the text vocabulary (``idefics3``, SmolVLM's projector, needs
+    ``<fake_token_around_image>``, which SmolLM2 lacks; a Qwen3-VL vocabulary has
+    ``<|vision_start|>``).
 
     ``trust=True`` lets other projector types through with only the generic checks: a file
     that is wrong in a way nbkv does not know may still abort the process.
@@ -275,21 +292,40 @@ def inspect_projector(
 
     n_out: int | None = None
     tokens: int | None = None
+    n_ds = len(_deepstack_layers(tensors)) if ptype == "qwen3vl_merger" else 0
     warnings: list[str] = []
     if validated:
         n_out, tokens = _check_tensors(p, ptype, tensors, fld, e, n_ff, n_layer, img, patch, scale)
 
     if model is not None:
         n_text = model.n_embd_inp
-        if n_out is not None and n_out != n_text:
+        text_ds = _text_deepstack_layers(model)
+        if n_out is not None and (n_ds or text_ds):  # Qwen3-VL: main width, DeepStack count
+            n_main = n_out // (1 + n_ds)
+            if n_main != model.n_embd or n_ds != text_ds:
+                made = (f"{n_ds} DeepStack feature set(s) of that width ({n_out} in all)"
+                        if n_ds else "no DeepStack features")
+                has = f"{text_ds} DeepStack layer(s)" if text_ds else "no DeepStack layers"
+                raise ProjectorError(
+                    f"projector {p.name} produces {n_main}-wide embeddings and {made}, but "
+                    f"the text model ({model.description}) is {model.n_embd} wide with {has} "
+                    f"(it takes {n_text}): it belongs to another model"
+                )
+        elif n_out is not None and n_out != n_text:
             raise ProjectorError(
                 f"projector {p.name} produces {n_out}-wide embeddings but the text model "
                 f"({model.description}) takes {n_text}: it belongs to another model"
             )
         rope = model.rope_type
         mrope_proj = ptype in MROPE_PROJECTORS
-        if rope == "mrope-8" and mrope_proj:  # Qwen2-VL's M-RoPE with a Qwen-VL projector
+        if mrope_proj and rope == _MROPE_KIND[ptype]:
             _check_rope_sections(model)
+        elif mrope_proj and rope in _MROPE_NAME and not trust:
+            raise ProjectorError(
+                f"projector {p.name} ({ptype}) is for text models with "
+                f"{_MROPE_NAME[_MROPE_KIND[ptype]]}, but the text model ({model.description}) "
+                f"uses {_MROPE_NAME[rope]}: it belongs to another model"
+            )
         elif rope not in ("none", "norm", "neox") and not trust:
             raise ProjectorError(
                 f"the text model uses RoPE type {rope} (multi-axis image positions) but "
@@ -310,6 +346,13 @@ def inspect_projector(
                 f"{model.description} has none: the projector belongs to another model "
                 "(evaluating its image chunks would abort the process)"
             )
+        missing = [t for t in PAIR_TOKENS.get(ptype, ()) if not _has_token(model, t)]
+        if missing and not trust:
+            raise ProjectorError(
+                f"projector {p.name} ({ptype}) wraps images in the image special token(s) "
+                f"{', '.join(repr(t) for t in missing)}, which every text model of its family "
+                f"has and {model.description} lacks: the projector belongs to another model"
+            )
         for t in DELIMITERS.get(ptype, ()):
             if not _has_token(model, t):
                 warnings.append(
@@ -322,7 +365,7 @@ def inspect_projector(
         path=p, projector_type=ptype, validated=validated, n_embd=e, n_head=n_head, n_ff=n_ff,
         n_layer=n_layer, image_size=img, patch_size=patch, projection_dim=hp["projection_dim"],
         n_embd_out=n_out, scale_factor=scale, tokens_per_tile=tokens, file_size=size,
-        n_tensors=len(tensors), warnings=tuple(warnings),
+        n_tensors=len(tensors), warnings=tuple(warnings), n_deepstack=n_ds,
     )
 
 
@@ -390,16 +433,19 @@ def _check_tensors(
             f"the graph needs F16/F32 {[patch, patch, 3, e]}"
         )
     qwen = ptype in MROPE_PROJECTORS
+    qwen3 = ptype == "qwen3vl_merger"
     if ptype == "qwen2.5vl_merger" and fld("clip.vision.n_wa_pattern") is None:
         raise ProjectorError(f"{p} ({ptype}): missing clip.vision.n_wa_pattern")
-    if qwen:  # two convolutions (a temporal pair), M-RoPE instead of position embeddings
+    if qwen:  # two convolutions (a temporal pair), M-RoPE
         pe1 = get("v.patch_embd.weight.1")
         if shape(pe1) != [patch, patch, 3, e] or pe1.tensor_type not in (F32, F16):
             raise ProjectorError(
                 f"{p} ({ptype}): v.patch_embd.weight.1 is {pe1.tensor_type.name} "
                 f"{shape(pe1)}, the graph needs F16/F32 {[patch, patch, 3, e]}"
             )
-        if "v.patch_embd.bias" in tensors:  # clip.cpp asserts it away (a process abort)
+        if qwen3:  # clip.cpp asserts both the patch bias and the position embeddings
+            expect("v.patch_embd.bias", [e])
+        elif "v.patch_embd.bias" in tensors:  # clip.cpp asserts it away (a process abort)
             raise ProjectorError(f"{p} ({ptype}): unexpected v.patch_embd.bias")
         if (e // int(fld("clip.vision.attention.head_count").contents())) % 4:
             raise ProjectorError(f"{p} ({ptype}): the vision head size must be a multiple of 4")
@@ -410,23 +456,27 @@ def _check_tensors(
         raise ProjectorError(f"{p} ({ptype}): unexpected v.class_embd")
     if has_class:
         expect("v.class_embd", [e], f32=True)
-    if not qwen:
+    if not qwen or qwen3:  # Qwen3-VL resizes them to the image's patch grid
         expect("v.position_embd.weight", [e, n_patches + (1 if has_class else 0)], f32=True)
     for ln in ("pre_ln", "post_ln"):
         expect(f"v.{ln}.weight", [e], required=False)
         expect(f"v.{ln}.bias", [e], required=False)
     for i in range(n_layer):
         b = f"v.blk.{i}"
-        if f"{b}.attn_qkv.weight" in tensors:
+        if qwen3:  # the graph uses one fused q, k, v matrix and its bias, unconditionally
+            expect(f"{b}.attn_qkv.weight", [e, 3 * e])
+            expect(f"{b}.attn_qkv.bias", [3 * e])
+        elif f"{b}.attn_qkv.weight" in tensors:
             raise ProjectorError(f"{p} ({ptype}): fused attn_qkv tensors are not validated")
-        for n in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        for n in ("attn_out",) if qwen3 else ("attn_q", "attn_k", "attn_v", "attn_out"):
             expect(f"{b}.{n}.weight", [e, e])
             expect(f"{b}.{n}.bias", [e], required=False)
         for n in ("ln1", "ln2"):
             expect(f"{b}.{n}.weight", [e], required=False)
             expect(f"{b}.{n}.bias", [e], required=False)
         up, down = get(f"{b}.ffn_up.weight"), get(f"{b}.ffn_down.weight")
-        if shape(up) == [n_ff, e] and shape(down) == [e, n_ff]:  # legacy swapped names
+        # legacy swapped names (clip.cpp swaps them back, but not for Qwen3-VL)
+        if shape(up) == [n_ff, e] and shape(down) == [e, n_ff] and not qwen3:
             up_b, down_b = f"{b}.ffn_down.bias", f"{b}.ffn_up.bias"
         elif shape(up) == [e, n_ff] and shape(down) == [n_ff, e]:
             up_b, down_b = f"{b}.ffn_up.bias", f"{b}.ffn_down.bias"
@@ -501,8 +551,28 @@ def _check_tensors(
             )
         n_out = int(w2.shape[1])
         expect("mm.2.bias", [n_out])
+        layers = _deepstack_layers(tensors) if qwen3 else ()
+        for i in layers:  # DeepStack: the 2x2 merge of layer i, norm, fc1 -> GELU -> fc2
+            d = f"v.deepstack.{i}"
+            if i >= n_layer:  # clip.cpp ignores it: the output would be narrower than counted
+                raise ProjectorError(
+                    f"{p} ({ptype}): {d}.* belongs to no layer (the ViT has {n_layer})"
+                )
+            expect(f"{d}.norm.weight", [n_in], required=False)
+            expect(f"{d}.norm.bias", [n_in], required=False)
+            w1 = get(f"{d}.fc1.weight")
+            if len(w1.shape) != 2 or int(w1.shape[0]) != n_in:
+                raise ProjectorError(
+                    f"{p} ({ptype}): {d}.fc1.weight has shape {shape(w1)}, expected "
+                    f"[{n_in}, hidden]"
+                )
+            expect(f"{d}.fc1.bias", [int(w1.shape[1])], required=False)
+            # libmtmd sizes the output as (1 + DeepStack layers) x mm.2's width, and aborts
+            # when the graph's differs
+            expect(f"{d}.fc2.weight", [int(w1.shape[1]), n_out])
+            expect(f"{d}.fc2.bias", [n_out], required=False)
         # libmtmd resizes the image (8..4096 tokens); this is the count at image_size
-        return n_out, (side // 2) ** 2
+        return n_out * (1 + len(layers)), (side // 2) ** 2
     if ptype == "lfm2":  # pixel unshuffle, optional layer norm, mm.1 -> GELU -> mm.2
         k = scale if scale is not None else 1
         if k < 1 or side % k:
@@ -564,6 +634,22 @@ def batch_for_projector(path: str | os.PathLike | None, n_batch: int) -> int:
                  "batch of %d tokens", n_batch, need, info.projector_type, need)
         return need
     return n_batch
+
+
+def _deepstack_layers(tensors: dict[str, Any]) -> tuple[int, ...]:
+    """ViT layers with a DeepStack merger: clip.cpp counts those with ``v.deepstack.N.fc1``."""
+    found = (re.fullmatch(r"v\.deepstack\.(\d+)\.fc1\.weight", name) for name in tensors)
+    return tuple(sorted(int(m.group(1)) for m in found if m))
+
+
+def _text_deepstack_layers(model: Model) -> int:
+    """The text model's DeepStack layers (``{arch}.n_deepstack_layers``; Qwen3-VL), else 0."""
+    arch = model.meta("general.architecture") or ""
+    value = model.meta(f"{arch}.n_deepstack_layers")
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
 
 
 def _check_rope_sections(model: Model) -> None:

@@ -303,6 +303,33 @@ def test_a_turn_arriving_before_the_rewrite_reprefills_the_reply_and_stays_exact
                           fresh_probe(engine.model, s.tokens, 42))
 
 
+def test_a_reply_longer_than_n_batch_is_rewritten_without_a_lone_token(model_path):
+    """The rewrite cuts a reply into chunks of at most n_batch, never leaving one position for
+    a last chunk (a one-row decode rounds differently): 5 positions go as 3 + 2."""
+    from conftest import fresh_probe
+
+    with Engine(model_path, n_slots=1, n_ctx=1024, n_batch=4, n_threads=1) as e:
+        rows = []
+        decode = e.ctx.decode
+
+        def logged(batch):  # prompt chunks and rewrites ask no logits until the prompt's end
+            raw = batch.raw
+            rows.append((batch.n, any(raw.logits[i] for i in range(batch.n))))
+            return decode(batch)
+
+        e.ctx.decode = logged
+        msgs = [{"role": "system", "content": SYSTEM}, user(QUESTIONS[0])]
+        r = e.chat(msgs, max_tokens=6, temperature=0)
+        e.settle()
+        e.ctx.decode = decode
+        assert r.record.finish_reason == "length"  # 5 reply positions in KV to rewrite
+        assert (1, False) not in rows
+        s = e.slots()[0]
+        assert s.settled == s.n_tokens
+        assert np.array_equal(np.array(e.probe(s.index, 42)),
+                              fresh_probe(e.model, s.tokens, 42))
+
+
 def test_exact_false_keeps_the_token_by_token_kv(model_path):
     with Engine(model_path, n_slots=1, n_ctx=1024, exact=False) as e:
         msgs = [{"role": "system", "content": SYSTEM}, user(QUESTIONS[0])]

@@ -26,9 +26,11 @@ SYSTEM = "You describe pictures. Be brief."
 
 #: (text family, projector type): the pairs nbkv serves with exact caching
 PAIRS = [("gemma3", "gemma3"), ("lfm2", "lfm2"), ("llama", "idefics3"),
-         ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger")]
+         ("qwen2vl", "qwen2vl_merger"), ("qwen2vl", "qwen2.5vl_merger"),
+         ("qwen3vl", "qwen3vl_merger")]
 #: image chunks libmtmd makes of one 32-px picture (idefics3: an overview and one slice)
-CHUNKS = {"gemma3": 1, "lfm2": 1, "idefics3": 2, "qwen2vl_merger": 1, "qwen2.5vl_merger": 1}
+CHUNKS = {"gemma3": 1, "lfm2": 1, "idefics3": 2, "qwen2vl_merger": 1, "qwen2.5vl_merger": 1,
+          "qwen3vl_merger": 1}
 
 
 def picture(seed, size=32):
@@ -155,18 +157,21 @@ def test_a_projector_for_another_width_is_refused(family, proj):
         Engine(text, mmproj=str(make_mmproj(kind="tiny", projector=proj, text_width=96)))
 
 
-@pytest.mark.parametrize("family,proj", [("lfm2", "lfm2"), ("llama", "idefics3")])
+@pytest.mark.parametrize("family,proj", [("lfm2", "lfm2"), ("llama", "idefics3"),
+                                         ("qwen3vl", "qwen3vl_merger")])
 def test_a_vocabulary_without_the_image_tokens_is_refused(family, proj):
     text = str(make_text_model(family, vision="gemma3"))  # other image tokens
     with pytest.raises(ProjectorError, match="image special token"):
         Engine(text, mmproj=str(make_mmproj(kind="tiny", projector=proj, text_width=64)))
 
 
-def test_mrope_images_advance_positions_not_tokens():
-    """Qwen2-VL: an image takes fewer KV positions than embeddings; the slot counts positions,
-    the KV map shows both, and the KV holds exactly the recorded positions."""
-    text = str(make_text_model("qwen2vl", vision="qwen2vl_merger"))
-    mmproj = str(make_mmproj(kind="tiny", projector="qwen2vl_merger", text_width=64))
+@pytest.mark.parametrize("family,proj", [("qwen2vl", "qwen2vl_merger"),
+                                         ("qwen3vl", "qwen3vl_merger")])
+def test_mrope_images_advance_positions_not_tokens(family, proj):
+    """Qwen2-VL, Qwen3-VL: an image takes fewer KV positions than embeddings; the slot counts
+    positions, the KV map shows both, and the KV holds exactly the recorded positions."""
+    text = str(make_text_model(family, vision=proj))
+    mmproj = str(make_mmproj(kind="tiny", projector=proj, text_width=64))
     with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=1024, n_threads=1) as e:
         assert e.projector.uses_mrope
         r = e.chat([image_msg("What?", picture(5))], max_tokens=MAX, temperature=0)
@@ -187,11 +192,60 @@ def _variant(tmp_path, family, vision, **changes):
                                 fixtures._write_text_model))
 
 
-def test_wrong_dimension_sections_are_refused(tmp_path):
-    mmproj = str(make_mmproj(kind="tiny", projector="qwen2vl_merger", text_width=64))
-    text = _variant(tmp_path, "qwen2vl", "qwen2vl_merger", rope_sections=(4, 4, 4, 0))
+@pytest.mark.parametrize("family,proj", [("qwen2vl", "qwen2vl_merger"),
+                                         ("qwen3vl", "qwen3vl_merger")])
+def test_wrong_dimension_sections_are_refused(tmp_path, family, proj):
+    mmproj = str(make_mmproj(kind="tiny", projector=proj, text_width=64))
+    text = _variant(tmp_path, family, proj, rope_sections=(4, 4, 4, 0))
     with pytest.raises(ProjectorError, match=r"dimension_sections \[4, 4, 4, 0\] sum to 12"):
         Engine(text, mmproj=mmproj)
+
+
+def test_a_projector_with_other_deepstack_layers_is_refused(tmp_path):
+    """Qwen3-VL: the projector's DeepStack outputs feed the text model's first layers, one
+    each; a projector with fewer, or a text model without any, is refused."""
+    from test_media import rewrite
+
+    text = str(make_text_model("qwen3vl", vision="qwen3vl_merger"))
+    good = make_mmproj(kind="tiny", projector="qwen3vl_merger", text_width=64)
+    one = rewrite(good, tmp_path / "one.gguf",
+                  drop=[f"v.deepstack.1.{n}.{k}" for n in ("norm", "fc1", "fc2")
+                        for k in ("weight", "bias")])
+    with pytest.raises(ProjectorError, match=r"1 DeepStack feature set.*2 DeepStack layer"):
+        Engine(text, mmproj=str(one))
+    plain = str(make_text_model("qwen2vl", vision="qwen3vl_merger"))  # 64 wide, no DeepStack
+    with pytest.raises(ProjectorError, match=r"2 DeepStack feature set.*no DeepStack layers"):
+        Engine(plain, mmproj=str(good))
+
+
+def test_mrope_kinds_do_not_mix(tmp_path):
+    """Qwen2-VL text models rotate M-RoPE sections in blocks, Qwen3-VL's interleave them: a
+    projector of the one family is refused with the other's text model, widths agreeing."""
+    from test_media import rewrite
+
+    plain = rewrite(make_mmproj(kind="tiny", projector="qwen3vl_merger", text_width=64),
+                    tmp_path / "no-deepstack.gguf",
+                    drop=[f"v.deepstack.{i}.{n}.{k}" for i in (0, 1)
+                          for n in ("norm", "fc1", "fc2") for k in ("weight", "bias")])
+    text = str(make_text_model("qwen2vl", vision="qwen3vl_merger"))  # 64 wide, no DeepStack
+    with pytest.raises(ProjectorError, match=r"interleaved M-RoPE \(Qwen3-VL\), but .* uses "
+                                             r"M-RoPE \(Qwen2-VL\)"):
+        Engine(text, mmproj=str(plain))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,proj", [p for p in PAIRS if p[0].startswith("qwen")])
+def test_realistic_qwen_projectors_serve_their_pair(family, proj):
+    """The realistic Qwen projectors (SmolVLM-sized ViT) merge 2x2 as the graphs need: a
+    512-px picture is 32 x 32 patches, 256 embeddings on 16 positions, one encoder run."""
+    text = str(make_text_model(family, vision=proj))
+    mmproj = str(make_mmproj(kind="realistic", projector=proj, text_width=64))
+    msgs = [image_msg("What?", picture(10, size=512))]
+    with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=1024, n_threads=1) as e:
+        r = e.chat(msgs, session="big", max_tokens=MAX, temperature=0)
+        (img,) = [s for s in r.record.segments if s.kind == "image"]
+        assert (img.embeddings, img.length, r.record.encoder_runs) == (256, 16, 1)
+        assert_kv_exact(e, "big", msgs)
 
 
 def test_mrope_and_single_position_pairs_do_not_mix():
@@ -256,6 +310,12 @@ def test_a_big_image_is_decoded_between_other_sessions_tokens():
 
 @pytest.mark.parametrize("proj,change,reason", [
     ("qwen2vl_merger", {"drop": ("v.patch_embd.weight.1",)}, "missing tensor v.patch_embd"),
+    ("qwen3vl_merger", {"drop": ("v.patch_embd.bias",)}, "missing tensor v.patch_embd.bias"),
+    ("qwen3vl_merger", {"drop": ("v.position_embd.weight",)}, "missing tensor v.position_embd"),
+    ("qwen3vl_merger", {"drop": ("v.blk.1.attn_qkv.bias",)}, "missing tensor v.blk.1.attn_qkv.b"),
+    ("qwen3vl_merger", {"tensors": {"v.deepstack.1.fc2.weight": np.zeros((96, 256), np.float16)}},
+     r"v.deepstack.1.fc2.weight has shape \[256, 96\], the graph needs \[256, 64\]"),
+    ("qwen3vl_merger", {"drop": ("v.deepstack.0.fc2.weight",)}, "missing tensor v.deepstack.0.fc2"),
     ("qwen2vl_merger", {"keys": {"clip.vision.spatial_merge_size": (3, "u32")}},
      "spatial_merge_size 3"),
     ("qwen2vl_merger", {"drop": ("mm.2.weight", "mm.2.bias")}, "missing tensor mm.2.weight"),
@@ -270,7 +330,8 @@ def test_malformed_projectors_are_refused_with_the_reason(proj, change, reason, 
     import gguf
     from test_media import rewrite
 
-    family = {"qwen2vl_merger": "qwen2vl", "qwen2.5vl_merger": "qwen2vl", "lfm2": "lfm2"}[proj]
+    family = {"qwen2vl_merger": "qwen2vl", "qwen2.5vl_merger": "qwen2vl",
+              "qwen3vl_merger": "qwen3vl", "lfm2": "lfm2"}[proj]
     change = dict(change)
     if "keys" in change:
         change["keys"] = {k: (v, gguf.GGUFValueType.UINT32) for k, (v, _) in
@@ -311,7 +372,8 @@ def test_the_embedding_cache_skips_the_encoder_after_eviction(pair):
         assert_kv_exact(e, "a", a[:-1])
 
 
-@pytest.mark.parametrize("family,proj", [("lfm2", "lfm2"), ("qwen2vl", "qwen2vl_merger")])
+@pytest.mark.parametrize("family,proj", [("lfm2", "lfm2"), ("qwen2vl", "qwen2vl_merger"),
+                                         ("qwen3vl", "qwen3vl_merger")])
 def test_cancel_between_the_pieces_of_an_image_leaves_the_slot_exact(family, proj):
     """Cancelled after part of an image is in KV: the part goes (a hybrid model back to its
     checkpoint), the slot stays exact and the next request serves the image."""
