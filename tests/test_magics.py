@@ -30,6 +30,7 @@ def ip():
     yield shell
     shell.run_line_magic("kvcache", "unload")
     shell.run_line_magic("unload_ext", "nbkv")
+    shell.config.pop("Nbkv", None)  # the shell is shared by other test modules
     STORE.clear()
 
 

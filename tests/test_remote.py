@@ -330,6 +330,7 @@ def test_magics_connect_chat_and_switch_back(srv, tmp_path):
     finally:
         ip.run_line_magic("kvcache", "unload")
         ip.run_line_magic("unload_ext", "nbkv")
+        ip.config.pop("Nbkv", None)
         STORE.clear()
 
 
