@@ -62,6 +62,8 @@ REQUIRED_TOKENS: dict[str, tuple[str, ...]] = {
 # tokens every text model of the projector's family has: not looked up by libmtmd (a missing
 # one does not abort anything), but without them the text model belongs to another family
 PAIR_TOKENS: dict[str, tuple[str, ...]] = {
+    "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
     "qwen3vl_merger": ("<|vision_start|>", "<|vision_end|>"),
 }
 

@@ -157,12 +157,21 @@ def test_a_projector_for_another_width_is_refused(family, proj):
         Engine(text, mmproj=str(make_mmproj(kind="tiny", projector=proj, text_width=96)))
 
 
-@pytest.mark.parametrize("family,proj", [("lfm2", "lfm2"), ("llama", "idefics3"),
-                                         ("qwen3vl", "qwen3vl_merger")])
+@pytest.mark.parametrize("family,proj", [p for p in PAIRS if p[1] != "gemma3"])
 def test_a_vocabulary_without_the_image_tokens_is_refused(family, proj):
     text = str(make_text_model(family, vision="gemma3"))  # other image tokens
     with pytest.raises(ProjectorError, match="image special token"):
         Engine(text, mmproj=str(make_mmproj(kind="tiny", projector=proj, text_width=64)))
+
+
+def test_gemma3_images_without_their_delimiter_tokens_load_with_a_warning(caplog):
+    """libmtmd inserts Gemma 3's image delimiters as text: without them in the vocabulary they
+    are plain text (nothing can abort), so the projector loads, and the log says so."""
+    text = str(make_text_model("gemma3", vision="lfm2"))  # other image tokens
+    with caplog.at_level("WARNING", logger="nbkv"):
+        Engine(text, mmproj=str(make_mmproj(kind="tiny", projector="gemma3",
+                                            text_width=64))).close()
+    assert "'<start_of_image>' is not a token of the text model" in caplog.text
 
 
 @pytest.mark.parametrize("family,proj", [("qwen2vl", "qwen2vl_merger"),
