@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import templates
-from .backend import Batch, Context, Model
+from .backend import Batch, Context, Model, default_threads
 from .engine import Engine
 from .events import SlotRewritten
 from .models import default_model_path
@@ -144,7 +144,7 @@ class LlamaCppRunner:
 
         self.max_tokens = max_tokens
         self.llm = Llama(path, n_ctx=n_ctx, n_batch=256, n_ubatch=256, verbose=False,
-                         flash_attn=False)
+                         flash_attn=False, n_threads=default_threads())
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -890,8 +890,11 @@ class HandlerRunner:
 
         self.handler = getattr(llama_chat_format, handler)(clip_model_path=mmproj,
                                                            verbose=False)
+        # all cores, as nbkv (Llama's default is half of them, which its handlers' image
+        # encoder inherits)
         self.llm = Llama(path, chat_handler=self.handler, n_ctx=n_ctx, n_batch=1024,
-                         n_ubatch=1024, verbose=False, flash_attn=False)
+                         n_ubatch=1024, verbose=False, flash_attn=False,
+                         n_threads=default_threads())
         self.max_tokens = MAX_TOKENS
         self.turn = LlamaCppRunner.turn.__get__(self)  # same streaming TTFT measurement
         init = getattr(self.handler, "_init_mtmd_context", None)
