@@ -3,7 +3,9 @@
 Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
 cards, plotly figures and legend rendered, without JavaScript errors; runs
 ``02_how_imc_works.ipynb`` and checks the legend, the divergence marker and an explain
-output. Screenshots go to ``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
+output; ``04_vision.ipynb`` (image spans and their position counts on the KV map) and
+``05_remote_engine.ipynb`` (the dashboard on a llama-server). Screenshots go to
+``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 with a token, serving a copy of the notebooks."""
     _need_browser()
     root = tmp_path_factory.mktemp("lab")
-    for name in ("01_quickstart.ipynb", "02_how_imc_works.ipynb", "05_remote_engine.ipynb"):
+    for name in ("01_quickstart.ipynb", "02_how_imc_works.ipynb", "04_vision.ipynb",
+                 "05_remote_engine.ipynb"):
         shutil.copy(ROOT / "notebooks" / name, root)
     home = tmp_path_factory.mktemp("jupyter-home")
     port, token = _free_port(), secrets.token_hex(16)
@@ -204,6 +207,27 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         page.screenshot(path=str(shots / "imc.png"), full_page=True)
 
     _run_notebook(lab, tmp_path, "02_how_imc_works.ipynb", check)
+
+
+def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path):
+    """04_vision: the KV maps draw image spans; the Qwen (M-RoPE) one says, on hover, how
+    many image tokens sit on how many positions."""
+
+    def check(page, shots):
+        maps = page.locator(".nbkv-kvmap")
+        assert maps.count() == 2  # SmolLM2 + mlp, then the Qwen2-VL-shaped pair
+        qwen = maps.nth(1)
+        qwen.scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        qwen.screenshot(path=str(shots / "vision-qwen-kvmap.png"))
+        hovers = qwen.locator(".js-plotly-plot").evaluate(
+            "el => el.data.flatMap(t => (t.customdata || []).map(c => String(c[4] ?? '')))")
+        spans = [h for h in hovers if "image tokens on" in h]
+        assert len(spans) == 4, hovers  # two pictures, on the messages and the request row
+        assert all(h.endswith(": 9 image tokens on 3 positions") for h in spans)  # 3x3 merged
+        page.screenshot(path=str(shots / "vision.png"), full_page=True)
+
+    _run_notebook(lab, tmp_path, "04_vision.ipynb", check)
 
 
 def test_remote_engine_dashboard_renders_in_chromium(lab, tmp_path):

@@ -164,6 +164,8 @@ def _hover(seg: Segment) -> list[Any]:
     text = seg.preview or ""
     if seg.is_media:
         text = f"image {seg.image_name or (seg.image_hash or '')[:12]}"
+        if seg.embeddings and seg.embeddings != seg.length:  # M-RoPE: fewer positions
+            text += f": {seg.embeddings} image tokens on {seg.length} positions"
     return [seg.message, seg.role, seg.start, seg.end, html.escape(text)]
 
 
