@@ -124,6 +124,7 @@ class NbkvRunner:
                 "guesses": r.draft_tokens, "accepted": r.draft_accepted, "slot": r.slot,
                 "checkpoint_pos": r.checkpoint_pos, "reprefilled": r.reprefilled_tokens,
                 "rewrite_absorbed": r.rewrite_absorbed, "settle_s": settle_s, "id": r.id,
+                "encoder_runs": r.encoder_runs,
                 "finish": r.finish_reason, "text": res.text}
 
     def rewrite_summary(self) -> dict[str, float]:
@@ -896,10 +897,14 @@ class HandlerRunner:
                          n_ubatch=1024, verbose=False, flash_attn=False,
                          n_threads=default_threads())
         self.max_tokens = MAX_TOKENS
-        self.turn = LlamaCppRunner.turn.__get__(self)  # same streaming TTFT measurement
         init = getattr(self.handler, "_init_mtmd_context", None)
         if init is not None:  # load the projector now, as nbkv's Engine does, not in turn 1
             init(self.llm)
+
+    def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
+        r = LlamaCppRunner.turn(self, messages, session)  # the same streaming TTFT measurement
+        r["encoder_runs"] = 1  # the image of the conversation, again every turn
+        return r
 
     def close(self) -> None:
         self.llm.close()
@@ -919,56 +924,57 @@ def _png_data_uri(seed: int, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def scenario_vision(path: str, quick: bool, kind: str = "tiny") -> dict[str, Any]:
-    """An image conversation of 6 turns: nbkv IMC vs. llama-cpp's Llava15ChatHandler vs. off."""
-    from .fixtures import make_mmproj
+IMAGE_FOLLOWUPS = ["Describe its colours.", "Is it a photo?", "What is two plus two?",
+                   "Back to the picture: is it bright?", "Summarize."]
+
+
+def _vision_runner(variant: str, path: str, mmproj: str) -> Any:
+    """nbkv (``"imc"``, or ``"off"`` with its embedding cache off too), else the
+    llama-cpp-python chat handler of that name."""
     from .media import EmbeddingCache
 
-    projector = "mlp" if kind == "tiny" else "gemma3"
-    mmproj = str(make_mmproj(kind=kind, projector=projector))
-    size = 32 if kind == "tiny" else 512
-    n_turns = 3 if quick else 6
-    uri = _png_data_uri(7, size)
+    if variant not in ("imc", "off"):
+        return HandlerRunner(path, mmproj, variant, 4096)
+    return NbkvRunner(path, variant, 1, 4096, settle=False, mmproj=mmproj, n_batch=1024,
+                      embedding_cache=EmbeddingCache(0 if variant == "off" else 256 << 20))
+
+
+def _image_chat(runner: Any, kind: str, n_turns: int) -> list[dict[str, Any]]:
+    """A picture (32 px for ``"tiny"`` projectors, else 512), then text follow-ups about it:
+    each turn's figures (``runner.turn``)."""
+    uri = _png_data_uri(7, 32 if kind == "tiny" else 512)
     first = {"role": "user", "content": [
         {"type": "text", "text": "What is in this picture?"},
         {"type": "image_url", "image_url": {"url": uri}}]}
-    followups = ["Describe its colours.", "Is it a photo?", "What is two plus two?",
-                 "Back to the picture: is it bright?", "Summarize."]
-    convs = {"v": [{"role": "system", "content": "You describe pictures briefly."}]}
-    results: dict[str, list] = {}
-    encodes: dict[str, int] = {}
-    for variant in ("imc", "off", "llava-handler"):
-        if variant == "llava-handler":
-            runner: Any = HandlerRunner(path, mmproj, "Llava15ChatHandler", 4096)
-        else:
-            runner = NbkvRunner.__new__(NbkvRunner)
-            runner.engine = Engine(path, n_slots=1, n_ctx=4096, cache=variant, mmproj=mmproj,
-                                   n_batch=1024,
-                                   embedding_cache=EmbeddingCache(0 if variant == "off" else
-                                                                  256 << 20))
-        hist = [dict(m) for m in convs["v"]]
-        out = []
+    hist: list[dict] = [{"role": "system", "content": "You describe pictures briefly."}]
+    out = []
+    try:
         for t in range(n_turns):
-            hist.append(first if t == 0 else {"role": "user", "content": followups[t - 1]})
-            if isinstance(runner, NbkvRunner):
-                res = runner.engine.chat(hist, session="v", max_tokens=MAX_TOKENS, temperature=0)
-                r = {"ttft": res.record.ttft_s, "encoder_runs": res.record.encoder_runs,
-                     "prompt": res.record.prompt_tokens, "reused": res.record.reused_tokens,
-                     "text": res.text}
-            else:
-                r = runner.turn(hist, "v")
-                r["encoder_runs"] = 1  # the handler encodes every image of the prompt, every turn
+            hist.append(first if t == 0 else {"role": "user", "content": IMAGE_FOLLOWUPS[t - 1]})
+            r = runner.turn(hist, "v")
             hist.append({"role": "assistant", "content": r["text"]})
             out.append(r)
-        results[variant] = out
-        encodes[variant] = sum(r["encoder_runs"] for r in out)
+    finally:
         runner.close()
+    return out
+
+
+def scenario_vision(path: str, quick: bool, kind: str = "tiny") -> dict[str, Any]:
+    """An image conversation of 6 turns: nbkv IMC vs. llama-cpp's Llava15ChatHandler vs. off."""
+    from .fixtures import make_mmproj
+
+    projector = "mlp" if kind == "tiny" else "gemma3"
+    mmproj = str(make_mmproj(kind=kind, projector=projector))
+    n_turns = 3 if quick else 6
+    variants = {"imc": "imc", "off": "off", "llava-handler": "Llava15ChatHandler"}
+    results = {name: _image_chat(_vision_runner(v, path, mmproj), kind, n_turns)
+               for name, v in variants.items()}
     final = {v: rs[-1]["ttft"] for v, rs in results.items()}
     return {
         "projector": f"{kind} {projector}", "turns": n_turns,
         "first_turn_prompt_positions": results["imc"][0]["prompt"],
         "ttft_s_per_turn": {v: [r["ttft"] for r in rs] for v, rs in results.items()},
-        "encoder_runs": encodes,
+        "encoder_runs": {v: sum(r["encoder_runs"] for r in rs) for v, rs in results.items()},
         "mean_ttft_s": {v: mean([r["ttft"] for r in rs[1:]]) for v, rs in results.items()},
         "ratios": {"imc_vs_handler_final_turn_ttft": final["llava-handler"] / final["imc"],
                    "imc_vs_off_final_turn_ttft": final["off"] / final["imc"]},
@@ -1158,51 +1164,19 @@ def scenario_vision_families(path: str, quick: bool, kind: str = "tiny") -> dict
     sees. ``path`` is unused (each pair brings its own text model).
     """
     from .fixtures import make_mmproj, make_text_model
-    from .media import EmbeddingCache
 
     n_turns = 3 if quick else 6
-    size = 32 if kind == "tiny" else 512
-    first = {"role": "user", "content": [
-        {"type": "text", "text": "What is in this picture?"},
-        {"type": "image_url", "image_url": {"url": _png_data_uri(7, size)}}]}
-    followups = ["Describe its colours.", "Is it a photo?", "What is two plus two?",
-                 "Back to the picture: is it bright?", "Summarize."]
     out: dict[str, Any] = {"turns": n_turns, "projectors": kind, "pairs": {}, "ratios": {}}
     for family, proj in VISION_PAIRS:
         text = str(make_text_model(family, vision=proj))
         mmproj = str(make_mmproj(kind=kind, projector=proj, text_width=64))
         handler = VISION_HANDLERS.get(proj, "Llava15ChatHandler")
-        per: dict[str, Any] = {}
-        for variant in ("imc", "off", handler):
-            if variant == handler:
-                runner: Any = HandlerRunner(text, mmproj, handler, 4096)
-            else:
-                runner = NbkvRunner.__new__(NbkvRunner)
-                runner.engine = Engine(
-                    text, n_slots=1, n_ctx=4096, cache=variant, mmproj=mmproj, n_batch=1024,
-                    embedding_cache=EmbeddingCache(0 if variant == "off" else 256 << 20))
-            hist: list[dict] = [{"role": "system", "content": "Describe pictures."}]
-            ttft, runs, prompt = [], 0, 0
-            try:
-                for t in range(n_turns):
-                    hist.append(first if t == 0 else {"role": "user", "content": followups[t - 1]})
-                    if variant == handler:
-                        r = runner.turn(hist, "v")
-                        runs += 1  # the handler encodes every image of the prompt, every turn
-                        hist.append({"role": "assistant", "content": r["text"]})
-                        ttft.append(r["ttft"])
-                        continue
-                    res = runner.engine.chat(hist, session="v", max_tokens=MAX_TOKENS,
-                                             temperature=0)
-                    hist.append(res.message)
-                    ttft.append(res.record.ttft_s)
-                    runs += res.record.encoder_runs
-                    prompt = res.record.prompt_tokens
-            finally:
-                runner.close()
-            per[variant] = {"ttft_s_per_turn": ttft, "encoder_runs": runs}
-            if variant == "imc":
-                per["final_prompt_positions"] = prompt
+        runs = {v: _image_chat(_vision_runner(v, text, mmproj), kind, n_turns)
+                for v in ("imc", "off", handler)}
+        per: dict[str, Any] = {v: {"ttft_s_per_turn": [r["ttft"] for r in rs],
+                                   "encoder_runs": sum(r["encoder_runs"] for r in rs)}
+                               for v, rs in runs.items()}
+        per["final_prompt_positions"] = runs["imc"][-1]["prompt"]
         name = f"{family}+{proj}"
         out["pairs"][name] = per
         final = per["imc"]["ttft_s_per_turn"][-1]

@@ -334,9 +334,9 @@ def _write(path: Path, spec: FixtureSpec) -> None:
         # position embeddings are added to activations: F32, as llama.cpp's converter writes
         # them (an F16 one makes ggml's CPU add abort the process for SigLIP-style graphs)
         w.add_tensor("v.position_embd.weight", mat(spec.n_patches, e).astype(np.float32))
+    fused = spec.projector == "qwen3vl_merger"  # one attn_qkv matrix
     for i in range(spec.n_layer):
         blk = f"v.blk.{i}"
-        fused = spec.projector == "qwen3vl_merger"  # one attn_qkv matrix
         if fused:
             w.add_tensor(f"{blk}.attn_qkv.weight", mat(3 * e, e))
             w.add_tensor(f"{blk}.attn_qkv.bias", vec(3 * e))

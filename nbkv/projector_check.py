@@ -301,7 +301,7 @@ def inspect_projector(
 
     if model is not None:
         n_text = model.n_embd_inp
-        text_ds = _text_deepstack_layers(model)
+        text_ds = model.n_embd_inp // model.n_embd - 1  # DeepStack layers (Qwen3-VL), else 0
         if n_out is not None and (n_ds or text_ds):  # Qwen3-VL: main width, DeepStack count
             n_main = n_out // (1 + n_ds)
             if n_main != model.n_embd or n_ds != text_ds:
@@ -642,16 +642,6 @@ def _deepstack_layers(tensors: dict[str, Any]) -> tuple[int, ...]:
     """ViT layers with a DeepStack merger: clip.cpp counts those with ``v.deepstack.N.fc1``."""
     found = (re.fullmatch(r"v\.deepstack\.(\d+)\.fc1\.weight", name) for name in tensors)
     return tuple(sorted(int(m.group(1)) for m in found if m))
-
-
-def _text_deepstack_layers(model: Model) -> int:
-    """The text model's DeepStack layers (``{arch}.n_deepstack_layers``; Qwen3-VL), else 0."""
-    arch = model.meta("general.architecture") or ""
-    value = model.meta(f"{arch}.n_deepstack_layers")
-    try:
-        return int(value) if value is not None else 0
-    except ValueError:
-        return 0
 
 
 def _check_rope_sections(model: Model) -> None:
