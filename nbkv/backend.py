@@ -83,12 +83,19 @@ def llama_cpp_version() -> str:
     return str(llama_cpp.__version__)
 
 
+def system_info() -> str:
+    """llama.cpp's CPU features and backends (``AVX2 = 1 | ... | REPACK = 1``)."""
+    init_backend()
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+
+
 def default_threads() -> int:
     """Threads llama.cpp and libmtmd use when none are given: every core."""
     return max(os.cpu_count() or 1, 1)
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
+    """Initialise llama.cpp once, its log routed to the ``nbkv.llama`` logger."""
     global _initialized
     with _init_lock:
         if not _initialized:
@@ -120,6 +127,16 @@ def check_gguf(path: str | os.PathLike) -> Path:
 class Model:
     """A loaded GGUF model and its vocabulary."""
 
+    #: how prompts must be grouped for exact caching (a :class:`nbkv.invariance.PrefillRule`,
+    #: set by the engine that calibrated this model)
+    prefill_rule: Any = None
+
+    @property
+    def exactness(self) -> str:
+        """What nbkv proved about cached KV on this model, in words."""
+        rule = self.prefill_rule
+        return rule.describe() if rule is not None else "exact: not calibrated"
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -132,7 +149,7 @@ class Model:
         use_mmap: bool = True,
         use_mlock: bool = False,
     ) -> None:
-        _init_backend()
+        init_backend()
         self.path = check_gguf(path)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers

@@ -14,10 +14,8 @@ generated token would lose its first token to a one-row micro-batch, which round
 differently from a batched prefill. A chunk that finishes a prompt runs alone, so its
 first token waits for nobody.
 
-Exactness rules for chunks: never a lone prompt token (a one-token decode rounds
-differently from a batched one), never a lone token left for the last chunk, and *hard
-stops* (an image, the system-prompt capture point) always end a chunk; *soft stops*
-(checkpoint boundaries) end one when neither side is left with a lone token.
+How many rows a chunk takes is decided by the canonical grouping (:mod:`nbkv.invariance`):
+the engine passes each prompt's next chunk in :attr:`Prefilling.take`.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ class Prefilling:
     remaining: int  # positions left to prefill
     ready: bool = True  # False while its next image is being encoded
     image_next: bool = False  # the next position starts an image
-    hard_stops: tuple[int, ...] = ()  # offsets from the next position where a chunk must end
-    soft_stops: tuple[int, ...] = ()  # offsets where a chunk should end (checkpoints)
+    take: int = 0  # rows its next text chunk holds (nbkv.invariance.next_chunk)
 
 
 @dataclass(frozen=True)
@@ -53,24 +50,7 @@ class StepPlan:
         return self.prefill is None and not self.generate
 
 
-def chunk_length(remaining: int, capacity: int, hard_stops: Sequence[int] = (),
-                 soft_stops: Sequence[int] = ()) -> int:
-    """Positions the next prompt chunk takes (see the module's exactness rules)."""
-    n = min(remaining, capacity)
-    if remaining - n == 1:  # the last chunk would be a lone token: leave it two
-        n -= 1
-    for s in sorted(hard_stops):
-        if 0 < s < n:
-            n = s
-            break
-    for s in sorted(soft_stops):  # the first one: every checkpoint is taken where it belongs
-        if 2 <= s < n and remaining - s >= 2:
-            n = s
-            break
-    return max(n, min(remaining, 1))
-
-
-def plan_step(prefilling: Sequence[Prefilling], generating: int, capacity: int) -> StepPlan:
+def plan_step(prefilling: Sequence[Prefilling], generating: int) -> StepPlan:
     """Plan one step given the prompts in progress and the number of generating requests."""
     ready = [p for p in prefilling if p.ready and p.remaining > 0]
     if not ready:
@@ -78,6 +58,6 @@ def plan_step(prefilling: Sequence[Prefilling], generating: int, capacity: int) 
     job = min(ready, key=lambda p: (p.remaining, p.key))
     if job.image_next:
         return StepPlan(job.key, 0, True, generating > 0)
-    take = chunk_length(job.remaining, capacity, job.hard_stops, job.soft_stops)
+    take = min(job.take, job.remaining)
     last = take >= job.remaining
     return StepPlan(job.key, take, False, generating > 0 and not last)

@@ -1288,6 +1288,94 @@ def scenario_remote(path: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+QUANTS = ("Q4_K_M", "Q6_K", "Q8_0")  # against the embedded Q4_1
+
+
+def scenario_quants(path: str, quick: bool) -> dict[str, Any]:
+    """The 12-turn chat, the 4-session interleaving and single-session decoding on SmolLM2
+    re-quantized to K-quants and Q8_0, against the embedded Q4_1 in the same run.
+
+    Every weight type prefills in its own calibrated grouping (nbkv.invariance): the extra
+    tokens it costs per turn (prefilled over the minimum), first-token times against
+    llama-cpp-python and the physical floor, and decode speed against ``Llama.generate``.
+    Targets: each type's ratios within 5% of Q4_1's.
+    """
+    from .fixtures import quantized
+
+    models = {"Q4_1": path, **{q: str(quantized(path, q)) for q in QUANTS}}
+    per: dict[str, dict[str, Any]] = {}
+    for name, model in models.items():
+        single = scenario_single(model, quick)
+        inter = scenario_interleaved(model, quick)
+        dec = scenario_decode(model, True)
+        with Engine(model, n_slots=1, n_ctx=1024) as e:
+            rule = e.prefill_rule
+        extra = [p - m for p, m in zip(single["imc_prefilled_per_turn"],
+                                        single["minimum_per_turn"])]
+        per[name] = {
+            "rule": rule.describe(), "gen_rows": rule.gen_rows,
+            "calibration_table": dict(rule.table),
+            "extra_prefill_tokens_per_turn": mean(extra),
+            "ratios": {
+                "imc_prefilled_over_minimum": single["ratios"]["imc_prefilled_over_minimum"],
+                "imc_over_limit_ttft": single["ratios"]["imc_over_limit_ttft"],
+                "single_imc_vs_llama_cpp_ttft": single["ratios"]["imc_vs_llama_cpp_ttft"],
+                "interleaved_imc_vs_llama_cpp_ttft":
+                    inter["ratios"]["imc_vs_llama_cpp_ttft"],
+                "exact_over_llama_decode": dec["ratios"]["exact_over_llama_decode"],
+            },
+            "replies_identical_to_llama": dec["replies_identical"],
+        }
+    base = per["Q4_1"]["ratios"]
+    ratios: dict[str, float] = {}
+    for q in QUANTS:
+        for key, v in per[q]["ratios"].items():
+            ratios[f"{q}_{key}"] = v
+            # lower is better for the first two, higher for the rest: the quotient says how
+            # this type fares against Q4_1 (1.0 = the same; > 1 worse for the first two)
+            ratios[f"{q}_{key}_vs_Q4_1"] = v / base[key]
+        ratios[f"{q}_extra_prefill_tokens_per_turn"] = per[q]["extra_prefill_tokens_per_turn"]
+    return {"models": {k: os.path.basename(v) for k, v in models.items()}, **per,
+            "ratios": ratios}
+
+
+def scenario_back_to_back(path: str, quick: bool) -> dict[str, Any]:
+    """An agent loop: short turns over a long system prompt, the next request sent the
+    moment a reply ends, so the exact mode has no idle time to rewrite the reply first.
+
+    The default engine (exact) against exact=False and cache="off", in A B C C B A order;
+    the figure is the mean first-token time of turns 2+ (target: exact within 1.2x of
+    exact=False).
+    """
+    n_turns = 5 if quick else 10
+    sys_prompt = system_prompt("Agent", 12)
+    asks = [f"Step {t}: name one file to check next." for t in range(n_turns)]
+    variants = {"exact": {}, "inexact": {"exact": False}, "off": None}
+    runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
+    for name in [*variants, *reversed(variants)]:
+        kw = variants[name]
+        runner = NbkvRunner(path, "off" if kw is None else "imc", 1, 4096, settle=False,
+                            max_tokens=32, **(kw or {}))
+        msgs = [{"role": "system", "content": sys_prompt}]
+        log = []
+        for a in asks:
+            msgs.append({"role": "user", "content": a})
+            r = runner.turn(msgs, "agent")
+            msgs.append({"role": "assistant", "content": r["text"]})
+            log.append(r)
+        runner.close()
+        runs[name].append(log)
+    ttft = {v: mean([r["ttft"] for log in logs for r in log[1:]]) for v, logs in runs.items()}
+    absorbed = mean([r["rewrite_absorbed"] for log in runs["exact"] for r in log[1:]])
+    replies = {v: [r["text"] for r in logs[0]] for v, logs in runs.items()}
+    return {"turns": n_turns, "mean_ttft_s_turns_2_on": ttft,
+            "exact_mean_rewrite_absorbed_tokens": absorbed,
+            "replies_identical_exact_off": replies["exact"] == replies["off"],
+            "ratios": {"exact_over_inexact_ttft": ttft["exact"] / ttft["inexact"],
+                       "off_over_exact_ttft": ttft["off"] / ttft["exact"],
+                       "off_over_inexact_ttft": ttft["off"] / ttft["inexact"]}}
+
+
 SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "single": scenario_single,
     "interleaved": scenario_interleaved,
@@ -1304,6 +1392,8 @@ SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "restore": scenario_restore,
     "kv-types": scenario_kv_types,
     "remote": scenario_remote,
+    "quants": scenario_quants,
+    "back-to-back": scenario_back_to_back,
 }
 
 TARGETS = [
@@ -1324,6 +1414,12 @@ TARGETS = [
     ("restore", "rebuild_over_restored_ttft", ">=", 10.0),
     ("remote", "pinned_over_kernel_ttft_4_slots", "<=", 1.3),
     ("remote", "pinned_over_kernel_reused_4_slots", ">=", 1.0),
+    ("back-to-back", "exact_over_inexact_ttft", "<=", 1.2),
+    *(("quants", f"{q}_{k}_vs_Q4_1", "<=", 1.05)
+      for q in QUANTS for k in ("imc_prefilled_over_minimum", "imc_over_limit_ttft")),
+    *(("quants", f"{q}_{k}_vs_Q4_1", ">=", 0.95) for q in QUANTS
+      for k in ("single_imc_vs_llama_cpp_ttft", "interleaved_imc_vs_llama_cpp_ttft",
+                "exact_over_llama_decode")),
     # prefill over the minimum, mean over turns 2+: hybrid/recurrent models go back to a
     # checkpoint, plain/SWA ones cut anywhere. The minimum as such (new message + glue), and
     # what a cache could reuse at all (replies of the random-weight models often re-tokenize

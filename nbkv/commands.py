@@ -155,6 +155,21 @@ def explain(ws: Workspace, args: Any) -> Any:
     return disp.ExplainReport(ws.engine().explain(request))
 
 
+def verify(ws: Workspace, args: Any) -> Any:
+    """Recompute the slots (or request N's slot) from scratch: is the cached KV exact."""
+    engine = ws.engine()
+    if not hasattr(engine, "verify"):
+        raise InvalidRequestError("%kvcache verify needs the in-kernel engine: a server's "
+                                  "KV cannot be read back")
+    request = _number(args.target, "verify: give a request number")
+    results = engine.verify(request=request)
+    if not results:
+        return disp.Message("nothing to verify: every slot is empty")
+    return disp.Table("verify: cached KV against a from-scratch decode", ("", ""),
+                      tuple((f"slot {v.slot}", str(v).split(": ", 1)[1]) for v in results),
+                      note=engine.model.exactness)
+
+
 def clear(ws: Workspace, args: Any) -> Any:
     """Empty one slot, or every slot and the system prompt cache."""
     engine = ws.engine()
@@ -214,6 +229,7 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "stats": (stats, frozenset(), False),
     "history": (history, frozenset({"last"}), False),
     "explain": (explain, frozenset(), True),
+    "verify": (verify, frozenset(), True),
     "clear": (clear, frozenset({"all"}), True),
     "widget": (widget, frozenset(), False),
     "unload": (unload, frozenset(), False),

@@ -374,6 +374,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
         *((("vision", f"{engine.projector.info.projector_type} projector · "
                       f"{engine.projector.path.name}"),) if engine.projector else ()),
         ("memory", engine.memory.describe()),
+        ("exact", _exactness(engine)),
         *hardware_rows(engine),
         ("slots", f"{engine.n_slots} x {engine.n_ctx} tokens"),
         ("cache", f"{engine.cache} (min {engine.cache_min_tokens} tokens)"),
@@ -388,6 +389,14 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
         *persist_rows(engine),
     )
     return Table("nbkv engine", ("", ""), rows, note=s.get("advice") or "")
+
+
+def _exactness(engine: Any) -> str:
+    """The status row on exactness: the calibrated grouping, or why nothing is claimed."""
+    text = engine.model.exactness.removeprefix("exact: ")
+    if not engine.exact:
+        return f"off (exact=False: replies are not rewritten); calibration: {text}"
+    return text
 
 
 def persist_rows(engine: Any) -> tuple[tuple[str, str], ...]:

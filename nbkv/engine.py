@@ -18,15 +18,17 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import memplan, policy, reasons
-from .backend import Batch, Context, Model
-from .batching import Prefilling, chunk_length, plan_step
+import numpy as np
+
+from . import calibrate, invariance, memplan, policy, reasons
+from .backend import Batch, Context, Model, default_threads
+from .batching import Prefilling, plan_step
 from .chat_api import ChatAPI, TemplatedAPI, request_totals
 from .config import DEFAULTS, EngineConfig
 from .drafts import NgramDrafter
@@ -50,14 +52,11 @@ from .events import (
 )
 from .gguf_header import read_metadata
 from .hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, devices, kv_type_id
-from .media import (
-    EmbeddingCache,
-    MediaUnit,
-    snap_to_media_boundary,
-    spans,
-)
+from .invariance import PrefillRule
+from .media import EmbeddingCache, MediaUnit, spans
 from .messages import prefix_hashes
 from .models import resolve_model_path
+from .oracle import Verification, scratch_logits, scratch_rows
 from .prompt import Prompt, PromptBuilder
 from .sampling import Sampler, SamplingParams
 from .slot_kv import SlotKV, probe_memory
@@ -71,6 +70,7 @@ log = logging.getLogger("nbkv")
 CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
 REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
 REWRITE_CHUNK = 64  # positions per idle-time rewrite step: what a new request may wait for
+IMAGES_KEPT = 16  # pictures of recent prompts kept for verify()
 
 
 def thrashing(history: Sequence[RequestRecord], n_slots: int, window: int = 24
@@ -102,6 +102,25 @@ def thrashing(history: Sequence[RequestRecord], n_slots: int, window: int = 24
             f"load the engine with at least {active} slots"
         ) if flagged else "",
     }
+
+
+def trim_valid(kv: SlotKV, units: Sequence[Any], n: int, rule: PrefillRule) -> int:
+    """Cut ``kv`` back to where a canonical prefill of ``units`` may begin; returns it.
+
+    ``kv`` holds a prefix of ``units``; the cut is the largest position ``<= n`` that is a
+    valid start (:func:`nbkv.invariance.valid_start`) and that its memory can go back to.
+    Memory that cannot be cut goes back to a checkpoint, which must itself be such a
+    position in *this* prompt, else further back.
+    """
+    restored = None
+    while True:
+        n = invariance.valid_start(units, n, rule)
+        kept = kv.trim_to(n)
+        restored = kv.last_restore if kv.last_restore is not None else restored
+        if kept == n:
+            kv.last_restore = restored  # the checkpoint this cut went back to, if any
+            return kept
+        n = kept
 
 
 @dataclass(frozen=True)
@@ -288,6 +307,11 @@ class Engine(TemplatedAPI, ChatAPI):
         embedding_cache: where image embeddings are kept by content hash (share one between
             engines if you like); default a private 256 MiB LRU.
         trust_projector: accept projector types nbkv cannot validate ahead of time.
+        calibration: ``"cached"`` (default) or ``"fresh"``: at load, nbkv measures how this
+            model and build must group prompt rows for cached KV to equal a fresh prefill
+            (:mod:`nbkv.calibrate`, about a second; cached per model, build and settings)
+            and prefills that way; ``"fresh"`` measures again. The result is
+            ``engine.prefill_rule`` (``engine.model.exactness`` in words).
     """
 
     last_save: Any = None  # the latest nbkv.persist.SaveReport
@@ -326,6 +350,7 @@ class Engine(TemplatedAPI, ChatAPI):
         use_mmap: bool = True,
         use_mlock: bool = False,
         check_memory: bool = True,
+        calibration: str = "cached",
     ) -> None:
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
@@ -334,6 +359,9 @@ class Engine(TemplatedAPI, ChatAPI):
             )
         if system_prompt_cache:
             cache = "spc"
+        if calibration not in ("cached", "fresh"):
+            raise InvalidRequestError(
+                f"calibration must be 'cached' or 'fresh', not {calibration!r}")
         # validated now; a size left to the memory plan (None) is filled in after the load
         self.config = EngineConfig(DEFAULTS.n_slots if n_slots is None else n_slots,
                                    DEFAULTS.n_ctx if n_ctx is None else n_ctx, cache,
@@ -400,6 +428,14 @@ class Engine(TemplatedAPI, ChatAPI):
             self.ctx.close()
             self.model.close()
             raise
+        try:
+            self.prefill_rule = self._calibrate(calibration, n_threads, type_k, type_v)
+        except BaseException:
+            self._batch.close()
+            self.ctx.close()
+            self.model.close()
+            raise
+        self.model.prefill_rule = self.prefill_rule
         self.speculative = speculative and self.memory.can_trim
         if speculative and not self.speculative:
             log.info("speculative guesses are off: %s memory cannot drop a wrong guess",
@@ -422,6 +458,8 @@ class Engine(TemplatedAPI, ChatAPI):
         self._slots = [_Slot(i, SlotKV(self.ctx, i, self.memory, max_checkpoints), self.n_ctx)
                        for i in range(n_slots)]
         self._spc = SystemPromptStore(spc_max_entries)
+        #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
+        self._images: OrderedDict[str, Any] = OrderedDict()
         self._whereabouts: dict[str, reasons.Whereabouts] = {}  # per session: for reasons
         self._compared: OrderedDict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = (
             OrderedDict())  # request id -> (cached units, prompt units), for explain()
@@ -444,6 +482,29 @@ class Engine(TemplatedAPI, ChatAPI):
             "nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
             self.model.description, self.memory.kind, n_slots, self.n_ctx, cache,
         )
+
+    def _calibrate(self, mode: str, n_threads: int | None, type_k: str, type_v: str
+                   ) -> PrefillRule:
+        """The model's prefill rule (:mod:`nbkv.calibrate`), checked against ``n_batch``."""
+        settings = {"n_threads": n_threads or default_threads(),
+                    "flash_attn": FLASH_ATTN[self.flash_attn],
+                    "type_k": kv_type_id(type_k), "type_v": kv_type_id(type_v)}
+        self._context_settings = settings
+        rule = calibrate.calibrate(self.model, n_seq=self.config.n_slots,
+                                   can_trim=self.memory.can_trim, settings=settings,
+                                   cache=mode == "cached")
+        # next_chunk can then always leave the last chunk threshold rows
+        need = max(2 * rule.threshold + rule.align - 2, rule.min_chunk)
+        if rule.exact and self._batch.capacity < need:
+            rule = replace(rule, exact=False, reason=(
+                f"n_batch {self._batch.capacity} is too small: this model needs prompt chunks "
+                f"of {rule.min_chunk}+ rows, so n_batch >= {need}"))
+        if not rule.exact:
+            msg = (f"nbkv cannot prove cached replies exact on {self.model.path.name}: "
+                   f"{rule.reason}; it serves from cache anyway and marks records exact=False")
+            log.warning("%s", msg)
+            warnings.warn(msg, stacklevel=3)
+        return rule
 
     # ------------------------------------------------------------------ public API
 
@@ -510,30 +571,183 @@ class Engine(TemplatedAPI, ChatAPI):
     def probe(self, slot: int, token: int) -> list[float]:
         """Logits the model gives ``token`` appended to ``slot``'s cached tokens (KV unchanged).
 
-        A check of cache integrity: they must equal the logits of the slot's recorded
-        tokens plus ``token`` decoded from scratch.
+        Computed as a request extending the slot would: its settled KV is kept, the rest and
+        the probe (twice: never a lone row) are prefilled canonically, then the slot is put
+        back as it was. They must equal a from-scratch decode of the slot's tokens plus the
+        probe (:func:`nbkv.oracle.scratch_logits`); :meth:`verify` compares them.
         """
+        self._slot_index(slot)
+
         def do() -> list[float]:
-            s = self._slots[slot]
-            if s.pending:
-                raise NbkvError(f"slot {slot} is serving a request")
-            while s.redo or (self.exact and s.kv.unsettled):  # the KV as it will be served
-                self._settle(s)
-            kv = s.kv
-            n = len(kv)
-            if n + 2 > s.capacity:
+            s = self._ready_slot(slot)
+            units = [*s.kv.tokens, token, token]
+            if len(units) > s.capacity:
                 raise NbkvError(f"slot {slot} is full")
-            kv.checkpoint()  # a recurrent state can only go back to a checkpoint
-            b = self._batch
-            b.clear()
-            b.add(token, n, s.seq_id, True)
-            b.add(token, n + 1, s.seq_id, False)  # two rows: the batched kernels' rounding
-            try:
-                self.ctx.decode(b)
-                return list(self.ctx.logits(0))
-            finally:
-                kv.resync()
+            return list(self._extension_logits(s, units, len(s.kv)))
         return self._call(do)
+
+    def verify(self, slot: int | None = None, *, request: int | None = None,
+               probe: int = 42) -> list[Verification]:
+        """Recompute slots from scratch and compare: is the cached KV bit-identical.
+
+        ``slot``: one slot (default: every slot that holds something); ``request``: the slot
+        that served request N, if it still holds it. Each slot's probe logits (:meth:`probe`)
+        are compared with a from-scratch decode of its tokens in a temporary context; where
+        they differ, the first differing position is narrowed down (memory that can be cut).
+        Pending reply rewrites run first: what is checked is the KV as it will be served.
+        """
+        if request is not None:
+            rec = next((r for r in self.history if r.id == request), None)
+            if rec is None:
+                raise InvalidRequestError(f"no request #{request} in the history")
+            owner = self._slots[rec.slot]
+            if owner.last_request != request:
+                raise InvalidRequestError(
+                    f"slot {rec.slot} no longer holds request #{request}'s conversation")
+            slot = rec.slot
+        targets = [self._slot_index(slot)] if slot is not None else [
+            s.index for s in self.slots() if not s.empty]
+        return [self._verify(i, probe) for i in targets]
+
+    def _slot_index(self, slot: Any) -> int:
+        """``slot`` if it names a slot, else :class:`InvalidRequestError`."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not (
+                0 <= slot < len(self._slots)):
+            raise InvalidRequestError(f"no slot {slot!r}: slots are 0..{len(self._slots) - 1}")
+        return slot
+
+    def _ready_slot(self, index: int) -> _Slot:
+        """Slot ``index`` with its pending rewrite done (scheduler thread).
+
+        Its KV is then what a request would be served.
+        """
+        s = self._slots[index]
+        if s.pending:
+            raise NbkvError(f"slot {index} is serving a request")
+        while s.redo or (self.exact and s.kv.needs_rewrite):
+            self._settle(s)
+        return s
+
+    def _extension_logits(self, s: _Slot, units: Sequence[Any], row: int) -> np.ndarray:
+        """The logits of ``units[row]`` prefilled over ``s``'s KV, as a request would.
+
+        ``units`` are prefilled canonically on top of what ``s`` holds of them (its settled
+        KV, or all of it without exact mode); then ``s`` holds its tokens again: memory that
+        can be cut is cut and its tail prefilled again (canonically), other memory gets its
+        whole state back (scheduler thread).
+        """
+        kv, rule = s.kv, self.prefill_rule
+        tokens = list(kv.tokens)
+        snap = kv.snapshot() if kv.memory.checkpoints else None
+        out = None
+        try:
+            pos = trim_valid(kv, units, min(self._servable(kv), row), rule)
+            for lo, hi in self._prefill_run(units, pos, kv.seq_id, row):
+                if lo <= row < hi:
+                    out = np.array(self.ctx.logits(row - lo))
+        finally:
+            if snap is not None:
+                kv.put_back(snap)
+            else:  # a state copy would keep only the window of sliding-window layers
+                kv.resync()
+                for lo, hi in self._prefill_run(tokens, len(kv), kv.seq_id, None):
+                    kv.extend(tokens[lo:hi], settled=invariance.stable_end(tokens, hi, rule))
+        assert out is not None
+        return out
+
+    def _prefill_run(self, units: Sequence[Any], pos: int, seq: int, row: int | None
+                     ) -> Iterator[tuple[int, int]]:
+        """Prefill ``units[pos:]`` (text) into ``seq`` in canonical chunks.
+
+        Yields each decoded chunk's ``(from, to)``; ``row`` is the one position whose logits
+        are computed.
+        """
+        b = self._batch
+        while pos < len(units):
+            if not isinstance(units[pos], int):
+                raise NbkvError("an image after a slot's settled KV cannot be re-read here")
+            n = invariance.next_chunk(units, pos, self.prefill_rule, b.capacity)
+            b.clear()
+            for k in range(pos, pos + n):
+                b.add(units[k], k, seq, k == row)
+            self.ctx.decode(b)
+            yield pos, pos + n
+            pos += n
+
+    def _servable(self, kv: SlotKV) -> int:
+        """Leading positions of ``kv`` a request may keep: its settled KV in exact mode."""
+        return kv.settled if self.exact else len(kv)
+
+    def _scratch(self, units: Sequence[Any]) -> dict[str, Any]:
+        """Keywords for :func:`nbkv.oracle.scratch_rows` matching this engine.
+
+        Its grouping, batch, context settings and, for images, projector and pictures.
+        """
+        kw: dict[str, Any] = {"rule": self.prefill_rule, "n_batch": self._batch.capacity,
+                              **self._context_settings}
+        hashes = {u.key.image_hash for u in units if isinstance(u, MediaUnit)}
+        if hashes:
+            missing = hashes - self._images.keys()
+            if missing:
+                raise NbkvError("cannot verify: the slot holds an image this engine no "
+                                "longer keeps")
+            kw.update(projector=self.projector, images=dict(self._images))
+        return kw
+
+    def _verify(self, index: int, probe: int) -> Verification:
+        def take() -> tuple[list[Any], str | None, int, np.ndarray]:
+            s = self._ready_slot(index)
+            units = [*s.kv.tokens, probe, probe]
+            if len(units) > s.capacity:
+                raise NbkvError(f"slot {index} is full")
+            return (list(s.kv.tokens), s.session, self._servable(s.kv),
+                    self._extension_logits(s, units, len(s.kv)))
+        tokens, session, servable, cached = self._call(take)
+        fresh = scratch_logits(self.model, tokens, probe, **self._scratch(tokens))
+        same = bool(np.array_equal(cached, fresh))
+        first = None
+        if not same and self.memory.can_trim:
+            first = self._first_difference(index, tokens, servable)
+        return Verification(index, session, len(tokens), same,
+                            float(np.abs(cached - fresh).max()), first,
+                            self.exact and self.prefill_rule.exact)
+
+    def _first_difference(self, index: int, tokens: list[Any], servable: int
+                          ) -> tuple[int, int] | None:
+        """Narrow down where ``index``'s KV first differs from a fresh decode.
+
+        Rows ending on the grid are recomputed over the cached KV before them and compared
+        with a fresh run (bisection; the slot must not change meanwhile).
+        """
+        rule = self.prefill_rule
+        step = max(16 // rule.align, 1) * rule.align
+        ends = sorted({g for g in (invariance.valid_start(tokens, x, rule)
+                                   for x in range(step, servable + 1, step))
+                       if g >= rule.min_chunk and invariance.stable_end(tokens, g, rule) == g
+                       and isinstance(tokens[g - 1], int)})
+        if not ends:
+            return (0, len(tokens))
+        fresh = scratch_rows(self.model, tokens, [g - 1 for g in ends], **self._scratch(tokens))
+
+        def kept_equal(g: int) -> tuple[bool, int]:
+            def run() -> tuple[bool, int]:
+                s = self._slots[index]
+                if s.pending or s.kv.tokens[:g] != tokens[:g]:
+                    raise NbkvError("the slot changed during verification")
+                v = invariance.valid_start(tokens[:g], min(self._servable(s.kv), g - 1), rule)
+                return bool(np.array_equal(self._extension_logits(s, tokens[:g], g - 1),
+                                           fresh[g - 1])), v
+            return self._call(run)
+
+        lo_i, hi_i, lo_pos, hi_pos = -1, len(ends), 0, len(tokens)
+        while hi_i - lo_i > 1:
+            mid = (lo_i + hi_i) // 2
+            ok, v = kept_equal(ends[mid])
+            if ok:
+                lo_i, lo_pos = mid, v
+            else:
+                hi_i, hi_pos = mid, v
+        return (lo_pos, hi_pos)
 
     def explain(self, request: int | None = None) -> reasons.Explanation:
         """The full story of request ``request`` (default: the latest).
@@ -638,7 +852,13 @@ class Engine(TemplatedAPI, ChatAPI):
                  ) -> Prompt:
         if self._closed:
             raise EngineClosedError("this engine is closed")
-        return self._prompts.prepare(messages, overflow, max_tokens)
+        prompt = self._prompts.prepare(messages, overflow, max_tokens)
+        for im in prompt.media.images if prompt.media is not None else ():
+            self._images[im.hash] = im
+            self._images.move_to_end(im.hash)
+            while len(self._images) > IMAGES_KEPT:
+                self._images.popitem(last=False)
+        return prompt
 
     def _submit(self, job: _Job) -> None:
         with self._cv:
@@ -741,8 +961,7 @@ class Engine(TemplatedAPI, ChatAPI):
             if plan is None:
                 return False
             slot, strategy = self._slots[plan.slot], plan.strategy
-            # the last prompt chunk has two positions at least: a lone one rounds differently
-            reuse = snap_to_media_boundary(p.tokens, min(plan.reuse, len(p.tokens) - 2))
+            reuse = plan.reuse
             donor = plan.donor
             evicted, evicted_tokens = plan.evicted, plan.evicted_tokens
             matched = plan.matched_messages
@@ -760,10 +979,14 @@ class Engine(TemplatedAPI, ChatAPI):
         prev_len = len(source) + len(source_slot.redo)
         prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends and donor is None else prev_len
         wanted = reuse  # ... if every cached position were servable as it is
+        absorbed = 0
         if self.exact:  # a reply decoded token by token is not servable before its rewrite
+            absorbed = max(min(wanted, prev_len) - source.exact_len, 0)
             reuse = min(reuse, source.settled)
-        absorbed = max(min(wanted, prev_len) - reuse, 0)
-        target = reuse
+        # where a canonical prefill of this prompt may begin (nbkv.invariance)
+        reuse = invariance.valid_start(p.tokens, min(reuse, len(p.tokens) - 1),
+                                       self.prefill_rule)
+        target = reuse  # ... on memory that can be cut anywhere
         kv.last_restore = None
         with self._cv:
             slot.pending = True
@@ -783,7 +1006,7 @@ class Engine(TemplatedAPI, ChatAPI):
             if self.cache == "imc" and trimmed > 0:
                 log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",
                           slot.index, len(kv), reuse)
-                reuse = kv.trim_to(reuse)
+            reuse = trim_valid(kv, p.tokens, reuse, self.prefill_rule)
         except BaseException:
             kv.resync()
             with self._cv:
@@ -804,12 +1027,13 @@ class Engine(TemplatedAPI, ChatAPI):
         job.reuse = reuse
         job.todo = list(p.tokens[reuse:])
         if self.memory.checkpoints:
-            # checkpoints at message boundaries, the prompt's end, and every
-            # CHECKPOINT_INTERVAL positions (what a template drift inside a long message
-            # can still salvage)
-            every = range(CHECKPOINT_INTERVAL, len(p.tokens), CHECKPOINT_INTERVAL)
-            job.stops = tuple(sorted({e for e in (*p.ends, *every, len(p.tokens))
-                                      if e > reuse}))
+            # checkpoints at message boundaries, a few positions before the prompt's end, the
+            # end, and every CHECKPOINT_INTERVAL positions (what a template drift inside a
+            # long message can still salvage); each where a canonical chunk can end
+            n = len(p.tokens)
+            every = range(CHECKPOINT_INTERVAL, n, CHECKPOINT_INTERVAL)
+            job.stops = tuple(e for e in invariance.checkpoint_stops(
+                p.tokens, (*p.ends, *every, n - REPLY_TAIL, n), self.prefill_rule) if e > reuse)
         why = self._reason(job, own, reuse, target, donor)
         if evicted is not None and evicted != job.session:
             self._whereabouts[evicted] = reasons.Whereabouts(
@@ -835,8 +1059,8 @@ class Engine(TemplatedAPI, ChatAPI):
             media_reused=sum(1 for u in p.tokens[:reuse]
                              if isinstance(u, MediaUnit) and u.offset == 0),
             checkpoint_pos=restored,
-            reprefilled_tokens=max(target - reuse, 0) if self.cache == "imc" else 0,
-            rewrite_absorbed=absorbed,
+            reprefilled_tokens=max(wanted - reuse - absorbed, 0) if self.cache == "imc" else 0,
+            rewrite_absorbed=absorbed, exact=self.exact and self.prefill_rule.exact,
             reason=why.code, reason_text=why.text, divergence=why.divergence,
         )
         if reply_cached and reply_reused < reply_cached:
@@ -882,7 +1106,10 @@ class Engine(TemplatedAPI, ChatAPI):
         key = p.hashes[0]
         entry = self._spc.get(key, p.tokens)
         if entry is None:
-            job.capture_at, job.spc_key = p.ends[0], key
+            # saved where a canonical chunk ends at or before the system prompt's end
+            at = invariance.valid_start(p.tokens, p.ends[0], self.prefill_rule)
+            if at >= max(self.cache_min_tokens, self.prefill_rule.min_chunk):
+                job.capture_at, job.spc_key = at, key
             return 0
         slot.kv.load_state(entry.state, entry.tokens)
         return len(slot.kv)
@@ -911,17 +1138,13 @@ class Engine(TemplatedAPI, ChatAPI):
         for j in self._active:
             if not j.todo:
                 continue
-            pos = len(j.slot.kv)
-            # only the first hard stop can end this chunk
-            image = next((i for i, u in enumerate(j.todo) if isinstance(u, MediaUnit)), None)
-            hard = [] if image is None else [image]
-            if j.capture_at is not None:
-                hard.append(j.capture_at - pos)
-            prefilling.append(Prefilling(
-                j.id, len(j.todo), j.encoding is None or j.encoding.done(),
-                isinstance(j.todo[0], MediaUnit), tuple(hard),
-                tuple(e - pos for e in j.stops if e > pos)))
-        plan = plan_step(prefilling, len(generating), self._batch.capacity)
+            image = isinstance(j.todo[0], MediaUnit)
+            stops = j.stops if j.capture_at is None else (*j.stops, j.capture_at)
+            take = 0 if image else invariance.next_chunk(
+                j.prompt.tokens, len(j.slot.kv), self.prefill_rule, self._batch.capacity, stops)
+            prefilling.append(Prefilling(j.id, len(j.todo), j.encoding is None or
+                                         j.encoding.done(), image, take))
+        plan = plan_step(prefilling, len(generating))
         if plan.prefill is not None:
             job = by_id[plan.prefill]
             if not job.t_prefill:
@@ -992,7 +1215,7 @@ class Engine(TemplatedAPI, ChatAPI):
             job.image_piece = piece + 1
             return True
         job.image_piece = 0
-        slot.kv.extend(job.todo[:n])
+        slot.kv.extend(job.todo[:n], settled=len(slot.kv) + n)
         del job.todo[:n]
         slot.kv.checkpoint()  # a follow-up question never re-decodes the image
         self._progress(job)
@@ -1011,13 +1234,16 @@ class Engine(TemplatedAPI, ChatAPI):
         except BaseException as e:  # noqa: BLE001
             self._fail(job, e, "error")
             return
-        kv.extend(toks)  # only now are these positions really in the KV
+        end = len(kv) + take  # only now are these positions really in the KV
+        kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, self.prefill_rule))
         del job.todo[:take]
         try:
-            if len(kv) in job.stops:
+            if end in job.stops and kv.settled == end:
                 kv.checkpoint()
-            if job.capture_at is not None and len(kv) >= job.capture_at:
-                self._spc_capture(job)
+            if job.capture_at is not None and end >= job.capture_at:
+                if end == job.capture_at and kv.settled == end:
+                    self._spc_capture(job)
+                job.capture_at = None
             if done:
                 self._on_logits(job, last)
             else:
@@ -1036,6 +1262,13 @@ class Engine(TemplatedAPI, ChatAPI):
         if not jobs:
             return
         jobs.sort(key=lambda j: j.slot.seq_id)  # one micro-batch (see nbkv.batching)
+        # more rows than the calibration proved would take another kernel: split the step
+        size = self.prefill_rule.gen_rows // (2 if self.speculative else 1) or len(jobs)
+        for i in range(0, len(jobs), max(size, 1)):
+            self._generate_rows(jobs[i:i + max(size, 1)])
+
+    def _generate_rows(self, jobs: list[_Job]) -> None:
+        """One generation decode for ``jobs`` (see :meth:`_generate`)."""
         batch = self._batch
         batch.clear()
         plan = []
@@ -1055,8 +1288,10 @@ class Engine(TemplatedAPI, ChatAPI):
             for job, *_ in plan:
                 self._fail(job, e, "error")
             return
+        single = self.prefill_rule.single_row  # then a one-row decode is a canonical row
         for job, tok, *_ in plan:
-            job.slot.kv.extend([tok], settled=False)
+            kv = job.slot.kv
+            kv.extend([tok], exact=single, settled=len(kv) + 1 if single else None)
         for job, _, idx, guess, extra in plan:
             kv = job.slot.kv
             try:
@@ -1066,7 +1301,7 @@ class Engine(TemplatedAPI, ChatAPI):
                 if guess is not None and not job.done.is_set() and job.next_token == guess:
                     job.accepted += 1
                     job.next_token = None
-                    kv.extend([guess], settled=False)
+                    kv.extend([guess], exact=False)
                     self._on_logits(job, extra)
                 elif guess is not None and not job.done.is_set():
                     kv.resync()  # drop the wrong guess's position
@@ -1083,38 +1318,38 @@ class Engine(TemplatedAPI, ChatAPI):
         if not self.exact or self.cache != "imc":
             return None
         for s in self._slots:
-            if not s.pending and (s.redo or s.kv.unsettled):
+            if not s.pending and (s.redo or s.kv.needs_rewrite):
                 return s
         return None
 
     def _settle(self, slot: _Slot) -> None:
-        """Rewrite one chunk of ``slot``'s token-by-token KV as a batched prefill.
+        """Rewrite one chunk of ``slot``'s token-by-token KV as a canonical prefill.
 
         Called when the scheduler has nothing else to do, so it never delays a token. The
-        first call trims the slot back to its settled prefix (a checkpoint on hybrid and
-        recurrent models); each call then prefills one chunk of what was trimmed.
+        first call trims the slot back to where a canonical prefill may begin at or before
+        its settled prefix (a checkpoint on hybrid and recurrent models); each call then
+        prefills one chunk of what was trimmed.
         """
         kv = slot.kv
+        rule = self.prefill_rule
         t0 = time.perf_counter()
         if not slot.redo:
             tokens = list(kv.tokens)
-            start = kv.settled
-            if len(tokens) - start < 2:  # never a lone token: take one settled position too
-                start = max(start - 1, 0)
             with self._cv:  # slots() sees the tokens and the KV change together
-                kept = kv.trim_to(start)
+                kept = trim_valid(kv, tokens, kv.settled, rule)
                 slot.redo = tokens[kept:]
                 if not all(isinstance(t, int) for t in slot.redo):
                     slot.redo = []  # back before an image: the next request rebuilds it
                     return
             slot.rewrite_s = 0.0
             slot.rewrite_n = len(slot.redo)
-        # on checkpointed memory, one more checkpoint a few positions before the reply's end:
-        # a reply whose last word re-tokenizes differently next turn still reuses the rest
-        near_end = len(slot.redo) - REPLY_TAIL if kv.memory.checkpoints else 0
-        # capped at n_batch inside chunk_length: capping after it could leave a lone last token
-        take = chunk_length(len(slot.redo), min(REWRITE_CHUNK, self.ctx.n_batch), (),
-                            (near_end,) if near_end > 0 else ())
+        units = kv.tokens + slot.redo
+        # on checkpointed memory, checkpoints near the reply's end: a reply whose last word
+        # re-tokenizes differently next turn still reuses the rest
+        stops = (invariance.checkpoint_stops(units, (len(units) - REPLY_TAIL, len(units)), rule)
+                 if kv.memory.checkpoints else ())
+        take = invariance.next_chunk(units, len(kv), rule,
+                                     min(REWRITE_CHUNK, self._batch.capacity), stops)
         toks = slot.redo[:take]
         batch = self._batch
         batch.clear()
@@ -1126,10 +1361,12 @@ class Engine(TemplatedAPI, ChatAPI):
             slot.redo.clear()
             kv.resync()
             return
+        end = len(kv) + take
         with self._cv:
-            kv.extend(toks)
+            kv.extend(toks, settled=invariance.stable_end(units, end, rule))
             del slot.redo[:take]
-        kv.checkpoint()  # at the end: the next turn reuses the whole conversation
+        if end in stops and kv.settled == end:
+            kv.checkpoint()
         slot.rewrite_s += time.perf_counter() - t0
         if not slot.redo:
             self.events.publish(SlotRewritten(slot.index, slot.last_request, slot.rewrite_n,

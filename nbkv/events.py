@@ -80,6 +80,9 @@ class RequestRecord:
     checkpoint_pos: int | None = None  # the checkpoint restored (hybrid/recurrent models)
     reprefilled_tokens: int = 0  # matched positions re-prefilled: the KV could not be cut there
     rewrite_absorbed: int = 0  # previous reply positions re-prefilled before their rewrite ran
+    #: the reply is proven bit-identical to a from-scratch one (exact mode, and a prefill
+    #: grouping calibrated as batch-invariant on this model and build)
+    exact: bool = True
     capacity: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -148,7 +151,9 @@ class RequestRecord:
                         "the picture's embeddings were cached: no encoder run"))
         if r.reprefilled_tokens and r.reason != "checkpoint":
             out.append((f"re-read {r.reprefilled_tokens}",
-                        "matched tokens read again: this model's memory cannot be cut there"))
+                        "matched tokens read again: prompt tokens are read in groups that "
+                        "give the same numbers as a fresh start, or the memory cannot be cut "
+                        "exactly there"))
         out.append((f"first token {r.ttft_s * 1000:.0f} ms",
                     "time from the request to the first reply token"))
         if r.generated_tokens > 1:
@@ -158,6 +163,10 @@ class RequestRecord:
                         "speculative guesses of the next token that proved right"))
         if not r.verified:
             out.append(("not verified", r.note or "the server's figures differ from nbkv's"))
+        if not r.exact:
+            out.append(("not proven exact", "nbkv could not prove on this model and build that "
+                        "a reply from cache equals one computed from scratch "
+                        "(%kvcache status says why)"))
         ending = {"length": "stopped at the token limit", "cancelled": "interrupted",
                   "error": "failed"}.get(r.finish_reason)
         if ending:

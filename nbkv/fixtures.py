@@ -469,8 +469,13 @@ class TextModelSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def text_model_spec(family: str, seed: int = 0, vision: str | None = None) -> TextModelSpec:
-    """The shape :func:`make_text_model` uses for a family (64 wide, 4 layers, 2x32 heads)."""
+def text_model_spec(family: str, seed: int = 0, vision: str | None = None, width: int = 64
+                    ) -> TextModelSpec:
+    """The shape :func:`make_text_model` uses for a family (4 layers, 32-wide heads).
+
+    ``width`` 64 (default: 2 heads) or 256 (8 heads, every matrix 256 or 512 columns wide:
+    what K-quants need, see :func:`quantized`).
+    """
     families = TEXT_FAMILIES + VISION_TEXT_FAMILIES
     if family not in families:
         raise ValueError(f"family must be one of {families}, not {family!r}")
@@ -478,12 +483,14 @@ def text_model_spec(family: str, seed: int = 0, vision: str | None = None) -> Te
         raise ValueError(f"vision must be one of {tuple(VISION_TOKENS)}, not {vision!r}")
     src = _tokenizer_source()
     extra = VISION_TOKENS[vision] if vision else ()
+    if width not in (64, 256):
+        raise ValueError(f"width must be 64 or 256, not {width!r}")
     common = dict(family=family, seed=seed, tokenizer=f"{src.name}:{src.stat().st_size}",
-                  n_vocab=49152 + len(extra), n_embd=64, n_layer=4)
+                  n_vocab=49152 + len(extra), n_embd=width, n_layer=4)
     if extra:
         common["extra_tokens"] = extra
-    attn = dict(n_head=2, head_dim=32, n_ff=128)
-    ssm = dict(d_inner=128, d_state=16, n_ssm_head=4, n_group=1, d_conv=4)
+    attn = dict(n_head=width // 32, head_dim=32, n_ff=2 * width)
+    ssm = dict(d_inner=2 * width, d_state=16, n_ssm_head=4, n_group=1, d_conv=4)
     if family == "gemma3":  # layers 0-2 slide over 8 tokens, layer 3 sees everything
         return TextModelSpec(**common, **attn, n_head_kv=(1,) * 4, n_swa=8, swa_pattern=4)
     if family == "lfm2":  # conv, attention, conv, attention
@@ -507,7 +514,7 @@ def _tokenizer_source() -> Path:
 
 
 def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
-                    vision: str | None = None) -> Path:
+                    vision: str | None = None, width: int = 64) -> Path:
     """Return the path of a tiny random-weight GGUF text model of ``family``, writing it if needed.
 
     ``family`` is one of :data:`TEXT_FAMILIES`: ``"gemma3"`` (sliding-window attention,
@@ -530,11 +537,55 @@ def make_text_model(family: str, *, seed: int = 0, cache_dir: str | os.PathLike 
     ``"qwen3vl"`` (Qwen3 with interleaved M-RoPE and :data:`QWEN3VL_DEEPSTACK` DeepStack
     layers: it takes 192-wide input embeddings).
     """
-    spec = text_model_spec(family, seed, vision)
+    spec = text_model_spec(family, seed, vision, width)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
-    tag = f"-{vision}" if vision else ""
+    tag = (f"-{vision}" if vision else "") + (f"-w{width}" if width != 64 else "")
     target = directory / f"textmodel-{family}{tag}-s{seed}-{spec.digest}.gguf"
     return _cached(target, spec, _write_text_model)
+
+
+#: weight types :func:`quantized` makes, as llama.cpp names them (``LLAMA_FTYPE_MOSTLY_*``)
+QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0", "Q8_0", "Q4_1", "F16")
+
+
+def quantized(source: str | os.PathLike, ftype: str) -> Path:
+    """``source`` re-quantized to ``ftype`` (one of :data:`QUANT_TYPES`), made once and cached.
+
+    What a user downloads is mostly K-quants (Q4_K_M, Q6_K) and IQ-quants; the embedded
+    model is Q4_1. ``llama_model_quantize`` runs on the source's tensors (requantizing
+    already quantized ones); the file is cached by the source's fingerprint, atomically.
+    """
+    import ctypes
+
+    import llama_cpp
+
+    from .backend import check_gguf, init_backend
+    from .gguf_header import gguf_fingerprint
+
+    if ftype not in QUANT_TYPES:
+        raise ValueError(f"ftype must be one of {QUANT_TYPES}, not {ftype!r}")
+    src = check_gguf(source)
+    digest = hashlib.sha256(gguf_fingerprint(src).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{src.stem}-{ftype}-{digest}.gguf"
+    if target.is_file():
+        return target
+    init_backend()  # llama.cpp's log goes to the nbkv.llama logger, not stdout
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.allow_requantize = True
+        params.nthread = os.cpu_count() or 1
+        if llama_cpp.llama_model_quantize(str(src).encode(), tmp.encode(),
+                                          ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama_model_quantize failed on {src} -> {ftype}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def _default_cache_dir() -> Path:

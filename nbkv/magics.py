@@ -62,7 +62,8 @@ class Nbkv(Magics, Settings):
     @argument("target", nargs="?",
               help="load: a GGUF file (default: the embedded SmolLM2-135M); connect: a "
                    "server's URL (llama-server or OpenAI-compatible); clear: a slot; "
-                   "explain: a request number (default: the latest); save, restore: a "
+                   "explain: a request number (default: the latest); verify: a request "
+                   "number (default: every slot); save, restore: a "
                    "directory (default: one per notebook in the user cache)")
     @argument("--mmproj", metavar="F",
               help="load: vision projector GGUF (lets chat cells attach images)")
@@ -91,7 +92,7 @@ class Nbkv(Magics, Settings):
                         [--min-tokens N] [--template F] [--restore] [--gpu-layers N]
                         [--kv-type T] [--flash-attn auto|on|off]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
-          %kvcache [status] | slots | stats | history [-n N] | explain [N]
+          %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
           %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
           %kvcache widget | unload | config
         """

@@ -321,7 +321,8 @@ def _capture(engine: Engine, only_if_idle: bool) -> dict[str, Any]:
             continue
         slots.append({
             "index": s.index, "session": s.session, "tokens": list(s.tokens),
-            "settled": s.kv.settled, "hashes": list(s.hashes), "msg_ends": list(s.msg_ends),
+            "settled": s.kv.settled, "exact_len": s.kv.exact_len,
+            "hashes": list(s.hashes), "msg_ends": list(s.msg_ends),
             "last_used": s.last_used, "segments": s.segments,
             "state": engine.ctx.state_get(s.seq_id),
             "checkpoints": [(c.pos, c.data) for c in s.kv.checkpoints.items],
@@ -370,7 +371,8 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
         media.update(u.key.image_hash for u in s["tokens"] if isinstance(u, MediaUnit))
         slots_json.append({
             "index": s["index"], "session": s["session"], "tokens": encode_units(s["tokens"]),
-            "n_tokens": len(s["tokens"]), "settled": s["settled"], "hashes": s["hashes"],
+            "n_tokens": len(s["tokens"]), "settled": s["settled"],
+            "exact_len": s["exact_len"], "hashes": s["hashes"],
             "msg_ends": s["msg_ends"], "last_used": s["last_used"], "state": state,
             "checkpoints": cps, "segments": [_segment_json(g) for g in s["segments"]],
             "nbytes": nbytes,
@@ -697,7 +699,8 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
             n = len(tokens)
             ends, hashes = [int(e) for e in s["msg_ends"]], [str(h) for h in s["hashes"]]
             settled = int(s["settled"])
-            if n != s["n_tokens"] or n > engine.n_ctx or not 0 <= settled <= n \
+            exact_len = int(s.get("exact_len", n))  # saves before nbkv 0.1 rewrote all
+            if n != s["n_tokens"] or n > engine.n_ctx or not 0 <= settled <= exact_len <= n \
                     or len(ends) != len(hashes) or any(not 0 < e <= n for e in ends):
                 raise RestoreError(f"slot {s['index']}: inconsistent record in the manifest")
             cps = []
@@ -708,7 +711,7 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
                 cps.append((pos, read(c["blob"])))
             plan.slots.append({
                 "saved_index": int(s["index"]), "session": s["session"], "tokens": tokens,
-                "settled": settled, "hashes": hashes, "msg_ends": ends,
+                "settled": settled, "exact_len": exact_len, "hashes": hashes, "msg_ends": ends,
                 "last_used": int(s["last_used"]), "state": state(s["state"]),
                 "checkpoints": cps, "segments": tuple(_segment(g) for g in s["segments"]),
             })
@@ -801,7 +804,7 @@ def _apply(engine: Engine, plan: _Plan) -> list[SlotSave]:
             kv = slot.kv
             engine.ctx.state_set(slot.seq_id, rec["state"])
             kv.tokens = list(rec["tokens"])
-            kv.settled = rec["settled"]
+            kv.settled, kv.exact_len = rec["settled"], rec["exact_len"]
             if not kv.verify():
                 raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
                                    f"{len(kv.tokens)} positions")
@@ -845,10 +848,9 @@ def _placement(slots: list[dict[str, Any]], n: int) -> list[int]:
 def _backup(engine: Engine, s: Any) -> dict[str, Any] | None:
     if not s.tokens:
         return None
-    return {"state": engine.ctx.state_get(s.seq_id), "tokens": list(s.tokens),
-            "settled": s.kv.settled, "checkpoints": s.kv.checkpoints.copy(),
-            "session": s.session, "hashes": list(s.hashes), "msg_ends": list(s.msg_ends),
-            "segments": s.segments, "last_used": s.last_used, "last_request": s.last_request}
+    return {"kv": s.kv.snapshot(), "session": s.session, "hashes": list(s.hashes),
+            "msg_ends": list(s.msg_ends), "segments": s.segments, "last_used": s.last_used,
+            "last_request": s.last_request}
 
 
 def _rollback(engine: Engine, s: Any, b: dict[str, Any] | None) -> None:
@@ -856,15 +858,11 @@ def _rollback(engine: Engine, s: Any, b: dict[str, Any] | None) -> None:
     if b is None:
         return
     try:
-        engine.ctx.state_set(s.seq_id, b["state"])
+        s.kv.put_back(b["kv"])
     except NbkvError:
         log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
         return
-    s.kv.tokens = b["tokens"]
-    s.kv.settled = b["settled"]
-    s.kv.checkpoints = b["checkpoints"]
-    if not s.kv.verify():
-        s.reset()
+    if not s.kv.tokens:
         return
     s.session, s.hashes, s.msg_ends = b["session"], b["hashes"], b["msg_ends"]
     s.segments, s.last_used, s.last_request = b["segments"], b["last_used"], b["last_request"]

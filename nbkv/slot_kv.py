@@ -16,10 +16,12 @@ Every operation ends by verifying ``seq_pos_max`` (and ``seq_pos_min`` where it 
 something) against the recorded tokens; on any disagreement the slot is cleared: KV that
 cannot be proven is never served.
 
-``settled`` counts the leading positions whose KV is exactly what a batched prefill of the
-recorded tokens computes. Generated tokens are decoded one at a time, which llama.cpp's CPU
-kernels compute slightly differently; the engine rewrites them later (see
-:meth:`SlotKV.unsettled`).
+``exact_len`` counts the leading positions whose KV is exactly what a canonical prefill of
+the recorded tokens computes (:mod:`nbkv.invariance`), and ``settled`` those that stay exact
+whatever follows (the remainder rows of a prompt's last chunk are exact for that prompt, but
+a longer one computes them again). Generated tokens are decoded one at a time, which
+llama.cpp's kernels may compute differently; the engine rewrites them later (see
+:attr:`SlotKV.needs_rewrite`).
 """
 
 from __future__ import annotations
@@ -186,6 +188,17 @@ class CheckpointSet:
         self.items.clear()
 
 
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A slot's whole state and bookkeeping, taken by :meth:`SlotKV.snapshot`."""
+
+    state: Any  # the whole sequence state (a ctypes byte array)
+    tokens: tuple[Any, ...]
+    settled: int
+    exact_len: int
+    checkpoints: CheckpointSet
+
+
 class SlotKV:
     """One sequence's KV and the tokens it holds, kept equal by every operation.
 
@@ -201,6 +214,7 @@ class SlotKV:
         self.memory = memory
         self.tokens: list[Any] = []
         self.settled = 0
+        self.exact_len = 0
         self.checkpoints = CheckpointSet(max_checkpoints)
         self.last_restore: int | None = None  # position of the checkpoint the last trim used
 
@@ -208,20 +222,24 @@ class SlotKV:
         return len(self.tokens)
 
     @property
-    def unsettled(self) -> int:
-        """Trailing positions decoded one token at a time, not yet rewritten."""
-        return len(self.tokens) - self.settled
+    def needs_rewrite(self) -> bool:
+        """Trailing positions were decoded token by token and not yet rewritten."""
+        return self.exact_len < len(self.tokens)
 
     # ------------------------------------------------------------------ operations
 
-    def extend(self, units: Sequence[Any], settled: bool = True) -> None:
+    def extend(self, units: Sequence[Any], *, exact: bool = True, settled: int | None = None
+               ) -> None:
         """Record ``units`` as decoded at the end of the sequence (after a successful decode).
 
-        ``settled=False`` marks them as decoded token by token (see :attr:`settled`).
+        ``exact``: decoded as a canonical prefill would (else token by token); ``settled``:
+        the new settled length (:func:`nbkv.invariance.stable_end`), when it changes.
         """
-        if settled and self.settled == len(self.tokens):
-            self.settled += len(units)
+        if exact and self.exact_len == len(self.tokens):
+            self.exact_len += len(units)
         self.tokens.extend(units)
+        if settled is not None and exact:
+            self.settled = min(settled, self.exact_len)
 
     def trim_to(self, n: int) -> int:
         """Keep at most the first ``n`` positions; returns how many remain (maybe fewer).
@@ -262,6 +280,7 @@ class SlotKV:
         del self.tokens[kept:]
         self.checkpoints.drop_after(kept)
         self.settled = min(self.settled, kept)
+        self.exact_len = min(self.exact_len, kept)
         if not self.verify():
             log.error("seq %d: KV and tokens disagree after a trim; clearing", self.seq_id)
             self.clear()
@@ -283,7 +302,7 @@ class SlotKV:
         self.clear()
         self.ctx.seq_cp(donor.seq_id, self.seq_id)
         self.tokens = list(donor.tokens)
-        self.settled = donor.settled
+        self.settled, self.exact_len = donor.settled, donor.exact_len
         self.checkpoints = donor.checkpoints.copy()
         return self.trim_to(n)
 
@@ -308,17 +327,33 @@ class SlotKV:
         self.clear()
         self.ctx.state_set(self.seq_id, state)
         self.tokens = list(tokens)
-        self.settled = len(self.tokens)
+        self.settled = self.exact_len = len(self.tokens)
         if not self.verify():
             self.clear()
             return
         self.checkpoint()
 
+    def snapshot(self) -> KVSnapshot:
+        """Everything needed to put this slot back exactly as it is (:meth:`put_back`)."""
+        return KVSnapshot(self.ctx.state_get(self.seq_id), tuple(self.tokens), self.settled,
+                          self.exact_len, self.checkpoints.copy())
+
+    def put_back(self, snap: KVSnapshot) -> None:
+        """Restore a :meth:`snapshot` of this slot (its KV, tokens and checkpoints)."""
+        self.clear()
+        self.ctx.state_set(self.seq_id, snap.state)
+        self.tokens = list(snap.tokens)
+        self.settled, self.exact_len = snap.settled, snap.exact_len
+        self.checkpoints = snap.checkpoints.copy()
+        if not self.verify():
+            log.error("seq %d: a snapshot did not restore; clearing the slot", self.seq_id)
+            self.clear()
+
     def clear(self) -> None:
         """Empty the sequence."""
         self.ctx.try_seq_rm(self.seq_id, -1, -1)
         self.tokens.clear()
-        self.settled = 0
+        self.settled = self.exact_len = 0
         self.checkpoints.clear()
 
     def resync(self) -> None:

@@ -2,65 +2,33 @@
 
 from __future__ import annotations
 
-import pytest
-
-from nbkv.batching import Prefilling, StepPlan, chunk_length, plan_step
+from nbkv.batching import Prefilling, StepPlan, plan_step
 from nbkv.slot_kv import CheckpointSet
 
 
-@pytest.mark.parametrize(
-    ("remaining", "capacity", "hard", "soft", "expected"),
-    [
-        (10, 256, (), (), 10),  # the whole prompt fits
-        (300, 256, (), (), 256),
-        (257, 256, (), (), 255),  # never leave a lone token for the last chunk
-        (1, 256, (), (), 1),  # a one-token prompt remainder has no choice
-        (50, 256, (20,), (), 20),  # an image or the system-prompt end: always a chunk end
-        (50, 256, (1,), (), 1),
-        (50, 256, (), (12, 30), 12),  # the first checkpoint boundary
-        (50, 256, (), (1, 30), 30),  # ... unless it would be a lone-token chunk
-        (50, 256, (), (49,), 50),  # ... or leave a lone token after it
-        (50, 256, (40,), (12,), 12),
-        (600, 256, (), (300,), 256),  # beyond the batch: the batch decides
-    ],
-)
-def test_chunk_length(remaining, capacity, hard, soft, expected):
-    assert chunk_length(remaining, capacity, hard, soft) == expected
-
-
-def test_chunks_never_leave_or_take_a_lone_token_without_stops():
-    for remaining in range(2, 800):
-        left, sizes = remaining, []
-        while left:
-            n = chunk_length(left, 256)
-            sizes.append(n)
-            left -= n
-        assert min(sizes) >= 2, (remaining, sizes)
-
-
 def test_shortest_prompt_first_and_last_chunk_alone():
-    long = Prefilling(key=1, remaining=900)
-    short = Prefilling(key=2, remaining=40)
-    plan = plan_step([long, short], generating=3, capacity=256)
+    long = Prefilling(key=1, remaining=900, take=256)
+    short = Prefilling(key=2, remaining=40, take=40)
+    plan = plan_step([long, short], generating=3)
     # the short prompt finishes in this chunk: it runs alone, its first token waits for nobody
     assert plan == StepPlan(prefill=2, take=40, image=False, generate=False)
-    plan = plan_step([long], generating=3, capacity=256)
+    plan = plan_step([long], generating=3)
     assert plan == StepPlan(prefill=1, take=256, image=False, generate=True)
 
 
 def test_ties_go_to_the_first_come_and_waiting_requests_are_skipped():
-    a, b = Prefilling(key=5, remaining=40), Prefilling(key=3, remaining=40)
-    assert plan_step([a, b], 0, 256).prefill == 3
-    waiting = Prefilling(key=3, remaining=10, ready=False)
-    assert plan_step([a, waiting], 0, 256).prefill == 5
+    a, b = Prefilling(key=5, remaining=40, take=40), Prefilling(key=3, remaining=40, take=40)
+    assert plan_step([a, b], 0).prefill == 3
+    waiting = Prefilling(key=3, remaining=10, ready=False, take=10)
+    assert plan_step([a, waiting], 0).prefill == 5
 
 
 def test_images_and_idle_steps():
     img = Prefilling(key=1, remaining=20, image_next=True)
-    assert plan_step([img], 2, 256) == StepPlan(prefill=1, take=0, image=True, generate=True)
-    assert plan_step([], 2, 256) == StepPlan(generate=True)
-    assert plan_step([], 0, 256).idle
-    assert plan_step([Prefilling(key=1, remaining=20, ready=False)], 0, 256).idle
+    assert plan_step([img], 2) == StepPlan(prefill=1, take=0, image=True, generate=True)
+    assert plan_step([], 2) == StepPlan(generate=True)
+    assert plan_step([], 0).idle
+    assert plan_step([Prefilling(key=1, remaining=20, ready=False, take=20)], 0).idle
 
 
 def test_checkpoint_choice_is_the_newest_at_or_before_the_target():

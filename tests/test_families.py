@@ -14,13 +14,16 @@ import numpy as np
 import pytest
 
 from conftest import SYSTEM, assert_consistent, fresh_probe
-from nbkv import Engine, policy, templates
+from nbkv import Engine, invariance, policy, templates
 from nbkv.events import Progress
 from nbkv.models import default_model_path
 
-FAMILIES = ("smollm2", "gemma3", "lfm2", "mamba2", "granitehybrid")
+# "-q4km": the tiny model 256 wide (what K-quants need), re-quantized to Q4_K_M
+FAMILIES = ("smollm2", "gemma3", "lfm2", "mamba2", "granitehybrid",
+            "gemma3-q4km", "lfm2-q4km", "mamba2-q4km", "granitehybrid-q4km")
 CLASSES = {"smollm2": "plain", "gemma3": "sliding-window", "lfm2": "hybrid",
            "mamba2": "recurrent", "granitehybrid": "hybrid"}
+CLASSES.update({f"{f}-q4km": c for f, c in list(CLASSES.items()) if f != "smollm2"})
 MAX = 8
 QUESTIONS = ["What is a CPU?", "And memory?", "Why is a cache fast?", "What is a bit?",
              "And a byte?", "Summarize."]
@@ -29,8 +32,10 @@ QUESTIONS = ["What is a CPU?", "And memory?", "Why is a cache fast?", "What is a
 def model_for(family):
     if family == "smollm2":
         return str(default_model_path())
-    from nbkv.fixtures import make_text_model
+    from nbkv.fixtures import make_text_model, quantized
 
+    if family.endswith("-q4km"):
+        return str(quantized(make_text_model(family[:-5], width=256), "Q4_K_M"))
     return str(make_text_model(family))
 
 
@@ -84,8 +89,26 @@ def test_the_memory_class_comes_from_llama_cpp(engine, family):
     assert all(s.memory == CLASSES[family] for s in engine.slots())
 
 
+def expected_reuse(engine, held, prompt):
+    """What the engine keeps of ``held`` for ``prompt``: the common prefix, no further than
+    the settled KV, at a position where the grouping lets a prefill begin, and on
+    checkpointed memory back to a checkpoint that is itself such a position."""
+    rule = engine.prefill_rule
+    common = policy.common_prefix(held.tokens, prompt)
+    reuse = invariance.valid_start(prompt, min(common, held.settled, len(prompt) - 1), rule)
+    while engine.memory.checkpoints and reuse < held.n_tokens:
+        c = max((c for c in held.checkpoints if c <= reuse), default=0)
+        v = invariance.valid_start(prompt, c, rule)
+        reuse = v
+        if v == c:
+            break
+    return reuse
+
+
 def test_six_turns_are_exact_and_prefill_only_the_new_message(engine, scratch, family):
     engine.clear()
+    rule = engine.prefill_rule
+    slack = rule.min_chunk + rule.align  # positions the grouping may read again
     msgs = [{"role": "system", "content": SYSTEM}]
     records, expected = [], []
     for q in QUESTIONS:
@@ -94,33 +117,33 @@ def test_six_turns_are_exact_and_prefill_only_the_new_message(engine, scratch, f
         prompt = engine.tokenize_prompt(msgs)
         # what the slot holds of this prompt: everything up to the new message, unless the
         # last reply re-tokenizes differently (random weights write odd text)
-        lcp = min(policy.common_prefix(held.tokens, prompt), len(prompt) - 2) if held else 0
-        reuse = lcp
-        if held and engine.memory.checkpoints and lcp < held.n_tokens:
-            reuse = max(c for c in held.checkpoints if c <= lcp)  # back to a checkpoint
-        expected.append((reuse, len(prompt) - lcp, held is not None and lcp == held.n_tokens))
+        reuse = expected_reuse(engine, held, prompt) if held else 0
+        whole = held is not None and policy.common_prefix(held.tokens, prompt) == held.n_tokens
+        expected.append((reuse, len(prompt), whole, held.n_tokens if held else 0))
         res = engine.chat(msgs, session="six", max_tokens=MAX, temperature=0)
         assert res.text == scratch(msgs), f"{family}: turn {len(records) + 1} differs"
         records.append(res.record)
         msgs.append(res.message)
         engine.settle()  # the user reads: the reply's KV is rewritten meanwhile
     whole = 0
-    for r, (reuse, minimum, all_held) in zip(records[1:], expected[1:]):
+    for r, (reuse, n_prompt, all_held, n_held) in zip(records[1:], expected[1:]):
         assert r.strategy == policy.HASH_EXTEND
         assert r.reused_tokens == reuse, (family, r.reused_tokens, reuse)
+        assert r.prefilled_tokens == n_prompt - reuse
         assert r.rewrite_absorbed == 0
-        if all_held:  # the whole conversation was reused: only the new message is prefilled
-            whole += 1
-            assert r.prefilled_tokens == minimum
+        if all_held:  # the whole conversation was reused: the new message is prefilled, and
+            whole += 1  # at most what the grouping makes it read again
+            assert reuse >= n_held - slack, (family, reuse, n_held)
             if engine.memory.checkpoints:
-                assert r.checkpoint_pos is None  # nothing to cut: the slot ends right there
+                assert r.checkpoint_pos in (None, reuse)
         elif engine.memory.checkpoints:  # a checkpoint at or before the drift, close to it
             assert r.checkpoint_pos == reuse and r.reprefilled_tokens <= len(
-                engine.model.tokenize(res.text)) + 8
+                engine.model.tokenize(res.text)) + 8 + slack
     assert whole >= 2, f"{family}: the conversation was reused whole in only {whole} turns"
     slot = next(s for s in engine.slots() if s.session == "six")
     if engine.memory.checkpoints:
-        assert slot.checkpoints and slot.checkpoints[-1] == slot.n_tokens
+        # near the end: a chunk can end on a checkpoint only with enough rows on both sides
+        assert slot.checkpoints and slot.checkpoints[-1] >= slot.n_tokens - 2 * slack
         assert len(slot.checkpoints) <= 8 and slot.checkpoint_bytes > 0
     assert_kv_exact(engine)
 
