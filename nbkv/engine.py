@@ -1263,9 +1263,10 @@ class Engine(TemplatedAPI, ChatAPI):
             return
         jobs.sort(key=lambda j: j.slot.seq_id)  # one micro-batch (see nbkv.batching)
         # more rows than the calibration proved would take another kernel: split the step
-        size = self.prefill_rule.gen_rows // (2 if self.speculative else 1) or len(jobs)
-        for i in range(0, len(jobs), max(size, 1)):
-            self._generate_rows(jobs[i:i + max(size, 1)])
+        limit = self.prefill_rule.gen_rows
+        size = max(limit // (2 if self.speculative else 1), 1) if limit else len(jobs)
+        for i in range(0, len(jobs), size):
+            self._generate_rows(jobs[i:i + size])
 
     def _generate_rows(self, jobs: list[_Job]) -> None:
         """One generation decode for ``jobs`` (see :meth:`_generate`)."""
