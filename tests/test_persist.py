@@ -287,7 +287,7 @@ def test_the_good_save_restores(engine, good_save, tmp_path):
     store = SessionStore()
     rep = engine.restore(d, store)
     assert [s.session for s in rep.slots] == ["saved"] and rep.dropped == ()
-    assert store["saved"].turns == 2
+    assert len(store["saved"].turns) == 2
     s = next(s for s in engine.slots() if s.session == "saved")
     assert np.array_equal(np.array(engine.probe(s.index, PROBE)),
                           fresh_probe(engine.model, s.tokens, PROBE))
@@ -463,7 +463,7 @@ def test_sigkill_mid_save_leaves_the_previous_save(engine, model_path, tmp_path,
     store = SessionStore()
     rep = engine.restore(save, store)
     assert [s.tokens for s in rep.slots] == [first["tokens"]]
-    assert store["a"].turns == 1
+    assert len(store["a"].turns) == 1
     s = next(s for s in engine.slots() if s.session == "a")
     assert np.array_equal(np.array(engine.probe(s.index, PROBE)),
                           fresh_probe(engine.model, s.tokens, PROBE))
@@ -586,6 +586,6 @@ def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
         with capture_output() as cap:  # load --restore: the autosaved conversation is back
             m.kvcache("load --slots 2 --ctx 512 --restore")
         assert "restored the save" in shown(cap)
-        assert store.engine.slots()[0].session == "alice" and store["alice"].turns == 3
+        assert store.engine.slots()[0].session == "alice" and len(store["alice"].turns) == 3
     finally:
         m.kvcache("unload")
