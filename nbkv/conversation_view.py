@@ -4,7 +4,7 @@ A session's turns are listed in the order their cells first ran, each with its c
 execution count (``[7]``), what was asked and answered, and how its request was served
 (a bar of reused against newly read prompt tokens, in the palette's colours). A *stale*
 turn (answered before an earlier turn was re-run) is greyed out; a turn whose re-run left
-later turns stale is a branch point (⑂). A fork is drawn under the turn it branched from,
+later turns stale is a branch point (⎇). A fork is drawn under the turn it branched from,
 so the turns both share, and the KV prefix both slots hold, appear once.
 
 Static HTML and text, from a session store and a slot snapshot; nothing here imports Jupyter.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 LEGEND = ("Each session's turns in the order their cells first ran; [n] is the cell's "
           "execution count. A stale turn was answered before an earlier turn was re-run: "
-          "the model no longer sees it, until its cell runs again. ⑂ marks a branch: a "
+          "the model no longer sees it, until its cell runs again. ⎇ marks a branch: a "
           "re-run turn, or a session forked from another (the turns they share are shown "
           "once). Bars: prompt tokens reused from the cache (green) and read new (orange).")
 
@@ -129,7 +129,7 @@ def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[in
         tip = (f"branch point: this turn was re-run after {_span(branches[i])} had been "
                f"answered on its earlier version")
         branch = (f'<span class="nbkv-branch" title="{html.escape(tip, quote=True)}" '
-                  f'style="color:{BRANCH_COLOR};font-weight:bold;cursor:help">⑂ re-run: '
+                  f'style="color:{BRANCH_COLOR};font-weight:bold;cursor:help">⎇ re-run: '
                   f'{_span(branches[i])} answered on its earlier version</span>')
     runs = (f'<span style="color:#666" title="times its cell has run">×{turn.runs}</span>'
             if turn.runs > 1 else "")
@@ -191,7 +191,7 @@ def _fork_html(parent: Session, at: int, kid: Session, slots: Sequence[Any],
     inner = _session_html(kid, forks, slots, shared_from=parent.name)
     return (f'<div class="nbkv-fork" data-session="{html.escape(kid.name, quote=True)}" '
             f'style="margin-left:40px;padding-left:8px;border-left:2px solid {BRANCH_COLOR}">'
-            f'<div style="color:{BRANCH_COLOR}">⑂ <b>{html.escape(kid.name)}</b> forked after '
+            f'<div style="color:{BRANCH_COLOR}">⎇ <b>{html.escape(kid.name)}</b> forked after '
             f"turn {at}: {html.escape(what + kv)}</div>{inner}</div>")
 
 
@@ -220,7 +220,7 @@ def conversation_text(sessions: Iterable[Session], slots: Sequence[Any] = ()) ->
             count = t.cell.label if t.cell is not None else "py"
             mark = " [stale]" if not t.live else ""
             fork = f" (from {t.source})" if t.source else ""
-            branch = (f"  ⑂ re-run: {_span(branches[i])} answered on its earlier version"
+            branch = (f"  ⎇ re-run: {_span(branches[i])} answered on its earlier version"
                       if i in branches else "")
             lines.append(f"  {count:>6} turn {i}{mark}{fork}: {preview(t.user or {}, 50)} → "
                          f"{preview({'content': t.reply}, 40)}{branch}")

@@ -47,29 +47,30 @@ class CellTracker:
 
     def __init__(self, shell: Any) -> None:
         self.shell = shell
-        self._running: list[tuple[Any, CellRef | None]] = []  # (ExecutionInfo, its cell)
+        #: the cells running now, innermost last: (ExecutionInfo, its cell, the shell's
+        #: execution_count when it started)
+        self._running: list[tuple[Any, CellRef | None, int]] = []
         # IPython 9 counts a cell (In [N]) before pre_run_cell, IPython 8 after it: learnt
         # from each post_run_cell's result, first guessed from the version
         import IPython
 
         self._offset = 1 if IPython.version_info[0] >= 9 else 0
-        self._seen = getattr(shell, "execution_count", 0)  # during the cell that loads nbkv
 
     def pre(self, info: Any) -> None:
         """A cell starts (``pre_run_cell``)."""
-        self._seen = self.shell.execution_count
+        seen = self.shell.execution_count
         cell_id = getattr(info, "cell_id", None)
-        count = self._seen - self._offset if getattr(info, "store_history", False) else None
-        self._running.append((info, CellRef(str(cell_id), count) if cell_id else None))
+        count = seen - self._offset if getattr(info, "store_history", False) else None
+        self._running.append((info, CellRef(str(cell_id), count) if cell_id else None, seen))
 
     def post(self, result: Any) -> None:
         """A cell ended (``post_run_cell``; also fired for cells that never started)."""
         info = getattr(result, "info", None)
-        if getattr(info, "store_history", False) and \
-                isinstance(getattr(result, "execution_count", None), int):
-            self._offset = self._seen - result.execution_count
         if self._running and self._running[-1][0] is info:
-            self._running.pop()
+            _, _, seen = self._running.pop()
+            if getattr(info, "store_history", False) and \
+                    isinstance(getattr(result, "execution_count", None), int):
+                self._offset = seen - result.execution_count
 
     @property
     def current(self) -> CellRef | None:

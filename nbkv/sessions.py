@@ -513,11 +513,27 @@ class Session:
         self.parent = (str(parent[0]), int(parent[1])) if parent else None
         self._changed()
 
+    def forks(self) -> list[Session]:
+        """The sessions forked from this one, and theirs, in the same store."""
+        out: list[Session] = []
+        names = {self.name}
+        for s in self.store or ():
+            p, seen = s.parent, {s.name}
+            while p is not None and p[0] not in names and p[0] not in seen and \
+                    self.store is not None and p[0] in self.store:
+                seen.add(p[0])
+                p = self.store[p[0]].parent
+            if p is not None and p[0] in names and s.name not in names:
+                out.append(s)
+        return out
+
     def _repr_html_(self) -> str:
+        """The conversation view of this session and its forks."""
         from .conversation_view import conversation_html
 
         engine = self.store.engine if self.store is not None else None
-        return conversation_html([self], engine.slots() if engine is not None else ())
+        return conversation_html([self, *self.forks()],
+                                 engine.slots() if engine is not None else ())
 
     def __repr__(self) -> str:
         stale = sum(1 for t in self._turns if not t.live)

@@ -261,7 +261,7 @@ def test_conversation_view_shows_states_counts_branches_and_forks():
     page = conversation_html(list(store))
     assert page.count('data-state="stale"') == 1 and page.count('data-state="live"') == 3
     assert "[11]" in page and "[20]" in page and "[21]" in page
-    assert "⑂ re-run: turn 3 answered on its earlier version" in page
+    assert "⎇ re-run: turn 3 answered on its earlier version" in page
     # the fork is drawn once, under alice's turn 2, with only its own turn
     assert page.count('class="nbkv-fork"') == 1 and "forked after turn 2" in page
     assert page.index('data-turn="2"') < page.index('class="nbkv-fork"') < page.index(
@@ -663,8 +663,8 @@ def test_what_nbclient_and_nbval_send_as_cell_ids(tmp_path, monkeypatch):
     assert [json.loads(x) for x in seen.read_text().splitlines()] == [
         [[None, False], [None, False]]]  # nbval: no cell id, no history
     seen.unlink()
-    # through tests/conftest.py: each notebook twice, cell ids sent (as JupyterLab does)
-    p = subprocess.run(base + [str(ROOT / "tests" / "conftest.py"),
+    # through the repository's conftest.py: each notebook twice, cell ids sent (as JupyterLab)
+    p = subprocess.run(base + [str(ROOT / "conftest.py"),
                                str(tmp_path / "probe.ipynb")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
