@@ -43,6 +43,8 @@ class CellTracker:
     Frontends send the cell's id with each execution (``cellId`` in the request's metadata:
     JupyterLab, Notebook 7, VS Code); IPython passes it on as ``ExecutionInfo.cell_id``.
     Terminal IPython, ``%run``, nbval and nbclient send none: :attr:`current` is then None.
+    Only a ``%%chat`` cell is a turn: a Python cell that chats (``run_cell_magic``, a loop)
+    has no cell of its own, so its turns are appended.
     """
 
     def __init__(self, shell: Any) -> None:
@@ -60,6 +62,8 @@ class CellTracker:
         """A cell starts (``pre_run_cell``)."""
         seen = self.shell.execution_count
         cell_id = getattr(info, "cell_id", None)
+        if not str(getattr(info, "raw_cell", "") or "").lstrip().startswith("%%chat"):
+            cell_id = None
         count = seen - self._offset if getattr(info, "store_history", False) else None
         self._running.append((info, CellRef(str(cell_id), count) if cell_id else None, seen))
 

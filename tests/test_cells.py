@@ -332,6 +332,16 @@ def test_from_forks_in_a_cell_and_bad_specs_are_refused(shell, engine, capsys):
     assert_consistent(engine)
 
 
+def test_only_a_chat_cell_is_a_turn(shell):
+    """A Python cell that chats in a loop has no cell of its own: its turns append."""
+    code = "for q in ('Hi.', 'Bye.'):\n    get_ipython().run_cell_magic('chat', 'pat', q)"
+    cell(shell, "p1", code)
+    cell(shell, "p1", code)
+    turns = STORE["pat"].turns
+    assert [t.cell for t in turns] == [None] * 4
+    assert [t.question for t in turns] == ["Hi.", "Bye."] * 2
+
+
 # -- a fork's first request: a donor copy, exact KV -----------------------------------------
 
 
