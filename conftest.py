@@ -1,7 +1,9 @@
 """Notebook runs (nbval) for the whole repository: as JupyterLab's "Run All", twice.
 
 Loaded by pytest for every path in the repository (``pytest notebooks/02_how_imc_works.ipynb``
-as well as ``make test``); the tests' own fixtures and helpers are in ``tests/conftest.py``.
+as well as ``make test``); the tests' own fixtures and helpers are in ``tests/conftest.py``
+(a script run from the repository's root that imports ``conftest`` gets this one: run it
+from ``tests/``).
 """
 
 from __future__ import annotations

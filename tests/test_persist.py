@@ -50,9 +50,10 @@ def scratch_probe(model, projector, units, probe, images):
 
 
 def run_py(code, *args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    # run from tests/: ``import conftest`` is tests/conftest.py, not the repository's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+                       capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -448,9 +449,9 @@ KILLED = """
 @pytest.mark.parametrize("phase", ["blob", "manifest"])
 def test_sigkill_mid_save_leaves_the_previous_save(engine, model_path, tmp_path, phase):
     save = tmp_path / "save"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED), model_path, str(save),
-                          phase], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                          phase], stdout=subprocess.PIPE, text=True, env=env, cwd=HERE)
     try:
         first = json.loads(p.stdout.readline())
         assert p.stdout.readline().strip() == "writing"
