@@ -201,6 +201,8 @@ def conversation_html(sessions: Iterable[Session], slots: Sequence[Any] = ()) ->
     body = "".join(_session_html(s, forks, slots) for s in roots) or (
         '<div style="color:#999">no conversation yet</div>')
     return (f'<div class="nbkv-conversations" style="font:12px sans-serif;line-height:1.5">'
+            f'<div style="font-size:14px;margin:4px 0 2px">conversations: one turn per '
+            f"<code>%%chat</code> cell</div>"
             f'<div class="nbkv-conversations-legend" style="color:#666;font-size:11px;'
             f'margin-bottom:4px">{html.escape(LEGEND)}</div>{body}</div>')
 

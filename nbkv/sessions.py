@@ -226,6 +226,10 @@ class MessageList(list):
         self._session = session
         self._version = session.version
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copies and pickles are plain lists: never the session (and its engine) behind it
+        return (list, (list(self),))
+
     def _apply(self, name: str, *args: Any, **kw: Any) -> Any:
         if self._version != self._session.version:
             raise InvalidRequestError(

@@ -10,6 +10,7 @@ request (donor copy, exact probe logits); save and restore of turns.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -168,6 +169,8 @@ def test_rewind_and_new_and_messages_edits():
                   {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     assert s.system == "sys" and [t.messages for t in s.turns][1] == [
         {"role": "user", "content": "c"}]
+    for dup in (copy.copy(s.messages), copy.deepcopy(s.messages)):  # plain lists
+        assert type(dup) is list and dup == s.messages
     s.reset()
     assert s.turns == () and s.messages == [{"role": "system", "content": "sys"}]
 
