@@ -36,7 +36,9 @@ def families(sessions: Iterable[Session]) -> tuple[list[Session],
                                                    dict[str, dict[int, list[Session]]]]:
     """The sessions as trees: the roots, and each session's forks by the turn they follow.
 
-    A fork whose parent is not among ``sessions`` (or whose ancestry loops) is a root.
+    A fork hangs after the last turn it still shares with its parent (see
+    :func:`branch_point`). A fork whose parent is not among ``sessions`` (or whose ancestry
+    loops) is a root.
     """
     sessions = list(sessions)
     by_name = {s.name: s for s in sessions}
@@ -49,10 +51,29 @@ def families(sessions: Iterable[Session]) -> tuple[list[Session],
             p = by_name[p[0]].parent
         looped = p is not None and p[0] in seen
         if s.parent is not None and s.parent[0] in by_name and not looped:
-            forks.setdefault(s.parent[0], {}).setdefault(s.parent[1], []).append(s)
+            at = branch_point(by_name[s.parent[0]], s)[1]
+            forks.setdefault(s.parent[0], {}).setdefault(at, []).append(s)
         else:
             roots.append(s)
     return roots, forks
+
+
+def branch_point(parent: Session, fork: Session) -> tuple[int, int]:
+    """How many of ``fork``'s first turns ``parent`` still has, and where they end.
+
+    Returns (the number of the fork's leading copied turns equal to the parent's live
+    turns, the parent's turn number after which they part; 0: the system prompt). A turn
+    of the parent re-run after the fork was made moves the branch point up.
+    """
+    if parent.system != fork.system:
+        return 0, 0
+    live = [(i, t) for i, t in enumerate(parent.turns, start=1) if t.live]
+    n, at = 0, 0
+    for (i, mine), theirs in zip(live, fork.turns):
+        if theirs.source is None or mine.messages != theirs.messages:
+            break
+        n, at = n + 1, i
+    return n, at
 
 
 def _slot_of(slots: Sequence[Any], name: str) -> Any:
@@ -103,8 +124,10 @@ def _bar(turn: Turn) -> str:
         f'background:{COLORS[k]}"></span>'
         for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n)
     return (f'<span class="nbkv-turn-bar" title="{tip}" style="display:inline-block;'
-            f'width:60px;background:#eee;line-height:0">{parts}</span>'
-            f'<span style="color:#666;min-width:64px">{r.salvage_pct:.0f}% reused</span>')
+            f'width:60px;flex:none;white-space:nowrap;background:#eee;line-height:0">'
+            f"{parts}</span>"
+            f'<span style="color:#666;min-width:76px;white-space:nowrap">'
+            f"{r.salvage_pct:.0f}% reused</span>")
 
 
 def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[int]]) -> str:
@@ -133,6 +156,9 @@ def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[in
                   f'{_span(branches[i])} answered on its earlier version</span>')
     runs = (f'<span style="color:#666" title="times its cell has run">×{turn.runs}</span>'
             if turn.runs > 1 else "")
+    if turn.source is not None:
+        runs += (f'<span style="color:#999" title="copied when this session was forked">'
+                 f"from {html.escape(turn.source)}</span>")
     style = _ROW + ("" if live else f";opacity:0.55;text-decoration:line-through "
                                     f"{STALE_COLOR}")
     return (
@@ -149,7 +175,7 @@ def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[in
 
 
 def _session_html(s: Session, forks: dict[str, dict[int, list[Session]]],
-                  slots: Sequence[Any], shared_from: str | None = None) -> str:
+                  slots: Sequence[Any], shared_from: Session | None = None) -> str:
     turns = s.turns
     stale = sum(1 for t in turns if not t.live)
     slot = _slot_of(slots, s.name)
@@ -164,8 +190,9 @@ def _session_html(s: Session, forks: dict[str, dict[int, list[Session]]],
                     f'padding-left:4px">system: '
                     f"{html.escape(preview({'content': s.system}, 90))}</span></div>")
     branches, own_forks = _branches(s), forks.get(s.name, {})
+    shared = branch_point(shared_from, s)[0] if shared_from is not None else 0
     for i, t in enumerate(turns, start=1):
-        if shared_from is not None and t.source is not None:
+        if i <= shared:
             continue  # shown once, in the session it was forked from
         rows.append(_turn_html(s, i, t, branches))
         for kid in own_forks.get(i, []):
@@ -187,8 +214,15 @@ def _fork_html(parent: Session, at: int, kid: Session, slots: Sequence[Any],
           if n else "")
     what = f"shares turns 1–{at} with {parent.name}" if at > 1 else (
         f"shares turn 1 with {parent.name}" if at == 1 else
-        f"shares {parent.name}'s system prompt")
-    inner = _session_html(kid, forks, slots, shared_from=parent.name)
+        f"shares {parent.name}'s system prompt" if parent.system is not None
+        and parent.system == kid.system else f"shares nothing with {parent.name} now")
+    shared = branch_point(parent, kid)[0]
+    copied = sum(1 for t in kid.turns if t.source is not None)
+    if copied > shared:
+        what += (f"; its turn{'s' if copied - shared > 1 else ''} "
+                 f"{shared + 1}{f'–{copied}' if copied - shared > 1 else ''} came from an "
+                 f"earlier version of {parent.name}'s")
+    inner = _session_html(kid, forks, slots, shared_from=parent)
     return (f'<div class="nbkv-fork" data-session="{html.escape(kid.name, quote=True)}" '
             f'style="margin-left:40px;padding-left:8px;border-left:2px solid {BRANCH_COLOR}">'
             f'<div style="color:{BRANCH_COLOR}">⎇ <b>{html.escape(kid.name)}</b> forked after '

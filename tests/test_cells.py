@@ -11,6 +11,7 @@ request (donor copy, exact probe logits); save and restore of turns.
 from __future__ import annotations
 
 import copy
+import html
 import itertools
 import json
 import os
@@ -272,6 +273,15 @@ def test_conversation_view_shows_states_counts_branches_and_forks():
     assert page.count(">q1</span>") == 1  # the shared turn appears once
     text = conversation_text(list(store))
     assert "turn 3 [stale]" in text and "forked from alice after turn 2" in text
+    # alice re-runs turn 2 after the fork: bob now branches after turn 1, and his copy of
+    # the earlier turn 2 is drawn in his branch
+    run(a, eng, "q2 third", "a2", 22)
+    page = conversation_html(list(store))
+    assert "forked after turn 1: shares turn 1 with alice; its turn 2 came from an earlier " \
+           "version of alice's" in html.unescape(page)
+    assert page.index('data-turn="1"') < page.index('class="nbkv-fork"') < page.index(
+        ">q2 third</span>")
+    assert page.count(">q2 again</span>") == 1 and page.count(">q1</span>") == 1
 
 
 # -- the magic in an IPython shell: cells through run_cell(cell_id=...) ---------------------
