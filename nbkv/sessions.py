@@ -354,8 +354,9 @@ class Session:
             self._changed()
 
     def turn(self, cell: str) -> Turn | None:
-        """The turn sent by cell ``cell`` (an id), if any."""
-        return next((t for t in self._turns if t.cell is not None and t.cell.id == cell), None)
+        """The turn of this session's own that cell ``cell`` (an id) sent, if any (not a copy)."""
+        return next((t for t in self._turns if t.cell is not None and t.cell.id == cell
+                     and t.source is None), None)
 
     def _number(self, turn: int | Turn, what: str) -> int:
         """A turn number (0..len) from a number or a :class:`Turn` of this session."""
@@ -477,7 +478,23 @@ class Session:
             change = TurnChange(self.name, i + 1, "refreshed" if not old.live else "replaced",
                                 turn.cell, tuple(stale), layout)
         self._changed(change)
+        if turn.cell is not None and self.store is not None:  # a cell is one session's turn
+            for other in self.store:
+                if other is not self:
+                    other._release(turn.cell.id)
         return change
+
+    def _release(self, cell: str) -> None:
+        """Cell ``cell`` now sends another session's turn: drop ours; later ones go stale."""
+        old = self.turn(cell)
+        if old is None:
+            return
+        i = self._turns.index(old)
+        del self._turns[i]
+        for t in self._turns[i:]:
+            if t.live:
+                t.state, t.stale_since = STALE, i
+        self._changed()
 
     def _changed(self, change: TurnChange | None = None) -> None:
         self.version += 1

@@ -130,6 +130,24 @@ def test_a_rerun_replaces_its_turn_and_later_turns_go_stale():
         "appended"
 
 
+def test_a_cell_moved_to_another_session_leaves_the_first():
+    store, eng = SessionStore(), ScriptEngine()
+    a, typo = store.get("alice"), store.get("alcie")
+    run(a, eng, "q1", "c1", 1)
+    run(typo, eng, "q2", "c2", 2)  # a typo in the session's name...
+    run(a, eng, "q3", "c3", 3)
+    run(a, eng, "q2", "c2", 4)  # ...fixed, and the cell run again
+    assert typo.turns == () and [t.cell.id for t in a.turns] == ["c1", "c3", "c2"]
+    b = a.fork("bob", at=1)  # a fork's copies keep their cells, and are not released
+    run(a, eng, "q1 again", "c1", 5)
+    assert [(t.cell.id, t.source) for t in b.turns] == [("c1", "alice")]
+    # and in the session that lost a turn, the turns after it are stale
+    run(typo, eng, "x", "t1", 6)
+    run(typo, eng, "y", "t2", 7)
+    run(a, eng, "x", "t1", 8)
+    assert [t.state for t in typo.turns] == ["stale"] and typo.turns[0].cell.id == "t2"
+
+
 def test_a_stale_turn_before_a_rerun_cell_is_left_out_of_its_history():
     s, eng = SessionStore().get("s"), ScriptEngine()
     for i in range(1, 5):
