@@ -52,8 +52,9 @@ def run_all_twice(items):
             twin = IPyNbCell.from_parent(item.parent, name=f"{item.name} (run 2)",
                                          cell_num=item.cell_num, cell=item.cell,
                                          options=item.options)
-            for mark in item.own_markers:
-                twin.add_marker(mark)
+            for mark in item.own_markers:  # e.g. the skip above (add_marker's own steps)
+                twin.keywords[mark.name] = mark
+                twin.own_markers.append(mark)
             out.append(twin)
         for item in out[-2 * len(group):]:
             _send_cell_id(item)

@@ -227,7 +227,8 @@ class Nbkv(Magics, Settings):
             session = (self.store[fork[0]].fork(name, fork[1]) if fork is not None
                        else self.store.get(name))
             turn = session.start(engine, content, new=args.new, system=args.system,
-                                 cell=self.cells.current if self.cells else None, **sampling)
+                                 cell=self.cells.current if self.cells is not None else None,
+                                 **sampling)
         except NbkvError as e:
             raise UsageError(str(e)) from e
         view = chat_view(self._notebook(), self.refresh)
