@@ -354,7 +354,7 @@ class Session:
             self._changed()
 
     def turn(self, cell: str) -> Turn | None:
-        """The turn of this session's own that cell ``cell`` (an id) sent, if any (not a copy)."""
+        """The turn that cell ``cell`` (an id) sent to this session (a fork's copies aside)."""
         return next((t for t in self._turns if t.cell is not None and t.cell.id == cell
                      and t.source is None), None)
 
