@@ -145,8 +145,9 @@ def stats(ws: Workspace, args: Any) -> Any:
 
 
 def history(ws: Workspace, args: Any) -> Any:
-    """The last requests, one row each."""
-    return disp.history_table(ws.engine().history, 20 if args.last is None else args.last)
+    """The last requests, one row each, with the notebook cell that sent each."""
+    return disp.history_table(ws.engine().history, 20 if args.last is None else args.last,
+                              cell_of=ws.store.cell_of)
 
 
 def explain(ws: Workspace, args: Any) -> Any:
@@ -185,7 +186,7 @@ def widget(ws: Workspace, args: Any) -> Any:
     """The live dashboard."""
     from .widgets import CacheDashboard
 
-    return CacheDashboard(ws.engine())
+    return CacheDashboard(ws.engine(), sessions=ws.store)
 
 
 def unload(ws: Workspace, args: Any) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -500,20 +500,48 @@ def stats_table(engine: Engine) -> Table:
                  details=details)
 
 
-def history_table(records: Sequence[RequestRecord], last: int = 20) -> Table:
-    """The most recent request records."""
+def history_table(records: Sequence[RequestRecord], last: int = 20,
+                  cell_of: Callable[[RequestRecord], Any] | None = None) -> Table:
+    """The most recent request records.
+
+    With ``cell_of``, a column names each request's notebook cell (``cell_of(record)``: a
+    :class:`~nbkv.sessions.CellRef`, or None for a request not sent by a cell).
+    """
     recs = list(records)[-last:] if last else list(records)
+
+    def cell(r: RequestRecord) -> tuple[str, ...]:
+        if cell_of is None:
+            return ()
+        ref = cell_of(r)
+        return (ref.label if ref is not None else "-",)
+
     rows = tuple(
-        (r.id, r.session or "-", r.strategy, r.slot, r.prompt_tokens,
+        (r.id, r.session or "-", *cell(r), r.strategy, r.slot, r.prompt_tokens,
          f"{r.reused_tokens} ({r.salvage_pct:.0f}%)", r.prefilled_tokens, r.trimmed_tokens,
          r.generated_tokens, f"{r.ttft_s * 1000:.0f}", f"{r.decode_tps:.1f}",
          r.finish_reason, r.evicted_session or "")
         for r in recs
     )
-    cols = ("id", "session", "strategy", "slot", "prompt", "reused", "prefilled", "trimmed",
-            "generated", "TTFT ms", "tok/s", "finish", "evicted")
+    cols = ("id", "session", *(("cell",) if cell_of is not None else ()), "strategy", "slot",
+            "prompt", "reused", "prefilled", "trimmed", "generated", "TTFT ms", "tok/s",
+            "finish", "evicted")
     return Table(f"last {len(rows)} requests", cols, rows)
 
 
 def _strategies(by: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) or "-"
+
+
+@dataclass(frozen=True)
+class TurnFigures(Figures):
+    """The figures line of a ``%%chat`` cell that re-ran a turn.
+
+    Its why line first says what the run did to the session's turns (``re-ran cell [3]:
+    replaced turn 2 of alice · ... · turn 3 is now stale``), then the request's own reason.
+    """
+
+    note: str = ""
+
+    def why(self) -> str:
+        """The turn note, then the reason (unless the request simply continued)."""
+        return " · ".join(x for x in (self.note, super().why()) if x)

@@ -22,7 +22,7 @@ from .config import CACHE_MODES
 from .errors import DecodeError, NbkvError
 from .hardware import FLASH_ATTN, KV_TYPES
 from .media import content_with_images
-from .sessions import STORE, SessionStore
+from .sessions import STORE, CellRef, SessionStore
 from .settings import Settings
 from .views import chat_view
 
@@ -35,6 +35,64 @@ class Interrupted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:  # IPython shows this instead of a traceback
         return [str(self)]
+
+
+class CellTracker:
+    """Which notebook cell is running, from IPython's ``pre_run_cell`` / ``post_run_cell``.
+
+    Frontends send the cell's id with each execution (``cellId`` in the request's metadata:
+    JupyterLab, Notebook 7, VS Code); IPython passes it on as ``ExecutionInfo.cell_id``.
+    Terminal IPython, ``%run``, nbval and nbclient send none: :attr:`current` is then None.
+    Only a ``%%chat`` cell is a turn: a Python cell that chats (``run_cell_magic``, a loop)
+    has no cell of its own, so its turns are appended.
+    """
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+        #: the cells running now, innermost last: (ExecutionInfo, its cell, the shell's
+        #: execution_count when it started)
+        self._running: list[tuple[Any, CellRef | None, int]] = []
+        # IPython 9 counts a cell (In [N]) before pre_run_cell, IPython 8 after it: learnt
+        # from each post_run_cell's result, first guessed from the version
+        import IPython
+
+        self._offset = 1 if IPython.version_info[0] >= 9 else 0
+
+    def pre(self, info: Any) -> None:
+        """A cell starts (``pre_run_cell``)."""
+        seen = self.shell.execution_count
+        cell_id = getattr(info, "cell_id", None)
+        if not str(getattr(info, "raw_cell", "") or "").lstrip().startswith("%%chat"):
+            cell_id = None
+        count = seen - self._offset if getattr(info, "store_history", False) else None
+        self._running.append((info, CellRef(str(cell_id), count) if cell_id else None, seen))
+
+    def post(self, result: Any) -> None:
+        """A cell ended (``post_run_cell``; also fired for cells that never started)."""
+        info = getattr(result, "info", None)
+        if self._running and self._running[-1][0] is info:
+            _, _, seen = self._running.pop()
+            if getattr(info, "store_history", False) and \
+                    isinstance(getattr(result, "execution_count", None), int):
+                self._offset = seen - result.execution_count
+
+    @property
+    def current(self) -> CellRef | None:
+        """The running cell, or None outside a cell or when the frontend sent no id."""
+        return self._running[-1][1] if self._running else None
+
+    def register(self) -> None:
+        """Follow the shell's cells."""
+        self.shell.events.register("pre_run_cell", self.pre)
+        self.shell.events.register("post_run_cell", self.post)
+
+    def unregister(self) -> None:
+        """Stop following them."""
+        for name, cb in (("pre_run_cell", self.pre), ("post_run_cell", self.post)):
+            try:
+                self.shell.events.unregister(name, cb)
+            except ValueError:
+                pass
 
 
 def parse_argstring(magic: Any, line: str) -> Any:
@@ -53,6 +111,7 @@ class Nbkv(Magics, Settings):
     def __init__(self, shell: Any = None, store: SessionStore | None = None, **kw: Any) -> None:
         super().__init__(shell=shell, **kw)
         self.store = store if store is not None else STORE  # an empty store is falsy
+        self.cells = CellTracker(shell) if shell is not None else None
 
     # ------------------------------------------------------------------ %kvcache
 
@@ -120,6 +179,9 @@ class Nbkv(Magics, Settings):
     @argument("session", nargs="?", help="conversation name (default: Nbkv.session)")
     @argument("--system", metavar="TEXT", help="set the session's system prompt")
     @argument("--new", action="store_true", help="start the session over")
+    @argument("--from", dest="fork", metavar="SESSION[:TURN]",
+              help="start the session as a fork of SESSION's first TURN turns (default: "
+                   "all), sharing their KV")
     @argument("--max-tokens", type=int, metavar="N", help="longest reply (Nbkv.max_tokens)")
     @argument("--temp", type=float, metavar="T", help="temperature (Nbkv.temperature)")
     @argument("--seed", type=int, metavar="S", help="sampling seed")
@@ -132,10 +194,12 @@ class Nbkv(Magics, Settings):
               help="hide the cache figures")
     @cell_magic
     def chat(self, line: str, cell: str) -> None:
-        """Send the cell as the next user message of a session and stream the reply.
+        """Send the cell as a user message of a session and stream the reply.
 
-        ``{name}`` in the cell inserts the kernel variable ``name`` (``{{`` and ``}}`` for
-        literal braces). The conversation stays in the kernel: ``nbkv.session(NAME)``.
+        A cell is a turn: running the cell again replaces its turn (answered on the turns of
+        the cells run before it) and marks the later turns stale. ``{name}`` in the cell
+        inserts the kernel variable ``name`` (``{{`` and ``}}`` for literal braces). The
+        conversation stays in the kernel: ``nbkv.session(NAME)``.
         """
         args = parse_argstring(self.chat, line)
         if args.out is not None and not (args.out.isidentifier()
@@ -146,8 +210,13 @@ class Nbkv(Magics, Settings):
         text = self._interpolate(cell.strip())
         if not text:
             raise UsageError("the cell is empty: write the message under %%chat")
+        if args.fork is not None and args.new:
+            raise UsageError("--from and --new both say how the session starts: give one")
+        fork = _fork_spec(args.fork) if args.fork is not None else None
+        if fork is not None and fork[0] not in self.store:
+            raise UsageError(f"--from {args.fork}: no session {fork[0]!r} to fork from")
         engine = self._engine(autoload=self.autoload)
-        session = self.store.get(args.session or self.session)
+        name = args.session or self.session
         sampling: dict[str, Any] = dict(
             max_tokens=args.max_tokens or self.max_tokens,
             temperature=self.temperature if args.temp is None else args.temp,
@@ -156,7 +225,11 @@ class Nbkv(Magics, Settings):
             sampling["seed"] = args.seed
         try:
             content = content_with_images(text, args.image or [])
-            turn = session.start(engine, content, new=args.new, system=args.system, **sampling)
+            session = (self.store[fork[0]].fork(name, fork[1]) if fork is not None
+                       else self.store.get(name))
+            turn = session.start(engine, content, new=args.new, system=args.system,
+                                 cell=self.cells.current if self.cells is not None else None,
+                                 **sampling)
         except NbkvError as e:
             raise UsageError(str(e)) from e
         view = chat_view(self._notebook(), self.refresh)
@@ -204,9 +277,28 @@ class Nbkv(Magics, Settings):
                              "(write {{ and }} for literal braces)") from None
 
 
+def _fork_spec(text: str) -> tuple[str, int | None]:
+    """``alice:2`` -> ("alice", 2); ``alice`` -> ("alice", None): every turn."""
+    name, sep, turn = text.rpartition(":")
+    if not sep:
+        name, turn = text, ""
+    if not name:
+        raise UsageError(f"--from {text}: give SESSION or SESSION:TURN, e.g. --from alice:2")
+    if not turn:
+        return name, None
+    try:
+        return name, int(turn)
+    except ValueError:
+        raise UsageError(f"--from {text}: the turn must be a number, e.g. --from "
+                         f"{name}:2") from None
+
+
 def load(ipython: Any) -> None:
-    """Register the magics with ``ipython``."""
-    ipython.register_magics(Nbkv(shell=ipython))
+    """Register the magics with ``ipython`` and follow its cells."""
+    magics = Nbkv(shell=ipython)
+    ipython.register_magics(magics)
+    if magics.cells is not None:
+        magics.cells.register()
 
 
 def unload(ipython: Any) -> None:
@@ -220,6 +312,8 @@ def unload(ipython: Any) -> None:
     mm.magics["line"].pop("kvcache", None)
     mm.magics["cell"].pop("chat", None)
     if inst is not None:
+        if inst.cells is not None:
+            inst.cells.unregister()
         if inst in ipython.configurables:
             ipython.configurables.remove(inst)
         inst.store.close_engine()

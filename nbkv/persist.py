@@ -46,6 +46,7 @@ from .errors import NbkvError, RestoreError, SaveError
 from .events import RequestFinished, Segment, SlotsChanged
 from .gguf_header import gguf_fingerprint
 from .media import Image, MediaKey, MediaUnit, image_hash, load_image
+from .sessions import Session
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -395,8 +396,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
                 arrays.append({"blob": blobs.add(a.tobytes()), "shape": list(a.shape),
                                "dtype": "float32"})
             emb_json.append({"image": h, "arrays": arrays})
-    sess_json = [{"name": s.name, "messages": _jsonable(s.messages, blobs, f"session {s.name}")}
-                 for s in store]
+    sess_json = [_jsonable(s.state_dict(), blobs, f"session {s.name}") for s in store]
     created = time.time()
     body = {
         "format": FORMAT, "version": VERSION, "created": created,
@@ -636,7 +636,7 @@ class _Plan:
     dropped: list[str] = field(default_factory=list)
     spc: list[tuple[str, tuple[Any, ...], Any]] = field(default_factory=list)
     embeddings: list[tuple[str, list[np.ndarray]]] = field(default_factory=list)
-    sessions: list[tuple[str, list[dict[str, Any]]]] = field(default_factory=list)
+    sessions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # state_dict()s
     nbytes: int = 0
 
 
@@ -732,10 +732,12 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
                 arrays.append(arr)
             plan.embeddings.append((str(e["image"]), arrays))
         for s in body.get("sessions", []):
-            msgs = _unjson(s["messages"], read)
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-                raise RestoreError(f"session {s.get('name')!r}: malformed messages")
-            plan.sessions.append((str(s["name"]), msgs))
+            state = _unjson(s, read)
+            try:  # checked on a scratch session: the store changes only once all is read
+                Session(str(s["name"])).load_state(state)
+            except ValueError as e:
+                raise RestoreError(str(e)) from e
+            plan.sessions.append((str(s["name"]), state))
     except RestoreError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -777,8 +779,8 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
 
         for h, arrays in plan.embeddings:
             proj.cache.put(proj.cache_key(h), ImageEmbedding(h, proj.identity, tuple(arrays)))
-    for name, msgs in plan.sessions:
-        store.get(name).messages[:] = msgs
+    for name, state in plan.sessions:
+        store.get(name).load_state(state)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), tuple(plan.dropped), len(plan.spc),
                         len(plan.embeddings), tuple(n for n, _ in plan.sessions), plan.nbytes,
                         time.perf_counter() - t0, float(body.get("created", 0.0)))

@@ -86,8 +86,7 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
                            "segments": [_segment_json(g) for g in segments]})
         reports.append(SlotSave(index, session, len(tokens), size))
     try:
-        sess_json = [{"name": s.name, "messages": json.loads(json.dumps(s.messages))}
-                     for s in store]
+        sess_json = [json.loads(json.dumps(s.state_dict())) for s in store]
     except (TypeError, ValueError) as e:
         raise SaveError(f"a session holds something JSON cannot store (an image?): {e}"
                         ) from e
@@ -110,7 +109,7 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
             sessions: SessionStore | None = None) -> RestoreReport:
     """Load a remote save back into the server's slots and nbkv's table (checked first)."""
     from .events import SlotsChanged
-    from .sessions import STORE
+    from .sessions import STORE, Session
 
     store = STORE if sessions is None else sessions
     root = Path(path).expanduser() if path is not None else default_path()
@@ -130,6 +129,11 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
              for k in IDENTITY if body.get("server", {}).get(k) != now[k]]
     if diffs:
         raise RestoreError("the save does not fit this server: " + "; ".join(diffs))
+    for sess in body.get("sessions") or ():  # checked before any slot changes
+        try:
+            Session(str(sess["name"])).load_state(sess)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"a saved session is malformed: {e}") from e
     saved = body.get("slots") or []
     if any(not 0 <= s["index"] < engine.n_slots for s in saved):
         raise RestoreError(f"the save uses slots up to {max(s['index'] for s in saved)}: "
@@ -175,7 +179,7 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
             slot.last_used = next(engine._clock)
             slot.version += 1
     for sess in body.get("sessions") or ():
-        store.get(sess["name"]).messages[:] = sess["messages"]
+        store.get(sess["name"]).load_state(sess)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), (), 0, 0,
                         tuple(x["name"] for x in body.get("sessions") or ()),
                         sum(p.nbytes for p in placed), time.perf_counter() - t0,

@@ -1,4 +1,4 @@
-"""The in-kernel conversation store: named sessions, their messages, and the engine they use.
+"""The in-kernel conversation store: named sessions, their turns, and the engine they use.
 
 Nothing here imports Jupyter. The ``%%chat`` magic and plain Python share one store::
 
@@ -7,18 +7,28 @@ Nothing here imports Jupyter. The ``%%chat`` magic and plain Python share one st
     s.messages[1]["content"] = "..."   # edit an earlier turn; the cache salvages what it can
     s.chat("And then?", max_tokens=32) # the same as a %%chat alice cell, without the display
 
-A session's ``messages`` is the whole conversation (system prompt first, if any). A turn is
-committed when its reply ends: the user message and the reply are appended together. An
-interrupted turn keeps the partial reply; a turn that failed, or was interrupted before its
-first token, leaves the history unchanged.
+A session is its system prompt and a list of :class:`Turn` s, each a user message and its
+reply. In a notebook a turn remembers the cell that sent it, and **cells are turns**: the
+conversation is the session's cells in the order they were first run. Running a cell again
+replaces its turn, answered on the turns before it; the turns after it are kept but marked
+*stale* (answered on a history that has since changed): they are left out of what the model
+sees until their own cells run again. A turn sent with no cell (Python, a terminal, a
+frontend that sends no cell id) is appended.
+
+A turn is committed when its reply ends. An interrupted turn keeps the partial reply; a turn
+that failed, or was interrupted before its first token, leaves the session unchanged.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidRequestError
+from .events import EventBus
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -27,6 +37,7 @@ if TYPE_CHECKING:
     from .streams import ChatStream
 
 DEFAULT_SESSION = "default"
+LIVE, STALE = "live", "stale"
 
 
 class Reply(str):
@@ -49,62 +60,398 @@ class Reply(str):
         return str.__str__(self)
 
 
-@dataclass
+@dataclass(frozen=True)
+class CellRef:
+    """The notebook cell a turn came from: its id, and its execution count (``In [N]``).
+
+    ``count`` is None when the frontend ran it without storing history (nbval does).
+    """
+
+    id: str
+    count: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``[3]``, or the start of the cell's id when it has no execution count."""
+        return f"[{self.count}]" if self.count is not None else f"cell {self.id[:8]}"
+
+
+@dataclass(eq=False)
+class Turn:
+    """One exchange of a session: the user message, the reply, and the cell that sent them.
+
+    ``messages`` is the user message then the reply (a conversation set from Python may put
+    other messages in a turn: a turn is a user message and whatever follows it). ``state``
+    is ``"live"``, or ``"stale"`` when an earlier turn was re-run after it was answered:
+    a stale turn is left out of the history sent to the model until its cell runs again.
+    """
+
+    messages: list[dict[str, Any]]
+    cell: CellRef | None = None
+    record: RequestRecord | None = None
+    state: str = LIVE
+    runs: int = 1  # how many times its cell has produced it (a re-run replaces the turn)
+    stale_since: int | None = None  # the turn whose re-run made this one stale
+    source: str | None = None  # the session it was copied from by a fork
+
+    @property
+    def live(self) -> bool:
+        """True unless the turn is stale."""
+        return self.state == LIVE
+
+    @property
+    def user(self) -> dict[str, Any] | None:
+        """The user message, or None for a turn that has none."""
+        m = self.messages[0] if self.messages else None
+        return m if m is not None and m.get("role") == "user" else None
+
+    @property
+    def question(self) -> str:
+        """The user message's text (images left out)."""
+        return _text(self.user.get("content")) if self.user else ""
+
+    @property
+    def reply(self) -> str:
+        """The reply's text ("" if the turn has none)."""
+        for m in reversed(self.messages):
+            if m.get("role") == "assistant":
+                return _text(m.get("content"))
+        return ""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The turn as JSON-ready data (records are not kept)."""
+        return {"messages": self.messages, "cell": self.cell.id if self.cell else None,
+                "execution_count": self.cell.count if self.cell else None,
+                "state": self.state, "runs": self.runs, "stale_since": self.stale_since,
+                "source": self.source}
+
+    @classmethod
+    def from_state(cls, d: Mapping[str, Any]) -> Turn:
+        """A turn from :meth:`state_dict`'s data; ValueError when it is malformed."""
+        msgs = d.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ValueError("a turn needs a non-empty list of messages")
+        cell, count = d.get("cell"), d.get("execution_count")
+        if cell is not None and not isinstance(cell, str) or \
+                count is not None and not isinstance(count, int):
+            raise ValueError(f"a turn's cell is malformed: {cell!r} [{count!r}]")
+        state = d.get("state", LIVE)
+        if state not in (LIVE, STALE):
+            raise ValueError(f"a turn's state is {state!r}, not live or stale")
+        since, source = d.get("stale_since"), d.get("source")
+        return cls(msgs, CellRef(cell, count) if cell else None, None, state,
+                   int(d.get("runs", 1)), int(since) if since is not None else None,
+                   str(source) if source is not None else None)
+
+    def __repr__(self) -> str:
+        cell = f" {self.cell.label}" if self.cell else ""
+        return f"Turn({self.question[:30]!r}{cell}, {self.state})"
+
+
+@dataclass(frozen=True)
+class TurnChange:
+    """What committing a turn did to its session: for the why line and the dashboard."""
+
+    session: str
+    turn: int  # the turn's number (1-based, in the session's cell order)
+    #: "appended", "replaced" (a live turn's cell ran again) or "refreshed" (a stale one's)
+    action: str
+    cell: CellRef | None = None
+    stale: tuple[int, ...] = ()  # turns that this run made stale
+    #: the turn each message of the request belonged to (0: the system prompt)
+    layout: tuple[int, ...] = ()
+
+    def describe(self, record: RequestRecord | None = None) -> str:
+        """What the run did, in words ("" for a plain append).
+
+        ``re-ran cell [3]: replaced turn 2 of alice · trimmed 88 tokens after turn 1 · turn 3
+        is now stale``.
+        """
+        if self.action == "appended" and not self.stale:
+            return ""
+        where = self.cell.label if self.cell else "a turn"
+        parts = [f"re-ran cell {where}: {self.action} turn {self.turn} of {self.session}"
+                 + (" on the new history" if self.action == "refreshed" else "")]
+        if record is not None and record.trimmed_tokens:
+            spot = cut_place(record, self.layout)
+            parts.append(f"trimmed {record.trimmed_tokens} tokens" + (f" {spot}" if spot else ""))
+        if self.stale:
+            parts.append(f"{span_text(self.stale)} now stale")
+        return " · ".join(parts)
+
+
+def span_text(numbers: Sequence[int]) -> str:
+    """``turn 3 is``, ``turns 3–4 are``, ``turns 2, 4 are``."""
+    n = sorted(numbers)
+    if len(n) == 1:
+        return f"turn {n[0]} is"
+    if n == list(range(n[0], n[-1] + 1)):
+        return f"turns {n[0]}–{n[-1]} are"
+    return "turns " + ", ".join(map(str, n)) + " are"
+
+
+def cut_place(record: RequestRecord, layout: Sequence[int]) -> str:
+    """Where a request's kept KV ended, in turns: ``after turn 1``, ``in turn 2's question``.
+
+    Read from the record's KV map (the first position not reused, and its message);
+    ``layout`` gives the turn of each message of the request (0: the system prompt).
+    """
+    segs = sorted((s for s in record.segments if s.state != "reused"), key=lambda s: s.start)
+    if not segs or not layout:
+        return ""
+    first, k = segs[0], segs[0].message
+    if k >= len(layout):
+        return f"after turn {layout[-1]}'s question"
+    if layout[k] == 0:
+        return "in the system prompt"
+    starts = min(s.start for s in record.segments if s.message == k)
+    if first.start == starts and first.role == "user":
+        if k == 0:
+            return "from the start"
+        return "after the system prompt" if layout[k - 1] == 0 else f"after turn {layout[k - 1]}"
+    return f"in turn {layout[k]}'s " + ("question" if first.role == "user" else "reply")
+
+
+class MessageList(list):
+    """``Session.messages``: the live conversation, as a list whose changes go to the session.
+
+    Editing a message's content (``s.messages[3]["content"] = ...``) edits the turn in place.
+    Changing the list (append, delete, assign, insert, ...) rebuilds the session's turns from
+    it: turns whose user message is still there keep their cell; stale turns are dropped.
+    A list read before the session changed refuses to change it (read it again).
+    """
+
+    def __init__(self, session: Session, items: Iterable[dict[str, Any]]) -> None:
+        super().__init__(items)
+        self._session = session
+        self._version = session.version
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copies and pickles are plain lists: never the session (and its engine) behind it
+        return (list, (list(self),))
+
+    def _apply(self, name: str, *args: Any, **kw: Any) -> Any:
+        if self._version != self._session.version:
+            raise InvalidRequestError(
+                f"this list of {self._session.name}'s messages is out of date (the session "
+                "changed since it was read): read session.messages again")
+        out = getattr(list, name)(self, *args, **kw)
+        self._session.messages = list(self)
+        self._version = self._session.version
+        return self if name in ("__iadd__", "__imul__") else out
+
+    def __setitem__(self, i: Any, v: Any) -> None:
+        self._apply("__setitem__", i, v)
+
+    def __delitem__(self, i: Any) -> None:
+        self._apply("__delitem__", i)
+
+    def __iadd__(self, other: Any) -> MessageList:  # type: ignore[override, misc]
+        return self._apply("__iadd__", other)
+
+    def __imul__(self, n: Any) -> MessageList:  # type: ignore[override, misc]
+        return self._apply("__imul__", n)
+
+    def append(self, m: Any) -> None:
+        """Append a message to the session."""
+        self._apply("append", m)
+
+    def extend(self, ms: Any) -> None:
+        """Append messages to the session."""
+        self._apply("extend", ms)
+
+    def insert(self, i: Any, m: Any) -> None:
+        """Insert a message into the session."""
+        self._apply("insert", i, m)
+
+    def pop(self, i: Any = -1) -> Any:
+        """Remove and return a message of the session."""
+        return self._apply("pop", i)
+
+    def remove(self, m: Any) -> None:
+        """Remove a message from the session."""
+        self._apply("remove", m)
+
+    def clear(self) -> None:
+        """Empty the session (its system prompt included)."""
+        self._apply("clear")
+
+    def sort(self, *a: Any, **kw: Any) -> None:
+        """Reorder the session's messages."""
+        self._apply("sort", *a, **kw)
+
+    def reverse(self) -> None:
+        """Reverse the session's messages."""
+        self._apply("reverse")
+
+
+@dataclass(eq=False)
 class Session:
-    """One named conversation: its messages (editable) and the records of its turns."""
+    """One named conversation: a system prompt and its turns, in cell order."""
 
     name: str
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    records: list[RequestRecord] = field(default_factory=list)
-    store: SessionStore | None = field(default=None, repr=False, compare=False)
+    store: SessionStore | None = field(default=None, repr=False)
+    #: the session this one was forked from, and after how many of its turns
+    parent: tuple[str, int] | None = None
+    #: bumped on every change of the turns (views redraw, stale message lists refuse edits)
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        self._system: dict[str, Any] | None = None
+        self._turns: list[Turn] = []
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def turns(self) -> tuple[Turn, ...]:
+        """Every turn in cell order (the order their cells first ran), live and stale."""
+        return tuple(self._turns)
+
+    @property
+    def messages(self) -> MessageList:
+        """The live conversation: the system prompt, then each live turn's messages.
+
+        The dicts are the turns' own: edit one and the next request sends the edit (the
+        cache keeps what comes before it). Changing the list itself rebuilds the turns.
+        """
+        out = [self._system] if self._system is not None else []
+        out += [m for t in self._turns if t.live for m in t.messages]
+        return MessageList(self, out)
+
+    @messages.setter
+    def messages(self, msgs: Sequence[Mapping[str, Any]]) -> None:
+        msgs = list(msgs)
+        if not all(isinstance(m, dict) for m in msgs):
+            raise InvalidRequestError(f"{self.name}: messages must be dicts")
+        system = msgs.pop(0) if msgs and msgs[0].get("role") == "system" else None
+        keep = {id(t.user): t for t in self._turns if t.live and t.user is not None}
+        turns = []
+        for chunk in _exchanges(msgs):
+            t = keep.pop(id(chunk[0]), None)
+            if t is None:
+                t = Turn(chunk)
+            else:
+                t.messages = chunk
+            turns.append(t)
+        self._system, self._turns = system, turns
+        self._changed()
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        """The request records of the live turns, in order (restored turns have none)."""
+        return [t.record for t in self._turns if t.live and t.record is not None]
 
     @property
     def system(self) -> str | None:
         """The system prompt, or None."""
-        if self.messages and self.messages[0].get("role") == "system":
-            return self.messages[0].get("content")
-        return None
+        return self._system.get("content") if self._system is not None else None
 
     @system.setter
     def system(self, text: str | None) -> None:
-        has = bool(self.messages) and self.messages[0].get("role") == "system"
-        if text is None:
-            if has:
-                del self.messages[0]
-        elif has:
-            self.messages[0] = {"role": "system", "content": text}
-        else:
-            self.messages.insert(0, {"role": "system", "content": text})
+        new = None if text is None else {"role": "system", "content": text}
+        if new != self._system:
+            self._system = new
+            self._changed()
+
+    def turn(self, cell: str) -> Turn | None:
+        """The turn that cell ``cell`` (an id) sent to this session (a fork's copies aside)."""
+        return next((t for t in self._turns if t.cell is not None and t.cell.id == cell
+                     and t.source is None), None)
+
+    def _number(self, turn: int | Turn, what: str) -> int:
+        """A turn number (0..len) from a number or a :class:`Turn` of this session."""
+        if isinstance(turn, Turn):
+            for i, t in enumerate(self._turns):
+                if t is turn:
+                    return i + 1
+            raise InvalidRequestError(f"{what}: that turn is not one of {self.name}'s")
+        if isinstance(turn, bool) or not isinstance(turn, int):
+            raise InvalidRequestError(f"{what}: give a turn number, not {turn!r}")
+        if not 0 <= turn <= len(self._turns):
+            raise InvalidRequestError(
+                f"{what}: {self.name} has {len(self._turns)} turn(s), so a turn is "
+                f"0..{len(self._turns)}, not {turn}")
+        return turn
+
+    # ------------------------------------------------------------------ changing
 
     def reset(self, system: str | None = None) -> None:
         """Forget the conversation; keep the system prompt unless ``system`` replaces it."""
         keep = self.system if system is None else system
-        self.messages.clear()
-        self.records.clear()
-        self.system = keep
+        self._turns.clear()
+        self.parent = None
+        self._system = None if keep is None else {"role": "system", "content": keep}
+        self._changed()
 
-    @property
-    def turns(self) -> int:
-        """Number of user messages."""
-        return sum(1 for m in self.messages if m.get("role") == "user")
+    def rewind(self, turn: int | Turn) -> None:
+        """Go back to just after turn ``turn`` (0: the system prompt alone).
+
+        The turns after it become stale: left out of the conversation, kept in the list so
+        that running one of their cells again refreshes it on the new history.
+        """
+        n = self._number(turn, "rewind")
+        changed = False
+        for t in self._turns[n:]:
+            if t.live:
+                t.state, t.stale_since, changed = STALE, n, True
+        if changed:
+            self._changed()
+
+    def fork(self, name: str, at: int | Turn | None = None) -> Session:
+        """A session ``name`` that starts with this one's first ``at`` turns (default: all).
+
+        It shares their KV: its first request finds them in this session's slot and copies
+        them (a donor copy), so only its new message is read. Forking again into the same
+        name replaces the shared turns; the fork's own turns after them become stale.
+        """
+        if name == self.name:
+            raise InvalidRequestError(f"cannot fork {self.name} into itself")
+        if self.store is None:
+            raise InvalidRequestError(f"cannot fork {self.name}: it belongs to no session store")
+        n = len(self._turns) if at is None else self._number(at, f"fork {self.name}")
+        new = self.store.get(name)
+        base = [Turn(copy.deepcopy(t.messages), t.cell, None, LIVE, t.runs, None,
+                     t.source or self.name) for t in self._turns[:n] if t.live]
+        own = [t for t in new._turns if t.source is None]
+        for t in own:
+            if t.live:
+                t.state, t.stale_since = STALE, n
+        new._system = copy.deepcopy(self._system)
+        new._turns = base + own
+        new.parent = (self.name, n)
+        new._changed()
+        return new
 
     def start(self, engine: EngineLike, content: Any, *, new: bool = False,
-              system: str | None = None, **sampling: Any) -> Turn:
-        """Send ``content`` as the next user message; returns the streaming :class:`Turn`.
+              system: str | None = None, cell: CellRef | None = None,
+              **sampling: Any) -> PendingTurn:
+        """Send ``content`` as a user message; returns the streaming :class:`PendingTurn`.
 
-        ``new`` starts the conversation over first; ``system`` sets its system prompt.
+        With ``cell``, the turns of the cells before it are the history and its own turn is
+        replaced when the reply ends; without, it is the next turn. ``new`` starts the
+        conversation over first; ``system`` sets its system prompt.
         """
         if new:
             self.reset(system)
         elif system is not None:
             self.system = system
+        own = self.turn(cell.id) if cell is not None else None
+        n = self._turns.index(own) if own is not None else len(self._turns)
+        history = [self._system] if self._system is not None else []
+        layout = [0] * len(history)
+        for i, t in enumerate(self._turns[:n], start=1):
+            if t.live:
+                history += t.messages
+                layout += [i] * len(t.messages)
         user = {"role": "user", "content": content}
-        stream = engine.chat(self.messages + [user], session=self.name, stream=True, **sampling)
-        return Turn(self, user, stream)
+        stream = engine.chat(history + [user], session=self.name, stream=True, **sampling)
+        if self.store is not None:
+            self.store._started(stream.request_id, self.name, cell)
+        return PendingTurn(self, user, stream, cell, tuple(layout) + (n + 1,))
 
     def chat(self, content: Any, engine: EngineLike | None = None, **sampling: Any) -> Reply:
         """Send ``content`` and wait for the whole reply (the store's engine by default)."""
-        engine = engine or (self.store.require_engine() if self.store else None)
+        engine = engine or (self.store.require_engine() if self.store is not None else None)
         if engine is None:
             raise RuntimeError("no engine: pass engine= or load one with %kvcache load")
         with self.start(engine, content, **sampling) as turn:
@@ -112,22 +459,150 @@ class Session:
                 pass
         return turn.reply
 
+    def _commit(self, turn: Turn, layout: tuple[int, ...] = ()) -> TurnChange:
+        """Put a finished turn in place: its cell's turn is replaced, later ones go stale."""
+        old = self.turn(turn.cell.id) if turn.cell is not None else None
+        if old is None:
+            self._turns.append(turn)
+            change = TurnChange(self.name, len(self._turns), "appended", turn.cell,
+                                layout=layout)
+        else:
+            i = self._turns.index(old)
+            turn.runs = old.runs + 1
+            self._turns[i] = turn
+            stale = []
+            for j, t in enumerate(self._turns[i + 1:], start=i + 2):
+                if t.live:
+                    t.state, t.stale_since = STALE, i + 1
+                    stale.append(j)
+            change = TurnChange(self.name, i + 1, "refreshed" if not old.live else "replaced",
+                                turn.cell, tuple(stale), layout)
+        self._changed(change)
+        if turn.cell is not None and self.store is not None:  # a cell is one session's turn
+            for other in self.store:
+                if other is not self:
+                    other._release(turn.cell.id)
+        return change
+
+    def _release(self, cell: str) -> None:
+        """Cell ``cell`` now sends another session's turn: drop ours; later ones go stale."""
+        old = self.turn(cell)
+        if old is None:
+            return
+        i = self._turns.index(old)
+        del self._turns[i]
+        for t in self._turns[i:]:
+            if t.live:
+                t.state, t.stale_since = STALE, i
+        self._changed()
+
+    def _changed(self, change: TurnChange | None = None) -> None:
+        self.version += 1
+        if self.store is not None:
+            self.store.events.publish(TurnsChanged(self.name, change))
+
+    # ------------------------------------------------------------------ saving
+
+    def state_dict(self) -> dict[str, Any]:
+        """The session as JSON-ready data: system prompt, turns (cells, states), fork origin.
+
+        ``messages`` (the live conversation) is kept as well, for readers of older saves.
+        """
+        return {"name": self.name, "messages": list(self.messages), "system": self._system,
+                "turns": [t.state_dict() for t in self._turns],
+                "parent": list(self.parent) if self.parent else None}
+
+    def load_state(self, d: Mapping[str, Any]) -> None:
+        """Replace this session's content with :meth:`state_dict`'s data.
+
+        An older save's plain ``messages`` work too. ValueError when the data is malformed,
+        and nothing changes then.
+        """
+        if "turns" not in d:
+            msgs = d.get("messages")
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                raise ValueError(f"session {self.name!r}: malformed messages")
+            self.messages = msgs
+            return
+        system, raw, parent = d.get("system"), d.get("turns"), d.get("parent")
+        if system is not None and not isinstance(system, dict) or not isinstance(raw, list):
+            raise ValueError(f"session {self.name!r}: malformed turns")
+        turns = [Turn.from_state(t) for t in raw]
+        if parent is not None and not (isinstance(parent, list) and len(parent) == 2):
+            raise ValueError(f"session {self.name!r}: malformed fork origin {parent!r}")
+        self._system, self._turns = system, turns
+        self.parent = (str(parent[0]), int(parent[1])) if parent else None
+        self._changed()
+
+    def forks(self) -> list[Session]:
+        """The sessions forked from this one, and theirs, in the same store."""
+        out: list[Session] = []
+        names = {self.name}
+        for s in self.store or ():
+            p, seen = s.parent, {s.name}
+            while p is not None and p[0] not in names and p[0] not in seen and \
+                    self.store is not None and p[0] in self.store:
+                seen.add(p[0])
+                p = self.store[p[0]].parent
+            if p is not None and p[0] in names and s.name not in names:
+                out.append(s)
+        return out
+
+    def _repr_html_(self) -> str:
+        """The conversation view of this session and its forks."""
+        from .conversation_view import conversation_html
+
+        engine = self.store.engine if self.store is not None else None
+        return conversation_html([self, *self.forks()],
+                                 engine.slots() if engine is not None else ())
+
     def __repr__(self) -> str:
-        return f"Session({self.name!r}, {len(self.messages)} messages, {self.turns} turns)"
+        stale = sum(1 for t in self._turns if not t.live)
+        return (f"Session({self.name!r}, {len(self.messages)} messages, {len(self._turns)} "
+                f"turns{f' ({stale} stale)' if stale else ''})")
 
 
-class Turn:
-    """A user message and its streaming reply; iterate for text deltas.
+def _text(content: Any) -> str:
+    """The text of a message's content (string, or the text parts of a list)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content
+                        if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _exchanges(msgs: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Messages cut into turns: each user message starts one.
+
+    What precedes the first user message, if anything, is a turn of its own.
+    """
+    out: list[list[dict[str, Any]]] = []
+    for m in msgs:
+        if m.get("role") == "user" or not out:
+            out.append([m])
+        else:
+            out[-1].append(m)
+    return out
+
+
+class PendingTurn:
+    """A user message on its way: iterate for the reply's text deltas.
 
     The session is updated when the reply ends, is closed, or is interrupted
     (``KeyboardInterrupt`` while iterating); the engine's slot stays consistent either way.
+    :attr:`change` then says what it did to the session's turns.
     """
 
-    def __init__(self, session: Session, user: dict[str, Any], stream: ChatStream) -> None:
+    def __init__(self, session: Session, user: dict[str, Any], stream: ChatStream,
+                 cell: CellRef | None = None, layout: tuple[int, ...] = ()) -> None:
         self.session = session
         self.user = user
         self.stream = stream
+        self.cell = cell
+        self.layout = layout  # the turn of each message sent (0: system prompt)
         self.committed = False
+        self.change: TurnChange | None = None
 
     def __iter__(self) -> Iterator[str]:
         try:
@@ -152,6 +627,11 @@ class Turn:
         """The reply text with its record."""
         return Reply(self.stream.text, self.stream.record, self.stream.finish_reason)
 
+    @property
+    def note(self) -> str:
+        """What the turn did to the session, in words ("" for a plain new turn)."""
+        return self.change.describe(self.record) if self.change is not None else ""
+
     def close(self, interrupted: bool = True) -> None:
         """Stop the request if it still runs, then commit the turn to the session."""
         self.stream.close()
@@ -160,24 +640,45 @@ class Turn:
         self.committed = True
         rec = self.stream.record
         if rec is not None and rec.error is None and (self.stream.text or not interrupted):
-            self.session.messages.append(self.user)
-            self.session.messages.append({"role": "assistant", "content": self.stream.text})
-            self.session.records.append(rec)
+            turn = Turn([self.user, {"role": "assistant", "content": self.stream.text}],
+                        self.cell, rec)
+            self.change = self.session._commit(turn, self.layout)
 
-    def __enter__(self) -> Turn:
+    def __enter__(self) -> PendingTurn:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
+@dataclass(frozen=True)
+class TurnsChanged:
+    """A session's turns changed (a turn committed, a reset, rewind, fork, edit or restore).
+
+    ``change`` says what a committed turn did; None for the other changes. ``session`` is
+    None when sessions were dropped.
+    """
+
+    session: str | None
+    change: TurnChange | None = None
+
+
 class SessionStore:
-    """Sessions by name, plus the engine they talk to (set by ``%kvcache load``)."""
+    """Sessions by name, plus the engine they talk to (set by ``%kvcache load``).
+
+    :attr:`events` publishes :class:`TurnsChanged` whenever a session changes
+    (``store.events.subscribe(callback)``); the dashboard's conversation view follows it.
+    """
+
+    #: requests whose cell is remembered, for ``%kvcache history``
+    ORIGINS = 1000
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
         self.engine: EngineLike | None = None
         self.autosaver: Any = None  # nbkv.persist.Autosaver while autosave is on
+        self.events = EventBus()
+        self._origins: dict[int, tuple[str, CellRef | None]] = {}
 
     def __getitem__(self, name: str) -> Session:
         return self._sessions[name]
@@ -198,13 +699,30 @@ class SessionStore:
             self._sessions[name] = Session(name, store=self)
         return self._sessions[name]
 
+    def subscribe(self, callback: Callable[[TurnsChanged], None]) -> Callable[[], None]:
+        """Call ``callback`` on every :class:`TurnsChanged`; returns the unsubscribe function."""
+        return self.events.subscribe(callback)  # type: ignore[arg-type]  # any event type
+
     def drop(self, name: str) -> None:
         """Forget a session (its KV stays cached until evicted)."""
-        self._sessions.pop(name, None)
+        if self._sessions.pop(name, None) is not None:
+            self.events.publish(TurnsChanged(None))  # type: ignore[arg-type]
 
     def clear(self) -> None:
         """Forget every session."""
         self._sessions.clear()
+        self._origins.clear()
+        self.events.publish(TurnsChanged(None))  # type: ignore[arg-type]
+
+    def cell_of(self, record: RequestRecord) -> CellRef | None:
+        """The notebook cell that sent the request of ``record`` (None: not from a cell)."""
+        origin = self._origins.get(record.id)
+        return origin[1] if origin is not None and origin[0] == record.session else None
+
+    def _started(self, request_id: int, session: str, cell: CellRef | None) -> None:
+        self._origins[request_id] = (session, cell)
+        while len(self._origins) > self.ORIGINS:
+            del self._origins[next(iter(self._origins))]
 
     def load(self, model_path: str | None = None, **engine_kwargs: Any) -> Engine:
         """Close the current engine (freeing its memory), then load and keep a new one.
@@ -253,6 +771,7 @@ class SessionStore:
             self.autosaver.stop()
             self.autosaver = None
         engine, self.engine = self.engine, None
+        self._origins.clear()  # request ids start again with the next engine
         if engine is not None:
             engine.close()
             del engine

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .display import Figures, Message, progress_html, progress_text
+from .display import Figures, Message, TurnFigures, progress_html, progress_text
 from .events import Progress
 
 if TYPE_CHECKING:
-    from .sessions import Reply, Turn
+    from .sessions import PendingTurn, Reply
 
 
 class ChatView:
@@ -52,7 +52,8 @@ class ChatView:
         finally:
             unsubscribe()
 
-    def stream(self, turn: Turn, subscribe: Callable[[Callable[[Any], None]], Callable[[], None]],
+    def stream(self, turn: PendingTurn,
+               subscribe: Callable[[Callable[[Any], None]], Callable[[], None]],
                show_figures: bool = True) -> tuple[Reply, bool]:
         """Show ``turn`` until its reply ends: progress, text, then the figures line.
 
@@ -71,7 +72,8 @@ class ChatView:
         reply = turn.reply
         note = "interrupted" if interrupted else (
             "stopped at --max-tokens" if reply.finish_reason == "length" else "")
-        figures = Figures(reply.record) if show_figures and reply.record else None
+        figures = (TurnFigures(reply.record, turn.note) if show_figures and reply.record
+                   else None)
         self.finish(reply.text, figures, note)
         return reply, interrupted
 

@@ -157,20 +157,3 @@ def talk(engine, msgs, text_or_msg, session, max_tokens=8):
     r = engine.chat(msgs, session=session, max_tokens=max_tokens, temperature=0)
     msgs.append(r.message)
     return r
-
-
-def pytest_collection_modifyitems(config, items):
-    """``notebooks/05_remote_engine.ipynb`` needs llama-server: skip its cells, saying so,
-    when the binary is missing (``make test`` builds it first and sets NBKV_REQUIRE_SERVER,
-    so there it always runs)."""
-    import os
-
-    from nbkv.server import binary
-
-    if binary() is not None or os.environ.get("NBKV_REQUIRE_SERVER"):
-        return
-    skip = pytest.mark.skip(reason="05_remote_engine.ipynb needs llama-server: run "
-                                   "`make llama-server`")
-    for item in items:
-        if "05_remote_engine" in str(item.fspath):
-            item.add_marker(skip)

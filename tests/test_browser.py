@@ -3,8 +3,9 @@
 Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
 cards, plotly figures and legend rendered, without JavaScript errors; runs
 ``02_how_imc_works.ipynb`` and checks the legend, the divergence marker and an explain
-output; ``04_vision.ipynb`` (image spans and their position counts on the KV map) and
-``05_remote_engine.ipynb`` (the dashboard on a llama-server). Screenshots go to
+output, then edits a ``%%chat`` cell and runs it again, then a stale one (their why lines,
+the conversation view); ``04_vision.ipynb`` (image spans and their position counts on the
+KV map) and ``05_remote_engine.ipynb`` (the dashboard on a llama-server). Screenshots go to
 ``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
 """
 
@@ -205,8 +206,80 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         # it marks where Alice's edited prompt left the cached conversation (a triangle)
         assert snapshot.locator(".scatterlayer .point").count() >= 1
         page.screenshot(path=str(shots / "imc.png"), full_page=True)
+        _rerun_cells(page, shots)
 
     _run_notebook(lab, tmp_path, "02_how_imc_works.ipynb", check)
+
+
+def _rerun_cells(page, shots) -> None:
+    """Cells are turns, in JupyterLab: edit Alice's second question and run its cell again,
+    then run her (now stale) third cell again; check the why lines and the conversation
+    view after each."""
+    view = page.locator(".nbkv-conversation-view").first
+    alice = view.locator(".nbkv-conversation[data-session='alice']")
+    # after Run All: the notebook's own re-run of turn 2 left turn 3 stale
+    assert alice.locator(".nbkv-turn[data-state='stale']").count() == 1
+    assert alice.locator(".nbkv-branch").count() == 1
+    # the fork drawn under Bob's first turn, sharing its KV
+    fork = view.locator(".nbkv-fork[data-session='bob2']")
+    assert fork.count() == 1 and "forked after turn 1" in fork.inner_text()
+
+    second = _code_cell(page, "%%chat alice", "And what does memory do?")
+    n = _run_edited(page, second, "%%chat alice --max-tokens 48\nAnd what is a CPU cache?")
+    why = second.locator(".nbkv-why")
+    why.wait_for(timeout=60_000)
+    # (where the cache found her turn 1 depends on what the notebook's last cells left in
+    # the slots: the why line goes on to say so)
+    assert why.inner_text().startswith(f"why: re-ran cell [{n}]: replaced turn 2 of alice")
+    page.wait_for_timeout(1500)  # the view's throttled redraw
+    turn2 = alice.locator(".nbkv-turn[data-turn='2']")
+    assert turn2.get_attribute("data-state") == "live" and f"[{n}]" in turn2.inner_text()
+    assert "CPU cache" in turn2.inner_text()
+    assert alice.locator(".nbkv-turn[data-turn='3']").get_attribute("data-state") == "stale"
+    second.scroll_into_view_if_needed()
+    second.screenshot(path=str(shots / "cells-rerun.png"))
+
+    third = _code_cell(page, "%%chat alice", "Why is a cache faster than memory?")
+    n = _run_edited(page, third, None)
+    why = third.locator(".nbkv-why")
+    why.wait_for(timeout=60_000)
+    assert why.inner_text().startswith(
+        f"why: re-ran cell [{n}]: refreshed turn 3 of alice on the new history")
+    page.wait_for_timeout(1500)
+    assert alice.locator(".nbkv-turn[data-state='stale']").count() == 0
+    assert alice.locator(".nbkv-turn[data-turn='3']").get_attribute("data-state") == "live"
+    view.scroll_into_view_if_needed()
+    page.wait_for_timeout(300)
+    view.screenshot(path=str(shots / "cells-conversations.png"))
+
+
+def _code_cell(page, *texts: str):
+    """The first code cell whose input holds every one of ``texts``, pinned by position
+    (a text locator would move to another cell once this one is edited)."""
+    inputs = page.locator(".jp-CodeCell .jp-InputArea").all_inner_texts()
+    i = next(i for i, t in enumerate(inputs) if all(x in t for x in texts))
+    return page.locator(".jp-CodeCell").nth(i)
+
+
+def _run_edited(page, cell, text: str | None) -> int:
+    """Replace ``cell``'s text (``None``: keep it), run it with Shift+Enter; returns its new
+    execution count."""
+    before = cell.locator(".jp-InputArea-prompt").inner_text()
+    cell.scroll_into_view_if_needed()
+    editor = cell.locator(".cm-content")
+    editor.click()
+    if text is not None:
+        page.keyboard.press("Control+a")
+        page.keyboard.insert_text(text)
+    page.keyboard.press("Shift+Enter")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        prompt = cell.locator(".jp-InputArea-prompt").inner_text()
+        m = re.search(r"\[(\d+)\]", prompt)
+        if m and prompt != before:
+            return int(m.group(1))
+        page.wait_for_timeout(500)
+    raise AssertionError(f"the cell did not run again: {before!r}")
 
 
 def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path):

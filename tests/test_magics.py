@@ -211,10 +211,10 @@ def test_kvcache_commands_render_html_and_text(loaded):
 
     history = rendered(loaded.run_line_magic("kvcache", "history -n 3"))
     last = e.history[-3:]
-    assert [row[:5] for row in history] == [
-        (str(r.id), r.session or "-", r.strategy, str(r.slot), str(r.prompt_tokens))
+    assert [row[:6] for row in history] == [  # no cell: these cells ran with no cell id
+        (str(r.id), r.session or "-", "-", r.strategy, str(r.slot), str(r.prompt_tokens))
         for r in last]
-    assert [row[11] for row in history] == [r.finish_reason for r in last]
+    assert [row[12] for row in history] == [r.finish_reason for r in last]
 
     explained = loaded.run_line_magic("kvcache", f"explain {last[0].id}")
     assert explained.explanation.record is last[0]

@@ -50,9 +50,10 @@ def scratch_probe(model, projector, units, probe, images):
 
 
 def run_py(code, *args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    # run from tests/: ``import conftest`` is tests/conftest.py, not the repository's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+                       capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -287,7 +288,7 @@ def test_the_good_save_restores(engine, good_save, tmp_path):
     store = SessionStore()
     rep = engine.restore(d, store)
     assert [s.session for s in rep.slots] == ["saved"] and rep.dropped == ()
-    assert store["saved"].turns == 2
+    assert len(store["saved"].turns) == 2
     s = next(s for s in engine.slots() if s.session == "saved")
     assert np.array_equal(np.array(engine.probe(s.index, PROBE)),
                           fresh_probe(engine.model, s.tokens, PROBE))
@@ -448,9 +449,9 @@ KILLED = """
 @pytest.mark.parametrize("phase", ["blob", "manifest"])
 def test_sigkill_mid_save_leaves_the_previous_save(engine, model_path, tmp_path, phase):
     save = tmp_path / "save"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED), model_path, str(save),
-                          phase], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                          phase], stdout=subprocess.PIPE, text=True, env=env, cwd=HERE)
     try:
         first = json.loads(p.stdout.readline())
         assert p.stdout.readline().strip() == "writing"
@@ -463,7 +464,7 @@ def test_sigkill_mid_save_leaves_the_previous_save(engine, model_path, tmp_path,
     store = SessionStore()
     rep = engine.restore(save, store)
     assert [s.tokens for s in rep.slots] == [first["tokens"]]
-    assert store["a"].turns == 1
+    assert len(store["a"].turns) == 1
     s = next(s for s in engine.slots() if s.session == "a")
     assert np.array_equal(np.array(engine.probe(s.index, PROBE)),
                           fresh_probe(engine.model, s.tokens, PROBE))
@@ -586,6 +587,6 @@ def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
         with capture_output() as cap:  # load --restore: the autosaved conversation is back
             m.kvcache("load --slots 2 --ctx 512 --restore")
         assert "restored the save" in shown(cap)
-        assert store.engine.slots()[0].session == "alice" and store["alice"].turns == 3
+        assert store.engine.slots()[0].session == "alice" and len(store["alice"].turns) == 3
     finally:
         m.kvcache("unload")

@@ -91,7 +91,7 @@ def test_turns_commit_user_and_reply_together(engine):
     # the whole conversation was sent, and continued in the session's cached slot
     assert second.record.prompt_tokens == len(engine.tokenize_prompt(s.messages[:4]))
     assert second.record.strategy == "hash-extend" and second.record.slot == rec.slot
-    assert s.turns == 2 and s.records == [rec, second.record]
+    assert len(s.turns) == 2 and s.records == [rec, second.record]
     assert_consistent(engine)
 
 

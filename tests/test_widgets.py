@@ -22,7 +22,7 @@ from nbkv.events import (
 )
 from nbkv.media import MediaKey, MediaUnit
 from nbkv.palette import COLORS
-from nbkv.widgets import CacheDashboard, Feed, KVMap, SlotCards, Timeline
+from nbkv.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline
 
 
 class RecordingComm:
@@ -504,3 +504,37 @@ def test_a_map_made_after_the_requests_starts_from_the_latest_one():
     eng.publish(RequestFinished(record(7, reason="edited", divergence=div)))
     kv = KVMap(eng, Feed(eng, live=False))  # drawn once, right away: no flush
     assert list(kv.traces["divergence"].x) == [63]
+
+
+def test_conversations_follow_session_changes(sent):
+    from nbkv.sessions import CellRef, SessionStore, Turn
+
+    eng, store = FakeEngine(), SessionStore()
+    view = Conversations(eng, Feed(eng, live=False), sessions=store)
+    assert "no conversation yet" in view.view.value and view.turns == 0
+    s = store.get("alice")
+    s.messages = [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "What is a CPU?"},
+                  {"role": "assistant", "content": "A processor."},
+                  {"role": "user", "content": "And memory?"},
+                  {"role": "assistant", "content": "Storage."}]
+    view.feed.flush()
+    assert view.turns == 2 and view.stale == 0 and "What is a CPU?" in view.view.value
+    # a cell's turn commits, then a rewind: session events, not engine ones
+    n = len(sent)
+    s._commit(Turn([{"role": "user", "content": "What is a GPU?"},
+                    {"role": "assistant", "content": "A graphics chip."}], CellRef("c1", 7)))
+    assert s.turns[0].cell is None  # the turns set from Python had no cell: appended
+    s.rewind(0)
+    view.feed.flush()
+    assert view.stale == 3 and view.view.value.count('data-state="stale"') == 3
+    # the redraw reached the front end as a widget state message
+    assert any(d and d.get("method") == "update" and 'data-state="stale"' in str(d)
+               for _, d in sent[n:])
+    eng.set_slot(0, session="alice", tokens=tuple(range(50)), last_used=1)
+    eng.publish(RequestFinished(record()))
+    view.feed.flush()
+    assert "slot 0: 50 tokens in KV" in view.view.value
+    view.close()
+    s.reset()  # no longer followed: nothing raised, nothing redrawn
+    assert view.turns == 3

@@ -1,4 +1,4 @@
-"""The cache dashboard: a header, the slot cards, the KV map and the timeline, on one feed."""
+"""The cache dashboard: header, slot cards, KV map, timeline and conversations, on one feed."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ipywidgets as W
 from traitlets import Float, observe, validate
 
 from ..display import engine_label, legend_html, slots_label
+from .conversations import Conversations
 from .feed import Feed, LiveState
 from .kvmap import KVMap
 from .slots import SlotCards
@@ -21,7 +22,7 @@ class CacheDashboard(W.VBox):
     interval = Float(0.25, help="Seconds between redraws (at most ~4/s by default)")
 
     def __init__(self, engine: Any, interval: float = 0.25, live: bool = True,
-                 **kw: Any) -> None:
+                 sessions: Any = None, **kw: Any) -> None:
         self.engine = engine
         self.feed = Feed(engine, interval, live=live)
         self.header = W.HTML()
@@ -30,8 +31,10 @@ class CacheDashboard(W.VBox):
         self.slots = SlotCards(engine, self.feed)
         self.kvmap = KVMap(engine, self.feed)
         self.timeline = Timeline(engine, self.feed)
+        self.conversations = Conversations(engine, self.feed, sessions)  # default: the kernel's
         self.legend = W.HTML(legend_html())
-        parts = [self.header, self.legend, self.slots, self.kvmap, self.timeline]
+        parts = [self.header, self.legend, self.slots, self.kvmap, self.timeline,
+                 self.conversations]
         if not engine.n_slots:  # a server that manages its own slots: no KV map to draw
             parts.remove(self.kvmap)
         super().__init__(parts, **kw)
@@ -71,6 +74,7 @@ class CacheDashboard(W.VBox):
     def close(self) -> None:
         """Stop the updates and close every piece."""
         self.feed.close()
-        for w in (self.slots, self.kvmap, self.timeline, self.header, self.legend):
+        for w in (self.slots, self.kvmap, self.timeline, self.conversations, self.header,
+                  self.legend):
             w.close()
         super().close()

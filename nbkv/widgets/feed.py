@@ -119,6 +119,11 @@ class Feed:
         self._views.append(view)
         self._draw(view)
 
+    def push(self, event: Any) -> None:
+        """Queue an event from another source (a session store) for the next redraw."""
+        if not self._stop.is_set():  # a closed feed keeps nothing
+            self._on_event(event)
+
     def _on_event(self, event: Any) -> None:  # engine thread: queue and return
         with self._lock:
             self._queue.append(event)
