@@ -490,9 +490,12 @@ class Engine(TemplatedAPI, ChatAPI):
                     "flash_attn": FLASH_ATTN[self.flash_attn],
                     "type_k": kv_type_id(type_k), "type_v": kv_type_id(type_v)}
         self._context_settings = settings
-        rule = calibrate.calibrate(self.model, n_seq=self.config.n_slots,
-                                   can_trim=self.memory.can_trim, settings=settings,
-                                   cache=mode == "cached")
+        try:
+            rule = calibrate.calibrate(self.model, n_seq=self.config.n_slots,
+                                       can_trim=self.memory.can_trim, settings=settings,
+                                       cache=mode == "cached")
+        except (NbkvError, RuntimeError) as e:  # e.g. no room for the temporary context
+            rule = PrefillRule(2, 1, exact=False, reason=f"the calibration failed: {e}")
         # next_chunk can then always leave the last chunk threshold rows
         need = max(2 * rule.threshold + rule.align - 2, rule.min_chunk)
         if rule.exact and self._batch.capacity < need:
