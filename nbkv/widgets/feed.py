@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..events import Progress, RequestFinished, RequestRecord, RequestStarted, SlotsChanged
+from ..palette import ERROR
 
 log = logging.getLogger("nbkv.widgets")
 
@@ -96,6 +97,7 @@ class Feed:
         self.interval = interval
         self.state = LiveState()
         self.renders = 0
+        self.render_cpu_s = 0.0  # CPU time the redraws took (this feed's thread)
         self._views: list[View] = []
         self._queue: list[Any] = []
         self._lock = threading.Lock()
@@ -140,12 +142,14 @@ class Feed:
         with self._lock:
             events, self._queue = self._queue, []
         with self._render_lock:
+            cpu = time.thread_time()
             for ev in events:
                 self.state.apply(ev)
             self._last = time.monotonic()
             for view in list(self._views):
                 self._draw(view)
             self.renders += 1
+            self.render_cpu_s += time.thread_time() - cpu
         if self.state.closed:
             self.close()
 
@@ -170,17 +174,38 @@ class Feed:
             t.join(timeout=2)
 
 
+def with_static(bundle: dict[str, Any], static_html: Any) -> dict[str, Any]:
+    """A widget's display data plus ``text/html``: the static fallback of a saved notebook.
+
+    Front ends with the widget manager show the live view; GitHub, nbviewer, nbconvert and
+    a notebook opened before its kernel starts show the HTML (inline SVG, no script).
+    """
+    try:
+        bundle["text/html"] = static_html()
+    except Exception:  # noqa: BLE001 - the live view must still show
+        log.exception("nbkv: the static fallback failed")
+    return bundle
+
+
 class FeedView:
-    """Mixin of the dashboard pieces: an error note, and closing what they own."""
+    """Mixin of the dashboard pieces: an error note, a static fallback, closing what they own."""
 
     note: Any  # an ipywidgets.HTML under the piece
     feed: Feed
     _own_feed: bool
     figure: Any = None  # a plotly FigureWidget, for the pieces that draw one
 
+    def static_html(self) -> str:
+        """The piece as static HTML, as it is now."""
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        return with_static(super()._repr_mimebundle_(**kwargs),  # type: ignore[misc]
+                           self.static_html)
+
     def show_error(self, message: str) -> None:
         """Show a redraw failure under the piece (never raised into the engine)."""
-        self.note.value = f'<span style="color:#c00">{html.escape(message)}</span>'
+        self.note.value = f'<span style="color:{ERROR}">{html.escape(message)}</span>'
 
     def close(self) -> None:
         """Close the piece (and its feed, if it owns it)."""
