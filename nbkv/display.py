@@ -491,7 +491,7 @@ def hardware_rows(engine: Engine) -> tuple[tuple[str, str], ...]:
 
 
 def slots_table(engine: Engine) -> Table:
-    """One row per slot: session, messages, tokens, LRU rank, pending, media, checkpoints."""
+    """One row per slot: session, messages, tokens, LRU rank, pending, images, checkpoints."""
     slots = engine.slots()
     order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)
     rank = {s.index: i + 1 for i, s in enumerate(order)}
@@ -521,7 +521,7 @@ def slots_table(engine: Engine) -> Table:
                                               "its sessions and what each request reused")
     return Table("slots", ("slot", "session", "messages", "tokens",
                            *(("server holds (/slots)",) if server else ()), "LRU", "pending",
-                           "media", "checkpoints", f"KV map (positions 0–{span})"), rows,
+                           "images", "checkpoints", f"KV map (positions 0–{span})"), rows,
                  note="LRU 1 = most recently used, evicted last. " + LEGEND_TEXT
                       + ("; | = checkpoint" if used else ""),
                  html_note=f'<div style="color:{MUTED};font-size:90%">LRU 1 = most recently '

@@ -20,8 +20,8 @@ ROLE_COLORS = {"system": "#5b6770", "user": "#3b7dd8", "assistant": "#17a2b8",
 #: highlights of ``%kvcache explain``: what the slot held after the divergence (trimmed) and
 #: what the new prompt read instead. Far apart in hue and lightness, and the trimmed one is
 #: also hatched and struck through, so the two never look alike
-TRIMMED_TINT = "#f3c4c3"
-PREFILLED_TINT = "#ffe08a"
+TRIMMED_TINT = "#f4b4b2"
+PREFILLED_TINT = "#ffe680"
 
 #: neutral ink: text, marks, grids and backgrounds
 INK = "#222222"  # marks (checkpoints, divergence), strong text

@@ -136,7 +136,7 @@ def latest(slot: Any, running: Any, last: RequestRecord | None) -> RequestRecord
 
 def card(s: Any, rank: int | None, n_used: int, run: Any = None,
          last: RequestRecord | None = None) -> str:
-    """One slot as a card: session, messages, tokens / capacity, LRU, media, memory, status."""
+    """One slot as a card: session, messages, tokens / capacity, LRU, images, memory, status."""
     pct = 100 * s.n_tokens / s.capacity if s.capacity else 0
     badge = ""
     if run is not None:
@@ -167,7 +167,7 @@ def card(s: Any, rank: int | None, n_used: int, run: Any = None,
         f'<div style="background:{TRACK};height:6px;border-radius:3px">'
         f'<div style="background:{ROLE_COLORS["user"]};height:6px;border-radius:3px;'
         f'width:{pct:.1f}%"></div></div>'
-        f"{lru} · media chunks: {s.n_media}<br>"
+        f"{lru} · images: {s.n_media}<br>"
         f'{memory_html(s)}{event}<br>{badge}{unverified_html(s)}</div>'
     )
 

@@ -486,3 +486,18 @@ def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
     # plain attention: the column says "-" and the note has no checkpoint legend
     plain = slots_table(SimpleNamespace(slots=lambda: (empty,), memory=MemoryInfo("plain")))
     assert str(plain.rows[0][7]) == "-" and "checkpoint" not in plain.note
+
+
+def test_report_writes_one_self_contained_page(loaded, tmp_path):
+    chat(loaded, "rose --new --no-stats --max-tokens 2", "Hello.")
+    out = loaded.run_line_magic("kvcache", f"report {tmp_path / 'cache.html'}")
+    assert str(out).startswith(f"wrote {tmp_path / 'cache.html'} (")
+    page = (tmp_path / "cache.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "nbkv-dashboard-static" in page
+    assert "nbkv-kvmap-svg" in page and "nbkv-timeline-svg" in page
+    assert "last " in page and "nbkv-explain" in page  # history, and the latest explained
+    # nothing from elsewhere: no script, no stylesheet, no remote image or font
+    assert "<script" not in page and not re.search(r'(src|href)="(https?:)?//', page)
+    inline = loaded.run_line_magic("kvcache", "report")  # no FILE: shown in the notebook
+    assert "nbkv-dashboard-static" in inline._repr_html_()
+    assert nbkv.report().engine is nbkv.current_engine()

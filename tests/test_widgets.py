@@ -123,7 +123,7 @@ def test_slot_cards_follow_a_request(sent):
     cards.feed.flush()
     card = cards.cards[0].value
     assert "alice" in card and "busy" in card and "read 10/24 new (continued)" in card
-    assert "3 messages" in card and "80/512 tokens" in card and "media chunks: 0" in card
+    assert "3 messages" in card and "80/512 tokens" in card and "images: 0" in card
     assert cards.busy == 1 and cards.used == 80
     eng.publish(Progress(1, 0, "generate", 3, 8))
     cards.feed.flush()
@@ -428,7 +428,7 @@ def test_images_show_as_media_spans_and_chunks():
     assert bars(kv.traces["image"]) == [("slot 0", 5, 69)]
     assert bars(kv.traces["user"]) == [("slot 0", 0, 5), ("slot 0", 69, 80)]
     assert kv.traces["image"].customdata[0][4] == "image " + "ab" * 6
-    assert "media chunks: 1" in cards.cards[0].value
+    assert "images: 1" in cards.cards[0].value
 
 
 def test_slot_cards_show_the_memory_class_and_checkpoints():
