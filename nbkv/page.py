@@ -35,9 +35,8 @@ class Report:
         parts = [f'<h2 style="font:bold 16px sans-serif;color:{INK};margin:4px 0">'
                  f"{html.escape(self.title)}</h2>"
                  f'<div style="color:{MUTED};font-size:12px">snapshot of {when}</div>',
-                 static.dashboard_html(e), _section("requests"),
-                 history_table(e.history, last=0)._repr_html_(), _section("statistics"),
-                 stats_table(e)._repr_html_()]
+                 static.dashboard_html(e, caption=False),
+                 history_table(e.history, last=0)._repr_html_(), stats_table(e)._repr_html_()]
         stories = []
         for rec in list(e.history)[-self.explain_last:] if self.explain_last else []:
             try:

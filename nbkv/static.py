@@ -394,6 +394,9 @@ def timeline_svg(history: Sequence[RequestRecord], max_requests: int = 50,
                  width: int = 720) -> str:
     """Per request: share served from cache (by event), first-token time, prompt tokens."""
     recs = list(history)[-max_requests:]
+    if not recs:
+        return (f'<div class="nbkv-timeline-svg" style="color:{MUTED};margin:6px 0">no '
+                "request yet: the timeline starts with the first one</div>")
     left, right_pad = 60, 12
     pw = width - left - right_pad
     panels = (("prompt served from cache (%)", 90), ("time to first token (ms)", 110),
@@ -521,22 +524,28 @@ def last_by_slot(engine: Any) -> dict[int, RequestRecord]:
     return {r.slot: r for r in engine.history if ids.get(r.slot) == r.id}
 
 
-def frame(body: str, cls: str) -> str:
-    """A static rendering's box, marked so that tests and readers can find it."""
+def frame(body: str, cls: str, caption: bool = True) -> str:
+    """A static rendering's box, marked so that tests and readers can find it.
+
+    ``caption``: say that it is a snapshot (a running notebook shows the live view instead).
+    """
+    note = (f'<div style="color:{MUTED};font-size:11px;font-style:italic">static snapshot: '
+            "the cache when this cell ended (run the notebook for the live view)</div>"
+            if caption else "")
     return (f'<div class="nbkv-static {cls}" style="font:12px sans-serif;color:{TEXT};'
-            f'margin:4px 0">{body}</div>')
+            f'margin:4px 0">{note}{body}</div>')
 
 
-def dashboard_html(engine: Any, state: Any = None) -> str:
+def dashboard_html(engine: Any, state: Any = None, caption: bool = True) -> str:
     """The whole dashboard: header, legend, slot cards, KV map and timeline."""
     closed = bool(getattr(state, "closed", False))
     running = {run.record.slot: run for run in getattr(state, "running", {}).values()}
     if closed:
-        return frame(header_html(engine, closed=True), "nbkv-dashboard-static")
+        return frame(header_html(engine, closed=True), "nbkv-dashboard-static", caption)
     last = dict(getattr(state, "last_by_slot", None) or last_by_slot(engine))
     slots = engine.slots()
     parts = [header_html(engine, len(running)), legend_html(), cards_html(slots, last, running)]
     if engine.n_slots:
         parts.append(kvmap_svg(slots, engine.n_ctx, last, running))
     parts.append(timeline_svg(engine.history))
-    return frame("".join(parts), "nbkv-dashboard-static")
+    return frame("".join(parts), "nbkv-dashboard-static", caption)

@@ -123,8 +123,9 @@ ENDINGS = _table(
 MARKS = _table(
     Term("checkpoint-mark", "checkpoint",
          "a saved state this model can go back to (hybrid and recurrent memory)", INK),
-    Term("divergence", "where the prompt left the cached conversation",
-         "the first position where the new prompt differs from what the slot held", INK),
+    Term("divergence", "where the prompt diverged",
+         "where the prompt left the cached conversation: the first position where the new "
+         "prompt differs from what the slot held", INK),
     Term("took-slot", "took another conversation's slot",
          "this request's slot held another conversation, which was dropped to make room",
          COLORS["trimmed"], "x", ("evictions",)),

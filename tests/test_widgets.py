@@ -320,22 +320,25 @@ def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(sent, c
     draws = Draws()
     dash.feed.attach(draws)  # drawn once right away, on this thread
     try:
-        eng.publish(RequestStarted(record()))  # the first event is drawn at once
-        assert draws.wait_for(2) == ("nbkv-widgets", 1)
-        for i in range(1, 51):  # 50 events within 0.2 s of that redraw
+        eng.publish(RequestStarted(record()))  # a prompt is being read: no redraw yet
+        time.sleep(0.2)
+        assert len(draws.seen) == 1
+        eng.publish(Progress(1, 0, "generate", 1, 100))  # its first token: drawn at once
+        assert draws.wait_for(2) == ("nbkv-widgets", 2)
+        for i in range(2, 52):  # 50 events within 0.2 s of that redraw
             clock.advance(0.004)
             eng.publish(Progress(1, 0, "generate", i, 100))
         assert len(draws.seen) == 2  # the feed waits for the interval to pass
         clock.advance(0.1)  # 0.3 s since the last redraw: one redraw for all 50
-        assert draws.wait_for(3) == ("nbkv-widgets", 51)
-        for i in range(51, 101):
+        assert draws.wait_for(3) == ("nbkv-widgets", 52)
+        for i in range(52, 102):
             clock.advance(0.004)
             eng.publish(Progress(1, 0, "generate", i, 100))
         eng.publish(RequestFinished(record(generated_tokens=100)))
         assert len(draws.seen) == 3
         clock.advance(0.1)  # the final state, once more after the last event
-        assert draws.wait_for(4) == ("nbkv-widgets", 102)
-        assert dash.feed.renders == 3  # 102 events, 3 redraws
+        assert draws.wait_for(4) == ("nbkv-widgets", 103)
+        assert dash.feed.renders == 3  # 103 events, 3 redraws
         assert dash.timeline.shown == 1 and "1 requests" in dash.header.value
         assert "generating" not in dash.slots.cards[0].value  # the request ended
         # publishing only queues: every redraw after the first ran on the widget thread
@@ -344,6 +347,31 @@ def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(sent, c
     finally:
         dash.close()
     assert len(draws.seen) == 4  # closing draws nothing more
+
+
+def test_a_long_prefill_is_redrawn_at_most_once_per_hold(clock):
+    eng = FakeEngine()
+    feed = Feed(eng, interval=0.25, hold=1.0)
+    draws = Draws()
+    feed.attach(draws)
+    try:
+        eng.publish(RequestStarted(record()))
+        deadline = time.monotonic() + 10
+        while not feed.state.running and time.monotonic() < deadline:  # the thread took it
+            time.sleep(0.01)
+        clock.advance(0.5)
+        time.sleep(0.2)
+        assert len(draws.seen) == 1  # still reading, within the hold
+        clock.advance(0.6)  # 1.1 s: a long prefill shows its progress
+        assert draws.wait_for(2)[1] == 1
+        eng.publish(Progress(1, 0, "extend", 10, 24))
+        clock.advance(0.3)  # past the interval, but within the hold of the last redraw
+        time.sleep(0.2)
+        assert len(draws.seen) == 2
+        clock.advance(0.8)
+        assert draws.wait_for(3)[1] == 2
+    finally:
+        feed.close()
 
 
 def test_a_failing_redraw_is_shown_not_raised():
@@ -489,7 +517,7 @@ def test_one_legend_for_the_dashboard_and_the_slot_strips():
     for key, label in LEGEND_STATES:  # each colour named once, by what it means
         assert html.count(COLORS[key]) == 1 and label in html
     assert all(ROLE_COLORS[r] in html for r in ("system", "user", "assistant"))
-    assert "checkpoint" in html and "left the cached conversation" in html
+    assert "checkpoint" in html and "where the prompt diverged" in html
     eng = FakeEngine()
     dash = CacheDashboard(eng, live=False)
     try:

@@ -3,7 +3,10 @@
 The engine calls :meth:`Feed._on_event` on its scheduler thread: it only queues the event.
 A render thread applies queued events to a :class:`LiveState` and redraws the attached
 views at most once per ``interval`` seconds, always once more after the last event (so the
-final state of a request is shown). A view that fails shows its error; nothing is raised.
+final state of a request is shown). While a prompt is being read, redraws wait for its
+first token, and a long prefill is redrawn at most once per ``hold`` seconds: a redraw (and
+the browser's, which shares the cores) would otherwise compete with the prefill it shows.
+A view that fails shows its error; nothing is raised.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ class Running:
     phase: str = ""
     done: int = 0
     total: int = 0
+    since: float = 0.0  # time.monotonic() when the feed learned of it
+
+    @property
+    def reading(self) -> bool:
+        """True until the first reply token: the prompt is being read (or its image encoded)."""
+        return self.phase != "generate"
 
     @property
     def prefilled(self) -> int:
@@ -56,7 +65,7 @@ class LiveState:
         """Update from one engine event."""
         self.events += 1
         if isinstance(event, RequestStarted):
-            self.running[event.record.id] = Running(event.record)
+            self.running[event.record.id] = Running(event.record, since=time.monotonic())
         elif isinstance(event, Progress):
             run = self.running.get(event.request_id)
             if run is not None:
@@ -92,9 +101,11 @@ class View(Protocol):
 class Feed:
     """Subscribes to an engine and redraws views, throttled, on its own thread."""
 
-    def __init__(self, engine: Any, interval: float = 0.25, live: bool = True) -> None:
+    def __init__(self, engine: Any, interval: float = 0.25, live: bool = True,
+                 hold: float = 1.0) -> None:
         self.engine = engine
         self.interval = interval
+        self.hold = hold
         self.state = LiveState()
         self.renders = 0
         self.render_cpu_s = 0.0  # CPU time the redraws took (this feed's thread)
@@ -135,16 +146,34 @@ class Feed:
             if self._stop.is_set():
                 break
             self._wake.clear()
-            self.flush()
+            held = self._held()
+            while held > 0 and not self._stop.is_set():  # a prompt is being read
+                if self._wake.wait(held):
+                    self._wake.clear()
+                held = self._held()
+            if not self._stop.is_set():
+                self.flush()
 
-    def flush(self) -> None:
-        """Apply the queued events and redraw every view now."""
+    def _apply(self) -> None:
         with self._lock:
             events, self._queue = self._queue, []
         with self._render_lock:
-            cpu = time.thread_time()
             for ev in events:
                 self.state.apply(ev)
+
+    def _held(self) -> float:
+        """Seconds the next redraw should wait for the prompts being read (0: none)."""
+        self._apply()
+        reading = [run.since for run in self.state.running.values() if run.reading]
+        if not reading:
+            return 0.0
+        return max(min(reading) + self.hold, self._last + self.hold) - time.monotonic()
+
+    def flush(self) -> None:
+        """Apply the queued events and redraw every view now."""
+        self._apply()
+        with self._render_lock:
+            cpu = time.thread_time()
             self._last = time.monotonic()
             for view in list(self._views):
                 self._draw(view)
