@@ -125,7 +125,11 @@ class RequestRecord:
 
     def ttft_parts(self) -> list[tuple[str, float]]:
         """The first-token time in parts that add up to it, in plain words."""
-        parts = [("waited", self.wait_s), ("restored", self.restore_s)]
+        # what a request waits for is a free slot, or the scheduler's step in progress: with
+        # no pause between cells, the rewrite of the previous reply (README, Exactness)
+        waited = ("waited (for a free slot, or the step in progress: e.g. the rewrite of the "
+                  "previous reply)" if self.wait_s >= 0.02 else "waited")
+        parts = [(waited, self.wait_s), ("restored", self.restore_s)]
         if self.rewrite_absorbed:
             parts.append((f"re-read the previous reply ({self.rewrite_absorbed} tokens, "
                           "its rewrite had not run yet)", self.rewrite_absorbed_s))

@@ -444,7 +444,8 @@ def test_figures_say_what_happened_in_plain_words():
     assert len(fields) == len(Figures(took).record.actions())
     assert all("white-space:nowrap" in style for style in fields)
     # the first token's time explains itself: its parts add up to it
-    assert ("first token 500 ms = waited 100 ms + restored 0 ms + re-read the previous reply "
+    assert ("first token 500 ms = waited (for a free slot, or the step in progress: e.g. the "
+            "rewrite of the previous reply) 100 ms + restored 0 ms + re-read the previous reply "
             "(10 tokens, its rewrite had not run yet) 150 ms + read the prompt (10 new "
             "tokens) 248 ms + first token 2 ms") in html.replace("time from the request to "
                                                                "the first reply token: ",
