@@ -136,6 +136,9 @@ class RequestRecord:
         n = self.prefilled_tokens - self.rewrite_absorbed
         parts += [(f"read the prompt ({n} new tokens)", self.read_s),
                   ("first token", self.first_decode_s)]
+        rest = self.ttft_s - sum(s for _, s in parts)  # a remote engine times less of it
+        if rest > 0.0005:
+            parts.append(("elsewhere (a server's queue, HTTP)", rest))
         return parts
 
     def ttft_text(self) -> str:
