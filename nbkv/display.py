@@ -126,12 +126,12 @@ def swatch(color: str, term: vocab.Term, style: str = "", label: str = "") -> st
             f"</span>{html.escape(label or term.words)}</span>")
 
 
-def _marks() -> str:
+def _marks(divergence: bool = True) -> str:
     m = vocab.MARKS
     return (f'<span title="{html.escape(m["checkpoint-mark"].tip, quote=True)}" '
             f'style="margin-right:10px;cursor:help">▏ {m["checkpoint-mark"].words}</span>'
-            f'<span title="{html.escape(m["divergence"].tip, quote=True)}" style="cursor:help">'
-            f'▼ {m["divergence"].words}</span>')
+            + (f'<span title="{html.escape(m["divergence"].tip, quote=True)}" '
+               f'style="cursor:help">▼ {m["divergence"].words}</span>' if divergence else ""))
 
 
 def legend_html(kind: str = "dashboard") -> str:
@@ -152,7 +152,7 @@ def legend_html(kind: str = "dashboard") -> str:
             for k in STRIP_SHADES)
         return (f"{box}<div><b>who wrote it</b> (the colour of each span): {roles}</div>"
                 f"<div><b>what the latest request did</b> (its shading): {shades}"
-                f"{_marks()}</div></div>")
+                f"{_marks(divergence=False)}</div></div>")
     states = "".join(swatch(COLORS[k], vocab.STATES[k]) for k, _ in LEGEND_STATES)
     return (f"{box}<div><b>what the latest request did</b> (request rows, bars, figures): "
             f"{states}</div><div><b>who wrote it</b> (message rows, slot strips): {roles}"
@@ -216,13 +216,15 @@ class Figures:
             for text, tip in r.actions())
         why = self.why()
         reused, read = vocab.STATES["reused"].words, vocab.STATES["prefilled"].words
-        return (f'<div class="nbkv-figures" style="font:12px monospace;color:{NEUTRAL}">'
+        # the bar on the left, the fields and the why line in a column beside it
+        return (f'<div class="nbkv-figures" style="font:12px monospace;color:{NEUTRAL};'
+                f'display:flex;align-items:flex-start">'
                 f'<span title="prompt tokens: {reused} (green), {read} (orange)" '
-                f'style="display:inline-block;width:80px;background:{TRACK};'
-                f'margin-right:6px">{bar}</span>{fields}'
-                + (f'<div class="nbkv-why" style="margin-left:86px">why: {html.escape(why)}'
-                   f"</div>" if why else "")
-                + "</div>")
+                f'style="flex:none;display:inline-block;width:80px;background:{TRACK};'
+                f'margin:4px 6px 0 0;line-height:0">{bar}</span><div style="min-width:0">'
+                f"{fields}"
+                + (f'<div class="nbkv-why">why: {html.escape(why)}</div>' if why else "")
+                + "</div></div>")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())

@@ -509,10 +509,10 @@ def timeline_legend(terms: Iterable[vocab.Term], uid: str, estimate: bool) -> st
 def header_html(engine: Any, running: int = 0, closed: bool = False) -> str:
     """The dashboard's first line: model, slots, cache mode, requests, share from cache."""
     if closed:
-        return ('<div class="nbkv-header" style="font:13px sans-serif"><b>nbkv</b> · engine '
+        return ('<div class="nbkv-header-line" style="font:13px sans-serif"><b>nbkv</b> · engine '
                 "closed (load a new one and run %kvcache widget again)</div>")
     s = engine.stats()
-    return (f'<div class="nbkv-header" style="font:13px sans-serif"><b>nbkv</b> · '
+    return (f'<div class="nbkv-header-line" style="font:13px sans-serif"><b>nbkv</b> · '
             f"{esc(engine_label(engine))} · {slots_label(engine)} · "
             f"cache {engine.cache} · {s['requests']} requests, {s['salvage_pct']:.0f}% of prompt "
             f"tokens from cache · {running} running</div>")
