@@ -60,7 +60,7 @@ class CacheDashboard(W.VBox):
 
     def static_html(self) -> str:
         """The whole dashboard as static HTML and inline SVG, as it is now."""
-        return static.dashboard_html(self.engine, self.feed.state)
+        return static.dashboard_html(self.engine, self.feed.snapshot())
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         return with_static(super()._repr_mimebundle_(**kwargs), self.static_html)

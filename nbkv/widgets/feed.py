@@ -15,7 +15,7 @@ import html
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..events import Progress, RequestFinished, RequestRecord, RequestStarted, SlotsChanged
@@ -153,6 +153,13 @@ class Feed:
                 held = self._held()
             if not self._stop.is_set():
                 self.flush()
+
+    def snapshot(self) -> LiveState:
+        """A copy of the state, safe to read on another thread while the feed runs."""
+        with self._render_lock:
+            st = self.state
+            return LiveState({k: replace(v) for k, v in st.running.items()},
+                             dict(st.last_by_slot), st.events, st.closed)
 
     def _apply(self) -> None:
         with self._lock:

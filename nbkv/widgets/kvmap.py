@@ -165,7 +165,7 @@ class KVMap(FeedView, W.VBox):
 
     def static_html(self) -> str:
         """The map as inline SVG, with its legend (the saved notebook's fallback)."""
-        state = self.feed.state
+        state = self.feed.snapshot()  # the render thread may be drawing meanwhile
         if state.closed:
             return static.frame("engine closed", "nbkv-kvmap-static")
         running = {run.record.slot: run for run in state.running.values()}

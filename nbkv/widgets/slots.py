@@ -51,7 +51,7 @@ class SlotCards(FeedView, W.VBox):
 
     def static_html(self) -> str:
         """The cards as plain HTML (the saved notebook's fallback)."""
-        state = self.feed.state
+        state = self.feed.snapshot()  # the render thread may be drawing meanwhile
         if state.closed:
             return static.frame("engine closed", "nbkv-slot-cards-static")
         running = {run.record.slot: run for run in state.running.values()}
