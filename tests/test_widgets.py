@@ -336,7 +336,10 @@ def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(sent, c
             eng.publish(Progress(1, 0, "generate", i, 100))
         eng.publish(RequestFinished(record(generated_tokens=100)))
         assert len(draws.seen) == 3
-        clock.advance(0.1)  # the final state, once more after the last event
+        clock.advance(0.3)  # a request that ended is drawn once nothing follows for 0.4 s
+        time.sleep(0.2)
+        assert len(draws.seen) == 3
+        clock.advance(0.2)  # the final state, once more after the last event
         assert draws.wait_for(4) == ("nbkv-widgets", 103)
         assert dash.feed.renders == 3  # 103 events, 3 redraws
         assert dash.timeline.shown == 1 and "1 requests" in dash.header.value

@@ -4,8 +4,10 @@ The engine calls :meth:`Feed._on_event` on its scheduler thread: it only queues 
 A render thread applies queued events to a :class:`LiveState` and redraws the attached
 views at most once per ``interval`` seconds, always once more after the last event (so the
 final state of a request is shown). While a prompt is being read, redraws wait for its
-first token, and a long prefill is redrawn at most once per ``hold`` seconds: a redraw (and
-the browser's, which shares the cores) would otherwise compete with the prefill it shows.
+first token, and a long prefill is redrawn at most once per ``hold`` seconds; a request's
+end is drawn after ``quiet`` seconds, or, if the next request has started by then, after its
+first token: a redraw (and the browser's, which shares the cores) would otherwise compete
+with the prefill, and with the rewrite of the reply just ended (README, Exactness).
 A view that fails shows its error; nothing is raised.
 """
 
@@ -60,12 +62,14 @@ class LiveState:
     last_by_slot: dict[int, RequestRecord] = field(default_factory=dict)
     events: int = 0
     closed: bool = False
+    finished_at: float = 0.0  # time.monotonic() when the latest request ended
 
-    def apply(self, event: Any) -> None:
-        """Update from one engine event."""
+    def apply(self, event: Any, at: float | None = None) -> None:
+        """Update from one engine event, published at ``at`` (``time.monotonic()``)."""
+        at = time.monotonic() if at is None else at
         self.events += 1
         if isinstance(event, RequestStarted):
-            self.running[event.record.id] = Running(event.record, since=time.monotonic())
+            self.running[event.record.id] = Running(event.record, since=at)
         elif isinstance(event, Progress):
             run = self.running.get(event.request_id)
             if run is not None:
@@ -73,6 +77,7 @@ class LiveState:
         elif isinstance(event, RequestFinished):
             self.running.pop(event.record.id, None)
             self.last_by_slot[event.record.slot] = event.record
+            self.finished_at = at
         elif isinstance(event, SlotsChanged):
             if event.reason == "closed":
                 self.closed = True
@@ -102,15 +107,16 @@ class Feed:
     """Subscribes to an engine and redraws views, throttled, on its own thread."""
 
     def __init__(self, engine: Any, interval: float = 0.25, live: bool = True,
-                 hold: float = 1.0) -> None:
+                 hold: float = 1.0, quiet: float = 0.4) -> None:
         self.engine = engine
         self.interval = interval
         self.hold = hold
+        self.quiet = quiet
         self.state = LiveState()
         self.renders = 0
         self.render_cpu_s = 0.0  # CPU time the redraws took (this feed's thread)
         self._views: list[View] = []
-        self._queue: list[Any] = []
+        self._queue: list[tuple[float, Any]] = []  # (when published, event)
         self._lock = threading.Lock()
         self._render_lock = threading.RLock()
         self._wake = threading.Event()
@@ -134,7 +140,7 @@ class Feed:
 
     def _on_event(self, event: Any) -> None:  # engine thread: queue and return
         with self._lock:
-            self._queue.append(event)
+            self._queue.append((time.monotonic(), event))
         self._wake.set()
 
     def _run(self) -> None:
@@ -165,16 +171,25 @@ class Feed:
         with self._lock:
             events, self._queue = self._queue, []
         with self._render_lock:
-            for ev in events:
-                self.state.apply(ev)
+            for at, ev in events:
+                self.state.apply(ev, at)
 
     def _held(self) -> float:
-        """Seconds the next redraw should wait for the prompts being read (0: none)."""
+        """Seconds the next redraw should wait, so as not to compete with a prefill (0: none).
+
+        While prompts are being read: until the first token (at most ``hold`` seconds, then
+        once per ``hold``). Right after a request ended, with nothing running: ``quiet``
+        seconds, for the next cell's request may follow at once (its prompt, and the rewrite
+        of the reply that just ended, come first; the redraw then waits for its first token).
+        """
         self._apply()
+        now = time.monotonic()
         reading = [run.since for run in self.state.running.values() if run.reading]
-        if not reading:
-            return 0.0
-        return max(min(reading) + self.hold, self._last + self.hold) - time.monotonic()
+        if reading:
+            return max(min(reading) + self.hold, self._last + self.hold) - now
+        if not self.state.running and not self.state.closed:
+            return self.state.finished_at + self.quiet - now
+        return 0.0
 
     def flush(self) -> None:
         """Apply the queued events and redraw every view now."""
