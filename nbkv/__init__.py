@@ -11,11 +11,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Engine", "ChatResult", "ChatStream", "SlotInfo", "connect", "session", "current_engine",
-    "load_ipython_extension", "unload_ipython_extension", "__version__",
+    "report", "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
 
 if TYPE_CHECKING:
     from .engine import ChatResult, ChatStream, Engine, SlotInfo
+    from .page import report
     from .remote import connect
     from .sessions import current_engine, session
 
@@ -44,6 +45,10 @@ def __getattr__(name: str):
         from .remote import connect
 
         return connect
+    if name == "report":
+        from .page import report
+
+        return report
     if name in ("session", "current_engine"):
         from . import sessions
 

@@ -19,6 +19,7 @@ import llama_cpp
 import numpy as np
 
 from .errors import DecodeError, ModelLoadError, ModelNotFoundError
+from .models import display_name
 
 log = logging.getLogger("nbkv.llama")
 
@@ -224,18 +225,16 @@ class Model:
 
     @property
     def name(self) -> str:
-        """What people call the model: GGUF ``general.name``, size, parameters, quantization.
+        """What people call the model, its parameters and quantization.
 
-        E.g. ``Smollm2 135M 8k ... (135M parameters, Q4_1)``.
+        E.g. ``SmolLM2-135M-Instruct (135M parameters, Q4_1)``: a known model's name
+        (:data:`nbkv.models.KNOWN_MODELS`), else the file's name (GGUF ``general.name`` is
+        often a training run's, such as "Smollm2 135M 8k Lc100K Mix1 Ep2").
         """
-        name = self.meta("general.name") or self.path.stem
-        size = self.meta("general.size_label")
         n = self.n_params
         count = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
         quant = self.description.rsplit(" ", 1)[-1]
-        if size and size not in name:
-            name = f"{name} {size}"
-        return f"{name} ({count} parameters, {quant})"
+        return f"{display_name(self.path)} ({count} parameters, {quant})"
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Tokenize ``text``; control tokens such as ``<|im_start|>`` are parsed as special."""

@@ -8,7 +8,7 @@ returning a :class:`~nbkv.streams.ChatStream` when streaming, and an ``events`` 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import InvalidRequestError
@@ -71,6 +71,19 @@ class ChatAPI:
         astream = AsyncChatStream(s, loop)
         return astream if stream else await astream.result()
 
+    def carry_over(self, sessions: Iterable[str]) -> None:
+        """Sessions another engine cached before this one replaced it (``%kvcache load``).
+
+        Their next request here says the engine was reloaded, not that the conversation is
+        new. Engines that keep no per-session reasons ignore it.
+        """
+        from .reasons import RELOADED, Whereabouts
+
+        whereabouts = getattr(self, "_whereabouts", None)
+        if whereabouts is not None:
+            for name in sessions:
+                whereabouts.setdefault(name, Whereabouts(0, RELOADED))
+
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""
         return self.events.subscribe(callback)
@@ -107,7 +120,9 @@ class TemplatedAPI:
 
 
 def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
-    """Totals over request records: requests by strategy, prompt, reused, read, generated."""
+    """Totals over records: requests by strategy and event, prompt, reused, read, generated."""
+    from .vocabulary import counts
+
     prompt = sum(r.prompt_tokens for r in history)
     reused = sum(r.reused_tokens for r in history)
     by: dict[str, int] = {}
@@ -117,6 +132,7 @@ def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
     return {
         "requests": len(history),
         "strategies": by,
+        "events": counts(history),
         "prompt_tokens": prompt,
         "reused_tokens": reused,
         "prefilled_tokens": sum(r.prefilled_tokens for r in history),

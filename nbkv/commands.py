@@ -80,8 +80,21 @@ def status(ws: Workspace, args: Any) -> Any:
     return disp.status_table(ws.store.engine, ws.store)
 
 
+def _at_least_one(args: Any, *flags: str) -> None:
+    """Refuse ``--slots 0`` and the like: 0 is not "the default" (leave the flag out)."""
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            name = "--" + flag.replace("_", "-")
+            raise InvalidRequestError(f"{name} must be at least 1, not {value} (leave {name} "
+                                      "out to size it from the memory plan)")
+
+
 def load(ws: Workspace, args: Any) -> Any:
     """Close the engine, load a new one (the model and options given, else the settings)."""
+    from . import memplan
+
+    _at_least_one(args, "slots", "ctx")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
                                        kv_type=args.kv_type, flash_attn=args.flash_attn)
@@ -95,12 +108,21 @@ def load(ws: Workspace, args: Any) -> Any:
     path = args.target or ws.settings.model or None
     if path:  # checked before the old engine is closed
         path = str(_file(path, "model"))
+    carried = [s.name for s in ws.store if s.records]  # their next turn: "engine reloaded"
+    ws.store.close_engine()  # first, so that the free memory counts what it held
+    free, where = memplan.kv_memory(kwargs["n_gpu_layers"])
     progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
                             ws.notebook)
     engine = ws.store.load(path, on_load_progress=progress, **kwargs)
+    engine.carry_over(carried)
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)
-    notes = [engine.sized, _offer_restore(ws, engine, args.restore)]
+    picked = " and ".join(what for what, given in (("slots", kwargs["n_slots"]),
+                                                   ("tokens per slot", kwargs["n_ctx"]))
+                          if given is None)
+    notes = [memplan.fit_sentence(engine.plan, free, where, picked) if picked else None,
+             memplan.context_warning(engine.n_ctx, engine.model.n_ctx_train),
+             _offer_restore(ws, engine, args.restore)]
     progress.done(summary, note="\n".join(n for n in notes if n) or None)
     return None if ws.notebook else summary
 
@@ -116,8 +138,11 @@ def connect(ws: Workspace, args: Any) -> Any:
         key = os.environ.get(args.api_key_env)
         if not key:
             raise InvalidRequestError(f"--api-key-env: ${args.api_key_env} is not set")
+    _at_least_one(args, "slots")
+    carried = [s.name for s in ws.store if s.records]
     engine = ws.store.connect(args.target, slots=args.slots, api_key=key,
                               min_tokens=ws.settings.min_tokens)
+    engine.carry_over(carried)
     ws.sync_autosave()
     return disp.status_table(engine, ws.store)
 
@@ -189,6 +214,19 @@ def widget(ws: Workspace, args: Any) -> Any:
     return CacheDashboard(ws.engine(), sessions=ws.store)
 
 
+def report(ws: Workspace, args: Any) -> Any:
+    """The cache on one self-contained page: written to FILE, else shown here."""
+    from .page import report as make
+
+    page = make(ws.engine())
+    if not args.target:
+        return page
+    path = page.to_html(args.target)
+    return disp.Message(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB): the dashboard, "
+                        "the requests and the latest ones explained, on one page that opens "
+                        "offline")
+
+
 def unload(ws: Workspace, args: Any) -> Any:
     """Close the engine and free its memory."""
     if ws.store.engine is None:
@@ -233,6 +271,7 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "verify": (verify, frozenset(), True),
     "clear": (clear, frozenset({"all"}), True),
     "widget": (widget, frozenset(), False),
+    "report": (report, frozenset(), True),
     "unload": (unload, frozenset(), False),
     "config": (config, frozenset(), False),
     "save": (save, frozenset(), True),

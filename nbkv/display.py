@@ -12,14 +12,31 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .palette import COLORS, MEDIA_COLOR, ROLE_COLORS
+from . import vocabulary as vocab
+from .palette import (
+    COLORS,
+    FAINT,
+    INK,
+    MEDIA_COLOR,
+    MUTED,
+    NEUTRAL,
+    PAPER,
+    PREFILLED_TINT,
+    ROLE_COLORS,
+    RULE,
+    STRIP_BACKGROUND,
+    STRIPE,
+    TEXT,
+    TRACK,
+    TRIMMED_TINT,
+)
 
 if TYPE_CHECKING:
     from .engine import Engine, SlotInfo
     from .events import RequestRecord
     from .reasons import Explanation
 
-_CELL = "padding:2px 8px;text-align:left;border-bottom:1px solid #e0e0e0"
+_CELL = f"padding:2px 8px;text-align:left;border-bottom:1px solid {RULE}"
 
 
 @dataclass(frozen=True)
@@ -56,13 +73,13 @@ class Table:
             + "</tr>" for r in self.rows
         )
         note = self.html_note or (
-            f'<div style="color:#666;font-size:90%">{html.escape(self.note)}</div>'
+            f'<div style="color:{MUTED};font-size:90%">{html.escape(self.note)}</div>'
             if self.note else "")
         more = ""
         if self.details:
             rows = "".join("<tr>" + "".join(f'<td style="{_CELL}">{_html(v)}</td>' for v in r)
                            + "</tr>" for r in self.details)
-            more = (f'<details><summary style="cursor:pointer;color:#666;font-size:90%">'
+            more = (f'<details><summary style="cursor:pointer;color:{MUTED};font-size:90%">'
                     f'details</summary><table style="border-collapse:collapse;font-size:90%">'
                     f"<tbody>{rows}</tbody></table></details>")
         return (f'<div class="nbkv-table"><b>{html.escape(self.title)}</b>'
@@ -91,27 +108,55 @@ class Table:
         return self.text()
 
 
-LEGEND_STATES = (("reused", "reused: its KV was already in the slot"),
-                 ("prefilled", "read now (prefilled)"), ("generated", "generated (the reply)"),
-                 ("trimmed", "trimmed: cut from the slot"))
-LEGEND_ROLES = (("system", "system"), ("user", "user"), ("assistant", "assistant"))
+LEGEND_STATES = tuple((k, vocab.STATES[k].words) for k in ("reused", "prefilled", "generated",
+                                                              "trimmed"))
+LEGEND_ROLES = tuple((k, vocab.ROLES[k].words) for k in ("system", "user", "assistant"))
+#: how a slot strip shades its spans by what the latest request did (the colour is the role)
+STRIP_SHADES = {"reused": "", "prefilled": "opacity:0.6;",
+                "generated": f"background-image:repeating-linear-gradient(45deg,transparent 0 "
+                             f"3px,{STRIPE} 3px 6px);"}
+_STRIP_SHADE_WORDS = {"reused": "solid", "prefilled": "pale", "generated": "striped"}
 
 
-def legend_html() -> str:
-    """The one legend of the dashboard and the slot strips: what each colour and mark means."""
-    def swatch(color: str, label: str) -> str:
-        return (f'<span style="white-space:nowrap;margin-right:10px"><span style="display:'
-                f'inline-block;width:10px;height:10px;background:{color};margin-right:3px">'
-                f"</span>{html.escape(label)}</span>")
+def swatch(color: str, term: vocab.Term, style: str = "", label: str = "") -> str:
+    """A small colour square and the term's words, its tooltip on hover."""
+    return (f'<span title="{html.escape(term.tip, quote=True)}" style="white-space:nowrap;'
+            f'margin-right:10px;cursor:help"><span style="display:inline-block;width:10px;'
+            f'height:10px;background:{color};{style}margin-right:3px;vertical-align:-1px">'
+            f"</span>{html.escape(label or term.words)}</span>")
 
-    states = "".join(swatch(COLORS[k], t) for k, t in LEGEND_STATES)
-    roles = "".join(swatch(ROLE_COLORS[k], t) for k, t in LEGEND_ROLES)
-    return (f'<div class="nbkv-legend" style="font:11px sans-serif;color:#444;margin:4px 0">'
-            f"<div><b>what the latest request did</b> (request rows, bars, figures): {states}"
-            f"</div><div><b>who wrote it</b> (message rows, slot strips): {roles}"
-            f'{swatch(MEDIA_COLOR, "image")}'
-            f'<span style="margin-right:10px">▏ checkpoint</span>'
-            f"<span>▼ where the prompt left the cached conversation</span></div></div>")
+
+def _marks(divergence: bool = True) -> str:
+    m = vocab.MARKS
+    return (f'<span title="{html.escape(m["checkpoint-mark"].tip, quote=True)}" '
+            f'style="margin-right:10px;cursor:help">▏ {m["checkpoint-mark"].words}</span>'
+            + (f'<span title="{html.escape(m["divergence"].tip, quote=True)}" '
+               f'style="cursor:help">▼ {m["divergence"].words}</span>' if divergence else ""))
+
+
+def legend_html(kind: str = "dashboard") -> str:
+    """The one legend: what each colour and mark means, in the words of :mod:`nbkv.vocabulary`.
+
+    ``"dashboard"``: the request rows, bars and figures line (what the latest request did)
+    and the message rows (who wrote it). ``"strips"``: the ``%kvcache slots`` strips, which
+    are coloured by who wrote each message and shaded by what the latest request did.
+    """
+    roles = "".join(swatch(ROLE_COLORS[k], vocab.ROLES[k]) for k, _ in LEGEND_ROLES)
+    roles += swatch(MEDIA_COLOR, vocab.ROLES["image"])
+    box = f'<div class="nbkv-legend" style="font:11px sans-serif;color:{TEXT};margin:4px 0">'
+    if kind == "strips":
+        sample = ROLE_COLORS["user"]
+        shades = "".join(
+            swatch(sample, vocab.STATES[k], STRIP_SHADES[k],
+                   f"{_STRIP_SHADE_WORDS[k]} = {vocab.STATES[k].words}")
+            for k in STRIP_SHADES)
+        return (f"{box}<div><b>who wrote it</b> (the colour of each span): {roles}</div>"
+                f"<div><b>what the latest request did</b> (its shading): {shades}"
+                f"{_marks(divergence=False)}</div></div>")
+    states = "".join(swatch(COLORS[k], vocab.STATES[k]) for k, _ in LEGEND_STATES)
+    return (f"{box}<div><b>what the latest request did</b> (request rows, bars, figures): "
+            f"{states}</div><div><b>who wrote it</b> (message rows, slot strips): {roles}"
+            f"{_marks()}</div></div>")
 
 
 LEGEND_TEXT = ("KV map letters: s/u/a = system/user/assistant, i = image; UPPER CASE = reused "
@@ -164,20 +209,32 @@ class Figures:
             f'background:{COLORS[k]}"></span>'
             for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n
         )
+        # each field stays whole (nowrap); a long line wraps only at the separators
         fields = " · ".join(
-            f'<span title="{html.escape(tip)}" style="cursor:help">{html.escape(text)}</span>'
+            f'<span class="nbkv-field" title="{html.escape(tip)}" '
+            f'style="cursor:help;white-space:nowrap">{html.escape(text)}</span>'
             for text, tip in r.actions())
         why = self.why()
-        return (f'<div class="nbkv-figures" style="font:12px monospace;color:#555">'
-                f'<span title="prompt tokens: reused from cache (green), read now (orange)" '
-                f'style="display:inline-block;width:80px;background:#eee;'
-                f'margin-right:6px">{bar}</span>{fields}'
-                + (f'<div class="nbkv-why" style="margin-left:86px">why: {html.escape(why)}'
-                   f"</div>" if why else "")
-                + "</div>")
+        reused, read = vocab.STATES["reused"].words, vocab.STATES["prefilled"].words
+        # the bar on the left, the fields and the why line in a column beside it
+        return (f'<div class="nbkv-figures" style="font:12px monospace;color:{NEUTRAL};'
+                f'display:flex;align-items:flex-start">'
+                f'<span title="prompt tokens: {reused} (green), {read} (orange)" '
+                f'style="flex:none;display:inline-block;width:80px;background:{TRACK};'
+                f'margin:4px 6px 0 0;line-height:0">{bar}</span><div style="min-width:0">'
+                f"{fields}"
+                + (f'<div class="nbkv-why">why: {html.escape(why)}</div>' if why else "")
+                + "</div></div>")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
+
+
+#: ``%kvcache explain`` highlights: the cached side's tail is trimmed (hatched red, struck
+#: through), the new side's is read new (solid yellow-orange): never alike (test_vocabulary)
+EXPLAIN_TRIMMED = (f"background:repeating-linear-gradient(135deg,{TRIMMED_TINT} 0 5px,{PAPER} 5px "
+                   f"7px);text-decoration:line-through {COLORS['trimmed']};")
+EXPLAIN_READ = f"background:{PREFILLED_TINT};"
 
 
 @dataclass(frozen=True)
@@ -200,10 +257,11 @@ class ExplainReport:
     def header(self) -> list[str]:
         """The reason, the figures, and where the prompt diverged, one line each."""
         r = self.explanation.record
-        lines = [f"request #{r.id} ({r.session or 'no session'}): {r.reason} — "
-                 f"{r.reason_text}",
+        lines = [f"request #{r.id} ({r.session or 'no session'}): {vocab.reason_line(r)}",
                  f"reused {r.reused_tokens} of {r.prompt_tokens} prompt tokens, read "
                  f"{r.prefilled_tokens} new"]
+        if vocab.took(r):
+            lines.append(vocab.took(r))
         if r.divergence is not None:
             d = r.divergence
             lines.append(f"the prompt left the cached conversation in message {d.message} "
@@ -220,19 +278,26 @@ class ExplainReport:
         ch, ct, nh, nt = self._parts()
         esc = html.escape
         cell = ("vertical-align:top;width:50%;padding:4px 8px;white-space:pre-wrap;text-align:left;"
-                "font:11px monospace;border:1px solid #e0e0e0")
+                f"font:11px monospace;border:1px solid {RULE}")
 
-        def side(head: str, tail: str, color: str, label: str) -> str:
-            return (f'<td style="{cell}"><b>{label}</b><br><span style="color:#888">'
-                    f'{esc(head)}</span><span class="nbkv-divergence" title="divergence" '
-                    f'style="border-left:3px solid #000;margin:0 1px"></span>'
-                    f'<span style="background:{color}33">{esc(tail)}</span></td>')
+        def side(head: str, tail: str, style: str, label: str) -> str:
+            return (f'<td style="{cell}"><b>{label}</b><br><span style="color:{FAINT}">'
+                    f'{esc(head)}</span><span class="nbkv-divergence" title="'
+                    f'{esc(vocab.MARKS["divergence"].words)}" '
+                    f'style="border-left:3px solid {INK};margin:0 1px"></span>'
+                    f'<span style="{style}">{esc(tail)}</span></td>')
 
+        trimmed, read = vocab.STATES["trimmed"], vocab.STATES["prefilled"]
+        key = (swatch(TRIMMED_TINT, trimmed, EXPLAIN_TRIMMED)
+               + swatch(PREFILLED_TINT, read, EXPLAIN_READ)
+               + f'<span style="border-left:3px solid {INK};margin-right:4px"></span>'
+               + esc(vocab.MARKS["divergence"].words))
         head = "".join(f"<div>{esc(line)}</div>" for line in self.header())
         return (f'<div class="nbkv-explain" style="font:12px sans-serif">{head}'
+                f'<div style="font:11px sans-serif;color:{TEXT};margin-top:4px">{key}</div>'
                 f'<table style="border-collapse:collapse;width:100%;margin-top:6px"><tr>'
-                + side(ch, ct, COLORS["trimmed"], "cached (in the slot)")
-                + side(nh, nt, COLORS["prefilled"], "new prompt")
+                + side(ch, ct, EXPLAIN_TRIMMED, "cached (in the slot)")
+                + side(nh, nt, EXPLAIN_READ, "new prompt")
                 + "</tr></table></div>")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
@@ -251,7 +316,7 @@ def progress_text(phase: str, done: int, total: int) -> str:
 
 def progress_html(phase: str, done: int, total: int) -> str:
     """A progress bar for a prefill."""
-    return (f'<div class="nbkv-progress" style="font:12px monospace;color:#555">'
+    return (f'<div class="nbkv-progress" style="font:12px monospace;color:{NEUTRAL}">'
             f'<progress value="{done}" max="{max(total, 1)}" style="width:200px"></progress> '
             f"{html.escape(progress_text(phase, done, total))}</div>")
 
@@ -273,16 +338,15 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
     cap = max(span or slot.capacity, 1)
     spans, chars = [], []
     for seg in slot.segments:
-        color = MEDIA_COLOR if seg.is_media else ROLE_COLORS.get(seg.role, "#999")
-        style = {"reused": "", "prefilled": "opacity:0.6;",
-                 "generated": "background-image:repeating-linear-gradient(45deg,transparent 0 "
-                              "3px,rgba(255,255,255,.5) 3px 6px);"}.get(seg.state, "")
+        color = MEDIA_COLOR if seg.is_media else ROLE_COLORS.get(seg.role, ROLE_COLORS["other"])
+        style = STRIP_SHADES.get(seg.state, "")
         what = f"image {seg.image_name}" if seg.is_media and seg.image_name else seg.preview
         where = f"tokens {seg.start}–{seg.end}"
         if seg.is_media and seg.embeddings and seg.embeddings != seg.length:  # M-RoPE
             where = f"positions {seg.start}–{seg.end} ({seg.embeddings} image tokens)"
+        state = vocab.STATES[seg.state].words if seg.state in vocab.STATES else seg.state
         tip = html.escape(f"message {seg.message} · {seg.role} · {where} "
-                          f"· {seg.state}: {what}", quote=True)
+                          f"· {state}: {what}", quote=True)
         spans.append(f'<span title="{tip}" style="display:inline-block;height:12px;'
                      f"width:{100 * seg.length / cap:.2f}%;background:{color};{style}"
                      f'border-right:1px solid white;box-sizing:border-box"></span>')
@@ -304,9 +368,10 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
             text = text[:col] + "|" + text[col + 1:]
         ticks.append(f'<span class="nbkv-checkpoint" title="checkpoint at {pos}" '
                      f'style="position:absolute;top:0;left:{100 * pos / cap:.2f}%;'
-                     f'margin-left:-1px;width:2px;height:12px;background:#222"></span>')
+                     f'margin-left:-1px;width:2px;height:12px;background:{INK}"></span>')
     return Cell(
-        f'<div class="nbkv-kvstrip" style="position:relative;width:240px;background:#f0f0f0;'
+        f'<div class="nbkv-kvstrip" style="position:relative;width:240px;'
+        f'background:{STRIP_BACKGROUND};'
         f'line-height:0;white-space:nowrap;overflow:hidden">{"".join(spans + ticks)}</div>',
         "[" + text + "]",
     )
@@ -360,7 +425,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
         unverified = s.get("not_verified")
         return Table("nbkv remote engine", ("", ""), (
             *engine.describe(),
-            ("requests", f"{s['requests']} ({_strategies(s['strategies'])})"),
+            ("requests", f"{s['requests']} ({_events(s)})"),
             ("served from cache", f"{s['reused_tokens']}/{s['prompt_tokens']} prompt tokens "
                                   f"({s['salvage_pct']:.0f}%)"),
             *((("not verified", f"{unverified} request(s): the server's figures differed "
@@ -379,7 +444,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
         ("slots", f"{engine.n_slots} x {engine.n_ctx} tokens"),
         ("cache", f"{engine.cache} (min {engine.cache_min_tokens} tokens)"),
         ("KV in use", f"{used}/{engine.n_slots * engine.n_ctx} tokens"),
-        ("requests", f"{s['requests']} ({_strategies(s['strategies'])})"),
+        ("requests", f"{s['requests']} ({_events(s)})"),
         ("served from cache", f"{s['reused_tokens']}/{s['prompt_tokens']} prompt tokens "
                               f"({s['salvage_pct']:.0f}%)"),
         ("guessed tokens", f"{s['draft_accepted']}/{s['draft_tokens']} right "
@@ -437,7 +502,7 @@ def hardware_rows(engine: Engine) -> tuple[tuple[str, str], ...]:
 
 
 def slots_table(engine: Engine) -> Table:
-    """One row per slot: session, messages, tokens, LRU rank, pending, media, checkpoints."""
+    """One row per slot: session, messages, tokens, LRU rank, pending, images, checkpoints."""
     slots = engine.slots()
     order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)
     rank = {s.index: i + 1 for i, s in enumerate(order)}
@@ -446,11 +511,19 @@ def slots_table(engine: Engine) -> Table:
     memory = getattr(engine, "memory", None)
     used = memory.checkpoints if memory is not None else False
     server = {x.get("id"): x for x in getattr(engine, "server_slots", None) or ()}
+
+    def lru(s: Any) -> Any:
+        r = rank.get(s.index)
+        if r is None:
+            return "-"
+        tip = html.escape(vocab.lru_tip(r, len(order)), quote=True)
+        return Cell(f'<span title="{tip}" style="cursor:help">{r}</span>', str(r))
+
     rows = tuple(
         (s.index, (s.session or "-") + ("" if s.verified else f" (not verified: {s.note})"),
          s.n_messages, f"{s.n_tokens}/{s.capacity}",
          *((_server_slot(server.get(s.index)),) if server else ()),
-         rank.get(s.index, "-"), "yes" if s.pending else "", s.n_media,
+         lru(s), "yes" if s.pending else "", s.n_media,
          checkpoints_text(s, used), kv_strip(s, span=span))
         for s in slots
     )
@@ -459,13 +532,12 @@ def slots_table(engine: Engine) -> Table:
                                               "its sessions and what each request reused")
     return Table("slots", ("slot", "session", "messages", "tokens",
                            *(("server holds (/slots)",) if server else ()), "LRU", "pending",
-                           "media", "checkpoints", f"KV map (positions 0–{span})"), rows,
+                           "images", "checkpoints", f"KV map (positions 0–{span})"), rows,
                  note="LRU 1 = most recently used, evicted last. " + LEGEND_TEXT
                       + ("; | = checkpoint" if used else ""),
-                 html_note='<div style="color:#666;font-size:90%">LRU 1 = most recently used, '
-                           "evicted last. KV map: one span per message, by who wrote it; solid "
-                           "= reused by the latest request, pale = read now, striped = "
-                           "generated.</div>" + legend_html())
+                 html_note=f'<div style="color:{MUTED};font-size:90%">LRU 1 = most recently '
+                           "used, evicted last. KV map: one span per message.</div>"
+                           + legend_html("strips"))
 
 
 def _server_slot(info: dict[str, Any] | None) -> str:
@@ -480,19 +552,22 @@ def stats_table(engine: Engine) -> Table:
     """Totals over the request history; internals only when relevant, under "details"."""
     s = engine.stats()
     main = ("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens", "salvage_pct",
-            "strategies", "generated_tokens", "mean_ttft_s", "not_verified")
+            "events", "evictions", "generated_tokens", "mean_ttft_s", "not_verified")
     labels = {"requests": "requests", "prompt_tokens": "prompt tokens",
-              "reused_tokens": "reused from cache", "prefilled_tokens": "read new",
-              "salvage_pct": "served from cache (%)", "strategies": "how requests were served",
+              "reused_tokens": "reused from cache",
+              "prefilled_tokens": vocab.STATES["prefilled"].words,
+              "salvage_pct": "served from cache (%)", "events": "how requests were served",
+              "evictions": vocab.MARKS["took-slot"].words,
               "generated_tokens": "reply tokens", "mean_ttft_s": "mean first-token time (s)",
               "not_verified": "requests not verified (remote)"}
 
     def fmt(v: Any) -> Any:
-        return _strategies(v) if isinstance(v, dict) else (f"{v:.1f}" if isinstance(v, float)
-                                                             else v)
+        return (", ".join(f"{k} {n}" for k, n in v.items()) or "-" if isinstance(v, dict)
+                else f"{v:.1f}" if isinstance(v, float) else v)
 
     rows = tuple((labels.get(k, k), fmt(s[k])) for k in main if k in s)
-    hidden = {"advice", "thrashing", "returning_misses", "active_sessions"}
+    # "strategies" are how the policy found the slot: the events above say it in words
+    hidden = {"advice", "thrashing", "returning_misses", "active_sessions", "strategies"}
     if not getattr(engine, "speculative", False):
         hidden |= {k for k in s if k.startswith("draft")}
     details = tuple((k, fmt(v)) for k, v in s.items() if k not in main and k not in hidden)
@@ -502,7 +577,7 @@ def stats_table(engine: Engine) -> Table:
 
 def history_table(records: Sequence[RequestRecord], last: int = 20,
                   cell_of: Callable[[RequestRecord], Any] | None = None) -> Table:
-    """The most recent request records.
+    """The most recent request records, each event in the words of :mod:`nbkv.vocabulary`.
 
     With ``cell_of``, a column names each request's notebook cell (``cell_of(record)``: a
     :class:`~nbkv.sessions.CellRef`, or None for a request not sent by a cell).
@@ -515,21 +590,31 @@ def history_table(records: Sequence[RequestRecord], last: int = 20,
         ref = cell_of(r)
         return (ref.label if ref is not None else "-",)
 
+    def event(r: RequestRecord) -> Cell:
+        words = vocab.event(r).words
+        tip = html.escape(vocab.reason_line(r), quote=True)
+        return Cell(f'<span title="{tip}" style="cursor:help">{html.escape(words)}</span>',
+                    words)
+
+    def took(r: RequestRecord) -> str:
+        return r.evicted_session if vocab.took(r) else ""
+
     rows = tuple(
-        (r.id, r.session or "-", *cell(r), r.strategy, r.slot, r.prompt_tokens,
+        (r.id, r.session or "-", *cell(r), event(r), r.slot, r.prompt_tokens,
          f"{r.reused_tokens} ({r.salvage_pct:.0f}%)", r.prefilled_tokens, r.trimmed_tokens,
          r.generated_tokens, f"{r.ttft_s * 1000:.0f}", f"{r.decode_tps:.1f}",
-         r.finish_reason, r.evicted_session or "")
+         vocab.ending(r), took(r))
         for r in recs
     )
-    cols = ("id", "session", *(("cell",) if cell_of is not None else ()), "strategy", "slot",
-            "prompt", "reused", "prefilled", "trimmed", "generated", "TTFT ms", "tok/s",
-            "finish", "evicted")
+    cols = ("id", "session", *(("cell",) if cell_of is not None else ()), "event", "slot",
+            "prompt", "reused", vocab.STATES["prefilled"].words, vocab.STATES["trimmed"].words,
+            "generated", "first token ms", "tok/s", "ended", "took the slot of")
     return Table(f"last {len(rows)} requests", cols, rows)
 
 
-def _strategies(by: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) or "-"
+def _events(stats: dict[str, Any]) -> str:
+    """``continued 3, new conversation 2``: requests per event, in words."""
+    return ", ".join(f"{k} {v}" for k, v in stats.get("events", {}).items()) or "-"
 
 
 @dataclass(frozen=True)

@@ -1232,11 +1232,21 @@ class Engine(TemplatedAPI, ChatAPI):
         batch.clear()
         done = take >= len(job.todo)
         last = batch.add_run(toks, len(kv), kv.seq_id, done)
+        t0 = time.perf_counter()
         try:
             self.ctx.decode(batch)
         except BaseException as e:  # noqa: BLE001
             self._fail(job, e, "error")
             return
+        rec = job.record
+        # the positions re-read first: settled ones the grouping needs, then the previous
+        # reply's (absorbed: its rewrite had not run); time the absorbed share of this chunk
+        read = rec.prefilled_tokens - len(job.todo)
+        lo, hi = rec.reprefilled_tokens, rec.reprefilled_tokens + rec.rewrite_absorbed
+        overlap = min(hi, read + take) - max(lo, read)
+        if overlap > 0:
+            job.record = replace(rec, rewrite_absorbed_s=rec.rewrite_absorbed_s
+                                 + overlap / take * (time.perf_counter() - t0))
         end = len(kv) + take  # only now are these positions really in the KV
         kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, self.prefill_rule))
         del job.todo[:take]
@@ -1387,8 +1397,9 @@ class Engine(TemplatedAPI, ChatAPI):
     def _on_logits(self, job: _Job, idx: int) -> None:
         now = time.perf_counter()
         token = job.sampler.sample(self.ctx.ptr, idx)
-        if not job.t_first:
-            job.t_first = now
+        if not job.t_first:  # the first token counts once it is sampled
+            job.t_first = time.perf_counter()
+            job.record = replace(job.record, first_decode_s=job.t_first - now)
         if self.model.is_eog(token):
             return self._finish(job, "stop")
         job.generated.append(token)
@@ -1451,6 +1462,8 @@ class Engine(TemplatedAPI, ChatAPI):
                 prefilled_tokens=rec.prefilled_tokens - len(job.todo),
                 ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,
                 prefill_s=(t_first - job.t_prefill) if job.t_prefill and job.t_first else 0.0,
+                wait_s=max(job.t_prefill - job.t_submit - rec.restore_s, 0.0)
+                if job.t_prefill else 0.0,
                 decode_s=(now - t_first) if job.t_first else 0.0,
                 finish_reason=reason,
                 encoder_runs=job.encoder_runs,

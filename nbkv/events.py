@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from . import vocabulary as vocab
 from .messages import preview
 from .reasons import Divergence
 
@@ -56,7 +57,8 @@ class RequestRecord:
 
     id: int
     session: str | None
-    strategy: str  # hash-hit, hash-extend, prefix-salvage, miss, spc, off
+    strategy: str  # how the slot was found (policy): hash-hit, hash-extend, prefix-salvage,
+    # miss, spc, off; what people read is the event (``reason``, nbkv.vocabulary)
     slot: int
     prompt_tokens: int
     reused_tokens: int
@@ -88,6 +90,10 @@ class RequestRecord:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     restore_s: float = 0.0  # SPC restore or prefix copy
+    # the first-token time in parts (ttft_parts): wait + restore + prefill_s
+    wait_s: float = 0.0  # before reading began: template, tokens, a free slot, the step running
+    rewrite_absorbed_s: float = 0.0  # of prefill_s: re-reading the previous reply's positions
+    first_decode_s: float = 0.0  # of prefill_s: sampling the first token from the last logits
     finish_reason: str = ""  # stop, length, cancelled, error
     error: str | None = None
     segments: tuple[Segment, ...] = ()
@@ -115,33 +121,61 @@ class RequestRecord:
         n = self.generated_tokens - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
+    @property
+    def read_s(self) -> float:
+        """Of the first-token time: reading this prompt's own new tokens (prefill)."""
+        return max(self.prefill_s - self.rewrite_absorbed_s - self.first_decode_s, 0.0)
+
+    def ttft_parts(self) -> list[tuple[str, float]]:
+        """The first-token time in parts that add up to it, in plain words."""
+        # what a request waits for is a free slot, or the scheduler's step in progress: with
+        # no pause between cells, the rewrite of the previous reply (README, Exactness)
+        waited = ("waited (for a free slot, or the step in progress: e.g. the rewrite of the "
+                  "previous reply)" if self.wait_s >= 0.02 else "waited")
+        parts = [(waited, self.wait_s), ("restored", self.restore_s)]
+        if self.rewrite_absorbed:
+            parts.append((f"re-read the previous reply ({self.rewrite_absorbed} tokens, "
+                          "its rewrite had not run yet)", self.rewrite_absorbed_s))
+        n = self.prefilled_tokens - self.rewrite_absorbed
+        parts += [(f"read the prompt ({n} new tokens)", self.read_s),
+                  ("first token", self.first_decode_s)]
+        rest = self.ttft_s - sum(s for _, s in parts)  # a remote engine times less of it
+        if rest > 0.0005:
+            parts.append(("elsewhere (a server's queue, HTTP)", rest))
+        return parts
+
+    def ttft_text(self) -> str:
+        """``first token 95 ms = waited 2 ms + restored 0 ms + read ... + first token 1 ms``."""
+        split = " + ".join(f"{what} {s * 1000:.0f} ms" for what, s in self.ttft_parts())
+        return (f"time from the request to the first reply token: {self.ttft_s * 1000:.0f} ms"
+                f" = {split}")
+
     def actions(self) -> list[tuple[str, str]]:
-        """What happened, as ``(text, explanation)`` pairs in plain words (the figures line)."""
+        """What happened, as ``(text, explanation)`` pairs in plain words (the figures line).
+
+        The words come from :mod:`nbkv.vocabulary`, as on every other surface.
+        """
         r = self
         out: list[tuple[str, str]] = []
-        what = {
-            "first": "new conversation",
-            "continued": "continued",
-            "evicted": "rebuilt: its slot had been taken",
-            "cleared": "rebuilt: its slot had been cleared",
-            "edited": "an earlier message was edited",
-            "system-changed": "the system prompt changed",
-            "template-drift": "template drift",
-            "image-changed": "a different image",
-            "overflow": f"dropped the {r.dropped_messages} oldest messages to fit",
-            "checkpoint": "restored a checkpoint",
-        }.get(r.reason, r.strategy)
+        event = vocab.event(r)
+        what = event.words
+        copied = vocab.EVENTS["copied"].words
+        donor = ""
         if r.donor_slot is not None:
             who = f"{r.donor_session}'s" if r.donor_session else f"slot {r.donor_slot}'s"
-            what = f"copied {r.reused_tokens} tokens from {who} slot"
-        out.append((f"slot {r.slot}: {what}", r.reason_text or r.strategy))
-        if r.evicted_session is not None and r.evicted_session != r.session:
-            out.append((f"took {r.evicted_session}'s slot ({r.evicted_tokens} tokens gone)",
-                        f"{r.evicted_session}'s cached conversation was dropped to make room"))
+            donor = f"{copied} from {who} slot"
+            if r.reason == "copied":
+                what, donor = donor, ""
+        out.append((f"slot {r.slot}: {what}", vocab.reason_line(r)))
+        if donor:
+            out.append((donor, vocab.EVENTS["copied"].tip))
+        took = vocab.took(r)
+        if took:
+            out.append((took, f"{r.evicted_session}'s cached conversation was dropped to make "
+                              "room"))
         out.append((f"reused {r.reused_tokens}/{r.prompt_tokens} ({r.salvage_pct:.0f}%)",
                     "prompt tokens whose KV was already in the slot: not computed again"))
-        out.append((f"read {r.prefilled_tokens} new",
-                    "prompt tokens the model had to read (prefill)"))
+        out.append((f"read {r.prefilled_tokens} new", vocab.STATES["prefilled"].tip))
         if r.encoder_runs:
             out.append(("image encoded" if r.encoder_runs == 1
                         else f"{r.encoder_runs} images encoded",
@@ -154,8 +188,7 @@ class RequestRecord:
                         "matched tokens read again: prompt tokens are read in groups that "
                         "give the same numbers as a fresh start, or the memory cannot be cut "
                         "exactly there"))
-        out.append((f"first token {r.ttft_s * 1000:.0f} ms",
-                    "time from the request to the first reply token"))
+        out.append((f"first token {r.ttft_s * 1000:.0f} ms", r.ttft_text()))
         if r.generated_tokens > 1:
             out.append((f"{r.decode_tps:.0f} tok/s", "reply tokens per second"))
         if r.draft_tokens:
@@ -167,10 +200,9 @@ class RequestRecord:
             out.append(("not proven exact", "nbkv could not prove on this model and build that "
                         "a reply from cache equals one computed from scratch "
                         "(%kvcache status says why)"))
-        ending = {"length": "stopped at the token limit", "cancelled": "interrupted",
-                  "error": "failed"}.get(r.finish_reason)
+        ending = vocab.ending(r)
         if ending:
-            out.append((ending, r.error or "why the reply ended"))
+            out.append((ending, r.error or vocab.ENDINGS[r.finish_reason].tip))
         return out
 
     def summary(self) -> str:

@@ -6,6 +6,7 @@ Defaults are traits: ``%config Nbkv.slots = 2``, or ``c.Nbkv.slots = 2`` in
 
 from __future__ import annotations
 
+import itertools
 import keyword
 import string
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from . import commands
 from .config import CACHE_MODES
 from .errors import DecodeError, NbkvError
 from .hardware import FLASH_ATTN, KV_TYPES
-from .media import content_with_images
+from .media import contains_images, content_with_images
 from .sessions import STORE, CellRef, SessionStore
 from .settings import Settings
 from .views import chat_view
@@ -31,7 +32,7 @@ class Interrupted(KeyboardInterrupt):
     """A ``%%chat`` cell stopped by the user: stops "Run All", shown as one line."""
 
     def __init__(self, n_tokens: int) -> None:
-        super().__init__(f"interrupted: partial reply kept ({n_tokens} tokens)")
+        super().__init__(f"stopped here: the partial reply is kept ({n_tokens} tokens)")
 
     def _render_traceback_(self) -> list[str]:  # IPython shows this instead of a traceback
         return [str(self)]
@@ -101,7 +102,26 @@ def parse_argstring(magic: Any, line: str) -> Any:
         argv = arg_split(line, posix=True)
     except ValueError as e:
         raise UsageError(f"cannot parse the arguments: {e}") from None
-    return magic.parser.parse_args(argv)
+    try:
+        return magic.parser.parse_args(argv)
+    except UsageError as e:
+        hint = quote_hint(magic.parser, argv)
+        if hint and "unrecognized arguments" in str(e):
+            raise UsageError(f"{e}: {hint}") from None
+        raise
+
+
+def quote_hint(parser: Any, argv: list[str]) -> str:
+    """``quote text with spaces: --system "You are a pirate"`` for an unquoted option value."""
+    takes_one = {flag for action in parser._actions if action.option_strings
+                 and action.nargs is None and action.type is None and action.const is None
+                 for flag in action.option_strings}
+    for i, tok in enumerate(argv[:-2]):
+        if tok in takes_one and not argv[i + 1].startswith("-"):
+            words = list(itertools.takewhile(lambda w: not w.startswith("-"), argv[i + 1:]))
+            if len(words) > 1:
+                return f'quote text with spaces: {tok} "{" ".join(words)}"'
+    return ""
 
 
 @magics_class
@@ -122,8 +142,9 @@ class Nbkv(Magics, Settings):
               help="load: a GGUF file (default: the embedded SmolLM2-135M); connect: a "
                    "server's URL (llama-server or OpenAI-compatible); clear: a slot; "
                    "explain: a request number (default: the latest); verify: a request "
-                   "number (default: every slot); save, restore: a "
-                   "directory (default: one per notebook in the user cache)")
+                   "number (default: every slot); save, restore: a directory (default: one "
+                   "per notebook in the user cache); report: an HTML file to write "
+                   "(default: show the page here)")
     @argument("--mmproj", metavar="F",
               help="load: vision projector GGUF (lets chat cells attach images)")
     @argument("--slots", type=int, metavar="N",
@@ -153,7 +174,7 @@ class Nbkv(Magics, Settings):
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
           %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
-          %kvcache widget | unload | config
+          %kvcache widget | report [FILE] | unload | config
         """
         args = parse_argstring(self.kvcache, line)
         run, options, takes_target = commands.COMMANDS[args.command]
@@ -225,6 +246,11 @@ class Nbkv(Magics, Settings):
             sampling["seed"] = args.seed
         try:
             content = content_with_images(text, args.image or [])
+            if (getattr(engine, "projector", False) is None
+                    and contains_images([{"role": "user", "content": content}])):
+                raise UsageError("this cell attaches an image, but the engine has no vision "
+                                 "projector: load one with %kvcache load [MODEL] --mmproj "
+                                 "PROJECTOR.gguf (the model's mmproj file)")
             session = (self.store[fork[0]].fork(name, fork[1]) if fork is not None
                        else self.store.get(name))
             turn = session.start(engine, content, new=args.new, system=args.system,

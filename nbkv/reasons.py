@@ -18,6 +18,7 @@ from .policy import common_prefix
 FIRST = "first"  # the session's first request: nothing of it was cached
 CONTINUED = "continued"  # the conversation grew: everything cached was reused
 COPIED = "copied"  # a prefix was copied from another conversation's slot
+RELOADED = "reloaded"  # the engine was loaded again since the session's last request
 EVICTED = "evicted"  # another session's request took this session's slot
 CLEARED = "cleared"  # the user cleared the slot
 EDITED = "edited"  # an earlier message changed
@@ -28,8 +29,9 @@ OVERFLOW = "overflow"  # the oldest messages were dropped to fit the slot
 CHECKPOINT = "checkpoint"  # memory that cannot be cut: restored a checkpoint before the cut
 UNCACHED = "uncached"  # cache mode spc/off: conversations are not kept
 
-REASONS = (FIRST, CONTINUED, COPIED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED, TEMPLATE_DRIFT,
-           IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED)
+#: the codes of ``record.reason``; their words are in :data:`nbkv.vocabulary.EVENTS`
+REASONS = (FIRST, CONTINUED, COPIED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
+           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED)
 WINDOW = 12  # units kept on each side of a divergence, for its excerpts
 
 
@@ -68,7 +70,10 @@ class Divergence:
 
 @dataclass(frozen=True)
 class Reason:
-    """A request's reason code, the same in plain words, and the divergence point if any."""
+    """A request's reason code, the details in plain words, and the divergence point if any.
+
+    ``text`` reads after the code's words (:func:`nbkv.vocabulary.reason_line`).
+    """
 
     code: str
     text: str
@@ -80,7 +85,7 @@ class Whereabouts:
     """What the engine remembers of a session: its last request, and its slot's fate since."""
 
     request: int
-    fate: str | None = None  # EVICTED or CLEARED once the slot lost the conversation
+    fate: str | None = None  # EVICTED, CLEARED or RELOADED once the conversation was lost
     by_session: str | None = None
     by_request: int | None = None
 
@@ -136,7 +141,7 @@ def explain(
     if cache != "imc":
         return Reason(UNCACHED, f"cache mode {cache}: conversations are not kept between "
                                 "requests")
-    copied = (f"; copied {reuse} tokens from {donor_session}'s slot"
+    copied = (f"; its first {reuse} tokens were copied from {donor_session}'s slot"
               if donor_session is not None and reuse else "")
     if dropped:
         div = find_divergence(own.tokens, tokens, ends, roles) if own is not None else None
@@ -145,28 +150,35 @@ def explain(
                                 f"where they were{copied}", div)
     if trace is not None and trace.fate == EVICTED:
         return Reason(EVICTED, f"{who}'s slot was taken by {trace.by_session}'s request "
-                               f"#{trace.by_request}: rebuilt{copied}")
+                               f"#{trace.by_request}, so its conversation was read again"
+                               f"{copied}")
     if trace is not None and trace.fate == CLEARED:
-        return Reason(CLEARED, f"{who}'s slot was cleared by the user: rebuilt{copied}")
+        return Reason(CLEARED, f"{who}'s slot was cleared by the user, so its conversation "
+                               f"was read again{copied}")
+    if own is None and trace is not None and trace.fate == RELOADED:
+        return Reason(RELOADED, f"the engine was loaded again since {who}'s last turn: its "
+                                f"cache started empty, so the conversation was read again"
+                                f"{copied}")
     if own is None:
         if donor_session is not None:
-            return Reason(COPIED, f"first request of {who}: copied {reuse} tokens (the "
-                                  f"shared start) from {donor_session}'s slot")
-        extra = (f"; {reuse} tokens of the slot it got happened to match" if reuse else "")
-        return Reason(FIRST, f"first request of {who}: nothing of it was cached{extra}")
+            return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
+                                  f"shared start) were copied from {donor_session}'s slot")
+        extra = (f"; the slot it got began with the same {reuse} tokens (e.g. the chat "
+                 "template's opening), so those were kept" if reuse else "")
+        return Reason(FIRST, f"nothing of {who} was cached{extra}")
     div = find_divergence(own.tokens, tokens, ends, roles)
     tail = max(len(own.tokens) - own.msg_ends[-1], 0) if own.msg_ends else 0
     if div is not None and div.position >= len(own.tokens) - tail:
         div = None  # the previous reply re-tokenized differently: not a branch
     if div is None:
-        code, text = CONTINUED, f"{who} continued its conversation: everything cached was reused"
+        code, text = CONTINUED, f"everything cached for {who} was reused"
     else:
         k = div.message
         same_messages = k < len(own.hashes) and k < len(hashes) and own.hashes[k] == hashes[k]
         if same_messages or k >= len(own.hashes):
             code = TEMPLATE_DRIFT
-            text = (f"the same messages rendered to different tokens (template drift) in "
-                    f"message {k} ({div.role}), token {div.position}")
+            text = (f"the same messages rendered to different tokens in message {k} "
+                    f"({div.role}), token {div.position}")
         elif _unit_is_media(div.new[div.position - div.start]) or (
                 div.position - div.start < len(div.cached)
                 and _unit_is_media(div.cached[div.position - div.start])):

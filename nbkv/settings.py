@@ -74,7 +74,8 @@ class Settings(Configurable):
                       flash_attn: str | None = None) -> dict[str, Any]:
         """:class:`~nbkv.engine.Engine` arguments: what was given, else these traits."""
         return dict(
-            n_slots=slots or self.slots, n_ctx=ctx or self.ctx, cache=mode or self.mode,
+            n_slots=self.slots if slots is None else slots,
+            n_ctx=self.ctx if ctx is None else ctx, cache=mode or self.mode,
             cache_min_tokens=self.min_tokens if min_tokens is None else min_tokens,
             overflow=self.overflow,
             n_gpu_layers=self.n_gpu_layers if gpu_layers is None else gpu_layers,

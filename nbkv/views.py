@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
+from . import vocabulary as vocab
 from .display import Figures, Message, TurnFigures, progress_html, progress_text
 from .events import Progress
+from .palette import NEUTRAL
 
 if TYPE_CHECKING:
     from .sessions import PendingTurn, Reply
@@ -70,10 +72,10 @@ class ChatView:
             except KeyboardInterrupt:
                 interrupted = True
         reply = turn.reply
-        note = "interrupted" if interrupted else (
-            "stopped at --max-tokens" if reply.finish_reason == "length" else "")
         figures = (TurnFigures(reply.record, turn.note) if show_figures and reply.record
                    else None)
+        # how the reply ended is said once: on the figures line, else after the reply
+        note = "" if figures is not None or reply.record is None else vocab.ending(reply.record)
         self.finish(reply.text, figures, note)
         return reply, interrupted
 
@@ -125,19 +127,29 @@ class NotebookChatView(ChatView):
         from IPython.display import display
 
         self._display = display
-        self._handle = display({"text/plain": ""}, raw=True, display_id=True)
+        self._reply: Any = None  # the reply's display, made after the thumbnails
         self._progress_shown = False
+
+    @property
+    def _handle(self) -> Any:
+        """The reply's display, made on first use."""
+        return self._place_reply()
+
+    def _place_reply(self) -> Any:
+        if self._reply is None:
+            self._reply = self._display({"text/plain": ""}, raw=True, display_id=True)
+        return self._reply
 
     def show_user(self, content: Any) -> None:
         """Thumbnails (and file names) of the images the message carries, above the reply."""
-        if not isinstance(content, list):
-            return
         thumbs = [thumbnail_html(p) for p in content
-                  if isinstance(p, dict) and p.get("type") == "image_url"]
+                  if isinstance(p, dict) and p.get("type") == "image_url"
+                  ] if isinstance(content, list) else []
         if thumbs:
             self._display({"text/html": '<div class="nbkv-images" style="margin:2px 0">'
                                         + "".join(thumbs) + "</div>",
                            "text/plain": f"[{len(thumbs)} image(s)]"}, raw=True)
+        self._place_reply()  # under the thumbnails
 
     def _show_progress(self, phase: str, done: int, total: int) -> None:
         self._progress_shown = True
@@ -265,7 +277,7 @@ def thumbnail_html(part: dict[str, Any], size: int = 96) -> str:
     except Exception:  # a data URI, or no PIL: the name alone
         pic = ""
     return (f'<figure style="display:inline-block;margin:0 8px 0 0;text-align:center">{pic}'
-            f'<figcaption style="font:11px sans-serif;color:#555">{html.escape(name)}'
+            f'<figcaption style="font:11px sans-serif;color:{NEUTRAL}">{html.escape(name)}'
             f"</figcaption></figure>")
 
 

@@ -13,8 +13,8 @@ from nbkv import bench
 def test_quick_bench_decode_subagents_and_speculative(tmp_path, model_path):
     out = tmp_path / "bench.json"
     assert bench.main(["--quick", "--scenario", "decode", "--scenario", "speculative",
-                       "--scenario", "subagents", "--model", model_path,
-                       "--out", str(out)]) == 0
+                       "--scenario", "subagents", "--scenario", "dashboard",
+                       "--model", model_path, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
 
     dec = report["decode"]
@@ -48,3 +48,9 @@ def test_quick_bench_decode_subagents_and_speculative(tmp_path, model_path):
     assert sub["decode_step_ceiling"]["tokens_per_s_ratio"] > 0
     assert {t["ratio"] for t in report["targets"]} >= {
         "batched_over_sequential_tokens_per_s", "batched_ttft_over_single_session_ttft"}
+
+    dash = report["dashboard"]  # the live dashboard's cost to prefill, measured headless
+    assert dash["dashboard"]["renders"] > 0 and dash["dashboard"]["comm_bytes"] > 0
+    assert dash["bare"]["prefilled"] > 0 and dash["bare"]["renders"] == 0
+    assert dash["ratios"]["dashboard_over_bare_prefill_tokens_per_s"] > 0
+    assert "dashboard_over_bare_prefill_tokens_per_s" in {t["ratio"] for t in report["targets"]}

@@ -1,11 +1,14 @@
 """The teaching notebooks in a real browser: JupyterLab on localhost, headless Chromium.
 
 Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
-cards, plotly figures and legend rendered, without JavaScript errors; runs
-``02_how_imc_works.ipynb`` and checks the legend, the divergence marker and an explain
-output, then edits a ``%%chat`` cell and runs it again, then a stale one (their why lines,
-the conversation view); ``04_vision.ipynb`` (image spans and their position counts on the
-KV map) and ``05_remote_engine.ipynb`` (the dashboard on a llama-server). Screenshots go to
+cards, plotly figures and legend rendered, without JavaScript errors, and that every output
+names events in the words of ``nbkv.vocabulary``; then saves it, exports it with nbconvert
+and opens the HTML with no kernel and no network: the static fallbacks show the KV map and
+the slot cards. Runs ``02_how_imc_works.ipynb`` and checks the legend, the divergence marker
+and an explain output, then edits a ``%%chat`` cell and runs it again, then a stale one
+(their why lines, the conversation view); ``04_vision.ipynb`` (image spans and their
+position counts on the KV map, thumbnails above the reply, the one-slot map's axis clear of
+its legend) and ``05_remote_engine.ipynb`` (the dashboard on a llama-server). Screenshots go to
 ``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
 """
 
@@ -24,6 +27,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from nbkv import vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("NBKV_CHROMIUM", "/usr/bin/chromium")
@@ -121,8 +126,11 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _run_notebook(lab, tmp_path, name: str, check) -> None:
-    """Open notebook ``name`` in JupyterLab, run all its cells, then ``check(page, shots)``."""
+def _run_notebook(lab, tmp_path, name: str, check, save: bool = False) -> None:
+    """Open notebook ``name`` in JupyterLab, run all its cells, then ``check(page, shots)``.
+
+    ``save``: then save it (as a user would: Ctrl+S, widget state not saved, the default).
+    """
     from playwright.sync_api import sync_playwright
 
     base, token, root = lab
@@ -155,6 +163,18 @@ def _run_notebook(lab, tmp_path, name: str, check) -> None:
             check(page, shots)
             body = page.locator(".jp-Notebook").inner_text()
             assert "Error displaying widget" not in body and "Traceback" not in body
+            # one word for each event: no output spells one another way
+            outputs = page.locator(".jp-OutputArea-output").evaluate_all(
+                "els => els.map(e => e.innerText).join(' ')")
+            assert not vocabulary.misspellings(outputs)
+            if save:
+                saved = root_mtime = (lab[2] / name).stat().st_mtime
+                page.keyboard.press("Control+s")
+                deadline = time.monotonic() + 30
+                while saved == root_mtime and time.monotonic() < deadline:
+                    page.wait_for_timeout(250)
+                    saved = (lab[2] / name).stat().st_mtime
+                assert saved != root_mtime, "the notebook was not saved"
         finally:
             browser.close()
     print("screenshots:", shots)
@@ -184,9 +204,67 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
         # the %%chat replies and figures lines rendered too, with their why lines
         assert page.locator(".nbkv-figures").count() >= 4
         assert page.locator(".nbkv-why").count() >= 2  # each session's first turn
-        assert page.locator(".nbkv-explain").count() == 1
+        in_report = page.locator(".nbkv-report .nbkv-explain").count()
+        assert in_report == 3 and page.locator(".nbkv-explain").count() == 1 + in_report
 
-    _run_notebook(lab, tmp_path, "01_quickstart.ipynb", check)
+    _run_notebook(lab, tmp_path, "01_quickstart.ipynb", check, save=True)
+    _check_static_export(lab[2] / "01_quickstart.ipynb", tmp_path)
+
+
+def _check_static_export(notebook: Path, tmp_path: Path) -> None:
+    """A saved notebook exported by nbconvert shows the cache with no kernel and no network."""
+    from nbconvert import HTMLExporter
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(os.environ.get("NBKV_SCREENSHOTS", tmp_path))
+    size = notebook.stat().st_size
+    print(f"saved {notebook.name} with its outputs: {size / 1024:.0f} KiB")
+    assert size < 1024 * 1024  # a committed notebook with outputs stays under ~1 MB
+    body, _ = HTMLExporter(template_name="lab").from_filename(str(notebook))
+    export = tmp_path / (notebook.stem + ".html")
+    export.write_text(body)
+    requested = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1000})
+
+            def offline(route):  # no network at all: only the file itself
+                if route.request.url.startswith("file:"):
+                    route.continue_()
+                else:
+                    requested.append(route.request.url)
+                    route.abort()
+
+            page.route("**/*", offline)
+            page.goto(export.as_uri())
+            page.wait_for_timeout(500)
+            report = page.locator(".nbkv-report").first  # %kvcache report: the full state
+            report.scroll_into_view_if_needed()
+            report.screenshot(path=str(shots / "quickstart-static-report.png"))
+            dash = page.locator(".nbkv-dashboard-static").first  # the live dashboard's fallback
+            dash.scroll_into_view_if_needed()
+            dash.screenshot(path=str(shots / "quickstart-static-dashboard.png"))
+            page.screenshot(path=str(shots / "quickstart-static.png"), full_page=True)
+            # the KV map: bars for the messages and the requests, visible
+            kvmap = report.locator("svg.nbkv-kvmap-svg")
+            assert kvmap.is_visible() and kvmap.bounding_box()["height"] > 100
+            titles = kvmap.locator("rect > title").all_text_contents()
+            assert any(t.startswith("reused · ") for t in titles)
+            assert any(t.startswith("system · ") for t in titles)
+            # the slot cards: both slots, with their sessions
+            cards = report.locator(".nbkv-card")
+            assert cards.count() == 2 and all(cards.nth(i).is_visible() for i in range(2))
+            assert any("bob" in cards.nth(i).inner_text() for i in range(2))
+            assert report.locator("svg.nbkv-timeline-svg").is_visible()
+            # the dashboard cell's own fallback: the state at the end of its cell
+            assert page.locator(".nbkv-dashboard-static .nbkv-card").count() >= 2
+            assert "CacheDashboard(children=" not in page.inner_text("body")
+            assert not vocabulary.misspellings(page.locator(".jp-OutputArea").evaluate_all(
+                "els => els.map(e => e.innerHTML).join(' ')"))
+        finally:
+            browser.close()
+    print("blocked requests of the export (nbconvert's own scripts):", requested)
 
 
 def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
@@ -298,6 +376,17 @@ def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path
         spans = [h for h in hovers if "image tokens on" in h]
         assert len(spans) == 4, hovers  # two pictures, on the messages and the request row
         assert all(h.endswith(": 9 image tokens on 3 positions") for h in spans)  # 3x3 merged
+        # the one-slot map's x axis numbers are not under its legend
+        legend = qwen.locator(".legend").bounding_box()
+        ticks = [t.bounding_box() for t in qwen.locator(".xtick text").all()]
+        assert ticks and all(t["y"] >= legend["y"] + legend["height"]
+                             or t["y"] + t["height"] <= legend["y"] for t in ticks)
+        # the thumbnails sit above the reply they were sent with
+        cell = page.locator(".jp-CodeCell", has_text="--image gradient.png").first
+        kinds = cell.locator(".jp-OutputArea-output").evaluate_all(
+            "els => els.map(e => e.querySelector('.nbkv-images') ? 'images' : "
+            "e.querySelector('.nbkv-figures') ? 'figures' : 'reply')")
+        assert kinds[:3] == ["images", "reply", "figures"], kinds
         page.screenshot(path=str(shots / "vision.png"), full_page=True)
 
     _run_notebook(lab, tmp_path, "04_vision.ipynb", check)
@@ -348,5 +437,10 @@ def _wait_until_done(page, n_code: int) -> None:
         done = [p for p in prompts if re.search(r"\[\d+\]", p)]
         if len(done) == n_code and not any("*" in p for p in prompts):
             return
+        if done and not any("*" in p for p in prompts) and len(done) < n_code:
+            break  # "Run All" stopped at an error: no cell is running or queued
         page.wait_for_timeout(1000)
-    raise AssertionError(f"notebook did not finish in {RUN_TIMEOUT} s: {prompts}")
+    errors = page.locator(".jp-OutputArea-output[data-mime-type*='error'], "
+                          ".jp-OutputArea-output[data-mime-type*='stderr']").all_inner_texts()
+    raise AssertionError(f"notebook stopped, or did not finish in {RUN_TIMEOUT} s: {prompts}; "
+                         f"errors: {[e[-800:] for e in errors]}")

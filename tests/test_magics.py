@@ -13,6 +13,7 @@ from IPython.utils.capture import capture_output
 
 import nbkv
 from conftest import assert_consistent, ipython_shell
+from nbkv import vocabulary
 from nbkv.display import Figures
 from nbkv.events import Progress
 from nbkv.sessions import STORE
@@ -69,8 +70,8 @@ def test_autoload_loads_the_configured_default(ip, capsys):
     out = capsys.readouterr().out
     # the loading progress, then the reply and its figures line
     assert "loading default model: 100%" in out
-    assert out.endswith(reply + (" [stopped at --max-tokens]" if rec.finish_reason == "length"
-                                 else "") + "\n" + Figures(rec).text() + "\n")
+    # how it ended is said once, on the figures line
+    assert out.endswith(reply + "\n" + Figures(rec).text() + "\n")
 
 
 def test_conversation_continues_across_cells(loaded, capsys):
@@ -109,8 +110,9 @@ def test_new_starts_over_and_no_stats_hides_figures(loaded, capsys):
     assert s.messages[0]["content"] == SYSTEM  # --new keeps the system prompt
     rec = s.records[-1]
     assert len(s.records) == 1 and rec.matched_messages == 1  # only the system prompt matched
-    note = " [stopped at --max-tokens]" if rec.finish_reason == "length" else ""
-    assert out == s.messages[2]["content"] + note + "\n"  # the reply, and no figures line
+    # no figures line: the ending is said after the reply, in the same words
+    note = " [stopped at the token limit]" if rec.finish_reason == "length" else ""
+    assert out == s.messages[2]["content"] + note + "\n"
 
 
 def test_out_and_interpolation(loaded):
@@ -148,6 +150,7 @@ def test_edited_message_is_salvaged(loaded):
     ("", "json {\"a\": 1}", "literal braces"),
     ("--image no/such/cat.png", "what is this?", "no image file at"),
     ('--system "unclosed', "hi", "cannot parse"),
+    ("--system You are a pirate", "hi", 'quote text with spaces: --system "You are a pirate"'),
 ])
 def test_bad_chat_arguments_raise_usage_errors(loaded, line, body, match):
     with pytest.raises(UsageError, match=match):
@@ -164,6 +167,8 @@ def test_bad_chat_arguments_raise_usage_errors(loaded, line, body, match):
     ("load /nonexistent/model.gguf", "no model file"),
     ("load --mmproj no/such/proj.gguf", "no projector file"),
     ("load --template /nonexistent.jinja", "cannot read"),
+    ("load --slots 0", "--slots must be at least 1, not 0"),  # not silently "the default"
+    ("load --ctx 0", "--ctx must be at least 1, not 0"),
 ])
 def test_bad_kvcache_arguments_raise_usage_errors(loaded, line, match):
     engine = nbkv.current_engine()
@@ -188,7 +193,8 @@ def test_kvcache_commands_render_html_and_text(loaded):
     stats = e.stats()
     status = dict(rendered(loaded.run_line_magic("kvcache", "status")))
     assert rendered(loaded.run_line_magic("kvcache", "")) == list(status.items())
-    assert status["model"].startswith("Smollm2 135M") and "135M parameters" in status["model"]
+    # a known model's name, not GGUF general.name ("Smollm2 135M 8k Lc100K Mix1 Ep2")
+    assert status["model"].startswith("SmolLM2-135M-Instruct (135M parameters, Q4_1)")
     assert status["model"].endswith(e.model.path.name)
     assert status["memory"] == "plain (any trim is exact)" == e.memory.describe()
     assert status["slots"] == "2 x 1024 tokens"
@@ -212,9 +218,9 @@ def test_kvcache_commands_render_html_and_text(loaded):
     history = rendered(loaded.run_line_magic("kvcache", "history -n 3"))
     last = e.history[-3:]
     assert [row[:6] for row in history] == [  # no cell: these cells ran with no cell id
-        (str(r.id), r.session or "-", "-", r.strategy, str(r.slot), str(r.prompt_tokens))
-        for r in last]
-    assert [row[12] for row in history] == [r.finish_reason for r in last]
+        (str(r.id), r.session or "-", "-", vocabulary.event(r).words, str(r.slot),
+         str(r.prompt_tokens)) for r in last]
+    assert [row[12] for row in history] == [vocabulary.ending(r) for r in last]
 
     explained = loaded.run_line_magic("kvcache", f"explain {last[0].id}")
     assert explained.explanation.record is last[0]
@@ -275,10 +281,13 @@ def test_interrupt_keeps_partial_reply_and_next_cell_works(loaded, capsys):
     assert part.finish_reason == "cancelled" and 0 < part.record.generated_tokens < 200
     assert s.messages[-1] == {"role": "assistant", "content": str(part)}
     assert s.records[-1] == part.record
-    assert out.endswith(f"{part} [interrupted]\n{Figures(part.record).text()}\n")
+    # "interrupted" once: on the figures line
+    assert out.endswith(f"{part}\n{Figures(part.record).text()}\n")
+    assert Figures(part.record).text().count("interrupted") == 1
     # one line instead of a red traceback, and still an error that stops "Run All"
     n = part.record.generated_tokens
-    assert stopped.value._render_traceback_() == [f"interrupted: partial reply kept ({n} tokens)"]
+    assert stopped.value._render_traceback_() == [
+        f"stopped here: the partial reply is kept ({n} tokens)"]
     assert_consistent(engine)
     chat(loaded, "carol --max-tokens 4", "Continue.")
     rec = s.records[-1]
@@ -309,7 +318,7 @@ def test_notebook_frontend_streams_markdown_with_progress(loaded):
         assert 0 < done < total == rec.prefilled_tokens and pct == round(100 * done / total)
     md = [o for o in outs if "text/markdown" in o.data]
     reply = nbkv.session("dave").messages[-1]["content"]
-    assert md and md[-1].data["text/markdown"] == reply + "\n\n*[stopped at --max-tokens]*"
+    assert md and md[-1].data["text/markdown"] == reply  # the figures line says it stopped
     assert outs.index(progress[-1]) < outs.index(md[0])  # progress, then the reply
     assert all(o.update for o in progress + md)  # one display, updated in place
     fig = outs[-1].data
@@ -341,8 +350,34 @@ def _png(path, seed=0):
 
 def test_images_need_a_projector(loaded, tmp_path):
     img = _png(tmp_path / "pic.png")
-    with pytest.raises(UsageError, match="vision projector"):
+    with pytest.raises(UsageError, match="vision projector: load one with %kvcache load "
+                                         r"\[MODEL\] --mmproj"):
         chat(loaded, f"alice --image {img}", "What is this?")
+
+
+def test_reloading_says_so_and_the_memory_note_tells_the_truth(loaded, capsys):
+    """The next turn after %kvcache load says the engine was reloaded; past the model's
+    trained context a warning; the sizing note is computed from the plan."""
+    chat(loaded, "rita --new --no-stats --max-tokens 2", "Hello.")
+    magics = loaded.magics_manager.registry["Nbkv"]
+    slots, magics.slots = magics.slots, None  # left to the memory plan
+    try:
+        loaded.run_line_magic("kvcache", "load --ctx 8448")
+    finally:
+        magics.slots = slots
+    out = capsys.readouterr().out
+    e = nbkv.current_engine()
+    share = 100 * e.plan.total / 2**30
+    assert re.search(rf"picked slots: {e.n_slots} slots x 8448 tokens take \d+\.\d MiB of KV, "
+                     r"\d+% of the [\d.]+ GiB of free RAM", out), out
+    assert share > 0 and "at most a quarter" not in out
+    assert f"past the {e.model.n_ctx_train} this model was trained for" in out
+    chat(loaded, "rita --max-tokens 2", "Again.")
+    out = capsys.readouterr().out
+    rec = nbkv.session("rita").records[-1]
+    assert rec.reason == "reloaded" and f"slot {rec.slot}: engine reloaded · " in out
+    assert "nothing of session rita was cached" not in out
+    loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024")
 
 
 def test_images_through_the_magics(loaded, tmp_path):
@@ -391,17 +426,30 @@ def test_figures_say_what_happened_in_plain_words():
                 reused_tokens=180, prefilled_tokens=20, trimmed_tokens=0)
     parts = Figures(RequestRecord(**base, reason="checkpoint", reason_text="x",
                                   checkpoint_pos=180, reprefilled_tokens=6)).text()
-    assert parts.startswith("slot 0: restored a checkpoint · ") and "why: x" in parts
+    assert parts.startswith("slot 0: checkpoint restored · ") and "why: x" in parts
     parts = Figures(RequestRecord(**base, reprefilled_tokens=40)).text().split(" · ")
     assert "re-read 40" in parts
     took = RequestRecord(**base, donor_slot=1, donor_session="alice", evicted_session="carol",
-                         evicted_tokens=164, finish_reason="length")
+                         evicted_tokens=164, finish_reason="length", reason="copied",
+                         ttft_s=0.5, wait_s=0.1, prefill_s=0.4, rewrite_absorbed=10,
+                         rewrite_absorbed_s=0.15, first_decode_s=0.002)
     parts = Figures(took).text().split(" · ")
-    assert parts[0] == "slot 0: copied 180 tokens from alice's slot"
+    assert parts[0] == "slot 0: copied prefix from alice's slot"
     assert parts[1] == "took carol's slot (164 tokens gone)"
     assert parts[-1] == "stopped at the token limit"
     html = Figures(took)._repr_html_()
     assert 'title="carol&#x27;s cached conversation was dropped to make room"' in html
+    # a long line wraps between fields, never inside one
+    fields = re.findall(r'<span class="nbkv-field" title="[^"]*" style="([^"]*)">', html)
+    assert len(fields) == len(Figures(took).record.actions())
+    assert all("white-space:nowrap" in style for style in fields)
+    # the first token's time explains itself: its parts add up to it
+    assert ("first token 500 ms = waited (for a free slot, or the step in progress: e.g. the "
+            "rewrite of the previous reply) 100 ms + restored 0 ms + re-read the previous reply "
+            "(10 tokens, its rewrite had not run yet) 150 ms + read the prompt (10 new "
+            "tokens) 248 ms + first token 2 ms") in html.replace("time from the request to "
+                                                               "the first reply token: ",
+                                                               "first token ")
 
 
 def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
@@ -439,3 +487,18 @@ def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
     # plain attention: the column says "-" and the note has no checkpoint legend
     plain = slots_table(SimpleNamespace(slots=lambda: (empty,), memory=MemoryInfo("plain")))
     assert str(plain.rows[0][7]) == "-" and "checkpoint" not in plain.note
+
+
+def test_report_writes_one_self_contained_page(loaded, tmp_path):
+    chat(loaded, "rose --new --no-stats --max-tokens 2", "Hello.")
+    out = loaded.run_line_magic("kvcache", f"report {tmp_path / 'cache.html'}")
+    assert str(out).startswith(f"wrote {tmp_path / 'cache.html'} (")
+    page = (tmp_path / "cache.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "nbkv-dashboard-static" in page
+    assert "nbkv-kvmap-svg" in page and "nbkv-timeline-svg" in page
+    assert "last " in page and "nbkv-explain" in page  # history, and the latest explained
+    # nothing from elsewhere: no script, no stylesheet, no remote image or font
+    assert "<script" not in page and not re.search(r'(src|href)="(https?:)?//', page)
+    inline = loaded.run_line_magic("kvcache", "report")  # no FILE: shown in the notebook
+    assert "nbkv-dashboard-static" in inline._repr_html_()
+    assert nbkv.report().engine is nbkv.current_engine()

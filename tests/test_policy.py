@@ -169,3 +169,14 @@ def test_prefix_hashes_chain(n):
     role_changed = [dict(m) for m in msgs]
     role_changed[0]["role"] = "user"
     assert prefix_hashes(role_changed)[0] != h[0]
+
+
+def test_salvaging_another_conversation_in_its_own_slot_takes_that_slot():
+    # the donor is also the LRU slot: its conversation is cut short, and the plan says whose
+    donor = FakeSlot(0, list(range(300)), ["h1", "h2"], [150, 300], "alice", last_used=1)
+    busy = FakeSlot(1, list(range(1000, 1100)), ["x"], [100], "carol", last_used=2,
+                    pending=True)
+    plan = policy.select([donor, busy], list(range(150)) + [7, 8, 9], ["z"], "bob",
+                         min_tokens=100)
+    assert plan.slot == 0 and plan.donor is None and plan.reuse == 150
+    assert plan.evicted == "alice" and plan.evicted_tokens == 150

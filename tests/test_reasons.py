@@ -53,7 +53,7 @@ def test_first_continued_copied_edited_system_evicted_cleared(engine):
     alice = [{"role": "system", "content": SYSTEM}, user("What is a CPU?")]
     rec, _, _ = ask(engine, "alice", alice)
     assert rec.reason == reasons.FIRST and rec.divergence is None
-    assert "first request of session alice" in rec.reason_text
+    assert rec.reason_text == "nothing of session alice was cached"
 
     alice += [{"role": "assistant", "content": engine.history[-1] and "A processor."},
               user("And memory?")]
@@ -62,9 +62,8 @@ def test_first_continued_copied_edited_system_evicted_cleared(engine):
 
     rec, _, _ = ask(engine, "bob", [alice[0], user("What is a GPU?")])
     assert rec.reason == reasons.COPIED and rec.donor_session == "alice"
-    assert f"copied {rec.reused_tokens} tokens" in rec.reason_text
-    assert Figures(rec).text().startswith(f"slot {rec.slot}: copied {rec.reused_tokens} tokens "
-                                          "from alice's slot")
+    assert f"first {rec.reused_tokens} tokens" in rec.reason_text
+    assert Figures(rec).text().startswith(f"slot {rec.slot}: copied prefix from alice's slot ")
 
     edited = [alice[0], user("What is a GPU, really?"), *alice[2:]]
     rec, before, prompt = ask(engine, "alice", edited)
@@ -93,6 +92,17 @@ def test_first_continued_copied_edited_system_evicted_cleared(engine):
     rec, _, _ = ask(engine, "carol", [user("Name a colour."), {"role": "assistant",
                                       "content": "Red."}, user("Another?")])
     assert rec.reason == reasons.CLEARED and "cleared by the user" in rec.reason_text
+
+    # %kvcache load hands the sessions it knew over: their next turn says so
+    engine.carry_over(["erin"])
+    rec, _, _ = ask(engine, "erin", [user("Hi."), {"role": "assistant", "content": "Hello."},
+                                     user("Again?")])
+    assert rec.reason == reasons.RELOADED and "loaded again" in rec.reason_text
+    assert Figures(rec).text().startswith(f"slot {rec.slot}: engine reloaded · ")
+    rec, _, _ = ask(engine, "erin", [user("Hi."), {"role": "assistant", "content": "Hello."},
+                                     user("Again?"), {"role": "assistant", "content": "Yes."},
+                                     user("More?")])
+    assert rec.reason != reasons.RELOADED  # only the first turn after the reload
 
 
 def test_explain_shows_both_renderings_split_at_the_divergence(engine):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import replace
@@ -102,7 +103,7 @@ SEGS = (
 def record(id=1, **kw):
     base = dict(id=id, session="alice", strategy="hash-extend", slot=0, prompt_tokens=104,
                 reused_tokens=80, prefilled_tokens=24, trimmed_tokens=6, capacity=512,
-                segments=SEGS)
+                segments=SEGS, reason="continued")
     base.update(kw)
     return RequestRecord(**base)
 
@@ -121,8 +122,8 @@ def test_slot_cards_follow_a_request(sent):
     eng.publish(Progress(1, 0, "extend", 10, 24))
     cards.feed.flush()
     card = cards.cards[0].value
-    assert "alice" in card and "busy" in card and "prefilling 10/24" in card
-    assert "3 messages" in card and "80/512 tokens" in card and "media chunks: 0" in card
+    assert "alice" in card and "busy" in card and "read 10/24 new (continued)" in card
+    assert "3 messages" in card and "80/512 tokens" in card and "images: 0" in card
     assert cards.busy == 1 and cards.used == 80
     eng.publish(Progress(1, 0, "generate", 3, 8))
     cards.feed.flush()
@@ -143,7 +144,10 @@ def test_kv_map_shows_messages_states_and_progress():
     eng = FakeEngine()
     kv = KVMap(eng, Feed(eng, live=False))
     t = kv.traces
-    assert list(t["capacity"].x) == [512] * 4 and kv.segments == 0
+    assert list(kv.figure.data[0].x) == [512] * 4 and kv.segments == 0
+    # named in the vocabulary's words (the legend and the hovers)
+    assert (t["prefilled"].name, t["todo"].name, t["image"].name) == (
+        "read new", "still to read", "image")
     eng.publish(RequestStarted(record()))
     eng.publish(Progress(1, 0, "extend", 10, 24))
     kv.feed.flush()
@@ -156,20 +160,20 @@ def test_kv_map_shows_messages_states_and_progress():
     req = "slot 0 · request"
     assert bars(t["reused"]) == [(req, 0, 40), (req, 40, 60), (req, 60, 80)]
     assert bars(t["prefilled"]) == [(req, 80, 90)]
-    assert bars(t["to prefill"]) == [(req, 90, 100), (req, 100, 104)]
+    assert bars(t["todo"]) == [(req, 90, 100), (req, 100, 104)]
     assert bars(t["trimmed"]) == [(req, 80, 86)]
     # hover: message index, role, token range, preview
     assert list(t["user"].customdata[0]) == [1, "user", 40, 60, "What is a CPU?"]
     eng.publish(Progress(1, 0, "generate", 5, 16))
     kv.feed.flush()
-    assert bars(t["to prefill"]) == [] and bars(t["generated"]) == [(req, 104, 109)]
+    assert bars(t["todo"]) == [] and bars(t["generated"]) == [(req, 104, 109)]
     final = SEGS + (Segment(104, 110, 4, "assistant", "generated", "Stores data."),)
     eng.set_slot(0, segments=final, tokens=tuple(range(110)), session="alice")
     eng.publish(RequestFinished(record(segments=final, generated_tokens=6)))
     kv.feed.flush()
     assert bars(t["generated"]) == [(req, 104, 110)]
     assert bars(t["assistant"]) == [("slot 0", 60, 80), ("slot 0", 100, 110)]
-    assert bars(t["trimmed"]) == [(req, 80, 86)] and bars(t["media"]) == []
+    assert bars(t["trimmed"]) == [(req, 80, 86)] and bars(t["image"]) == []
     eng.publish(SlotsChanged("cleared"))
     eng.set_slot(0, segments=(), tokens=())
     kv.feed.flush()
@@ -181,27 +185,29 @@ def test_timeline_plots_salvage_ttft_and_no_cache_estimate():
     tl = Timeline(eng, Feed(eng, live=False), max_requests=2)
     recs = [
         record(1, strategy="miss", reused_tokens=0, prefilled_tokens=200, prompt_tokens=200,
-               ttft_s=1.0, prefill_s=1.0),
+               ttft_s=1.0, prefill_s=1.0, reason="first"),
         record(2, strategy="hash-extend", reused_tokens=200, prefilled_tokens=20,
-               prompt_tokens=220, ttft_s=0.1, prefill_s=0.1),
+               prompt_tokens=220, ttft_s=0.1, prefill_s=0.1, reason="continued"),
         record(3, strategy="prefix-salvage", reused_tokens=100, prefilled_tokens=140,
-               prompt_tokens=240, ttft_s=0.7, prefill_s=0.7),
+               prompt_tokens=240, ttft_s=0.7, prefill_s=0.7, reason="copied"),
     ]
     for r in recs:
         eng.publish(RequestFinished(r))
     tl.feed.flush()
     t = tl.traces
     assert tl.shown == 2  # max_requests
-    extended, salvaged = t["conversation extended"], t["token prefix salvaged"]
+    extended, salvaged = t["continued"], t["copied"]
+    assert (extended.name, salvaged.name) == ("continued", "copied prefix")  # vocabulary
     assert list(extended.x) == [2] and list(salvaged.x) == [3]
-    assert list(t["rebuilt"].x) == []
+    assert list(t["first"].x) == []
     assert extended.y[0] == pytest.approx(100 * 200 / 220)
-    # one visual language: every salvage bar is "reused" green; the strategy is the pattern
-    assert {tr.marker.color for tr in (extended, salvaged, t["rebuilt"])} == {COLORS["reused"]}
+    # one visual language: every salvage bar is "reused" green; the event is the pattern
+    assert {tr.marker.color for tr in (extended, salvaged, t["first"])} == {COLORS["reused"]}
     assert salvaged.marker.pattern.shape == "/" and not extended.marker.pattern.shape
     assert "reused 200 of 220 tokens" in extended.customdata[0]
     assert "first token after 100 ms" in extended.customdata[0]
-    assert list(t["TTFT"].y) == pytest.approx([100, 700])
+    assert list(t["first token"].y) == pytest.approx([100, 700])
+    assert "= waited 0 ms" in t["first token"].customdata[0]  # the split, on hover
     # 200 tokens/s observed: reusing 200 tokens saved ~1 s
     assert list(t["no-cache estimate"].y) == pytest.approx([1100, 1200])
     assert list(t["read new"].y) == [20, 140] and list(t["reused"].y) == [200, 100]
@@ -209,7 +215,9 @@ def test_timeline_plots_salvage_ttft_and_no_cache_estimate():
     eng.publish(RequestFinished(record(4, strategy="miss", reused_tokens=0, prompt_tokens=50,
                                        prefilled_tokens=50, ttft_s=0.2)))
     tl.feed.flush()
-    assert list(t["nothing reused"].x) == [4] and list(t["nothing reused"].y) == [0]
+    nothing = t["reused nothing"]  # an open circle: never mistaken for a line's label
+    assert list(nothing.x) == [4] and list(nothing.y) == [0]
+    assert nothing.marker.symbol == "circle-open"
     layout = tl.figure.layout
     assert layout.xaxis3.title.text == "request #" and layout.xaxis.tickformat == "d"
     assert [layout[f"yaxis{i}"].title.text for i in ("", "2", "3")] == ["%", "ms", "tokens"]
@@ -312,22 +320,28 @@ def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(sent, c
     draws = Draws()
     dash.feed.attach(draws)  # drawn once right away, on this thread
     try:
-        eng.publish(RequestStarted(record()))  # the first event is drawn at once
-        assert draws.wait_for(2) == ("nbkv-widgets", 1)
-        for i in range(1, 51):  # 50 events within 0.2 s of that redraw
+        eng.publish(RequestStarted(record()))  # a prompt is being read: no redraw yet
+        time.sleep(0.2)
+        assert len(draws.seen) == 1
+        eng.publish(Progress(1, 0, "generate", 1, 100))  # its first token: drawn at once
+        assert draws.wait_for(2) == ("nbkv-widgets", 2)
+        for i in range(2, 52):  # 50 events within 0.2 s of that redraw
             clock.advance(0.004)
             eng.publish(Progress(1, 0, "generate", i, 100))
         assert len(draws.seen) == 2  # the feed waits for the interval to pass
         clock.advance(0.1)  # 0.3 s since the last redraw: one redraw for all 50
-        assert draws.wait_for(3) == ("nbkv-widgets", 51)
-        for i in range(51, 101):
+        assert draws.wait_for(3) == ("nbkv-widgets", 52)
+        for i in range(52, 102):
             clock.advance(0.004)
             eng.publish(Progress(1, 0, "generate", i, 100))
         eng.publish(RequestFinished(record(generated_tokens=100)))
         assert len(draws.seen) == 3
-        clock.advance(0.1)  # the final state, once more after the last event
-        assert draws.wait_for(4) == ("nbkv-widgets", 102)
-        assert dash.feed.renders == 3  # 102 events, 3 redraws
+        clock.advance(0.3)  # a request that ended is drawn once nothing follows for 0.4 s
+        time.sleep(0.2)
+        assert len(draws.seen) == 3
+        clock.advance(0.2)  # the final state, once more after the last event
+        assert draws.wait_for(4) == ("nbkv-widgets", 103)
+        assert dash.feed.renders == 3  # 103 events, 3 redraws
         assert dash.timeline.shown == 1 and "1 requests" in dash.header.value
         assert "generating" not in dash.slots.cards[0].value  # the request ended
         # publishing only queues: every redraw after the first ran on the widget thread
@@ -336,6 +350,31 @@ def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(sent, c
     finally:
         dash.close()
     assert len(draws.seen) == 4  # closing draws nothing more
+
+
+def test_a_long_prefill_is_redrawn_at_most_once_per_hold(clock):
+    eng = FakeEngine()
+    feed = Feed(eng, interval=0.25, hold=1.0)
+    draws = Draws()
+    feed.attach(draws)
+    try:
+        eng.publish(RequestStarted(record()))
+        deadline = time.monotonic() + 10
+        while not feed.state.running and time.monotonic() < deadline:  # the thread took it
+            time.sleep(0.01)
+        clock.advance(0.5)
+        time.sleep(0.2)
+        assert len(draws.seen) == 1  # still reading, within the hold
+        clock.advance(0.6)  # 1.1 s: a long prefill shows its progress
+        assert draws.wait_for(2)[1] == 1
+        eng.publish(Progress(1, 0, "extend", 10, 24))
+        clock.advance(0.3)  # past the interval, but within the hold of the last redraw
+        time.sleep(0.2)
+        assert len(draws.seen) == 2
+        clock.advance(0.8)
+        assert draws.wait_for(3)[1] == 2
+    finally:
+        feed.close()
 
 
 def test_a_failing_redraw_is_shown_not_raised():
@@ -398,7 +437,7 @@ def test_dashboard_follows_a_real_conversation(engine):
         gen = [b for b in bars(t["generated"]) if b[0] == req]
         # the last sampled token is never decoded, so the KV ends one short of the reply
         assert gen == [(req, res2.record.prompt_tokens, engine.slots()[slot].n_tokens)]
-        assert list(dash.timeline.traces["conversation extended"].x) == [res2.record.id]
+        assert list(dash.timeline.traces["continued"].x) == [res2.record.id]
     finally:
         dash.close()
 
@@ -417,29 +456,33 @@ def test_images_show_as_media_spans_and_chunks():
     tokens = (*range(5), *(MediaUnit(image, i) for i in range(64)), *range(69, 90))
     eng.set_slot(0, session="eve", tokens=tokens, segments=segs, last_used=1)
     feed.flush()
-    assert bars(kv.traces["media"]) == [("slot 0", 5, 69)]
+    assert bars(kv.traces["image"]) == [("slot 0", 5, 69)]
     assert bars(kv.traces["user"]) == [("slot 0", 0, 5), ("slot 0", 69, 80)]
-    assert kv.traces["media"].customdata[0][4] == "image " + "ab" * 6
-    assert "media chunks: 1" in cards.cards[0].value
+    assert kv.traces["image"].customdata[0][4] == "image " + "ab" * 6
+    assert "images: 1" in cards.cards[0].value
 
 
 def test_slot_cards_show_the_memory_class_and_checkpoints():
-    from nbkv.widgets.slots import _card
+    from nbkv.static import card, memory_text
 
     plain = SlotInfo(0, 0, 512, "a", (1, 2, 3), ("h",), (3,), 1, False)
-    assert '<span class="nbkv-memory">plain</span>' in _card(plain, 1, 1, None)
+    assert memory_text(plain) == "plain"
+    html = card(plain, 1, 2, None)
+    # "plain" and "LRU 1 of 2" explain themselves in tooltips
+    assert re.search(r'class="nbkv-memory" title="plain memory: [^"]*any earlier position',
+                     html)
+    assert re.search(r'class="nbkv-lru" title="least recently used order: 1 of the 2[^"]*"'
+                     r' style="cursor:help">LRU 1 of 2<', html)
     hybrid = SlotInfo(1, 1, 512, "b", tuple(range(300)), ("h",), (300,), 2, False,
                       checkpoints=(64, 128, 300), checkpoint_bytes=3 * 1100, memory="hybrid")
-    assert ('<span class="nbkv-memory">hybrid · 3 checkpoints (3.2 KiB)</span>'
-            in _card(hybrid, 1, 2, None))
+    assert memory_text(hybrid) == "hybrid · 3 checkpoints (3.2 KiB)"
     big = replace(hybrid, checkpoints=(300,), checkpoint_bytes=5 * 1024 * 1024,
                   memory="recurrent")
-    assert ('<span class="nbkv-memory">recurrent · 1 checkpoint (5.0 MiB)</span>'
-            in _card(big, 1, 2, None))
+    assert memory_text(big) == "recurrent · 1 checkpoint (5.0 MiB)"
     # attention memory that cannot trim its tail is served with checkpoints too
     stuck = replace(hybrid, checkpoints=(128,), checkpoint_bytes=2048, memory="plain")
-    assert ('<span class="nbkv-memory">plain · 1 checkpoint (2.0 KiB)</span>'
-            in _card(stuck, 1, 2, None))
+    assert memory_text(stuck) == "plain · 1 checkpoint (2.0 KiB)"
+    assert "plain · 1 checkpoint (2.0 KiB)</span>" in card(stuck, 1, 2, None)
 
 
 def test_kv_map_marks_checkpoints_on_the_messages_row():
@@ -466,7 +509,7 @@ def test_kv_map_marks_where_the_prompt_diverged():
     kv.feed.flush()
     mark = kv.traces["divergence"]
     assert list(mark.x) == [63] and list(mark.y) == ["slot 0 · request"]
-    assert "request 7: kept 2 message(s)" in mark.customdata[0]
+    assert "request 7: edited message: kept 2 message(s)" in mark.customdata[0]
 
 
 def test_one_legend_for_the_dashboard_and_the_slot_strips():
@@ -477,7 +520,7 @@ def test_one_legend_for_the_dashboard_and_the_slot_strips():
     for key, label in LEGEND_STATES:  # each colour named once, by what it means
         assert html.count(COLORS[key]) == 1 and label in html
     assert all(ROLE_COLORS[r] in html for r in ("system", "user", "assistant"))
-    assert "checkpoint" in html and "left the cached conversation" in html
+    assert "checkpoint" in html and "where the prompt diverged" in html
     eng = FakeEngine()
     dash = CacheDashboard(eng, live=False)
     try:
@@ -487,11 +530,17 @@ def test_one_legend_for_the_dashboard_and_the_slot_strips():
     # statistics: internals only under "details", draft counts only when guesses are on
     eng.speculative = False
     eng.stats = lambda: {"requests": 3, "reused_tokens": 10, "draft_tokens": 0,
-                         "evictions": 1, "thrashing": False, "advice": ""}
+                         "evictions": 1, "thrashing": False, "advice": "", "spc_entries": 0}
     table = stats_table(eng)
-    assert [r[0] for r in table.rows] == ["requests", "reused from cache"]
-    assert [r[0] for r in table.details] == ["evictions"]
+    assert [r[0] for r in table.rows] == ["requests", "reused from cache",
+                                          "took another conversation's slot"]
+    assert [r[0] for r in table.details] == ["spc_entries"]
     assert "<details>" in table._repr_html_() and table.note == ""
+    # the slot strips are drawn in role colours: their legend shows roles and shading only
+    strips = legend_html("strips")
+    assert not any(COLORS[key] in strips for key, _ in LEGEND_STATES)
+    assert "solid = reused" in strips and "pale = read new" in strips
+    assert "striped = generated" in strips
 
 
 def test_a_map_made_after_the_requests_starts_from_the_latest_one():

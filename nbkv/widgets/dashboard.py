@@ -8,9 +8,11 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Float, observe, validate
 
-from ..display import engine_label, legend_html, slots_label
+from .. import static
+from ..display import legend_html
+from ..palette import ERROR
 from .conversations import Conversations
-from .feed import Feed, LiveState
+from .feed import Feed, LiveState, with_static
 from .kvmap import KVMap
 from .slots import SlotCards
 from .timeline import Timeline
@@ -53,23 +55,18 @@ class CacheDashboard(W.VBox):
 
     def render(self, state: LiveState) -> None:
         """Redraw the header line."""
-        e = self.engine
-        if state.closed:
-            self.header.value = "<b>nbkv</b> · engine closed (load a new one and run " \
-                                "%kvcache widget again)"
-            return
-        s = e.stats()
-        running = len(state.running)
-        self.header.value = (
-            f'<div style="font:13px sans-serif"><b>nbkv</b> · '
-            f"{html.escape(engine_label(e))} · {slots_label(e)} · "
-            f"cache {e.cache} · {s['requests']} requests, {s['salvage_pct']:.0f}% of prompt "
-            f"tokens from cache · {running} running</div>"
-        )
+        self.header.value = static.header_html(self.engine, len(state.running), state.closed)
 
     def show_error(self, message: str) -> None:
         """Show a redraw failure in the header."""
-        self.header.value = f'<span style="color:#c00">{html.escape(message)}</span>'
+        self.header.value = f'<span style="color:{ERROR}">{html.escape(message)}</span>'
+
+    def static_html(self) -> str:
+        """The whole dashboard as static HTML and inline SVG, as it is now."""
+        return static.dashboard_html(self.engine, self.feed.snapshot())
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        return with_static(super()._repr_mimebundle_(**kwargs), self.static_html)
 
     def close(self) -> None:
         """Stop the updates and close every piece."""

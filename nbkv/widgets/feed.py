@@ -3,7 +3,12 @@
 The engine calls :meth:`Feed._on_event` on its scheduler thread: it only queues the event.
 A render thread applies queued events to a :class:`LiveState` and redraws the attached
 views at most once per ``interval`` seconds, always once more after the last event (so the
-final state of a request is shown). A view that fails shows its error; nothing is raised.
+final state of a request is shown). While a prompt is being read, redraws wait for its
+first token, and a long prefill is redrawn at most once per ``hold`` seconds; a request's
+end is drawn after ``quiet`` seconds, or, if the next request has started by then, after its
+first token: a redraw (and the browser's, which shares the cores) would otherwise compete
+with the prefill, and with the rewrite of the reply just ended (README, Exactness).
+A view that fails shows its error; nothing is raised.
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ import html
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..events import Progress, RequestFinished, RequestRecord, RequestStarted, SlotsChanged
+from ..palette import ERROR
 
 log = logging.getLogger("nbkv.widgets")
 
@@ -28,6 +34,12 @@ class Running:
     phase: str = ""
     done: int = 0
     total: int = 0
+    since: float = 0.0  # time.monotonic() when the feed learned of it
+
+    @property
+    def reading(self) -> bool:
+        """True until the first reply token: the prompt is being read (or its image encoded)."""
+        return self.phase != "generate"
 
     @property
     def prefilled(self) -> int:
@@ -50,12 +62,14 @@ class LiveState:
     last_by_slot: dict[int, RequestRecord] = field(default_factory=dict)
     events: int = 0
     closed: bool = False
+    finished_at: float = 0.0  # time.monotonic() when the latest request ended
 
-    def apply(self, event: Any) -> None:
-        """Update from one engine event."""
+    def apply(self, event: Any, at: float | None = None) -> None:
+        """Update from one engine event, published at ``at`` (``time.monotonic()``)."""
+        at = time.monotonic() if at is None else at
         self.events += 1
         if isinstance(event, RequestStarted):
-            self.running[event.record.id] = Running(event.record)
+            self.running[event.record.id] = Running(event.record, since=at)
         elif isinstance(event, Progress):
             run = self.running.get(event.request_id)
             if run is not None:
@@ -63,6 +77,7 @@ class LiveState:
         elif isinstance(event, RequestFinished):
             self.running.pop(event.record.id, None)
             self.last_by_slot[event.record.slot] = event.record
+            self.finished_at = at
         elif isinstance(event, SlotsChanged):
             if event.reason == "closed":
                 self.closed = True
@@ -91,13 +106,17 @@ class View(Protocol):
 class Feed:
     """Subscribes to an engine and redraws views, throttled, on its own thread."""
 
-    def __init__(self, engine: Any, interval: float = 0.25, live: bool = True) -> None:
+    def __init__(self, engine: Any, interval: float = 0.25, live: bool = True,
+                 hold: float = 1.0, quiet: float = 0.4) -> None:
         self.engine = engine
         self.interval = interval
+        self.hold = hold
+        self.quiet = quiet
         self.state = LiveState()
         self.renders = 0
+        self.render_cpu_s = 0.0  # CPU time the redraws took (this feed's thread)
         self._views: list[View] = []
-        self._queue: list[Any] = []
+        self._queue: list[tuple[float, Any]] = []  # (when published, event)
         self._lock = threading.Lock()
         self._render_lock = threading.RLock()
         self._wake = threading.Event()
@@ -126,7 +145,7 @@ class Feed:
 
     def _on_event(self, event: Any) -> None:  # engine thread: queue and return
         with self._lock:
-            self._queue.append(event)
+            self._queue.append((time.monotonic(), event))
         self._wake.set()
 
     def _run(self) -> None:
@@ -138,19 +157,55 @@ class Feed:
             if self._stop.is_set():
                 break
             self._wake.clear()
-            self.flush()
+            held = self._held()
+            while held > 0 and not self._stop.is_set():  # a prompt is being read
+                if self._wake.wait(held):
+                    self._wake.clear()
+                held = self._held()
+            if not self._stop.is_set():
+                self.flush()
 
-    def flush(self) -> None:
-        """Apply the queued events and redraw every view now."""
+    def snapshot(self) -> LiveState:
+        """A copy of the state, safe to read on another thread while the feed runs."""
+        with self._render_lock:
+            st = self.state
+            return LiveState({k: replace(v) for k, v in st.running.items()},
+                             dict(st.last_by_slot), st.events, st.closed)
+
+    def _apply(self) -> None:
         with self._lock:
             events, self._queue = self._queue, []
         with self._render_lock:
-            for ev in events:
-                self.state.apply(ev)
+            for at, ev in events:
+                self.state.apply(ev, at)
+
+    def _held(self) -> float:
+        """Seconds the next redraw should wait, so as not to compete with a prefill (0: none).
+
+        While prompts are being read: until the first token (at most ``hold`` seconds, then
+        once per ``hold``). Right after a request ended, with nothing running: ``quiet``
+        seconds, for the next cell's request may follow at once (its prompt, and the rewrite
+        of the reply that just ended, come first; the redraw then waits for its first token).
+        """
+        self._apply()
+        now = time.monotonic()
+        reading = [run.since for run in self.state.running.values() if run.reading]
+        if reading:
+            return max(min(reading) + self.hold, self._last + self.hold) - now
+        if not self.state.running and not self.state.closed:
+            return self.state.finished_at + self.quiet - now
+        return 0.0
+
+    def flush(self) -> None:
+        """Apply the queued events and redraw every view now."""
+        self._apply()
+        with self._render_lock:
+            cpu = time.thread_time()
             self._last = time.monotonic()
             for view in list(self._views):
                 self._draw(view)
             self.renders += 1
+            self.render_cpu_s += time.thread_time() - cpu
         if self.state.closed:
             self.close()
 
@@ -175,17 +230,38 @@ class Feed:
             t.join(timeout=2)
 
 
+def with_static(bundle: dict[str, Any], static_html: Any) -> dict[str, Any]:
+    """A widget's display data plus ``text/html``: the static fallback of a saved notebook.
+
+    Front ends with the widget manager show the live view; GitHub, nbviewer, nbconvert and
+    a notebook opened before its kernel starts show the HTML (inline SVG, no script).
+    """
+    try:
+        bundle["text/html"] = static_html()
+    except Exception:  # noqa: BLE001 - the live view must still show
+        log.exception("nbkv: the static fallback failed")
+    return bundle
+
+
 class FeedView:
-    """Mixin of the dashboard pieces: an error note, and closing what they own."""
+    """Mixin of the dashboard pieces: an error note, a static fallback, closing what they own."""
 
     note: Any  # an ipywidgets.HTML under the piece
     feed: Feed
     _own_feed: bool
     figure: Any = None  # a plotly FigureWidget, for the pieces that draw one
 
+    def static_html(self) -> str:
+        """The piece as static HTML, as it is now."""
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        return with_static(super()._repr_mimebundle_(**kwargs),  # type: ignore[misc]
+                           self.static_html)
+
     def show_error(self, message: str) -> None:
         """Show a redraw failure under the piece (never raised into the engine)."""
-        self.note.value = f'<span style="color:#c00">{html.escape(message)}</span>'
+        self.note.value = f'<span style="color:{ERROR}">{html.escape(message)}</span>'
 
     def close(self) -> None:
         """Close the piece (and its feed, if it owns it)."""
