@@ -19,7 +19,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .messages import preview
-from .palette import BRANCH_COLOR, COLORS, ROLE_COLORS, STALE_COLOR
+from .palette import (
+    BRANCH_COLOR,
+    COLORS,
+    FREE,
+    MUTED,
+    NEUTRAL,
+    ROLE_COLORS,
+    STALE_COLOR,
+    TEXT,
+    TRACK,
+)
 from .policy import common_prefix
 
 if TYPE_CHECKING:
@@ -114,7 +124,7 @@ _ROW = "display:flex;align-items:baseline;gap:6px;padding:2px 4px;margin:1px 0"
 def _bar(turn: Turn) -> str:
     r = turn.record
     if r is None or not r.prompt_tokens:
-        return ('<span style="display:inline-block;width:60px;color:#999" '
+        return (f'<span style="display:inline-block;width:60px;color:{FREE}" '
                 'title="no request in this kernel (restored or copied)">–</span>')
     tip = html.escape(f"prompt {r.prompt_tokens} tokens: reused {r.reused_tokens} from the "
                       f"cache, read {r.prefilled_tokens} new (request #{r.id}, slot {r.slot})",
@@ -124,9 +134,9 @@ def _bar(turn: Turn) -> str:
         f'background:{COLORS[k]}"></span>'
         for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n)
     return (f'<span class="nbkv-turn-bar" title="{tip}" style="display:inline-block;'
-            f'width:60px;flex:none;white-space:nowrap;background:#eee;line-height:0">'
+            f'width:60px;flex:none;white-space:nowrap;background:{TRACK};line-height:0">'
             f"{parts}</span>"
-            f'<span style="color:#666;min-width:76px;white-space:nowrap">'
+            f'<span style="color:{MUTED};min-width:76px;white-space:nowrap">'
             f"{r.salvage_pct:.0f}% reused</span>")
 
 
@@ -154,23 +164,23 @@ def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[in
         branch = (f'<span class="nbkv-branch" title="{html.escape(tip, quote=True)}" '
                   f'style="color:{BRANCH_COLOR};font-weight:bold;cursor:help">⎇ re-run: '
                   f'{_span(branches[i])} answered on its earlier version</span>')
-    runs = (f'<span style="color:#666" title="times its cell has run">×{turn.runs}</span>'
+    runs = (f'<span style="color:{MUTED}" title="times its cell has run">×{turn.runs}</span>'
             if turn.runs > 1 else "")
     if turn.source is not None:
-        runs += (f'<span style="color:#999" title="copied when this session was forked">'
+        runs += (f'<span style="color:{FREE}" title="copied when this session was forked">'
                  f"from {html.escape(turn.source)}</span>")
     style = _ROW + ("" if live else f";opacity:0.55;text-decoration:line-through "
                                     f"{STALE_COLOR}")
     return (
         f'<div class="nbkv-turn" data-session="{html.escape(session.name, quote=True)}" '
         f'data-turn="{i}" data-state="{turn.state}" style="{style}">'
-        f'<span title="{count_tip}" style="font:11px monospace;color:#555;min-width:34px">'
+        f'<span title="{count_tip}" style="font:11px monospace;color:{NEUTRAL};min-width:34px">'
         f"{html.escape(count)}</span>"
         f'<span style="min-width:46px">turn {i}</span>{_bar(turn)}'
         f'<span style="border-left:3px solid {ROLE_COLORS["user"]};padding-left:4px">{q}'
         f"</span><span>→</span>"
         f'<span style="border-left:3px solid {ROLE_COLORS["assistant"]};padding-left:4px;'
-        f'color:#444">{a}</span>{runs}{badge}{branch}</div>'
+        f'color:{TEXT}">{a}</span>{runs}{badge}{branch}</div>'
     )
 
 
@@ -185,7 +195,7 @@ def _session_html(s: Session, forks: dict[str, dict[int, list[Session]]],
             + (f" ({stale} stale)" if stale else "") + f" · {html.escape(where)}")
     rows = []
     if shared_from is None and s.system is not None:
-        rows.append(f'<div class="nbkv-system" style="{_ROW};color:#555">'
+        rows.append(f'<div class="nbkv-system" style="{_ROW};color:{NEUTRAL}">'
                     f'<span style="border-left:3px solid {ROLE_COLORS["system"]};'
                     f'padding-left:4px">system: '
                     f"{html.escape(preview({'content': s.system}, 90))}</span></div>")
@@ -201,7 +211,7 @@ def _session_html(s: Session, forks: dict[str, dict[int, list[Session]]],
         if not 1 <= k <= len(turns):
             rows.extend(_fork_html(s, k, kid, slots, forks) for kid in kids)
     if not turns:
-        rows.append(f'<div style="{_ROW};color:#999">no turn yet</div>')
+        rows.append(f'<div style="{_ROW};color:{FREE}">no turn yet</div>')
     return (f'<div class="nbkv-conversation" data-session="{html.escape(s.name, quote=True)}" '
             f'style="margin:4px 0"><div style="margin-bottom:2px">{head}</div>'
             + "".join(rows) + "</div>")
@@ -233,11 +243,11 @@ def conversation_html(sessions: Iterable[Session], slots: Sequence[Any] = ()) ->
     """Every session's conversation as HTML (forks under the turn they branched from)."""
     roots, forks = families(sessions)
     body = "".join(_session_html(s, forks, slots) for s in roots) or (
-        '<div style="color:#999">no conversation yet</div>')
+        f'<div style="color:{FREE}">no conversation yet</div>')
     return (f'<div class="nbkv-conversations" style="font:12px sans-serif;line-height:1.5">'
             f'<div style="font-size:14px;margin:4px 0 2px">conversations: one turn per '
             f"<code>%%chat</code> cell</div>"
-            f'<div class="nbkv-conversations-legend" style="color:#666;font-size:11px;'
+            f'<div class="nbkv-conversations-legend" style="color:{MUTED};font-size:11px;'
             f'margin-bottom:4px">{html.escape(LEGEND)}</div>{body}</div>')
 
 
