@@ -9,6 +9,7 @@ line without a traceback.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,8 +93,6 @@ def _at_least_one(args: Any, *flags: str) -> None:
 
 def load(ws: Workspace, args: Any) -> Any:
     """Close the engine, load a new one (the model and options given, else the settings)."""
-    from . import memplan
-
     _at_least_one(args, "slots", "ctx")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
@@ -110,18 +109,15 @@ def load(ws: Workspace, args: Any) -> Any:
         path = str(_file(path, "model"))
     carried = [s.name for s in ws.store if s.records]  # their next turn: "engine reloaded"
     ws.store.close_engine()  # first, so that the free memory counts what it held
-    free, where = memplan.kv_memory(kwargs["n_gpu_layers"])
     progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
                             ws.notebook)
-    engine = ws.store.load(path, on_load_progress=progress, **kwargs)
+    with warnings.catch_warnings(record=True) as said:  # shown under the summary instead
+        warnings.simplefilter("always")
+        engine = ws.store.load(path, on_load_progress=progress, **kwargs)
     engine.carry_over(carried)
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)
-    picked = " and ".join(what for what, given in (("slots", kwargs["n_slots"]),
-                                                   ("tokens per slot", kwargs["n_ctx"]))
-                          if given is None)
-    notes = [memplan.fit_sentence(engine.plan, free, where, picked) if picked else None,
-             memplan.context_warning(engine.n_ctx, engine.model.n_ctx_train),
+    notes = [engine.sized or None, *(str(w.message) for w in said),
              _offer_restore(ws, engine, args.restore)]
     progress.done(summary, note="\n".join(n for n in notes if n) or None)
     return None if ws.notebook else summary

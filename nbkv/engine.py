@@ -51,7 +51,7 @@ from .events import (
     message_segments,
 )
 from .gguf_header import read_metadata
-from .hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, devices, kv_type_id
+from .hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, kv_type_id
 from .invariance import PrefillRule
 from .media import EmbeddingCache, MediaUnit, spans
 from .messages import prefix_hashes
@@ -261,7 +261,8 @@ class Engine(TemplatedAPI, ChatAPI):
         n_slots: conversations kept in KV at once (one llama.cpp sequence each).
         n_ctx: context budget of each slot, in tokens (rounded up to a multiple of 256).
             ``None`` for either: picked from the memory plan (4 x 4096 when the KV takes at
-            most a quarter of the free memory, else smaller), said in ``engine.sized``.
+            most a quarter of the free memory, else smaller), said in ``engine.sized``; a
+            slot longer than the model's trained context is warned about.
         cache: ``"imc"`` (whole conversations), ``"spc"`` (system prompt only) or ``"off"``.
         cache_min_tokens: IMC: shortest token prefix worth salvaging from another
             conversation's slot; SPC: shortest system prompt worth caching.
@@ -389,21 +390,15 @@ class Engine(TemplatedAPI, ChatAPI):
             source = template or self.model.chat_template or CHATML
             self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
             meta = read_metadata(path)
-            free, where = memplan.free_memory(), "RAM"
-            gpus = [d for d in devices() if d.kind in ("gpu", "igpu")]
-            if gpus and self.model.params.n_gpu_layers != 0:  # the KV goes to the devices
-                free = sum(d.free for d in gpus)
-                where = "GPU memory (" + ", ".join(d.name for d in gpus) + ")"
-            self.sized = ""
-            if n_slots is None or n_ctx is None:
+            free, where = memplan.kv_memory(self.model.params.n_gpu_layers)
+            picked = " and ".join(w for w, given in (("slots", n_slots), ("tokens per slot",
+                                                                          n_ctx)) if given is None)
+            if picked:
                 auto_slots, auto_ctx = memplan.default_size(
                     meta, free, type_k=type_k, type_v=type_v,
                     recurrent=self.model.is_recurrent, hybrid=self.model.is_hybrid,
                     n_ctx_train=self.model.n_ctx_train)
                 n_slots, n_ctx = n_slots or auto_slots, n_ctx or auto_ctx
-                self.sized = (f"picked {n_slots} slots x {n_ctx} tokens: the KV takes at most "
-                              f"a quarter of the {free / 2**30:.1f} GiB of free {where}")
-                log.info("%s", self.sized)
             self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
             slot_ctx = -(-max(n_ctx, 256) // 256) * 256
             if mmproj is not None:  # a non-causal image must fit one micro-batch
@@ -414,6 +409,14 @@ class Engine(TemplatedAPI, ChatAPI):
                                      self.model.is_recurrent, self.model.is_hybrid)
             if check_memory:
                 memplan.check_fits(self.plan, free, where)
+            #: what the memory plan picked, in words ("" when the caller gave both sizes)
+            self.sized = memplan.fit_sentence(self.plan, free, where, picked) if picked else ""
+            if self.sized:
+                log.info("%s", self.sized)
+            past = memplan.context_warning(slot_ctx, self.model.n_ctx_train)
+            if past:
+                log.warning("%s", past)
+                warnings.warn(past, stacklevel=2)
             self.ctx = Context(self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
                                flash_attn=FLASH_ATTN[self.flash_attn],
                                type_k=kv_type_id(type_k), type_v=kv_type_id(type_v))

@@ -536,8 +536,9 @@ def frame(body: str, cls: str, caption: bool = True) -> str:
             f'margin:4px 0">{note}{body}</div>')
 
 
-def dashboard_html(engine: Any, state: Any = None, caption: bool = True) -> str:
-    """The whole dashboard: header, legend, slot cards, KV map and timeline."""
+def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: str = ""
+                   ) -> str:
+    """The whole dashboard: header, legend, slot cards, KV map, timeline (then ``extra``)."""
     closed = bool(getattr(state, "closed", False))
     running = {run.record.slot: run for run in getattr(state, "running", {}).values()}
     if closed:
@@ -548,4 +549,4 @@ def dashboard_html(engine: Any, state: Any = None, caption: bool = True) -> str:
     if engine.n_slots:
         parts.append(kvmap_svg(slots, engine.n_ctx, last, running))
     parts.append(timeline_svg(engine.history))
-    return frame("".join(parts), "nbkv-dashboard-static", caption)
+    return frame("".join(parts) + extra, "nbkv-dashboard-static", caption)

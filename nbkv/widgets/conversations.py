@@ -36,6 +36,11 @@ class Conversations(FeedView, W.VBox):
         self._unsubscribe = self.sessions.subscribe(self.feed.push)
         self.feed.attach(self)
 
+    def static_html(self) -> str:
+        """The conversations as static HTML, as they are now (the saved notebook's view)."""
+        closed = self.feed.snapshot().closed
+        return conversation_html(list(self.sessions), () if closed else self.engine.slots())
+
     def render(self, state: LiveState) -> None:
         """Redraw every session's conversation."""
         sessions = list(self.sessions)

@@ -63,7 +63,9 @@ class CacheDashboard(W.VBox):
 
     def static_html(self) -> str:
         """The whole dashboard as static HTML and inline SVG, as it is now."""
-        return static.dashboard_html(self.engine, self.feed.snapshot())
+        state = self.feed.snapshot()
+        return static.dashboard_html(self.engine, state, extra=(
+            "" if state.closed else self.conversations.static_html()))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         return with_static(super()._repr_mimebundle_(**kwargs), self.static_html)
