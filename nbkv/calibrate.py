@@ -26,6 +26,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +102,7 @@ def measure(ctx: Context, batch: Batch, n_vocab: int, *, n_seq: int = 1,
     finally:
         for s in range(max(n_seq, 1)):
             ctx.try_seq_rm(s, -1, -1)
-    return PrefillRule(**{**rule.to_json(), "table": rule.table,
-                          "seconds": round(time.perf_counter() - t0, 3)})
+    return replace(rule, seconds=round(time.perf_counter() - t0, 3))
 
 
 def _grouping(probe: _Probe, can_trim: bool) -> PrefillRule:
@@ -217,7 +217,7 @@ def _with_gen_rows(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequen
                    for s in range(m)):
             limit = m - 1
             break
-    return PrefillRule(**{**rule.to_json(), "table": rule.table, "gen_rows": limit})
+    return replace(rule, gen_rows=limit)
 
 
 def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, Any],

@@ -188,7 +188,7 @@ def verify(ws: Workspace, args: Any) -> Any:
     if not results:
         return disp.Message("nothing to verify: every slot is empty")
     return disp.Table("verify: cached KV against a from-scratch decode", ("", ""),
-                      tuple((f"slot {v.slot}", str(v).split(": ", 1)[1]) for v in results),
+                      tuple((f"slot {v.slot}", v.finding()) for v in results),
                       note=engine.model.exactness)
 
 

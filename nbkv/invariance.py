@@ -24,7 +24,6 @@ decodes: exact when :attr:`PrefillRule.single_row` holds, else rewritten (see th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -72,14 +71,6 @@ class PrefillRule:
         d = dict(d)
         d["table"] = tuple((int(k), bool(v)) for k, v in d.get("table", ()))
         return cls(**d)
-
-    def cache_text(self) -> str:
-        """Canonical JSON text of the rule."""
-        return json.dumps(self.to_json(), sort_keys=True)
-
-
-#: the rule of a model nbkv could not prove: chunks of 2+ rows, and nothing claimed
-UNPROVEN = PrefillRule(2, 1, exact=False, reason="not calibrated")
 
 
 def derive(table: Mapping[int, bool]) -> tuple[int, int] | None:

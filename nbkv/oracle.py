@@ -91,16 +91,19 @@ class Verification:
 
     def __str__(self) -> str:
         who = f" ({self.session})" if self.session else ""
-        head = f"slot {self.slot}{who}, {self.tokens} positions: "
+        return f"slot {self.slot}{who}, {self.tokens} positions: {self.finding()}"
+
+    def finding(self) -> str:
+        """What the comparison found, in words (without the slot)."""
         if self.identical:
-            return head + "bit-identical to a from-scratch decode"
+            return "bit-identical to a from-scratch decode"
         where = ""
         if self.first_diff is not None:
             lo, hi = self.first_diff
             where = (f"; first difference at position {lo}" if hi - lo <= 1 else
                      f"; first difference between positions {lo} and {hi}")
         note = "" if self.claimed else " (the engine did not claim it exact)"
-        return head + f"differs: max |logit diff| {self.max_diff:.4g}{where}{note}"
+        return f"differs: max |logit diff| {self.max_diff:.4g}{where}{note}"
 
     def _repr_html_(self) -> str:
         import html

@@ -794,7 +794,7 @@ def _apply(engine: Engine, plan: _Plan) -> list[SlotSave]:
     """Load the planned states into the slots (scheduler thread); all or nothing."""
     if engine._active or any(s.pending for s in engine._slots):
         raise RestoreError("the engine is serving requests: restore when it is idle")
-    backup = [_backup(engine, s) for s in engine._slots]
+    backup = [_backup(s) for s in engine._slots]
     placed = []
     try:
         for s in engine._slots:
@@ -847,7 +847,7 @@ def _placement(slots: list[dict[str, Any]], n: int) -> list[int]:
     return [o if o is not None else next(free) for o in out]
 
 
-def _backup(engine: Engine, s: Any) -> dict[str, Any] | None:
+def _backup(s: Any) -> dict[str, Any] | None:
     if not s.tokens:
         return None
     return {"kv": s.kv.snapshot(), "session": s.session, "hashes": list(s.hashes),

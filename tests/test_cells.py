@@ -194,12 +194,18 @@ def test_rewind_and_new_and_messages_edits():
     assert s.turns == () and s.messages == [{"role": "system", "content": "sys"}]
 
 
-def test_fork_shares_the_first_turns_and_refork_keeps_own_turns_stale():
+def alice_with_three_turns():
+    """A store whose session alice ran three cells (q1..q3), and the scripted engine."""
     store, eng = SessionStore(), ScriptEngine()
     a = store.get("alice")
     a.system = "S"
     for i in range(1, 4):
         run(a, eng, f"q{i}", f"a{i}", i)
+    return store, eng, a
+
+
+def test_fork_shares_the_first_turns_and_refork_keeps_own_turns_stale():
+    store, eng, a = alice_with_three_turns()
     b = a.fork("bob", at=2)
     assert b.parent == ("alice", 2) and questions(b) == ["q1", "q2"]
     assert all(t.source == "alice" and t.record is None for t in b.turns)
@@ -218,11 +224,7 @@ def test_fork_shares_the_first_turns_and_refork_keeps_own_turns_stale():
 
 
 def test_state_round_trip_and_older_saves():
-    store, eng = SessionStore(), ScriptEngine()
-    a = store.get("alice")
-    a.system = "S"
-    for i in range(1, 4):
-        run(a, eng, f"q{i}", f"a{i}", i)
+    store, eng, a = alice_with_three_turns()
     run(a, eng, "q2", "a2", 7)
     a.fork("bob", at=1)
     data = json.loads(json.dumps([s.state_dict() for s in store]))

@@ -230,6 +230,10 @@ def test_kvcache_commands_render_html_and_text(loaded):
     with pytest.raises(UsageError, match="request number"):
         loaded.run_line_magic("kvcache", "explain soon")
 
+    verified = rendered(loaded.run_line_magic("kvcache", "verify"))
+    assert verified and all(row[1] == "bit-identical to a from-scratch decode"
+                            for row in verified)
+
     config = {row[0]: row[1] for row in rendered(loaded.run_line_magic("kvcache", "config"))}
     magics = loaded.magics_manager.registry["Nbkv"]
     assert config["Nbkv.slots"] == repr(magics.slots) and config["Nbkv.max_tokens"] == "8"
