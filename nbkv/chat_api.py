@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import InvalidRequestError
 from .events import EventBus, RequestRecord, Subscriber
+from .policy import MISS
 from .streams import AsyncChatStream, ChatResult, ChatStream
 
 
@@ -75,14 +76,11 @@ class ChatAPI:
         """Sessions another engine cached before this one replaced it (``%kvcache load``).
 
         Their next request here says the engine was reloaded, not that the conversation is
-        new. Engines that keep no per-session reasons ignore it.
+        new. Engines that keep no slot table ignore it.
         """
-        from .reasons import RELOADED, Whereabouts
-
-        whereabouts = getattr(self, "_whereabouts", None)
-        if whereabouts is not None:
-            for name in sessions:
-                whereabouts.setdefault(name, Whereabouts(0, RELOADED))
+        table = getattr(self, "table", None)
+        if table is not None:
+            table.carry_over(sessions)
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Receive every event (see :mod:`nbkv.events`); returns an unsubscribe function."""
@@ -139,4 +137,35 @@ def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
         "generated_tokens": sum(r.generated_tokens for r in history),
         "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
         "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+    }
+
+
+def thrashing(history: Sequence[RequestRecord], n_slots: int, window: int = 24
+              ) -> dict[str, Any]:
+    """Detect cache thrashing: sessions that keep coming back to find their slot evicted.
+
+    Looks at the last ``window`` requests: a *returning miss* is a request of a session whose
+    conversation an earlier request evicted, and that then had to rebuild (strategy ``miss``).
+    """
+    recent = list(history)[-window:]
+    evicted: set[str] = set()
+    returning = 0
+    for r in recent:
+        if r.session is not None and r.session in evicted and r.strategy == MISS:
+            returning += 1
+        if r.session is not None:
+            evicted.discard(r.session)
+        if r.evicted_session is not None:
+            evicted.add(r.evicted_session)
+    active = len({r.session for r in recent if r.session is not None})
+    flagged = returning >= 3 and returning >= 0.25 * len(recent)
+    return {
+        "returning_misses": returning,
+        "active_sessions": active,
+        "thrashing": flagged,
+        "advice": (
+            f"cache thrashing: {active} sessions take turns on {n_slots} slots, so each "
+            f"returning session finds its conversation evicted and rebuilds it from scratch; "
+            f"load the engine with at least {active} slots"
+        ) if flagged else "",
     }

@@ -150,7 +150,7 @@ def _offer_restore(ws: Workspace, engine: Engine, restore: bool) -> str | None:
     if not restore:
         return persist.offer(engine, ws.save_path())
     try:
-        return str(persist.restore(engine, ws.save_path(), ws.store))
+        return str(engine.restore(ws.save_path(), ws.store))
     except NbkvError as e:
         return f"--restore: nothing restored: {e}"
 
@@ -233,16 +233,12 @@ def unload(ws: Workspace, args: Any) -> Any:
 
 def save(ws: Workspace, args: Any) -> Any:
     """Save slots, media and sessions (``%kvcache save [DIR]``)."""
-    from . import persist
-
-    return disp.Message(str(persist.save(ws.engine(), ws.save_path(args.target), ws.store)))
+    return disp.Message(str(ws.engine().save(ws.save_path(args.target), ws.store)))
 
 
 def restore(ws: Workspace, args: Any) -> Any:
     """Restore a save into the loaded engine (``%kvcache restore [DIR]``)."""
-    from . import persist
-
-    return disp.Message(str(persist.restore(ws.engine(), ws.save_path(args.target), ws.store)))
+    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store)))
 
 
 def config(ws: Workspace, args: Any) -> Any:

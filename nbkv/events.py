@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Union
 
 from . import vocabulary as vocab
-from .messages import preview
 from .reasons import Divergence
 
 log = logging.getLogger("nbkv.events")
@@ -208,30 +207,6 @@ class RequestRecord:
     def summary(self) -> str:
         """The one-line figures shown after a reply (the notebook view and the terminal)."""
         return " · ".join(text for text, _ in self.actions())
-
-
-def message_segments(messages: Sequence[Mapping[str, Any]], ends: Sequence[int],
-                     n_prompt: int, reuse: int, n: int, reply: str) -> tuple[Segment, ...]:
-    """A slot's KV map: a span per message and the reply, split by reused/prefilled/generated.
-
-    The prompt has ``n_prompt`` positions, the first ``reuse`` from cache; the slot holds ``n``
-    (the reply's after the prompt). Text only: the engine splits image positions out itself.
-    """
-    spans, start = [], 0
-    for i, end in enumerate(ends):
-        spans.append((start, end, i, messages[i]["role"], preview(messages[i])))
-        start = end
-    k = len(messages)
-    spans.append((start, n_prompt, k, "assistant", "(generation prompt)"))
-    spans.append((n_prompt, max(n, n_prompt), k, "assistant", preview({"content": reply})))
-    out = []
-    for a, b, i, role, text in spans:
-        for lo, hi, state in ((a, min(b, reuse), REUSED),
-                              (max(a, reuse), min(b, n_prompt), PREFILLED),
-                              (max(a, n_prompt), b, GENERATED)):
-            if hi > lo:
-                out.append(Segment(lo, hi, i, role, state, text))
-    return tuple(out)
 
 
 @dataclass(frozen=True)

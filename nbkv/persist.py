@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -42,11 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .engine_state import EngineBusy
 from .errors import NbkvError, RestoreError, SaveError
 from .events import RequestFinished, Segment, SlotsChanged
 from .gguf_header import gguf_fingerprint
 from .media import Image, MediaKey, MediaUnit, image_hash, load_image
-from .sessions import Session
+from .slot_kv import KVSnapshot
+from .slot_table import SlotState
+from .spc import SavedPrompt
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -185,14 +189,28 @@ def describe_engine(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _require_local(engine: Any, what: str) -> None:
-    from .engine import Engine
+def kernel_sessions(sessions: Any) -> Any:
+    """``sessions``, or by default the kernel's store when nbkv's sessions are in use.
 
-    if not isinstance(engine, Engine):
-        err = SaveError if what == "save" else RestoreError
-        raise err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
-                  "nbkv.Engine or a llama-server engine can save and restore its slots; an "
-                  "OpenAI-compatible server keeps its cache to itself")
+    Looked up, not imported: the session store sits above persistence (it loads engines).
+    """
+    if sessions is not None:
+        return sessions
+    mod = sys.modules.get("nbkv.sessions")
+    return mod.STORE if mod is not None else ()
+
+
+def check_session_state(sessions: Any, name: str, state: Any) -> None:
+    """Raise :class:`RestoreError` if ``state`` would not load into a session called ``name``."""
+    check = getattr(sessions, "check_state", None)
+    if check is None:
+        return
+    try:
+        check(name, state)
+    except ValueError as e:
+        raise RestoreError(str(e)) from e
+    except (KeyError, TypeError) as e:
+        raise RestoreError(f"a saved session is malformed: {e}") from e
 
 
 # -- encoding --------------------------------------------------------------------------------
@@ -236,11 +254,13 @@ def decode_units(items: Any, n_vocab: int) -> list[Any]:
     return out
 
 
-def _segment_json(s: Segment) -> dict[str, Any]:
+def segment_json(s: Segment) -> dict[str, Any]:
+    """A KV-map segment as JSON."""
     return {f.name: getattr(s, f.name) for f in fields(Segment)}
 
 
-def _segment(d: Any) -> Segment:
+def segment_from_json(d: Any) -> Segment:
+    """The inverse of :func:`segment_json`."""
     names = {f.name for f in fields(Segment)}
     if not isinstance(d, dict) or not set(d) <= names:
         raise RestoreError(f"malformed KV map segment {d!r}")
@@ -300,38 +320,6 @@ def _unjson(value: Any, read: Any) -> Any:
 # -- capture (scheduler thread) --------------------------------------------------------------
 
 
-class _Busy(Exception):
-    """An opportunistic (autosave) capture found the engine busy."""
-
-
-def _capture(engine: Engine, only_if_idle: bool) -> dict[str, Any]:
-    """Copy every idle slot's state and bookkeeping; runs on the scheduler thread."""
-    if only_if_idle and (engine._queue or engine._active or engine._settling_slot()):
-        raise _Busy
-    while (slot := engine._settling_slot()) is not None:  # save only proven KV
-        engine._settle(slot)
-    slots, busy = [], []
-    for s in engine._slots:
-        if s.pending or s.redo:
-            busy.append(s.index)
-            continue
-        if not s.tokens:
-            continue
-        if not s.kv.verify():
-            log.warning("slot[%d]: KV does not match its tokens; not saved", s.index)
-            continue
-        slots.append({
-            "index": s.index, "session": s.session, "tokens": list(s.tokens),
-            "settled": s.kv.settled, "exact_len": s.kv.exact_len,
-            "hashes": list(s.hashes), "msg_ends": list(s.msg_ends),
-            "last_used": s.last_used, "segments": s.segments,
-            "state": engine.ctx.state_get(s.seq_id),
-            "checkpoints": [(c.pos, c.data) for c in s.kv.checkpoints.items],
-        })
-    spc = [(k, e.tokens, e.state) for k, e in engine._spc._entries.items()]
-    return {"slots": slots, "busy": busy, "spc": spc}
-
-
 # -- save ------------------------------------------------------------------------------------
 
 
@@ -344,14 +332,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
     kernel's store). Raises :class:`SaveError` when the directory cannot be written; the
     previous save there is then untouched.
     """
-    if getattr(engine, "kind", None) == "llama-server":
-        from . import remote_persist
-
-        return remote_persist.save(engine, path, sessions)
-    _require_local(engine, "save")
-    from .sessions import STORE
-
-    store = STORE if sessions is None else sessions
+    store = kernel_sessions(sessions)
     root = Path(path).expanduser() if path is not None else default_path()
     t0 = time.perf_counter()
     try:
@@ -361,28 +342,28 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
         raise SaveError(f"cannot create the save directory {root}: {e}") from e
     if not os.access(root, os.W_OK) or not os.access(root / BLOBS, os.W_OK):
         raise SaveError(f"the save directory {root} is not writable")
-    cap = engine._call(lambda: _capture(engine, only_if_idle))
+    cap = engine.export_state(only_if_idle)
     blobs = _Blobs()
     slots_json, reports = [], []
     media: set[str] = set()
-    for s in cap["slots"]:
-        state = blobs.add(s["state"])
-        cps = [{"pos": pos, "blob": blobs.add(data)} for pos, data in s["checkpoints"]]
-        nbytes = ctypes.sizeof(s["state"]) + sum(ctypes.sizeof(d) for _, d in s["checkpoints"])
-        media.update(u.key.image_hash for u in s["tokens"] if isinstance(u, MediaUnit))
+    for s in cap.slots:
+        kv = s.kv
+        cps = [{"pos": c.pos, "blob": blobs.add(c.data)} for c in kv.checkpoints.items]
+        media.update(u.key.image_hash for u in kv.tokens if isinstance(u, MediaUnit))
         slots_json.append({
-            "index": s["index"], "session": s["session"], "tokens": encode_units(s["tokens"]),
-            "n_tokens": len(s["tokens"]), "settled": s["settled"],
-            "exact_len": s["exact_len"], "hashes": s["hashes"],
-            "msg_ends": s["msg_ends"], "last_used": s["last_used"], "state": state,
-            "checkpoints": cps, "segments": [_segment_json(g) for g in s["segments"]],
-            "nbytes": nbytes,
+            "index": s.index, "session": s.session, "tokens": encode_units(kv.tokens),
+            "n_tokens": len(kv.tokens), "settled": kv.settled,
+            "exact_len": kv.exact_len, "hashes": list(s.hashes),
+            "msg_ends": list(s.msg_ends), "last_used": s.last_used,
+            "state": blobs.add(kv.state), "checkpoints": cps,
+            "segments": [segment_json(g) for g in s.segments], "nbytes": kv.nbytes,
         })
-        reports.append(SlotSave(s["index"], s["session"], len(s["tokens"]), nbytes))
+        reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
     spc_json = []
-    for key, tokens, state in cap["spc"]:
-        media.update(u.key.image_hash for u in tokens if isinstance(u, MediaUnit))
-        spc_json.append({"key": key, "tokens": encode_units(tokens), "state": blobs.add(state)})
+    for key, entry in cap.spc:
+        media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
+        spc_json.append({"key": key, "tokens": encode_units(entry.tokens),
+                         "state": blobs.add(entry.state)})
     emb_json = []
     proj = engine.projector
     if proj is not None:
@@ -408,7 +389,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
     }
     with _locked(root, exclusive=True):
         written = _write(root, body, blobs)
-    rep = SaveReport(root, tuple(reports), tuple(cap["busy"]), len(spc_json), len(emb_json),
+    rep = SaveReport(root, tuple(reports), tuple(cap.busy), len(spc_json), len(emb_json),
                      tuple(s["name"] for s in sess_json),
                      sum(len(mv) for mv in blobs.data.values()), written,
                      time.perf_counter() - t0, created)
@@ -632,15 +613,15 @@ def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
 
 @dataclass
 class _Plan:
-    slots: list[dict[str, Any]] = field(default_factory=list)
+    slots: list[SlotState] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
-    spc: list[tuple[str, tuple[Any, ...], Any]] = field(default_factory=list)
+    spc: list[tuple[str, SavedPrompt]] = field(default_factory=list)
     embeddings: list[tuple[str, list[np.ndarray]]] = field(default_factory=list)
     sessions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # state_dict()s
     nbytes: int = 0
 
 
-def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
+def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _Plan:
     """Read and check every blob and record of a save; touches nothing in the engine."""
     table = body.get("blobs")
     if not isinstance(table, dict):
@@ -709,15 +690,13 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
                 if not 0 < pos <= n:
                     raise RestoreError(f"slot {s['index']}: checkpoint at {pos} is outside it")
                 cps.append((pos, read(c["blob"])))
-            plan.slots.append({
-                "saved_index": int(s["index"]), "session": s["session"], "tokens": tokens,
-                "settled": settled, "exact_len": exact_len, "hashes": hashes, "msg_ends": ends,
-                "last_used": int(s["last_used"]), "state": state(s["state"]),
-                "checkpoints": cps, "segments": tuple(_segment(g) for g in s["segments"]),
-            })
+            plan.slots.append(SlotState(
+                int(s["index"]), s["session"], tuple(hashes), tuple(ends),
+                tuple(segment_from_json(g) for g in s["segments"]), int(s["last_used"]), None,
+                KVSnapshot.of(state(s["state"]), tokens, settled, exact_len, cps)))
         for e in body.get("spc", []):
-            plan.spc.append((str(e["key"]), tuple(decode_units(e["tokens"], n_vocab)),
-                             state(e["state"])))
+            plan.spc.append((str(e["key"]), SavedPrompt(
+                state(e["state"]), tuple(decode_units(e["tokens"], n_vocab)))))
         for e in body.get("embeddings", []):
             arrays = []
             for a in e["arrays"]:
@@ -733,10 +712,8 @@ def _load(engine: Engine, root: Path, body: dict[str, Any]) -> _Plan:
             plan.embeddings.append((str(e["image"]), arrays))
         for s in body.get("sessions", []):
             state = _unjson(s, read)
-            try:  # checked on a scratch session: the store changes only once all is read
-                Session(str(s["name"])).load_state(state)
-            except ValueError as e:
-                raise RestoreError(str(e)) from e
+            # checked on a scratch session: the store changes only once all is read
+            check_session_state(sessions, str(s["name"]), state)
             plan.sessions.append((str(s["name"]), state))
     except RestoreError:
         raise
@@ -753,14 +730,7 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
     Everything is checked before the engine is touched; on any mismatch or corruption
     :class:`RestoreError` says what, and the engine and sessions are unchanged.
     """
-    if getattr(engine, "kind", None) == "llama-server":
-        from . import remote_persist
-
-        return remote_persist.restore(engine, path, sessions)
-    _require_local(engine, "restore")
-    from .sessions import STORE
-
-    store = STORE if sessions is None else sessions
+    store = kernel_sessions(sessions)
     t0 = time.perf_counter()
     root = Path(path).expanduser() if path is not None else default_path()
     with _locked(root, exclusive=False) if root.is_dir() else contextlib.nullcontext():
@@ -769,10 +739,13 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
         if diffs:
             raise RestoreError(f"the save at {root} does not fit this engine: "
                                + "; ".join(diffs))
-        plan = _load(engine, root, body)
+        plan = _load(engine, root, body, store)
     if _uses_media(body) and engine.projector is None:
         raise RestoreError("the save holds images: load the engine with its vision projector")
-    placed = engine._call(lambda: _apply(engine, plan))
+    where = _placement(plan.slots, engine.n_slots)
+    engine.import_state(list(zip(where, plan.slots)), plan.spc)
+    placed = sorted((SlotSave(i, st.session, len(st.kv.tokens), st.kv.nbytes)
+                     for i, st in zip(where, plan.slots)), key=lambda p: p.index)
     proj = engine.projector
     if proj is not None:
         from .media_prompt import ImageEmbedding
@@ -790,84 +763,16 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
     return rep
 
 
-def _apply(engine: Engine, plan: _Plan) -> list[SlotSave]:
-    """Load the planned states into the slots (scheduler thread); all or nothing."""
-    if engine._active or any(s.pending for s in engine._slots):
-        raise RestoreError("the engine is serving requests: restore when it is idle")
-    backup = [_backup(s) for s in engine._slots]
-    placed = []
-    try:
-        for s in engine._slots:
-            s.reset()
-        # oldest first, so that the engine's LRU clock orders them as they were
-        for i, rec in sorted(zip(_placement(plan.slots, engine.n_slots), plan.slots),
-                             key=lambda p: p[1]["last_used"]):
-            slot = engine._slots[i]
-            kv = slot.kv
-            engine.ctx.state_set(slot.seq_id, rec["state"])
-            kv.tokens = list(rec["tokens"])
-            kv.settled, kv.exact_len = rec["settled"], rec["exact_len"]
-            if not kv.verify():
-                raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
-                                   f"{len(kv.tokens)} positions")
-            for pos, data in rec["checkpoints"]:
-                kv.checkpoints.add(pos, data, ctypes.sizeof(data))
-            with engine._cv:
-                slot.session = rec["session"]
-                slot.hashes = list(rec["hashes"])
-                slot.msg_ends = list(rec["msg_ends"])
-                slot.segments = rec["segments"]
-                slot.last_used = next(engine._clock)
-                slot.last_request = None
-            placed.append(SlotSave(i, rec["session"], len(kv.tokens),
-                                   ctypes.sizeof(rec["state"]) +
-                                   sum(ctypes.sizeof(d) for _, d in rec["checkpoints"])))
-    except BaseException as e:
-        for s, b in zip(engine._slots, backup):
-            _rollback(engine, s, b)
-        if isinstance(e, RestoreError):
-            raise
-        raise RestoreError(f"llama.cpp refused a saved state ({e}); the engine is unchanged"
-                           ) from e
-    engine._spc.clear()
-    for key, tokens, state in plan.spc:
-        engine._spc.put(key, state, tokens)
-    return sorted(placed, key=lambda p: p.index)
-
-
-def _placement(slots: list[dict[str, Any]], n: int) -> list[int]:
+def _placement(slots: list[SlotState], n: int) -> list[int]:
     """The engine slot of each saved slot: its old index when free, else the first free."""
     out: list[int | None] = [None] * len(slots)
     used: set[int] = set()
     for j, rec in enumerate(slots):
-        if rec["saved_index"] < n and rec["saved_index"] not in used:
-            out[j] = rec["saved_index"]
-            used.add(rec["saved_index"])
+        if rec.index < n and rec.index not in used:
+            out[j] = rec.index
+            used.add(rec.index)
     free = iter(i for i in range(n) if i not in used)
     return [o if o is not None else next(free) for o in out]
-
-
-def _backup(s: Any) -> dict[str, Any] | None:
-    if not s.tokens:
-        return None
-    return {"kv": s.kv.snapshot(), "session": s.session, "hashes": list(s.hashes),
-            "msg_ends": list(s.msg_ends), "segments": s.segments, "last_used": s.last_used,
-            "last_request": s.last_request}
-
-
-def _rollback(engine: Engine, s: Any, b: dict[str, Any] | None) -> None:
-    s.reset()
-    if b is None:
-        return
-    try:
-        s.kv.put_back(b["kv"])
-    except NbkvError:
-        log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
-        return
-    if not s.kv.tokens:
-        return
-    s.session, s.hashes, s.msg_ends = b["session"], b["hashes"], b["msg_ends"]
-    s.segments, s.last_used, s.last_request = b["segments"], b["last_used"], b["last_request"]
 
 
 # -- autosave --------------------------------------------------------------------------------
@@ -918,7 +823,7 @@ class Autosaver:
                 save(self.engine, self.path, self.sessions, only_if_idle=True)
                 self.saves += 1
                 self._last_save = time.monotonic()
-            except _Busy:
+            except EngineBusy:
                 self._dirty.set()
                 self._last_event = time.monotonic()  # try again once it is quiet
             except NbkvError as e:

@@ -71,6 +71,15 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
     return lo
 
 
+def reuse_limit(n_tokens: int) -> int:
+    """Most prompt positions a request may take from cache: all but the last.
+
+    The last prompt token is always decoded, because its logits give the reply's first
+    token; a KV entry alone has no logits.
+    """
+    return max(n_tokens - 1, 0)
+
+
 def lru(slots: Sequence[SlotLike]) -> SlotLike:
     """The least recently used slot (lowest index on ties)."""
     return min(slots, key=lambda s: (s.last_used, s.index))
@@ -117,7 +126,7 @@ def select(
     if not free:
         return None
     tokens = tuple(tokens)
-    limit = max(len(tokens) - 1, 0)  # the last prompt token is always decoded, for its logits
+    limit = reuse_limit(len(tokens))
     shared = {s.index: common_prefix(s.tokens, tokens) for s in free if s.tokens}
     for i, n in shared.items():
         log.debug("slot[%d] common-prefix %d/%d tokens", i, n, len(tokens))

@@ -19,26 +19,23 @@ server cancels the task) and keeps the partial reply, as the in-kernel engine do
 
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import policy, reasons
-from .chat_api import ChatAPI, TemplatedAPI, request_totals
-from .engine import SlotInfo, thrashing
+from .chat_api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from .errors import (
     EngineClosedError,
     InvalidRequestError,
     MediaError,
-    NbkvError,
+    RestoreError,
+    SaveError,
     ServerError,
     ServerUnsupportedError,
     SlotTimeoutError,
@@ -51,13 +48,15 @@ from .events import (
     RequestRecord,
     RequestStarted,
     SlotsChanged,
-    message_segments,
 )
 from .http_client import EventStream, ServerClient
+from .jobs import Request
+from .kv_segments import message_segments
 from .media import contains_images
-from .messages import normalize, prefix_hashes
+from .messages import normalize
 from .prompt import Prompt, PromptBuilder
 from .sampling import SamplingParams
+from .slot_table import SlotInfo, SlotState, SlotTable, TableSlot
 from .streams import ChatStream
 from .templates import ChatTemplate
 
@@ -109,25 +108,13 @@ def connect(url: str, *, slots: int | None = None, api_key: str | None = None,
         raise
 
 
-class _Job:
-    """A request in flight: what :class:`~nbkv.streams.ChatStream` reads."""
-
-    _ids = itertools.count(1)
+class _Job(Request):
+    """A request in flight on a server: its reply text and the HTTP stream."""
 
     def __init__(self, session: str | None, params: SamplingParams, timeout: float) -> None:
-        self.id = next(self._ids)
-        self.session = session
-        self.params = params
-        self.deadline = time.monotonic() + timeout
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancel = threading.Event()
-        self.done = threading.Event()
-        self.record: RequestRecord | None = None
+        super().__init__(session, params, timeout)
         self.stream: EventStream | None = None
-        self.t_submit = time.perf_counter()
-        self.t_first = 0.0
         self.text = ""
-        self.generated: list[int] = []
 
 
 class _RemoteBase(ChatAPI):
@@ -141,7 +128,7 @@ class _RemoteBase(ChatAPI):
         self.events = EventBus()
         self._cv = threading.Condition()
         self._jobs: set[_Job] = set()
-        self._closed = False
+        self.closed = False
         self.wait_timeout = 600.0
         self.last_save: Any = None  # reports of %kvcache save / restore (llama-server)
         self.last_restore: Any = None
@@ -150,7 +137,7 @@ class _RemoteBase(ChatAPI):
              stream: bool = False, overflow: str | None = None, timeout: float | None = None,
              **sampling: Any) -> Any:
         """Reply to ``messages``, like :meth:`nbkv.engine.Engine.chat`, on the server."""
-        if self._closed:
+        if self.closed:
             raise EngineClosedError("the remote engine was closed; connect again")
         t0 = time.perf_counter()
         params = SamplingParams.from_kwargs(**sampling)
@@ -205,7 +192,7 @@ class _RemoteBase(ChatAPI):
             if job.stream is not None:
                 job.stream.close()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Close the HTTP streams of cancelled requests (called by ``ChatStream.close``)."""
         with self._cv:
             jobs = list(self._jobs)
@@ -223,13 +210,13 @@ class _RemoteBase(ChatAPI):
     def close(self) -> None:
         """Cancel requests in flight and close the connection (the server keeps running)."""
         with self._cv:
-            if self._closed:
+            if self.closed:
                 return
-            self._closed = True
+            self.closed = True
             jobs = list(self._jobs)
         for j in jobs:
             j.cancel.set()
-        self._wake()
+        self.wake()
         for j in jobs:
             j.done.wait(10.0)
         self.client.close()
@@ -240,6 +227,19 @@ class _RemoteBase(ChatAPI):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def save(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Not for this kind of server: it keeps its cache to itself."""
+        raise SaveError(self._no_saves("save"))
+
+    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Not for this kind of server: it keeps its cache to itself."""
+        raise RestoreError(self._no_saves("restore"))
+
+    def _no_saves(self, what: str) -> str:
+        return (f"{what} is not supported for {type(self).__name__}: an in-kernel "
+                "nbkv.Engine or a llama-server engine can save and restore its slots; an "
+                "OpenAI-compatible server keeps its cache to itself")
 
     def explain(self, request: int | None = None) -> reasons.Explanation:
         """Why request ``request`` reused what it did (see :meth:`nbkv.engine.Engine.explain`)."""
@@ -284,34 +284,29 @@ class ServerVocab:
 
 
 @dataclass
-class _Slot:
+class _Slot(TableSlot):
     """What nbkv knows of one server slot: the tokens it expects the server's KV to hold."""
 
-    index: int
-    capacity: int
-    tokens: list[int] = field(default_factory=list)
-    hashes: list[str] = field(default_factory=list)
-    msg_ends: list[int] = field(default_factory=list)
-    session: str | None = None
-    last_used: int = 0
-    pending: bool = False
-    segments: tuple = ()
-    last_request: int | None = None
+    held: list[int] = field(default_factory=list)
     known: bool = True  # False after a failure: the server's content is not known
     verified: bool = True
     note: str = ""
     server_tokens: int | None = None  # n_prompt_tokens at the last /slots poll
     version: int = 0  # bumped when a request takes or leaves the slot (stale polls skip it)
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.held
+
     def snapshot(self) -> SlotInfo:
-        return SlotInfo(self.index, self.index, self.capacity, self.session, tuple(self.tokens),
+        return SlotInfo(self.index, self.index, self.capacity, self.session, tuple(self.held),
                         tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-                        self.segments, self.last_request, len(self.tokens), memory="server",
+                        self.segments, self.last_request, len(self.held), memory="server",
                         verified=self.verified, note=self.note)
 
     def forget(self, note: str = "") -> None:
-        self.tokens, self.hashes, self.msg_ends, self.segments = [], [], [], ()
-        self.session = None
+        self.held = []
+        self.forget_messages()
         self.known = not note
         self.verified = not note
         self.note = note
@@ -355,10 +350,8 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
         self.check_template()
         self.has_slots_endpoint = bool(props.get("endpoint_slots", True))
         self.has_metrics = bool(props.get("endpoint_metrics", False))
-        self._slots = [_Slot(i, self.n_ctx) for i in range(n)]
-        self._clock = itertools.count(1)
-        self._whereabouts: dict[str, reasons.Whereabouts] = {}
-        self._compared: OrderedDict[int, tuple[tuple, tuple]] = OrderedDict()
+        self.table: SlotTable[_Slot] = SlotTable([_Slot(i, self.n_ctx) for i in range(n)],
+                                                 self._cv)
         self.server_slots: list[dict[str, Any]] = []
         self._poll_every = poll_interval
         self._last_poll = 0.0
@@ -371,7 +364,7 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
         """At connect: slots the server already fills hold what nbkv does not know."""
         self.poll()
         with self._cv:
-            for s in self._slots:
+            for s in self.table.slots:
                 if s.server_tokens:
                     s.known, s.verified = False, False
                     s.note = (f"holds {s.server_tokens} tokens from before nbkv connected; "
@@ -380,7 +373,7 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
     @property
     def n_slots(self) -> int:
         """Slots nbkv uses (at most the server's ``total_slots``)."""
-        return len(self._slots)
+        return len(self.table.slots)
 
     def check_template(self) -> None:
         """Raise :class:`TemplateMismatchError` when the kernel renders unlike the server."""
@@ -399,18 +392,12 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
 
     def slots(self) -> tuple[SlotInfo, ...]:
         """Nbkv's slot table, with what the last ``/slots`` poll said (never blocks on HTTP)."""
-        with self._cv:
-            return tuple(s.snapshot() for s in self._slots)
+        return self.table.snapshots()
 
     def clear(self, slot: int | None = None) -> None:
         """Erase one slot (or all) on the server (``/slots/N?action=erase``) and in the table."""
-        if slot is not None and not 0 <= slot < len(self._slots):
-            raise InvalidRequestError(f"no slot {slot}: slots are 0..{len(self._slots) - 1}")
-        targets = self._slots if slot is None else [self._slots[slot]]
         with self._cv:
-            if slot is not None and targets[0].pending:
-                raise NbkvError(f"slot {slot} is serving a request; cancel it first")
-            targets = [s for s in targets if not s.pending]
+            targets = self.table.clear_targets(slot)
         for s in targets:
             try:
                 self.client.post(f"/slots/{s.index}", {}, timeout=30.0, action="erase")
@@ -419,11 +406,37 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
                     "the server cannot erase slots: start it with --slot-save-path DIR "
                     "(python -m nbkv.server does)", e.status) from e
             with self._cv:
-                if s.session is not None and s.tokens:
-                    self._whereabouts[s.session] = reasons.Whereabouts(
-                        s.last_request or 0, reasons.CLEARED)
+                self.table.cleared([s])
                 s.forget()
         self.events.publish(SlotsChanged("cleared"))
+
+    def export_slots(self) -> tuple[tuple[int, ...], list[SlotState]]:
+        """Busy slots, and the idle slots whose content is known (``kv``: their tokens)."""
+        with self._cv:
+            busy = tuple(s.index for s in self.table if s.pending)
+            return busy, [self.table.state_of(s, tuple(s.held)) for s in self.table
+                          if not s.pending and s.known and s.held]
+
+    def busy_slots(self) -> list[int]:
+        """Slots serving a request now."""
+        with self._cv:
+            return [s.index for s in self.table if s.pending]
+
+    def forget_slot(self, index: int, note: str) -> None:
+        """Mark slot ``index``'s content unknown (``note`` says why)."""
+        with self._cv:
+            self.table[index].forget(note)
+
+    def import_slots(self, states: Sequence[SlotState]) -> None:
+        """Record that the server's slots now hold ``states`` (``kv``: their tokens)."""
+        with self._cv:
+            for st in states:
+                slot = self.table[st.index]
+                slot.held = list(st.kv)
+                self.table.adopt(slot, st)
+                slot.known, slot.verified, slot.note = True, True, ""
+                slot.server_tokens = len(slot.held)
+                slot.version += 1
 
     def save(self, path: str | None = None, sessions: Any = None) -> Any:
         """Have the server save its slots, and nbkv its table (see :mod:`nbkv.remote_persist`)."""
@@ -439,8 +452,7 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
 
     def explain(self, request: int | None = None) -> reasons.Explanation:
         """Why request ``request`` (default: the latest) reused what it did."""
-        return reasons.explain_request(self.history, self._compared, self.vocab.detokenize,
-                                       request)
+        return self.table.explain(self.history, self.vocab.detokenize, request)
 
     def stats(self) -> dict[str, Any]:
         """Totals over the history, plus the server's own counters (``/metrics``)."""
@@ -479,7 +491,7 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
         if not self.has_slots_endpoint:
             return False
         with self._cv:
-            versions = [s.version for s in self._slots]
+            versions = [s.version for s in self.table.slots]
         try:
             data = self.client.get("/slots", timeout=5.0)
         except ServerUnsupportedError:
@@ -491,13 +503,13 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
         self._last_poll = time.monotonic()
         changed = False
         with self._cv:
-            stale = {s.index for s in self._slots if s.version != versions[s.index]}
+            stale = {s.index for s in self.table.slots if s.version != versions[s.index]}
             self.server_slots = list(data) if isinstance(data, list) else []
             for info in self.server_slots:
                 i = info.get("id")
-                if not isinstance(i, int) or not 0 <= i < len(self._slots):
+                if not isinstance(i, int) or not 0 <= i < len(self.table.slots):
                     continue
-                s = self._slots[i]
+                s = self.table.slots[i]
                 if i in stale:  # a request came or went while the answer was on its way
                     continue
                 n = info.get("n_prompt_tokens")
@@ -531,29 +543,21 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
         """Wait for a free slot and choose it with nbkv's policy (no donor copies on a server)."""
         with self._cv:
             while True:
-                if self._closed:
+                if self.closed:
                     raise EngineClosedError("the remote engine was closed")
-                snaps = [s.snapshot() for s in self._slots]
-                plan = policy.select(snaps, p.tokens, p.hashes, job.session,
-                                     self.cache_min_tokens)
+                snaps = self.table.snapshots()
+                plan = self.table.place(snaps, p, job.session, cache="imc",
+                                        min_tokens=self.cache_min_tokens, copies=False)
                 if plan is not None:
                     break
                 left = job.deadline - time.monotonic()
                 if left <= 0:
                     raise SlotTimeoutError(f"every slot stayed busy for {self.wait_timeout} s")
                 self._cv.wait(min(left, 0.5))
-            if plan.donor is not None:  # llama-server cannot copy a prefix between slots
-                t = snaps[plan.slot]
-                reuse = min(policy.common_prefix(t.tokens, p.tokens), max(len(p.tokens) - 1, 0))
-                plan = policy.Plan(policy.MISS, t.index, reuse,
-                                   evicted=t.session if t.tokens else None,
-                                   evicted_tokens=len(t.tokens) - reuse if t.tokens else 0)
-            slot = self._slots[plan.slot]
+            slot = self.table[plan.slot]
             slot.pending = True
             slot.version += 1
-            own = max((s for s in snaps if s.session == job.session and s.tokens
-                       and job.session is not None), key=lambda s: s.last_used, default=None)
-        return slot, plan, own
+        return slot, plan, self.table.own(snaps, job.session)
 
     def _serve(self, job: _Job, p: Prompt) -> RequestRecord:
         slot, plan, own = self._place(job, p)
@@ -568,36 +572,15 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
                   own: SlotInfo | None) -> RequestRecord:
         prev_len = len(slot.tokens)
         expected = plan.reuse if slot.known else None
-        why = reasons.explain(
-            session=job.session,
-            trace=self._whereabouts.get(job.session) if job.session is not None else None,
-            own=reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own else None,
-            tokens=p.tokens, hashes=p.hashes, ends=p.ends,
-            roles=[m["role"] for m in p.messages], reuse=plan.reuse, wanted=plan.reuse,
-            donor_session=None, dropped=p.dropped, can_trim=True)
-        self._compared[job.id] = (tuple(own.tokens if own else slot.tokens), tuple(p.tokens))
-        while len(self._compared) > reasons.EXPLAINED:
-            self._compared.popitem(last=False)
-        with self._cv:
-            if plan.evicted is not None and plan.evicted != job.session:
-                self._whereabouts[plan.evicted] = reasons.Whereabouts(
-                    self._whereabouts.get(plan.evicted, reasons.Whereabouts(0)).request,
-                    reasons.EVICTED, job.session, job.id)
-            if job.session is not None:
-                self._whereabouts[job.session] = reasons.Whereabouts(job.id)
-            slot.session = job.session
-            slot.last_used = next(self._clock)
-            slot.last_request = job.id
-        record = RequestRecord(
-            id=job.id, session=job.session, strategy=plan.strategy, slot=slot.index,
-            prompt_tokens=len(p.tokens), reused_tokens=plan.reuse,
+        why = self.table.reason(job.id, p, job.session, own, slot.tokens, reuse=plan.reuse,
+                                wanted=plan.reuse)
+        self.table.claim(slot, job.id, job.session, p, plan.reuse, plan.evicted)
+        record = self.table.record(
+            job.id, job.session, p, slot, plan, plan.reuse, why,
             prefilled_tokens=len(p.tokens) - plan.reuse,
-            trimmed_tokens=max(prev_len - plan.reuse, 0), evicted_session=plan.evicted,
-            evicted_tokens=plan.evicted_tokens, matched_messages=plan.matched_messages,
-            dropped_messages=p.dropped, capacity=slot.capacity, started_at=time.time(),
+            trimmed_tokens=max(prev_len - plan.reuse, 0),
             segments=message_segments(p.messages, p.ends, len(p.tokens), plan.reuse,
-                                      len(p.tokens), ""),
-            reason=why.code, reason_text=why.text, divergence=why.divergence)
+                                      len(p.tokens), ""))
         self.events.publish(RequestStarted(record))
         prm = job.params
         body: dict[str, Any] = {
@@ -647,7 +630,7 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
                     f"another client used slot {slot.index}, or the server cleared it")
         elif told is not None and expected is None:
             note = f"slot {slot.index}'s content was unknown (after an error); now known again"
-        self._settle(slot, p, job, final, error, reused, verified, note)
+        self._record_held(slot, p, job, final, error, reused, verified, note)
         rec = replace(
             record, reused_tokens=reused,
             prefilled_tokens=int(t.get("prompt_n", len(p.tokens) - reused)) if final else 0,
@@ -671,7 +654,7 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
             raise error
         return rec
 
-    def _settle(self, slot: _Slot, p: Prompt, job: _Job, final: Mapping[str, Any],
+    def _record_held(self, slot: _Slot, p: Prompt, job: _Job, final: Mapping[str, Any],
                 error: BaseException | None, reused: int, verified: bool, note: str) -> None:
         """Record what the slot now holds: the prompt and the reply tokens the server decoded.
 
@@ -694,20 +677,12 @@ class LlamaServerEngine(TemplatedAPI, _RemoteBase):
                             f"not known; the next request re-verifies it")
                 slot.session = job.session
                 return
-            slot.tokens = held[:n]
-            full = [h for h, e in zip(p.hashes, p.ends) if e <= n]
-            if n >= len(p.tokens):
-                full = prefix_hashes(p.messages + [{"role": "assistant", "content": job.text}],
-                                     full)
-                slot.msg_ends = p.ends + [len(p.tokens)]
-            else:
-                slot.msg_ends = p.ends[: len(full)]
-            slot.hashes = full
+            slot.held = held[:n]
+            self.table.replied(slot, p, job.text, n)
             slot.segments = message_segments(p.messages, p.ends, len(p.tokens),
                                               min(reused, n), n, job.text)
             slot.known, slot.verified, slot.note = True, verified, note if not verified else ""
             slot.server_tokens = n
-            slot.last_used = next(self._clock)
             slot.version += 1
             for info in self.server_slots:  # what /slots will say, until the next poll
                 if info.get("id") == slot.index:
@@ -744,7 +719,7 @@ def _poll_loop(ref: weakref.ref[LlamaServerEngine]) -> None:
     """Poll ``/slots`` while the engine lives and is open, at most every POLL_INTERVAL s."""
     while True:
         eng = ref()
-        if eng is None or eng._closed:
+        if eng is None or eng.closed:
             return
         every = eng._poll_every
         due = eng._last_poll + every - time.monotonic()

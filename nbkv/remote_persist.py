@@ -25,11 +25,14 @@ from .persist import (
     SaveReport,
     SlotSave,
     _fsync_dir,
-    _segment,
-    _segment_json,
     _write_file,
+    check_session_state,
     default_path,
+    kernel_sessions,
+    segment_from_json,
+    segment_json,
 )
+from .slot_table import SlotState
 
 if TYPE_CHECKING:
     from .remote import LlamaServerEngine
@@ -49,9 +52,7 @@ def _identity(engine: LlamaServerEngine) -> dict[str, Any]:
 def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
          sessions: SessionStore | None = None) -> SaveReport:
     """Have the server save each idle slot, and write nbkv's table next to the notebook."""
-    from .sessions import STORE
-
-    store = STORE if sessions is None else sessions
+    store = kernel_sessions(sessions)
     root = Path(path).expanduser() if path is not None else default_path()
     t0 = time.perf_counter()
     try:
@@ -61,13 +62,10 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     if not os.access(root, os.W_OK):
         raise SaveError(f"the save directory {root} is not writable")
     tag = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
-    with engine._cv:
-        busy = tuple(s.index for s in engine._slots if s.pending)
-        todo = [(s.index, s.session, list(s.tokens), list(s.hashes), list(s.msg_ends),
-                 s.segments) for s in engine._slots
-                if not s.pending and s.known and s.tokens]
+    busy, todo = engine.export_slots()
     slots_json, reports, nbytes = [], [], 0
-    for index, session, tokens, hashes, ends, segments in todo:
+    for st in todo:
+        index, session, tokens = st.index, st.session, list(st.kv)
         name = f"nbkv-{tag}-slot{index}.bin"
         try:
             out = engine.client.post(f"/slots/{index}", {"filename": name}, timeout=120.0,
@@ -82,8 +80,9 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
         size = int(out.get("n_written", 0))
         nbytes += size
         slots_json.append({"index": index, "session": session, "file": name,
-                           "tokens": tokens, "hashes": hashes, "msg_ends": ends,
-                           "segments": [_segment_json(g) for g in segments]})
+                           "tokens": tokens, "hashes": list(st.hashes),
+                           "msg_ends": list(st.msg_ends),
+                           "segments": [segment_json(g) for g in st.segments]})
         reports.append(SlotSave(index, session, len(tokens), size))
     try:
         sess_json = [json.loads(json.dumps(s.state_dict())) for s in store]
@@ -109,9 +108,8 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
             sessions: SessionStore | None = None) -> RestoreReport:
     """Load a remote save back into the server's slots and nbkv's table (checked first)."""
     from .events import SlotsChanged
-    from .sessions import STORE, Session
 
-    store = STORE if sessions is None else sessions
+    store = kernel_sessions(sessions)
     root = Path(path).expanduser() if path is not None else default_path()
     t0 = time.perf_counter()
     try:
@@ -130,16 +128,14 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     if diffs:
         raise RestoreError("the save does not fit this server: " + "; ".join(diffs))
     for sess in body.get("sessions") or ():  # checked before any slot changes
-        try:
-            Session(str(sess["name"])).load_state(sess)
-        except (KeyError, TypeError, ValueError) as e:
-            raise RestoreError(f"a saved session is malformed: {e}") from e
+        if not isinstance(sess, dict) or "name" not in sess:
+            raise RestoreError(f"a saved session is malformed: {sess!r:.80}")
+        check_session_state(store, str(sess["name"]), sess)
     saved = body.get("slots") or []
     if any(not 0 <= s["index"] < engine.n_slots for s in saved):
         raise RestoreError(f"the save uses slots up to {max(s['index'] for s in saved)}: "
                            f"connect with at least that many")
-    with engine._cv:
-        busy = [s["index"] for s in saved if engine._slots[s["index"]].pending]
+    busy = [i for i in engine.busy_slots() if i in {s["index"] for s in saved}]
     if busy:
         raise RestoreError(f"slots {busy} are serving a request; restore when they are idle")
     done: list[int] = []
@@ -161,23 +157,16 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
                 engine.client.post(f"/slots/{i}", {}, timeout=30.0, action="erase")
             except ServerError:
                 pass
-            with engine._cv:
-                engine._slots[i].forget(f"slot {i}: a failed restore left it unknown")
+            engine.forget_slot(i, f"slot {i}: a failed restore left it unknown")
         if isinstance(e, RestoreError):
             raise
         raise RestoreError(f"the server could not restore the save's slots: {e} (the files "
                            f"live in the --slot-save-path of the server that saved them)"
                            ) from e
-    with engine._cv:
-        for s in saved:
-            slot = engine._slots[s["index"]]
-            slot.tokens, slot.hashes = list(s["tokens"]), list(s["hashes"])
-            slot.msg_ends, slot.session = list(s["msg_ends"]), s["session"]
-            slot.segments = tuple(_segment(g) for g in s.get("segments", ()))
-            slot.known, slot.verified, slot.note = True, True, ""
-            slot.server_tokens = len(s["tokens"])
-            slot.last_used = next(engine._clock)
-            slot.version += 1
+    engine.import_slots([SlotState(
+        s["index"], s["session"], tuple(s["hashes"]), tuple(s["msg_ends"]),
+        tuple(segment_from_json(g) for g in s.get("segments", ())), 0, None, tuple(s["tokens"]))
+        for s in saved])
     for sess in body.get("sessions") or ():
         store.get(sess["name"]).load_state(sess)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), (), 0, 0,

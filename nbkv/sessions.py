@@ -699,6 +699,11 @@ class SessionStore:
             self._sessions[name] = Session(name, store=self)
         return self._sessions[name]
 
+    @staticmethod
+    def check_state(name: str, state: Mapping[str, Any]) -> None:
+        """Raise ValueError if ``state`` would not load into a session (checked on a scratch)."""
+        Session(name).load_state(state)
+
     def subscribe(self, callback: Callable[[TurnsChanged], None]) -> Callable[[], None]:
         """Call ``callback`` on every :class:`TurnsChanged`; returns the unsubscribe function."""
         return self.events.subscribe(callback)  # type: ignore[arg-type]  # any event type
@@ -762,7 +767,7 @@ class SessionStore:
             saver.stop()
             self.autosaver = saver = None
         if saver is None and path is not None and engine is not None \
-                and hasattr(engine, "_native"):  # an in-kernel engine
+                and hasattr(engine, "export_state"):  # an in-kernel engine
             self.autosaver = Autosaver(engine, path, self, interval=interval)
 
     def close_engine(self) -> None:

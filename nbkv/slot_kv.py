@@ -198,6 +198,20 @@ class KVSnapshot:
     exact_len: int
     checkpoints: CheckpointSet
 
+    @property
+    def nbytes(self) -> int:
+        """The state's bytes plus its checkpoints'."""
+        return ctypes.sizeof(self.state) + self.checkpoints.nbytes
+
+    @classmethod
+    def of(cls, state: Any, tokens: Sequence[Any], settled: int, exact_len: int,
+           checkpoints: Sequence[tuple[int, Any]] = ()) -> KVSnapshot:
+        """A snapshot from saved parts: a state, its tokens and ``(pos, data)`` checkpoints."""
+        cps = CheckpointSet(max(len(checkpoints), 1))
+        for pos, data in checkpoints:
+            cps.add(pos, data, ctypes.sizeof(data))
+        return cls(state, tuple(tokens), settled, exact_len, cps)
+
 
 class SlotKV:
     """One sequence's KV and the tokens it holds, kept equal by every operation.
@@ -344,7 +358,9 @@ class SlotKV:
         self.ctx.state_set(self.seq_id, snap.state)
         self.tokens = list(snap.tokens)
         self.settled, self.exact_len = snap.settled, snap.exact_len
-        self.checkpoints = snap.checkpoints.copy()
+        cps = snap.checkpoints.copy()
+        cps.max_entries = self.checkpoints.max_entries
+        self.checkpoints = cps
         if not self.verify():
             log.error("seq %d: a snapshot did not restore; clearing the slot", self.seq_id)
             self.clear()

@@ -41,6 +41,10 @@ class SystemPromptStore:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def items(self) -> list[tuple[str, SavedPrompt]]:
+        """Every ``(key, entry)``, least recently used first."""
+        return list(self._entries.items())
+
     def clear(self) -> None:
         """Forget every entry."""
         self._entries.clear()

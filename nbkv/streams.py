@@ -84,7 +84,7 @@ class ChatStream:
         if self.record is not None:
             return
         self._job.cancel.set()
-        self._engine._wake()
+        self._engine.wake()
         while not self._job.done.wait(0.05):
             pass
         self.record = self._job.record
@@ -114,7 +114,7 @@ class ChatStream:
         try:
             if self.record is None and not self._job.done.is_set():
                 self._job.cancel.set()
-                self._engine._wake()
+                self._engine.wake()
         except Exception:
             pass
 
@@ -152,7 +152,7 @@ class AsyncChatStream:
             kind, value = await self._q.get()
         except asyncio.CancelledError:
             self.stream._job.cancel.set()
-            self.stream._engine._wake()
+            self.stream._engine.wake()
             raise
         if kind == "delta":
             return value

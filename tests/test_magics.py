@@ -334,7 +334,7 @@ def test_loading_again_replaces_the_engine(loaded, capsys):
     old = nbkv.current_engine()
     loaded.run_line_magic("kvcache", "load --slots 1 --ctx 512 --mode spc --min-tokens 10")
     new = nbkv.current_engine()
-    assert new is not old and old._closed
+    assert new is not old and old.closed
     assert (new.n_slots, new.n_ctx, new.cache, new.cache_min_tokens) == (1, 512, "spc", 10)
     chat(loaded, "alice --no-stats --max-tokens 4", "One more?")  # sessions outlive engines
     assert nbkv.session("alice").records[-1].strategy in ("miss", "spc")
