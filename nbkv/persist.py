@@ -189,6 +189,15 @@ def describe_engine(engine: Engine) -> dict[str, Any]:
     }
 
 
+def _require_local(engine: Any, what: str) -> None:
+    """Only an engine with the state API (:meth:`nbkv.engine.Engine.export_state`) saves here."""
+    if not hasattr(engine, "export_state"):
+        err = SaveError if what == "save" else RestoreError
+        raise err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
+                  "nbkv.Engine or a llama-server engine can save and restore its slots; an "
+                  "OpenAI-compatible server keeps its cache to itself")
+
+
 def kernel_sessions(sessions: Any) -> Any:
     """``sessions``, or by default the kernel's store when nbkv's sessions are in use.
 
@@ -332,6 +341,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
     kernel's store). Raises :class:`SaveError` when the directory cannot be written; the
     previous save there is then untouched.
     """
+    _require_local(engine, "save")
     store = kernel_sessions(sessions)
     root = Path(path).expanduser() if path is not None else default_path()
     t0 = time.perf_counter()
@@ -730,6 +740,7 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
     Everything is checked before the engine is touched; on any mismatch or corruption
     :class:`RestoreError` says what, and the engine and sessions are unchanged.
     """
+    _require_local(engine, "restore")
     store = kernel_sessions(sessions)
     t0 = time.perf_counter()
     root = Path(path).expanduser() if path is not None else default_path()

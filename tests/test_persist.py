@@ -18,6 +18,7 @@ import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture
 from nbkv import Engine, persist, policy
+from nbkv.engine_state import EngineBusy
 from nbkv.errors import RestoreError, SaveError
 from nbkv.oracle import scratch_logits
 from nbkv.sessions import SessionStore
@@ -392,7 +393,7 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
     msgs = [{"role": "user", "content": QUESTIONS[4]}]
     stream = engine.chat(msgs, stream=True, max_tokens=32, temperature=0)
     next(stream)  # a request is generating: an opportunistic save must not run
-    with pytest.raises(persist._Busy):
+    with pytest.raises(EngineBusy):
         persist.save(engine, tmp_path / "busy", SessionStore(), only_if_idle=True)
     stream.close()
     assert not (tmp_path / "busy" / persist.MANIFEST).exists()

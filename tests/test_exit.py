@@ -1,0 +1,76 @@
+"""An engine left open at interpreter exit must not crash the process.
+
+A script runs two sessions, saves, runs two more turns and ends without ``close()``: right
+after a reply (its rewrite pending), right after a save, or while an autosave runs. Without
+the ``atexit`` hook (nbkv.native) the scheduler thread could still be inside llama.cpp while
+Python tears down, and the process died with a segmentation fault after its last line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import nbkv
+    from nbkv.persist import Autosaver
+
+    mode, path = sys.argv[1], sys.argv[2]
+    e = nbkv.Engine(n_slots=2, n_ctx=512, n_threads=1)
+    conv = {s: [{"role": "system", "content": f"You are {s}."}] for s in ("ann", "bob")}
+
+    def turn(s, text):
+        conv[s].append({"role": "user", "content": text})
+        r = e.chat(conv[s], session=s, max_tokens=3)
+        conv[s].append({"role": "assistant", "content": r.text})
+
+    for i in range(3):
+        for s in conv:
+            turn(s, f"Question {i}?")
+    e.save(path)
+    if mode == "save":
+        print("end", flush=True)
+        sys.exit(0)
+    if mode == "autosave":
+        saver = Autosaver(e, path, interval=0.0, quiet=0.0)
+    for s in conv:
+        turn(s, "And then?")
+    print("end", flush=True)  # autosave: its save of the last turn starts about now
+""")
+
+RESTORE = textwrap.dedent("""
+    import sys
+    import nbkv
+    e = nbkv.Engine(n_slots=2, n_ctx=512, n_threads=1)
+    rep = e.restore(sys.argv[1])
+    assert len(rep.slots) == 2, rep
+    assert all(v.identical for v in e.verify()), "restored KV differs from a fresh decode"
+    e.close()
+    print("restored", flush=True)
+""")
+
+MODES = ("reply",) * 7 + ("save",) * 7 + ("autosave",) * 6
+
+
+@pytest.mark.slow
+def test_unclosed_engines_exit_cleanly(tmp_path):
+    def run(k: int) -> tuple[str, int, str]:
+        d = tmp_path / f"save{k}"
+        p = subprocess.run([sys.executable, "-c", SCRIPT, MODES[k], str(d)],
+                           capture_output=True, text=True, timeout=300)
+        return MODES[k], p.returncode, p.stdout + p.stderr[-2000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, range(len(MODES))))
+    crashed = [(mode, rc, out) for mode, rc, out in results if rc != 0 or "end" not in out]
+    assert not crashed, crashed
+    for mode in ("reply", "save", "autosave"):
+        k = MODES.index(mode)
+        p = subprocess.run([sys.executable, "-c", RESTORE, str(tmp_path / f"save{k}")],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "restored" in p.stdout, (mode, p.stderr[-2000:])
