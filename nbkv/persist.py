@@ -45,7 +45,8 @@ import numpy as np
 from .errors import NbkvError, RestoreError, SaveError
 from .events import RequestFinished, Segment, SlotsChanged
 from .gguf_header import gguf_fingerprint
-from .media import Image, MediaKey, MediaUnit, image_hash, load_image
+from .images import Image, image_hash, load_image
+from .media_units import MediaKey, MediaUnit
 from .sessions import Session
 
 if TYPE_CHECKING:
@@ -775,7 +776,7 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
     placed = engine._call(lambda: _apply(engine, plan))
     proj = engine.projector
     if proj is not None:
-        from .media_prompt import ImageEmbedding
+        from .embeddings import ImageEmbedding
 
         for h, arrays in plan.embeddings:
             proj.cache.put(proj.cache_key(h), ImageEmbedding(h, proj.identity, tuple(arrays)))

@@ -3,7 +3,7 @@
 A :class:`Projector` pairs a projector (mmproj) GGUF with a loaded text :class:`~nbkv.backend.
 Model`. It tokenizes prompt text carrying media markers plus images into chunks
 (:class:`~nbkv.media_prompt.MediaPrompt`), runs the vision encoder on image chunks (or takes
-their embeddings from an :class:`~nbkv.media.EmbeddingCache`), and decodes embeddings into any
+their embeddings from an :class:`~nbkv.embeddings.EmbeddingCache`), and decodes embeddings into any
 sequence of a :class:`~nbkv.backend.Context` at any position, so the engine can rebuild a slot,
 or serve the same picture in another session, without re-running the encoder. The file is
 checked first (:mod:`nbkv.projector_check`), and every call's arguments before native code
@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from .backend import Context, Model, default_threads, mtmd_lib, take_native_errors
+from .embeddings import EmbeddingCache, ImageEmbedding, MediaStats
 from .errors import ContextOverflowError, MediaError, ProjectorError
-from .media import MARKER, EmbeddingCache, Image, MediaStats, load_image
-from .media_prompt import ImageEmbedding, MediaChunk, MediaPrompt
+from .images import Image, load_image
+from .media_messages import MARKER
+from .media_prompt import MediaChunk, MediaPrompt
 from .projector_check import file_identity, inspect_projector
 
 
@@ -127,7 +129,7 @@ class Projector:
     # the embedding cache
 
     def cache_key(self, image_hash: str) -> tuple[str, str]:
-        """An image's key in the :class:`~nbkv.media.EmbeddingCache` (the one place it is built).
+        """An image's key in the :class:`~nbkv.embeddings.EmbeddingCache` (built only here).
 
         Projector identity and image hash: projectors sharing a cache keep entries apart.
         """
@@ -150,8 +152,8 @@ class Projector:
     ) -> MediaPrompt:
         """Split ``text`` at its media markers into chunks, one image per marker, in order.
 
-        ``images`` may be :class:`~nbkv.media.Image` objects or anything
-        :func:`~nbkv.media.load_image` takes. The marker is :attr:`marker` (libmtmd's
+        ``images`` may be :class:`~nbkv.images.Image` objects or anything
+        :func:`~nbkv.images.load_image` takes. The marker is :attr:`marker` (libmtmd's
         ``<__media__>``). Images whose embeddings are cached are tokenized as placeholders
         (``use_cache=True``): only their size is passed, skipping the pixel preprocessing.
         """

@@ -54,7 +54,7 @@ from .events import (
     message_segments,
 )
 from .http_client import EventStream, ServerClient
-from .media import contains_images
+from .media_messages import contains_images
 from .messages import normalize, prefix_hashes
 from .prompt import Prompt, PromptBuilder
 from .sampling import SamplingParams
@@ -871,7 +871,7 @@ def _openai_message(m: Mapping[str, Any]) -> dict[str, Any]:
     content = m.get("content")
     if isinstance(content, str):
         return {"role": m["role"], "content": content}
-    from .media import to_data_url
+    from .media_messages import to_data_url
 
     parts = []
     for part in content or ():

@@ -19,24 +19,16 @@ import numpy as np
 import pytest
 
 from conftest import eval_prompt
+from nbkv.embeddings import EmbeddingCache
 from nbkv.errors import (
     ContextOverflowError,
     MediaError,
     ProjectorError,
 )
 from nbkv.fixtures import fixture_spec, make_mmproj
-from nbkv.media import (
-    MARKER,
-    EmbeddingCache,
-    Image,
-    MediaKey,
-    MediaUnit,
-    contains_images,
-    extract_images,
-    load_image,
-    position_units,
-    snap_to_media_boundary,
-)
+from nbkv.images import Image, load_image
+from nbkv.media_messages import MARKER, contains_images, extract_images
+from nbkv.media_units import MediaKey, MediaUnit, position_units, snap_to_media_boundary
 from nbkv.policy import common_prefix
 
 PIL = pytest.importorskip("PIL.Image")
@@ -554,7 +546,7 @@ _SUBPROCESS = textwrap.dedent(
     from nbkv.backend import Context, Model
     from nbkv.errors import ProjectorError
     from nbkv.fixtures import make_mmproj
-    from nbkv.media import Image
+    from nbkv.images import Image
     from nbkv.models import default_model_path
     from nbkv.projector import Projector
 
