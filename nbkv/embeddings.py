@@ -1,23 +1,29 @@
-"""Image embeddings: the encoder's output and its RAM cache.
+"""Image embeddings: the encoder's output, its RAM cache, and the service that hands it out.
 
 - :class:`ImageEmbedding` is the vision encoder's output for one picture.
 - :class:`EmbeddingCache` keeps encoder outputs in RAM, LRU, bounded by bytes, keyed by
   (projector identity, image hash): an evicted slot rebuilt later, or the same picture in
   another session, skips the vision encoder.
-- :class:`MediaStats` counts what a projector tokenized, encoded, took from the cache, decoded.
+- :class:`EmbeddingService` is where embeddings come from: in one call it answers from the
+  cache (a hit, counted once) or encodes, now or on its background thread (a run, counted
+  once). :class:`nbkv.projector.Projector` makes one and the engine asks it.
 
-Pure Python.
+Pure Python: the encoder itself is a function the service is given.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+from .errors import MediaError
+from .images import Image, load_image
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,9 +64,9 @@ class CacheStats:
 class EmbeddingCache:
     """An in-RAM LRU of encoder outputs, bounded by bytes; thread-safe.
 
-    Keys are hashable (:meth:`nbkv.projector.Projector.cache_key`); values are anything with
-    an ``nbytes`` attribute (:class:`ImageEmbedding`). One cache can be shared by several
-    projectors and engines: the projector identity in the key keeps entries apart.
+    Keys are hashable (:meth:`EmbeddingService.key`); values are anything with an ``nbytes``
+    attribute (:class:`ImageEmbedding`). One cache can be shared by several projectors and
+    engines: the projector identity in the key keeps entries apart.
     """
 
     def __init__(self, max_bytes: int = 256 * 1024 * 1024) -> None:
@@ -179,3 +185,139 @@ class MediaStats:
         with self._lock:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
+
+class Tally(Protocol):
+    """Per-request counters the service adds to (the engine's request has them)."""
+
+    encoder_runs: int  # pictures this request sent through the encoder
+    embedding_hits: int  # pictures it took from the cache (or already held)
+
+
+#: Encodes one picture: ``encode(image, context)``; ``context`` is whatever the caller gave
+#: :meth:`EmbeddingService.fetch` (the projector takes the tokenized prompt, to reuse its
+#: chunks).
+Encoder = Callable[[Image, Any], ImageEmbedding]
+
+
+class EmbeddingService:
+    """Where image embeddings come from: the cache, else the encoder, in one call.
+
+    Args:
+        identity: the projector's identity; with the image hash it makes the cache key.
+        encode: the encoder function (:data:`Encoder`).
+        cache: the :class:`EmbeddingCache` (may be shared by several services and engines);
+            default a private 256 MiB one.
+        stats: the counters to add to (the projector's :class:`MediaStats`); default new ones.
+
+    :meth:`fetch` is the one question asked on the image path, and the one place hits and
+    encoder runs are counted. Background encodes run on one thread (``nbkv-encoder``),
+    started on first use; :meth:`close` stops it.
+    """
+
+    def __init__(
+        self,
+        identity: str,
+        encode: Encoder,
+        *,
+        cache: EmbeddingCache | None = None,
+        stats: MediaStats | None = None,
+    ) -> None:
+        self.identity = identity
+        self.cache = cache if cache is not None else EmbeddingCache()
+        self.stats = stats if stats is not None else MediaStats()
+        self.encode = encode  #: the encoder function (:data:`Encoder`)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def key(self, image_hash: str) -> tuple[str, str]:
+        """An image's key in the cache (the one place it is built).
+
+        Projector identity and image hash: projectors sharing a cache keep entries apart.
+        """
+        return (self.identity, image_hash)
+
+    def cached(self, image: Image) -> bool:
+        """True when ``image``'s embeddings are cached; counts nothing, keeps LRU order.
+
+        A hint for whoever prepares pixels (the tokenizer skips them), not a fetch.
+        """
+        return self.cache.peek(self.key(image.hash)) is not None
+
+    def fetch(
+        self,
+        image: Any,
+        context: Any = None,
+        *,
+        use_cache: bool = True,
+        held: Mapping[str, ImageEmbedding] | None = None,
+        tally: Tally | None = None,
+        wait: bool = True,
+    ) -> Future[ImageEmbedding]:
+        """One picture's embeddings: held or cached (a hit), else encoded (a run).
+
+        ``image`` is an :class:`~nbkv.images.Image` or anything
+        :func:`~nbkv.images.load_image` takes; ``context`` goes to the encoder. ``held``: what
+        the request already has, by image hash (the same picture again is a hit, without
+        asking the cache). ``use_cache=False`` always encodes (the result still replaces the
+        cached one). A hit or a run is counted here, once: in :attr:`stats`, and in
+        ``tally`` (the request's counters) if given.
+
+        Returns a future: done at once for a hit, and for a run with ``wait`` (the encoder
+        ran in this thread; its errors raise here); else the encode is queued on the
+        service's thread and the future completes there.
+        """
+        img = load_image(image)
+        emb = held.get(img.hash) if held is not None else None
+        if emb is None and use_cache:
+            emb = self.cache.get(self.key(img.hash))
+            self.stats.add(**{"cache_hits" if emb is not None else "cache_misses": 1})
+        if emb is not None:
+            if tally is not None:
+                tally.embedding_hits += 1
+            done: Future[ImageEmbedding] = Future()
+            done.set_result(emb)
+            return done
+        pool = None if wait else self._thread()  # (raises if closed, before counting)
+        if tally is not None:
+            tally.encoder_runs += 1
+        self.stats.add(images_encoded=1)
+        if pool is not None:
+            return pool.submit(self._run, img, context)
+        done = Future()
+        done.set_result(self._run(img, context))
+        return done
+
+    def get(self, image: Any, context: Any = None, *, use_cache: bool = True) -> ImageEmbedding:
+        """:meth:`fetch` in this thread: the embeddings, cached or freshly encoded."""
+        return self.fetch(image, context, use_cache=use_cache).result()
+
+    def _run(self, img: Image, context: Any) -> ImageEmbedding:
+        emb = self.encode(img, context)
+        self.cache.put(self.key(img.hash), emb)
+        return emb
+
+    def _thread(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise MediaError("the embedding service was closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="nbkv-encoder")
+            return self._pool
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the background thread, after the encodes already queued (idempotent)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        state = ", closed" if self._closed else ""
+        return f"EmbeddingService({self.identity[:24]}, {self.cache!r}{state})"
