@@ -931,7 +931,7 @@ IMAGE_FOLLOWUPS = ["Describe its colours.", "Is it a photo?", "What is two plus 
 def _vision_runner(variant: str, path: str, mmproj: str) -> Any:
     """nbkv (``"imc"``, or ``"off"`` with its embedding cache off too), else the
     llama-cpp-python chat handler of that name."""
-    from .media import EmbeddingCache
+    from .embeddings import EmbeddingCache
 
     if variant not in ("imc", "off"):
         return HandlerRunner(path, mmproj, variant, 4096)

@@ -20,11 +20,12 @@ from . import engine_state, reasons, verify
 from .chat_api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from .config import DEFAULTS, EngineConfig
 from .drafts import NgramDrafter
+from .embeddings import EmbeddingCache
 from .errors import EngineClosedError, InvalidRequestError
 from .events import EventBus, SlotsChanged
 from .hardware import HardwareOptions
 from .jobs import Job
-from .media import EmbeddingCache, MediaUnit
+from .media_units import MediaUnit
 from .native import Resources, close_at_exit
 from .oracle import Verification
 from .prompt import Prompt, PromptBuilder

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import GENERATED, PREFILLED, REUSED, Segment
-from .media import spans
+from .media_units import spans
 from .messages import preview
 from .prompt import Prompt
 

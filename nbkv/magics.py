@@ -22,7 +22,7 @@ from . import commands
 from .config import CACHE_MODES
 from .errors import DecodeError, NbkvError
 from .hardware import FLASH_ATTN, KV_TYPES
-from .media import contains_images, content_with_images
+from .media_messages import contains_images, content_with_images
 from .sessions import STORE, CellRef, SessionStore
 from .settings import Settings
 from .views import chat_view

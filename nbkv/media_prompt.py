@@ -1,8 +1,8 @@
-"""A tokenized media prompt: text chunks and image chunks, and an image's embeddings.
+"""A tokenized media prompt: text chunks and image chunks.
 
 :meth:`nbkv.projector.Projector.tokenize` makes a :class:`MediaPrompt`; its chunks are what
-the engine decodes, one KV span each. :class:`ImageEmbedding` is the encoder's output for
-one picture, kept by :class:`~nbkv.media.EmbeddingCache`.
+the engine decodes, one KV span each. (The encoder's output for a picture is
+:class:`nbkv.embeddings.ImageEmbedding`.)
 """
 
 from __future__ import annotations
@@ -10,39 +10,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import numpy as np
+from typing import Any
 
 from .backend import mtmd_lib
 from .errors import MediaError
-from .media import Image, MediaKey, MediaSpan, position_units, spans
-
-if TYPE_CHECKING:
-    from .projector import Projector
-
-@dataclass(frozen=True, eq=False)
-class ImageEmbedding:
-    """Encoder output for one picture: one ``(n_tokens, n_embd)`` float32 array per image chunk.
-
-    Read-only copies owned by Python, so they can be cached, shared between requests and
-    decoded into any sequence at any position later.
-    """
-
-    image_hash: str
-    projector_id: str
-    arrays: tuple[np.ndarray, ...]
-    encode_seconds: float = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the arrays."""
-        return sum(a.nbytes for a in self.arrays)
-
-    @property
-    def n_tokens(self) -> int:
-        """Embeddings over all chunks."""
-        return sum(a.shape[0] for a in self.arrays)
+from .images import Image
+from .media_units import MediaKey, MediaSpan, position_units, spans
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,8 +66,8 @@ class MediaPrompt:
     Close it (or use ``with``) to free native memory early; garbage collection does too.
     """
 
-    def __init__(self, projector: Projector, native: int, images: Sequence[Image]) -> None:
-        self.projector = projector
+    def __init__(self, projector: Any, native: int, images: Sequence[Image]) -> None:
+        self.projector = projector  # the nbkv.projector.Projector that made it
         self.images = tuple(images)
         self._native = native
         self._finalizer = weakref.finalize(self, mtmd_lib().mtmd_input_chunks_free, native)
@@ -132,7 +105,7 @@ class MediaPrompt:
         return sum(c.n_pos for c in self.chunks)
 
     def keys(self) -> list[tuple[int, ...] | MediaKey]:
-        """Chunk keys for :func:`nbkv.media.position_units` / prefix comparisons."""
+        """Chunk keys for :func:`nbkv.media_units.position_units` / prefix comparisons."""
         return [c.key for c in self.chunks]
 
     def spans(self, start: int = 0) -> list[MediaSpan]:
@@ -145,7 +118,7 @@ class MediaPrompt:
         For resuming after a salvaged prefix of ``n_pos`` positions: decode the rest of chunk
         ``chunk`` from ``offset`` (a text chunk), then the following chunks. An image is
         never entered midway: a position inside one raises :class:`MediaError` (snap it with
-        :func:`nbkv.media.snap_to_media_boundary` first). ``n_pos == self.n_pos`` returns
+        :func:`nbkv.media_units.snap_to_media_boundary` first). ``n_pos == self.n_pos`` returns
         ``(len(self.chunks), 0)``.
         """
         if not 0 <= n_pos <= self.n_pos:

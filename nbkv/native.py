@@ -18,7 +18,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -52,7 +51,6 @@ class Resources:
                  mmproj: str | None, embedding_cache: Any, trust_projector: bool,
                  on_load_progress: Callable[[float], object] | None) -> None:
         self._closers: list[Callable[[], None]] = []
-        self._encoder: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.config = config
         self.sized = ""
@@ -157,13 +155,6 @@ class Resources:
             log.warning("%s", msg)
             warnings.warn(msg, stacklevel=5)
         return rule
-
-    def encoder(self) -> ThreadPoolExecutor:
-        """The vision encoder's thread (started on first use), off the scheduler."""
-        if self._encoder is None:
-            self._encoder = self._own(ThreadPoolExecutor(1, thread_name_prefix="nbkv-encoder"),
-                                      lambda: self._encoder.shutdown(wait=True))
-        return self._encoder
 
     def close(self) -> None:
         """Free everything, newest first (the projector points into the model); once."""

@@ -18,7 +18,7 @@ import numpy as np
 from . import invariance
 from .backend import Batch, Context, Model
 from .invariance import PrefillRule
-from .media import MediaUnit
+from .media_units import MediaUnit
 
 N_BATCH = 256  # prompt rows per decode of a from-scratch run
 
@@ -37,7 +37,7 @@ def scratch_rows(model: Model, units: Sequence[Any], rows: Sequence[int], *,
                  **context: Any) -> dict[int, np.ndarray]:
     """The logits of ``rows`` (text positions) when ``units`` are decoded from scratch.
 
-    ``units`` are token ids, or :class:`~nbkv.media.MediaUnit` runs of ``images`` (by image
+    ``units`` are token ids, or :class:`~nbkv.media_units.MediaUnit` runs of ``images`` (by image
     hash), each encoded by ``projector``. Text is grouped by ``rule`` (default: the one the
     model was calibrated with), in batches of ``n_batch``, in a brand-new context with
     ``context`` settings (:class:`~nbkv.backend.Context` keywords: KV types, threads, ...).

@@ -47,7 +47,8 @@ from .engine_state import EngineBusy
 from .errors import NbkvError, RestoreError, SaveError
 from .events import RequestFinished, Segment, SlotsChanged
 from .gguf_header import gguf_fingerprint
-from .media import Image, MediaKey, MediaUnit, image_hash, load_image
+from .images import Image, image_hash, load_image
+from .media_units import MediaKey, MediaUnit
 from .slot_kv import KVSnapshot
 from .slot_table import SlotState
 from .spc import SavedPrompt
@@ -759,7 +760,7 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
                      for i, st in zip(where, plan.slots)), key=lambda p: p.index)
     proj = engine.projector
     if proj is not None:
-        from .media_prompt import ImageEmbedding
+        from .embeddings import ImageEmbedding
 
         for h, arrays in plan.embeddings:
             proj.cache.put(proj.cache_key(h), ImageEmbedding(h, proj.identity, tuple(arrays)))

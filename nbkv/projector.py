@@ -2,12 +2,12 @@
 
 A :class:`Projector` pairs a projector (mmproj) GGUF with a loaded text :class:`~nbkv.backend.
 Model`. It tokenizes prompt text carrying media markers plus images into chunks
-(:class:`~nbkv.media_prompt.MediaPrompt`), runs the vision encoder on image chunks (or takes
-their embeddings from an :class:`~nbkv.media.EmbeddingCache`), and decodes embeddings into any
-sequence of a :class:`~nbkv.backend.Context` at any position, so the engine can rebuild a slot,
-or serve the same picture in another session, without re-running the encoder. The file is
-checked first (:mod:`nbkv.projector_check`), and every call's arguments before native code
-runs: a wrong one would abort the process.
+(:class:`~nbkv.media_prompt.MediaPrompt`), runs the vision encoder on image chunks (its
+:class:`~nbkv.embeddings.EmbeddingService` takes embeddings from the cache when it can), and
+decodes embeddings into any sequence of a :class:`~nbkv.backend.Context` at any position, so
+the engine can rebuild a slot, or serve the same picture in another session, without
+re-running the encoder. The file is checked first (:mod:`nbkv.projector_check`), and every
+call's arguments before native code runs: a wrong one would abort the process.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from .backend import Context, Model, default_threads, mtmd_lib, take_native_errors
+from .embeddings import EmbeddingCache, EmbeddingService, ImageEmbedding, MediaStats
 from .errors import ContextOverflowError, MediaError, ProjectorError
-from .media import MARKER, EmbeddingCache, Image, MediaStats, load_image
-from .media_prompt import ImageEmbedding, MediaChunk, MediaPrompt
+from .images import Image, load_image
+from .media_messages import MARKER
+from .media_prompt import MediaChunk, MediaPrompt
 from .projector_check import file_identity, inspect_projector
 
 
@@ -43,6 +45,9 @@ class Projector:
         trust_projector: let projector types nbkv does not validate through (see
             :func:`inspect_projector`).
         flash_attn: the encoder's flash attention, llama.cpp's convention (-1 auto, 0 off).
+
+    Embeddings come from :attr:`embeddings` (an :class:`~nbkv.embeddings.EmbeddingService`
+    over ``cache``, with this projector's encoder); :meth:`embedding` and :meth:`embed` ask it.
 
     The projector keeps pointers into ``model``: close it before the model. Thread safety:
     tokenizing may run in any thread (not concurrently with :meth:`close`); encoding is
@@ -66,8 +71,10 @@ class Projector:
         self.model = model
         self.path = self.info.path
         self.identity = f"{self.info.projector_type}:{file_identity(self.path)[:32]}"
-        self.cache = cache if cache is not None else EmbeddingCache()
         self.stats = MediaStats()
+        self.embeddings = EmbeddingService(self.identity, self._encode_image, cache=cache,
+                                           stats=self.stats)
+        self.cache = self.embeddings.cache
         self.n_embd = model.n_embd_inp
         self._lock = threading.Lock()
         M = mtmd_lib()
@@ -102,7 +109,11 @@ class Projector:
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Free the native projector (prompts tokenized with it become unusable)."""
+        """Free the native projector (prompts tokenized with it become unusable).
+
+        Its embedding service's thread stops first, after the encodes already queued.
+        """
+        self.embeddings.close()
         with self._lock:
             self._finalizer()
 
@@ -127,15 +138,8 @@ class Projector:
     # the embedding cache
 
     def cache_key(self, image_hash: str) -> tuple[str, str]:
-        """An image's key in the :class:`~nbkv.media.EmbeddingCache` (the one place it is built).
-
-        Projector identity and image hash: projectors sharing a cache keep entries apart.
-        """
-        return (self.identity, image_hash)
-
-    def has_cached(self, image: Image) -> bool:
-        """True when ``image``'s embeddings are cached (does not touch LRU order)."""
-        return self.cache.peek(self.cache_key(image.hash)) is not None
+        """An image's key in the cache (:meth:`nbkv.embeddings.EmbeddingService.key`)."""
+        return self.embeddings.key(image_hash)
 
     # tokenize
 
@@ -150,8 +154,8 @@ class Projector:
     ) -> MediaPrompt:
         """Split ``text`` at its media markers into chunks, one image per marker, in order.
 
-        ``images`` may be :class:`~nbkv.media.Image` objects or anything
-        :func:`~nbkv.media.load_image` takes. The marker is :attr:`marker` (libmtmd's
+        ``images`` may be :class:`~nbkv.images.Image` objects or anything
+        :func:`~nbkv.images.load_image` takes. The marker is :attr:`marker` (libmtmd's
         ``<__media__>``). Images whose embeddings are cached are tokenized as placeholders
         (``use_cache=True``): only their size is passed, skipping the pixel preprocessing.
         """
@@ -169,7 +173,7 @@ class Projector:
         placeholders: set[int] = set()
         try:
             for i, img in enumerate(imgs):
-                cached = use_cache and self.has_cached(img)
+                cached = use_cache and self.embeddings.cached(img)
                 if cached:
                     bm = M.mtmd_bitmap_init(img.width, img.height, None)
                     placeholders.add(i)
@@ -269,33 +273,30 @@ class Projector:
     def embedding(
         self, image: Any, *, use_cache: bool = True, _prompt: MediaPrompt | None = None
     ) -> ImageEmbedding:
-        """The embeddings of one picture: from the cache, else by running the encoder."""
-        img = load_image(image)
-        key = self.cache_key(img.hash)
-        hit = self.cache.get(key) if use_cache else None
-        if hit is not None:
-            self.stats.add(cache_hits=1)
-            return hit
-        if use_cache:
-            self.stats.add(cache_misses=1)
+        """The embeddings of one picture: from the cache, else by running the encoder.
+
+        ``_prompt``: a prompt where the picture was tokenized, whose chunks the encoder reuses.
+        """
+        return self.embeddings.get(image, _prompt, use_cache=use_cache)
+
+    def _encode_image(self, img: Image, prompt: MediaPrompt | None) -> ImageEmbedding:
+        """The service's encoder: ``img`` through the encoder, on ``prompt``'s chunks if any."""
         chunks = []
-        if _prompt is not None:
-            chunks = [c for c in _prompt.chunks if c.image is not None
+        if prompt is not None:
+            chunks = [c for c in prompt.chunks if c.image is not None
                       and c.image.hash == img.hash and not c.placeholder]
             first = chunks[0].image_index if chunks else -1
             chunks = [c for c in chunks if c.image_index == first]
         if chunks:
-            emb = self._encode(img, chunks)
-        else:  # tokenized as a placeholder, or not tokenized at all: tokenize it alone
-            with self.tokenize(self.marker, [img], use_cache=False) as solo:
-                emb = self._encode(img, solo.image_chunks())
-        self.cache.put(key, emb)
-        return emb
+            return self._encode(img, chunks)
+        # tokenized as a placeholder, or not tokenized at all: tokenize it alone
+        with self.tokenize(self.marker, [img], use_cache=False) as solo:
+            return self._encode(img, solo.image_chunks())
 
     def encode_chunk(self, chunk: MediaChunk) -> np.ndarray:
         """Run the encoder on one image chunk; a read-only ``(n_tokens, n_embd)`` copy.
 
-        Counts an encoder run; does not consult or fill the cache (see :meth:`embedding`).
+        Counts an encoder call; does not consult or fill the cache (see :meth:`embedding`).
         """
         M = mtmd_lib()
         if not chunk.is_image:
@@ -327,9 +328,7 @@ class Projector:
     def _encode(self, img: Image, chunks: list[MediaChunk]) -> ImageEmbedding:
         t0 = time.perf_counter()
         arrays = tuple(self.encode_chunk(c) for c in sorted(chunks, key=lambda c: c.sub_index))
-        dt = time.perf_counter() - t0
-        self.stats.add(images_encoded=1)
-        return ImageEmbedding(img.hash, self.identity, arrays, dt)
+        return ImageEmbedding(img.hash, self.identity, arrays, time.perf_counter() - t0)
 
     # decode
 
@@ -400,7 +399,7 @@ class Projector:
         ptr = chunk.native()
         ctx_m = self._native()
         if embedding is None:
-            embedding = self.embedding(chunk.image, _prompt=chunk._prompt)
+            embedding = self.embeddings.get(chunk.image, chunk._prompt)
         if embedding.image_hash != chunk.image.hash or embedding.projector_id != self.identity:
             raise MediaError("these embeddings belong to another image or projector")
         if chunk.sub_index >= len(embedding.arrays):

@@ -2,7 +2,7 @@
 
 One pass, one direction: validate the messages, take their images out (resolved and
 hashed), render the chat template, tokenize (images become one
-:class:`~nbkv.media.MediaUnit` per KV position), locate each message's end, and apply the
+:class:`~nbkv.media_units.MediaUnit` per KV position), locate each message's end, and apply the
 overflow policy. The engine then only schedules the result.
 """
 
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from .config import check_overflow
 from .errors import ContextOverflowError, MediaError
-from .media import MediaUnit, contains_images, extract_images, position_units
+from .media_messages import contains_images, extract_images
+from .media_units import MediaUnit, position_units
 from .messages import normalize, prefix_hashes
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ log = logging.getLogger("nbkv")
 class Prompt:
     """A prepared request.
 
-    ``tokens`` has one entry per KV position: a token id, or a :class:`~nbkv.media.MediaUnit`
+    ``tokens`` has one entry per KV position: a token id, or a :class:`~nbkv.media_units.MediaUnit`
     for each position an image occupies (so prefix comparisons see images by content hash).
     """
 

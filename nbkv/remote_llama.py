@@ -29,7 +29,7 @@ from .events import (
 )
 from .http_client import ServerClient
 from .kv_segments import message_segments
-from .media import contains_images
+from .media_messages import contains_images
 from .messages import normalize
 from .prompt import Prompt, PromptBuilder
 from .remote_base import POLL_INTERVAL, PROBE, UNKNOWN, RemoteBase, RemoteJob

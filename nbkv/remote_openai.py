@@ -137,7 +137,7 @@ def _openai_message(m: Mapping[str, Any]) -> dict[str, Any]:
     content = m.get("content")
     if isinstance(content, str):
         return {"role": m["role"], "content": content}
-    from .media import to_data_url
+    from .media_messages import to_data_url
 
     parts = []
     for part in content or ():

@@ -28,7 +28,7 @@ from .errors import EngineClosedError, NbkvError, SlotTimeoutError
 from .events import EventBus, Progress, RequestFinished
 from .invariance import next_chunk
 from .jobs import Job
-from .media import MediaUnit
+from .media_units import MediaUnit
 from .native import Resources
 from .prefill import prefill
 from .slot_kv import SlotKV

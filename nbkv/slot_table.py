@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 from . import policy, reasons
 from .errors import InvalidRequestError, NbkvError
 from .events import RequestRecord, Segment
-from .media import MediaUnit
+from .media_units import MediaUnit
 from .messages import prefix_hashes
 from .prompt import Prompt
 

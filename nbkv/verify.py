@@ -14,7 +14,7 @@ import numpy as np
 
 from . import invariance
 from .errors import NbkvError
-from .media import MediaUnit
+from .media_units import MediaUnit
 from .oracle import Verification, scratch_logits, scratch_rows
 from .placement import servable
 from .prefill import extension_logits

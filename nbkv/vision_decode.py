@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 def decode_image(sched: Scheduler, job: Job) -> bool:
     """Decode the image at the head of ``job``'s prefill, if its embeddings are ready.
 
-    Embeddings come from the cache, else the encoder runs on its own thread (the other
-    requests keep decoding meanwhile). False while the encoder is still at work.
+    Where a picture starts, the projector's embedding service is asked once: held by the
+    request or cached (a hit), else it encodes on its own thread (a run; the other requests
+    keep decoding meanwhile); it counts either in ``job``. False while the encoder is still
+    at work.
     """
     projector, ctx = sched.res.projector, sched.res.ctx
     unit = job.todo[0]
@@ -25,31 +27,22 @@ def decode_image(sched: Scheduler, job: Job) -> bool:
         sched.fail(job, MediaError("a prompt must not end with an image"), "error")
         return True
     h = chunk.image.hash
-    emb = job.embeddings.get(h)
-    if emb is None and job.encoding is not None:  # done: the step skips it until then
-        fut, job.encoding = job.encoding, None
-        try:
-            emb = fut.result()
-        except BaseException as e:  # noqa: BLE001
-            sched.fail(job, e, "error")
-            return True
-    elif emb is None:
-        image, media = chunk.image, job.prompt.media
-        if not projector.has_cached(image):
-            job.encoder_runs += 1
-            job.encoding = sched.res.encoder().submit(projector.embedding, image,
-                                                      _prompt=media)
-            job.encoding.add_done_callback(lambda _: sched.wake())
-            return False
-        job.embedding_hits += 1
-        try:
-            emb = projector.embedding(image, _prompt=media)
-        except BaseException as e:  # noqa: BLE001
-            sched.fail(job, e, "error")
-            return True
-    elif chunk.sub_index == 0 and not job.image_piece:  # the same picture again
-        job.embedding_hits += 1
-    job.embeddings[h] = emb
+    fut, job.encoding = job.encoding, None  # done: the step skips the job until then
+    try:
+        if fut is None and (h not in job.embeddings
+                            or (chunk.sub_index == 0 and not job.image_piece)):
+            fut = projector.embeddings.fetch(chunk.image, job.prompt.media,
+                                             held=job.embeddings, tally=job, wait=False)
+            if not fut.done():
+                job.encoding = fut
+                fut.add_done_callback(lambda _: sched.wake())
+                return False
+        if fut is not None:
+            job.embeddings[h] = fut.result()
+    except BaseException as e:  # noqa: BLE001
+        sched.fail(job, e, "error")
+        return True
+    emb = job.embeddings[h]
     slot = job.slot
     # a big causal image goes in sub-batches, one per step, between the other
     # requests' tokens (a non-causal one is a single batch)

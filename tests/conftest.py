@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from nbkv.backend import Batch, Context
+from nbkv.embeddings import ImageEmbedding
 from nbkv.errors import ContextOverflowError, MediaError
-from nbkv.media_prompt import ImageEmbedding, MediaPrompt
+from nbkv.media_prompt import MediaPrompt
 from nbkv.models import default_model_path
 from nbkv.oracle import scratch_logits
 from nbkv.projector import Projector

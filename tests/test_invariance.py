@@ -6,7 +6,7 @@ import pytest
 
 from nbkv import invariance
 from nbkv.invariance import PrefillRule, chunks, derive, next_chunk, stable_end, valid_start
-from nbkv.media import MediaKey, MediaUnit
+from nbkv.media_units import MediaKey, MediaUnit
 
 # measured on this project's CI machine (AVX2/AVX512, llama-cpp-python 0.3.36, SmolLM2-135M
 # re-quantized): chunk size -> the chunks' rows equal one batch's (nbkv.calibrate)

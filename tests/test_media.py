@@ -19,24 +19,16 @@ import numpy as np
 import pytest
 
 from conftest import eval_prompt
+from nbkv.embeddings import EmbeddingCache
 from nbkv.errors import (
     ContextOverflowError,
     MediaError,
     ProjectorError,
 )
 from nbkv.fixtures import fixture_spec, make_mmproj
-from nbkv.media import (
-    MARKER,
-    EmbeddingCache,
-    Image,
-    MediaKey,
-    MediaUnit,
-    contains_images,
-    extract_images,
-    load_image,
-    position_units,
-    snap_to_media_boundary,
-)
+from nbkv.images import Image, load_image
+from nbkv.media_messages import MARKER, contains_images, extract_images
+from nbkv.media_units import MediaKey, MediaUnit, position_units, snap_to_media_boundary
 from nbkv.policy import common_prefix
 
 PIL = pytest.importorskip("PIL.Image")
@@ -186,6 +178,43 @@ def test_embedding_cache_is_an_lru_bounded_by_bytes():
     assert (c.stats.hits, c.stats.misses, c.stats.evictions, c.stats.rejected) == (1, 1, 1, 1)
     c.clear()
     assert len(c) == 0 and c.nbytes == 0
+
+
+def test_embedding_service_asks_once_and_counts_once():
+    import threading
+    from types import SimpleNamespace
+
+    from nbkv.embeddings import EmbeddingService, ImageEmbedding
+
+    gate, calls = threading.Event(), []
+
+    def encode(img, context):
+        calls.append((img.hash, context, threading.current_thread().name))
+        assert gate.wait(10)
+        return ImageEmbedding(img.hash, "p", (np.zeros((2, 3), np.float32),))
+
+    svc = EmbeddingService("p", encode)
+    img, tally = Image.from_rgb(picture(3)), SimpleNamespace(encoder_runs=0, embedding_hits=0)
+    assert not svc.cached(img)
+    fut = svc.fetch(img, "ctx", tally=tally, wait=False)  # a run, on the service's thread
+    assert (tally.encoder_runs, tally.embedding_hits) == (1, 0)
+    gate.set()
+    emb = fut.result(10)
+    assert calls == [(img.hash, "ctx", calls[0][2])] and calls[0][2].startswith("nbkv-encoder")
+    assert svc.cached(img) and svc.cache.peek(svc.key(img.hash)) is emb
+    again = svc.fetch(img, tally=tally, wait=False)  # a hit: done at once, counted once
+    assert again.done() and again.result() is emb and len(calls) == 1
+    other = Image.from_rgb(picture(4))  # held by the request: a hit without the cache
+    assert svc.fetch(other, held={other.hash: emb}, tally=tally).result() is emb
+    assert (tally.encoder_runs, tally.embedding_hits) == (1, 2)
+    s = svc.stats
+    assert (s.cache_hits, s.cache_misses, s.images_encoded) == (1, 1, 1)
+    assert svc.get(img, use_cache=False) is not emb and len(calls) == 2  # in this thread
+    svc.close()
+    svc.close()
+    assert svc.closed and svc.get(img) is not None  # the cache still answers
+    with pytest.raises(MediaError, match="closed"):
+        svc.fetch(Image.from_rgb(picture(5)), wait=False)
 
 
 def test_prefix_comparison_treats_images_as_opaque_runs():
@@ -554,7 +583,7 @@ _SUBPROCESS = textwrap.dedent(
     from nbkv.backend import Context, Model
     from nbkv.errors import ProjectorError
     from nbkv.fixtures import make_mmproj
-    from nbkv.media import Image
+    from nbkv.images import Image
     from nbkv.models import default_model_path
     from nbkv.projector import Projector
 

@@ -94,7 +94,8 @@ RESTART = """
     import json, sys
     import numpy as np
     from nbkv import Engine
-    from nbkv.media import EmbeddingCache, Image
+    from nbkv.embeddings import EmbeddingCache
+    from nbkv.images import Image
     from nbkv.projector import Projector
     from nbkv.sessions import SessionStore
     from test_persist import CFG, MAX, NEXT_A, NEXT_B, PROBE, scratch_probe

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -21,6 +22,7 @@ from nbkv import Engine, fixtures, policy, templates
 from nbkv.errors import MediaError, ProjectorError
 from nbkv.events import RequestFinished
 from nbkv.fixtures import fixture_spec, make_mmproj
+from nbkv.images import load_image
 
 PIL = pytest.importorskip("PIL.Image")
 MAX = 8
@@ -192,14 +194,14 @@ def test_wrong_projectors_are_refused_before_native_code(model_path):
 
 
 class GatedEncoder:
-    """Wraps the projector's ``embedding``: the real encoder runs only once the gate opens.
+    """Wraps the embedding service's encoder: the real one runs only once the gate opens.
 
-    ``started`` is set when an encode begins, ``finished`` when it returned (the embeddings
-    are then in the cache). Nothing is timed: the test decides when the encoder may go on.
+    ``started`` is set when an encode begins, ``finished`` when it returned (the service then
+    caches the embeddings). Nothing is timed: the test decides when the encoder may go on.
     """
 
-    def __init__(self, projector):
-        self.real = projector.embedding
+    def __init__(self, service):
+        self.real = service.encode
         self.started, self.gate, self.finished = (threading.Event(), threading.Event(),
                                                   threading.Event())
 
@@ -220,8 +222,8 @@ def test_other_sessions_keep_generating_while_an_image_is_encoded(engine, monkey
     on its timeout instead.
     """
     engine.clear()
-    gated = GatedEncoder(engine.projector)
-    monkeypatch.setattr(engine.projector, "embedding", gated)
+    gated = GatedEncoder(engine.projector.embeddings)
+    monkeypatch.setattr(engine.projector.embeddings, "encode", gated)
     finished = []
     unsub = engine.subscribe(
         lambda ev: isinstance(ev, RequestFinished) and finished.append(ev.record.session))
@@ -254,8 +256,8 @@ def test_other_sessions_keep_generating_while_an_image_is_encoded(engine, monkey
 
 def test_cancel_while_the_image_is_encoded(engine, model_path, mmproj, monkeypatch):
     engine.clear()
-    gated = GatedEncoder(engine.projector)
-    monkeypatch.setattr(engine.projector, "embedding", gated)
+    gated = GatedEncoder(engine.projector.embeddings)
+    monkeypatch.setattr(engine.projector.embeddings, "encode", gated)
     msgs = [{"role": "system", "content": SYSTEM}, image_msg("And this?", picture(123))]
     s = engine.chat(msgs, session="gone", stream=True, max_tokens=4, temperature=0)
     try:
@@ -266,7 +268,10 @@ def test_cancel_while_the_image_is_encoded(engine, model_path, mmproj, monkeypat
     assert s.finish_reason == "cancelled" and s.text == ""
     assert s.record.generated_tokens == 0
     assert_consistent(engine)
-    assert gated.finished.wait(60)  # the encode went on and was cached
+    assert gated.finished.wait(60)  # the encode went on and, just after, was cached
+    img, deadline = load_image(picture(123)), time.monotonic() + 60
+    while not engine.projector.embeddings.cached(img) and time.monotonic() < deadline:
+        time.sleep(0.01)
     monkeypatch.undo()
     r = engine.chat(msgs, session="gone", max_tokens=MAX, temperature=0)
     assert r.record.encoder_runs == 0 and r.record.embedding_cache_hits == 1

@@ -21,7 +21,7 @@ from nbkv.events import (
     Segment,
     SlotsChanged,
 )
-from nbkv.media import MediaKey, MediaUnit
+from nbkv.media_units import MediaKey, MediaUnit
 from nbkv.palette import COLORS
 from nbkv.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline
 
