@@ -19,6 +19,7 @@ from typing import Any
 
 from .backend import Model, check_gguf, llama_cpp_version
 from .errors import ModelLoadError, ProjectorError
+from .gguf_header import read_metadata
 
 log = logging.getLogger("nbkv.projector")
 
@@ -680,10 +681,8 @@ def _check_rope_sections(model: Model) -> None:
 
 def _gguf_array(path: Path, key: str) -> list[int] | None:
     """One metadata array of a GGUF file (its header only), or None."""
-    from .fixtures import _scan_gguf
-
-    fields, _ = _scan_gguf(path, lambda k: k == key)
-    return list(fields[key][2]) if key in fields else None
+    value = read_metadata(path).get(key)
+    return list(value) if isinstance(value, list) else None
 
 
 def _has_token(model: Model, text: str) -> bool:

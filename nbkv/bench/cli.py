@@ -1,0 +1,71 @@
+"""Side-by-side benchmark: nbkv's caches against no cache and llama-cpp-python's own reuse.
+
+``python -m nbkv.bench`` runs every scenario on the same conversations, in one process, and
+prints a table plus JSON (also written to ``--out``). Timings on shared CPUs are noisy, so
+the figures that matter are *ratios between variants measured in the same run*; where two
+variants are timed against each other they run in A B B A order, so that a machine getting
+faster or slower during the run does not pass for a difference between them.
+
+Chat scenarios call ``engine.settle()`` after every reply: the user reads, and in that idle
+time exact mode rewrites the reply's KV as a batched prefill (README, Exactness). The
+rewrite's own cost is measured separately (``decode``).
+
+Variants:
+  off        nbkv with cache="off": clear the slot and prefill everything, every request
+  llama-cpp  llama_cpp.Llama.create_chat_completion: one sequence, longest-common-prefix reuse
+  imc        nbkv Incremental Message Cache
+  spc        nbkv System Prompt Cache
+  limit      (single scenario) the physical floor: only the new tokens, decoded at that
+             depth on a raw context with nothing else going on
+  sequential / batched   (subagents) the same agents one request at a time / all at once
+  plain (speculative) or exact (decode) / guesses / inexact   the default engine (exact,
+             one token per sequence per step) / speculative=True (a prompt-lookup guess
+             decoded beside each token) / exact=False (no idle-time rewrite of replies)
+  llama      (decode) llama_cpp.Llama.generate on the same prompt tokens, greedy
+
+Scenarios ``decode`` (single-session generation speed, and what the rewrite costs) and
+``families`` (prefill against the minimum on plain, sliding-window, hybrid and recurrent
+models, with tiny generated models from ``nbkv.fixtures.make_text_model``) measure the
+engine's design; the others measure the caches against their alternatives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from ..models import default_model_path
+from .registry import SCENARIOS
+from .report import print_report, targets
+from .runners import MAX_TOKENS
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the scenarios asked for (default: all), print the tables, write the JSON."""
+    ap = argparse.ArgumentParser(prog="python -m nbkv.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file (default: embedded SmolLM2-135M)")
+    ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
+                    help="run only these (repeatable); default: all")
+    ap.add_argument("--quick", action="store_true", help="fewer turns (a smoke run)")
+    ap.add_argument("--out", default="bench-results.json", help="where to write the JSON")
+    args = ap.parse_args(argv)
+    path = str(args.model or default_model_path())
+    report: dict[str, Any] = {"model": path, "max_tokens": MAX_TOKENS}
+    for name in args.scenario or list(SCENARIOS):
+        t0 = time.perf_counter()
+        print(f"== {name} ...", file=sys.stderr, flush=True)
+        report[name] = SCENARIOS[name](path, args.quick)
+        report[name]["wall_s"] = time.perf_counter() - t0
+        print(json.dumps(report[name]["ratios"], indent=1), file=sys.stderr, flush=True)
+        with open(args.out, "w") as f:  # after every scenario, so a long run keeps its figures
+            json.dump(report, f, indent=1)
+    report["targets"] = targets(report)
+    print_report(report)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nJSON written to {args.out}")
+    return 0

@@ -1,0 +1,79 @@
+"""The scenarios' conversations: deterministic texts, playing them, and averaging."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .runners import LlamaCppRunner, NbkvRunner
+
+QUESTIONS = [
+    "Why is the sky blue?", "How does a refrigerator keep food cold?",
+    "What did the printing press change?", "Why do cats purr?",
+    "How do vaccines train the immune system?", "What makes bread rise?",
+    "Why do we have leap years?", "How do bees find flowers?",
+    "What is the difference between weather and climate?", "How does a compass work?",
+    "Why does ice float?", "What causes the seasons?",
+]
+TOPICS = [
+    "caches", "compilers", "networks", "databases", "operating systems", "file systems",
+    "graphics cards", "keyboards", "batteries", "satellites", "spreadsheets", "robots",
+    "printers", "web browsers", "encryption", "sensors",
+]
+
+
+def paragraph(seed: int, sentences: int) -> str:
+    """Deterministic filler text about computing, ``sentences`` sentences long."""
+    out = []
+    for i in range(sentences):
+        a = TOPICS[(seed * 7 + i * 3) % len(TOPICS)]
+        b = TOPICS[(seed * 5 + i * 11 + 1) % len(TOPICS)]
+        out.append(
+            f"Point {seed}.{i}: explain how {a} relate to {b}, and give one everyday example "
+            f"that a beginner would recognise."
+        )
+    return " ".join(out)
+
+
+def system_prompt(name: str, sentences: int) -> str:
+    """A long system prompt, distinct per ``name``."""
+    return f"You are {name}, a careful assistant. " + " ".join(
+        f"Rule {i} for {name}: stay accurate about {TOPICS[(i + len(name)) % len(TOPICS)]}, "
+        f"keep answers short, and say when you are unsure."
+        for i in range(sentences)
+    )
+
+
+def run_conversations(
+    runner: Any, convs: dict[str, list[dict]], turns: list[tuple[str, str]], replies: dict | None
+) -> list[dict[str, Any]]:
+    """Play ``turns`` (session, user text) against ``runner``; replies come from ``replies``
+    when given (so every variant sees the same conversation), else from the runner itself."""
+    hist = {k: [dict(m) for m in v] for k, v in convs.items()}
+    out = []
+    for i, (session, text) in enumerate(turns):
+        msgs = hist[session]
+        msgs.append({"role": "user", "content": text})
+        r = runner.turn(msgs, session)
+        reply = replies[i] if replies is not None else r["text"]
+        msgs.append({"role": "assistant", "content": reply})
+        r.update(session=session, turn=i)
+        out.append(r)
+    return out
+
+
+def baselines(path: str, slots: int, n_ctx: int, convs: dict, turns: list, replies: list
+              ) -> dict[str, list]:
+    """The same conversations through nbkv off, nbkv SPC and llama-cpp-python's ``Llama``."""
+    out = {}
+    for name, make in (("off", lambda: NbkvRunner(path, "off", slots, n_ctx)),
+                       ("spc", lambda: NbkvRunner(path, "spc", slots, n_ctx)),
+                       ("llama-cpp", lambda: LlamaCppRunner(path, n_ctx))):
+        r = make()
+        out[name] = run_conversations(r, convs, turns, replies)
+        r.close()
+    return out
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")

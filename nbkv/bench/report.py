@@ -1,0 +1,91 @@
+"""The issue's targets, checked against a report, and the tables printed at the end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .decode import DECODE_PROMPTS, DECODE_VARIANTS
+from .families import FAMILIES
+from .quants import QUANTS
+from .registry import SCENARIOS
+from .vision import VISION_PAIRS
+
+#: (scenario, ratio, ">=" or "<=", wanted): the issue's targets, in the order the report
+#: prints them; a new scenario adds its own here
+TARGETS: list[tuple[str, str, str, float]] = [
+    ("single", "imc_vs_llama_cpp_ttft", ">=", 1.0),
+    ("single", "imc_over_limit_ttft", "<=", 1.15),
+    ("single", "imc_prefilled_over_minimum", "<=", 1.05),
+    ("interleaved", "imc_vs_llama_cpp_ttft", ">=", 5.0),
+    ("drift", "salvage_of_shared_prefix", ">=", 0.90),
+    ("vision", "imc_vs_handler_final_turn_ttft", ">=", 10.0),
+    ("vision-realistic", "imc_vs_handler_final_turn_ttft", ">=", 10.0),
+    *(("vision-families-realistic", f"{f}+{p}_imc_vs_handler_final_turn_ttft", ">=", 10.0)
+      for f, p in VISION_PAIRS),
+    ("subagents", "batched_over_sequential_tokens_per_s", ">=", 2.0),
+    ("subagents", "batched_ttft_over_single_session_ttft", "<=", 2.0),
+    ("restore", "restored_over_warm_ttft", "<=", 1.5),
+    ("kv-types", "q8_0_over_f16_bytes", "<=", 0.55),
+    ("kv-types", "exact_variants", ">=", 2),
+    ("restore", "rebuild_over_restored_ttft", ">=", 10.0),
+    ("remote", "pinned_over_kernel_ttft_4_slots", "<=", 1.3),
+    ("remote", "pinned_over_kernel_reused_4_slots", ">=", 1.0),
+    ("back-to-back", "exact_over_inexact_ttft", "<=", 1.2),
+    *(("quants", f"{q}_{k}_vs_Q4_1", "<=", 1.05)
+      for q in QUANTS for k in ("imc_prefilled_over_minimum", "imc_over_limit_ttft")),
+    *(("quants", f"{q}_{k}_vs_Q4_1", ">=", 0.95) for q in QUANTS
+      for k in ("single_imc_vs_llama_cpp_ttft", "interleaved_imc_vs_llama_cpp_ttft",
+                "exact_over_llama_decode")),
+    ("dashboard", "dashboard_over_bare_prefill_tokens_per_s", ">=", 0.95),
+    # prefill over the minimum, mean over turns 2+: hybrid/recurrent models go back to a
+    # checkpoint, plain/SWA ones cut anywhere. The minimum as such (new message + glue), and
+    # what a cache could reuse at all (replies of the random-weight models often re-tokenize
+    # differently: no cache can reuse those tokens)
+    *(("families", f"{f}_prefilled_over_{m}", "<=",
+       1.10 if kind in ("hybrid", "recurrent") else 1.05)
+      for f, kind in FAMILIES.items() for m in ("minimum", "reusable")),
+]
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Check the issue's targets against a report."""
+    out = []
+    for scen, key, op, want in TARGETS:
+        if scen not in report or key not in report[scen]["ratios"]:
+            continue
+        got = report[scen]["ratios"][key]
+        ok = got >= want if op == ">=" else got <= want
+        out.append({"scenario": scen, "ratio": key, "target": f"{op} {want}", "got": got,
+                    "met": ok})
+    if "shared-system" in report:
+        got = report["shared-system"]["spc_restore_ms"]["max"]
+        out.append({"scenario": "shared-system", "ratio": "spc_restore_ms_max",
+                    "target": "< 10", "got": got, "met": got < 10})
+    return out
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The tables: mean TTFT per scenario and variant, decode speeds, targets."""
+    print()
+    print(f"{'scenario':<14} {'variant':<10} {'mean TTFT (ms)':>15}")
+    for name in SCENARIOS:
+        if name not in report:
+            continue
+        key = next((k for k in report[name] if k.startswith("mean_ttft")), None)  # turns 2 on
+        if key is None:
+            continue
+        for variant, v in report[name][key].items():
+            print(f"{name:<14} {variant:<10} {1000 * v:>15.1f}")
+    if "decode" in report:
+        dec = report["decode"]
+        print()
+        print(f"{'decode':<14} {'variant':<10} " + " ".join(f"{s + ' tok/s':>12}"
+                                                          for s in DECODE_PROMPTS))
+        for variant in DECODE_VARIANTS:
+            print(f"{'decode':<14} {variant:<10} " + " ".join(
+                f"{dec[s][variant]['decode_tokens_per_s']:>12.1f}" for s in DECODE_PROMPTS))
+    print()
+    print(f"{'target':<52} {'want':>8} {'got':>9}  met")
+    for t in report["targets"]:
+        print(f"{t['scenario'] + ': ' + t['ratio']:<52} {t['target']:>8} {t['got']:>9.3f}  "
+              f"{'yes' if t['met'] else 'NO'}")
