@@ -19,17 +19,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .blobstore import fsync_dir, segment_from_json, segment_json, write_file
 from .errors import RestoreError, SaveError, ServerError
-from .persist import (
-    RestoreReport,
-    SaveReport,
-    SlotSave,
-    _fsync_dir,
-    _segment,
-    _segment_json,
-    _write_file,
-    default_path,
-)
+from .persist import RestoreReport, SaveReport, SlotSave, default_path
 
 if TYPE_CHECKING:
     from .remote import LlamaServerEngine
@@ -83,7 +75,7 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
         nbytes += size
         slots_json.append({"index": index, "session": session, "file": name,
                            "tokens": tokens, "hashes": hashes, "msg_ends": ends,
-                           "segments": [_segment_json(g) for g in segments]})
+                           "segments": [segment_json(g) for g in segments]})
         reports.append(SlotSave(index, session, len(tokens), size))
     try:
         sess_json = [json.loads(json.dumps(s.state_dict())) for s in store]
@@ -95,8 +87,8 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
             "server": _identity(engine), "slots": slots_json, "sessions": sess_json}
     data = json.dumps(body, indent=1).encode()
     try:
-        written = _write_file(root / MANIFEST, [data])
-        _fsync_dir(root)
+        written = write_file(root / MANIFEST, [data])
+        fsync_dir(root)
     except OSError as e:
         raise SaveError(f"cannot write {root / MANIFEST}: {e}") from e
     rep = SaveReport(root, tuple(reports), busy, 0, 0, tuple(s["name"] for s in sess_json),
@@ -173,7 +165,7 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
             slot = engine._slots[s["index"]]
             slot.tokens, slot.hashes = list(s["tokens"]), list(s["hashes"])
             slot.msg_ends, slot.session = list(s["msg_ends"]), s["session"]
-            slot.segments = tuple(_segment(g) for g in s.get("segments", ()))
+            slot.segments = tuple(segment_from_json(g) for g in s.get("segments", ()))
             slot.known, slot.verified, slot.note = True, True, ""
             slot.server_tokens = len(s["tokens"])
             slot.last_used = next(engine._clock)
