@@ -275,3 +275,16 @@ def test_parking_stats_for_the_stats_table():
     s = parking_stats(lot)
     assert (s["parks"], s["parking_drops"], s["parked_ram_entries"],
             s["parked_ram_bytes"]) == (2, 1, 1, 1000)
+
+
+def test_the_policy_reads_the_lots_entries():
+    from nbkv import policy
+
+    lot = ParkingLot(ram_bytes=10_000)
+    key = lot.park(ParkedEntry("alice", tuple(range(300)), ("h1", "h2"), (150, 300),
+                               buf(100), last_used=1)).key
+    busy = [type("S", (), dict(index=0, tokens=[9] * 10, hashes=["x"], msg_ends=[10],
+                                session="bob", last_used=2, pending=False))()]
+    plan = policy.select(busy, tuple(range(300)) + (7,), ["h1", "h2", "h3"], "alice",
+                         parked=lot.entries())
+    assert plan.parked == key and plan.reuse == 300 and plan.evicted == "bob"
