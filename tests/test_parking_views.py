@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import comm
 import pytest
 
+from conftest import QuietComm
 from nbkv import static, vocabulary
 from nbkv.display import stats_table
 from nbkv.engine import SlotInfo
@@ -53,16 +54,6 @@ class Engine:
     @property
     def history(self):
         return list(self.bus.history)
-
-
-class QuietComm:
-    comm_id, kernel = "quiet", None
-
-    def __init__(self, **kw):
-        pass
-
-    def __getattr__(self, name):
-        return lambda *a, **kw: None
 
 
 @pytest.fixture
