@@ -118,7 +118,7 @@ class TemplatedAPI:
 
 
 def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
-    """Totals over records: requests by strategy and event, prompt, reused, read, generated."""
+    """Totals over records: requests by strategy and event, tokens, restores of parked ones."""
     from .vocabulary import counts
 
     prompt = sum(r.prompt_tokens for r in history)
@@ -137,6 +137,8 @@ def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
         "generated_tokens": sum(r.generated_tokens for r in history),
         "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
         "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        "restored_requests": sum(1 for r in history if r.restored_from),
+        "restored_tokens": sum(r.restored_tokens for r in history),
     }
 
 

@@ -9,6 +9,7 @@ line without a traceback.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,8 @@ def load(ws: Workspace, args: Any) -> Any:
     _at_least_one(args, "slots", "ctx")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
-                                       kv_type=args.kv_type, flash_attn=args.flash_attn)
+                                       kv_type=args.kv_type, flash_attn=args.flash_attn,
+                                       **_parking_options(args))
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:
@@ -203,6 +205,48 @@ def clear(ws: Workspace, args: Any) -> Any:
                         "cleared every slot (sessions keep their messages)")
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``2G``, ``512MiB``, ``1.5 GB``, ``0``: a byte count (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.I)
+    if m is None:
+        raise InvalidRequestError(f"{flag}: {text!r} is not a size (e.g. 2G, 512M, 0)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _parking_options(args: Any) -> dict[str, Any]:
+    """``--park-ram`` and ``--park-dir`` as :meth:`Settings.engine_kwargs` arguments."""
+    ram = getattr(args, "park_ram", None)
+    return {"park_ram": None if ram is None else parse_bytes(ram, "--park-ram"),
+            "park_dir": getattr(args, "park_dir", None)}
+
+
+def _parking(ws: Workspace, args: Any, verb: str) -> Any:
+    """``%kvcache park|unpark [SESSION|--all]``: call ``engine.park``/``unpark``."""
+    engine = ws.engine()
+    if not hasattr(engine, verb):
+        raise InvalidRequestError(f"%kvcache {verb} needs the in-kernel engine: a server "
+                                  "keeps its slots to itself")
+    if args.target is not None and args.all:
+        raise InvalidRequestError(f"%kvcache {verb}: give a session or --all, not both")
+    if args.target is None and not args.all:
+        raise InvalidRequestError(f"%kvcache {verb}: name a session (%kvcache {verb} alice) "
+                                  "or give --all")
+    return disp.Message(str(getattr(engine, verb)(session=args.target, all=args.all)))
+
+
+def park(ws: Workspace, args: Any) -> Any:
+    """Take a session's conversation (or every one) out of its slot into the parking lot."""
+    return _parking(ws, args, "park")
+
+
+def unpark(ws: Workspace, args: Any) -> Any:
+    """Bring a parked conversation (or every one that fits) back into a slot."""
+    return _parking(ws, args, "unpark")
+
+
 def widget(ws: Workspace, args: Any) -> Any:
     """The live dashboard."""
     from .widgets import CacheDashboard
@@ -254,7 +298,8 @@ def config(ws: Workspace, args: Any) -> Any:
 COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "status": (status, frozenset(), False),
     "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
-                              "restore", "gpu_layers", "kv_type", "flash_attn"}), True),
+                              "restore", "gpu_layers", "kv_type", "flash_attn", "park_ram",
+                              "park_dir"}), True),
     "connect": (connect, frozenset({"slots", "api_key_env"}), True),
     "slots": (slots, frozenset(), False),
     "stats": (stats, frozenset(), False),
@@ -262,6 +307,8 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "explain": (explain, frozenset(), True),
     "verify": (verify, frozenset(), True),
     "clear": (clear, frozenset({"all"}), True),
+    "park": (park, frozenset({"all"}), True),
+    "unpark": (unpark, frozenset({"all"}), True),
     "widget": (widget, frozenset(), False),
     "report": (report, frozenset(), True),
     "unload": (unload, frozenset(), False),

@@ -548,23 +548,44 @@ def _server_slot(info: dict[str, Any] | None) -> str:
     return f"{info.get('n_prompt_tokens', '?')} tokens{busy}"
 
 
+_PARKED = vocab.PARKING["parked"].words
+#: the parking figures of ``engine.stats()`` (nbkv.parking.parking_stats, and the records')
+PARKING_STATS = {
+    "restored_requests": f"requests served by a restore ({vocab.EVENTS['restored'].words})",
+    "restored_tokens": "tokens restored",
+    "parks": f"conversations {_PARKED}",
+    "restores": f"{_PARKED} conversations restored",
+    "spills": vocab.PARKING["spilled"].words,
+    "parking_drops": f"{_PARKED} conversations dropped (over the budgets)",
+    "parked_skipped_corrupt": f"{_PARKED} entries skipped (corrupt or from another engine)",
+    "parked_ram_entries": f"{_PARKED} now in {vocab.tier_words('ram')}",
+    "parked_ram_bytes": f"{_PARKED} bytes in {vocab.tier_words('ram')}",
+    "parked_disk_entries": f"{_PARKED} now on {vocab.tier_words('disk')}",
+    "parked_disk_bytes": f"{_PARKED} bytes on {vocab.tier_words('disk')}",
+}
+
+
 def stats_table(engine: Engine) -> Table:
     """Totals over the request history; internals only when relevant, under "details"."""
     s = engine.stats()
     main = ("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens", "salvage_pct",
-            "events", "evictions", "generated_tokens", "mean_ttft_s", "not_verified")
+            "events", "evictions", "generated_tokens", "mean_ttft_s", "not_verified",
+            *PARKING_STATS)
     labels = {"requests": "requests", "prompt_tokens": "prompt tokens",
               "reused_tokens": "reused from cache",
               "prefilled_tokens": vocab.STATES["prefilled"].words,
               "salvage_pct": "served from cache (%)", "events": "how requests were served",
               "evictions": vocab.MARKS["took-slot"].words,
               "generated_tokens": "reply tokens", "mean_ttft_s": "mean first-token time (s)",
-              "not_verified": "requests not verified (remote)"}
+              "not_verified": "requests not verified (remote)", **PARKING_STATS}
 
     def fmt(v: Any) -> Any:
         return (", ".join(f"{k} {n}" for k, n in v.items()) or "-" if isinstance(v, dict)
                 else f"{v:.1f}" if isinstance(v, float) else v)
 
+    # the parking rows when there is something to say (an engine that parks nothing: none)
+    s = {k: size_text(v) if k.endswith("_bytes") and k in PARKING_STATS else v
+         for k, v in s.items() if not (k in PARKING_STATS and not v)}
     rows = tuple((labels.get(k, k), fmt(s[k])) for k in main if k in s)
     # "strategies" are how the policy found the slot: the events above say it in words
     hidden = {"advice", "thrashing", "returning_misses", "active_sessions", "strategies"}

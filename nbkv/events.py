@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from . import vocabulary as vocab
-from .reasons import Divergence
+from .reasons import RESTORED, Divergence
 
 log = logging.getLogger("nbkv.events")
 
@@ -88,7 +88,7 @@ class RequestRecord:
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    restore_s: float = 0.0  # SPC restore or prefix copy
+    restore_s: float = 0.0  # SPC restore, prefix copy, or restore of a parked conversation
     # the first-token time in parts (ttft_parts): wait + restore + prefill_s
     wait_s: float = 0.0  # before reading began: template, tokens, a free slot, the step running
     rewrite_absorbed_s: float = 0.0  # of prefill_s: re-reading the previous reply's positions
@@ -103,6 +103,12 @@ class RequestRecord:
     #: False when a remote server's figures disagree with what nbkv expected of the slot
     verified: bool = True
     note: str = ""  # ... and why (or another remark of a remote engine)
+    #: "ram" or "disk" when a parked conversation (nbkv.parking) was restored into the slot
+    #: first (its time is in ``restore_s``), else ""
+    restored_from: str = ""
+    restored_tokens: int = 0  # ... tokens of it the request reused
+    restored_session: str | None = None  # ... whose conversation it was
+    evicted_parked: str = ""  # "ram" or "disk": the evicted conversation was parked, not lost
 
     @property
     def salvage_pct(self) -> float:
@@ -165,13 +171,19 @@ class RequestRecord:
             donor = f"{copied} from {who} slot"
             if r.reason == "copied":
                 what, donor = donor, ""
+        restored = vocab.restored(r)
+        if restored and r.reason == RESTORED:
+            what, restored = restored, ""
         out.append((f"slot {r.slot}: {what}", vocab.reason_line(r)))
+        if restored:
+            out.append((restored, vocab.EVENTS[RESTORED].tip))
         if donor:
             out.append((donor, vocab.EVENTS["copied"].tip))
         took = vocab.took(r)
         if took:
-            out.append((took, f"{r.evicted_session}'s cached conversation was dropped to make "
-                              "room"))
+            out.append((took, f"{r.evicted_session}'s cached conversation was "
+                              + ("parked to make room (it is restored when it comes back)"
+                                 if r.evicted_parked else "dropped to make room")))
         out.append((f"reused {r.reused_tokens}/{r.prompt_tokens} ({r.salvage_pct:.0f}%)",
                     "prompt tokens whose KV was already in the slot: not computed again"))
         out.append((f"read {r.prefilled_tokens} new", vocab.STATES["prefilled"].tip))

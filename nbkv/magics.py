@@ -141,7 +141,8 @@ class Nbkv(Magics, Settings):
     @argument("target", nargs="?",
               help="load: a GGUF file (default: the embedded SmolLM2-135M); connect: a "
                    "server's URL (llama-server or OpenAI-compatible); clear: a slot; "
-                   "explain: a request number (default: the latest); verify: a request "
+                   "explain: a request number (default: the latest); park, unpark: a "
+                   "session; verify: a request "
                    "number (default: every slot); save, restore: a directory (default: one "
                    "per notebook in the user cache); report: an HTML file to write "
                    "(default: show the page here)")
@@ -160,7 +161,12 @@ class Nbkv(Magics, Settings):
     @argument("--flash-attn", choices=tuple(FLASH_ATTN), help="load: flash attention")
     @argument("--restore", action="store_true",
               help="load: then restore this notebook's latest compatible save")
-    @argument("--all", action="store_true", help="clear: every slot")
+    @argument("--park-ram", metavar="BYTES",
+              help="load: RAM for parked conversations, e.g. 2G (Nbkv.park_ram)")
+    @argument("--park-dir", metavar="DIR",
+              help="load: where parked conversations go when they leave RAM (Nbkv.park_dir)")
+    @argument("--all", action="store_true",
+              help="clear: every slot; park, unpark: every conversation")
     @argument("-n", "--last", type=int, metavar="N", help="history: records shown (20)")
     @line_magic
     def kvcache(self, line: str = "") -> Any:
@@ -170,10 +176,12 @@ class Nbkv(Magics, Settings):
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
                         [--min-tokens N] [--template F] [--restore] [--gpu-layers N]
-                        [--kv-type T] [--flash-attn auto|on|off]
+                        [--kv-type T] [--flash-attn auto|on|off] [--park-ram BYTES]
+                        [--park-dir DIR]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
           %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
+          %kvcache park [SESSION | --all] | unpark [SESSION | --all]
           %kvcache widget | report [FILE] | unload | config
         """
         args = parse_argstring(self.kvcache, line)

@@ -13,6 +13,10 @@ COLORS = {"reused": "#2e9e5b", "prefilled": "#f08c2e", "generated": "#8e5cc7",
 TODO_COLOR = "#f8d3ad"
 #: the positions an image's embeddings occupy
 MEDIA_COLOR = "#e377c2"
+#: parking (conversations that lost their slot, kept in RAM or on disk): a parked entry on
+#: the slot cards' shelf, and a request served by restoring one (its own kind of bar)
+PARKED_COLOR = "#8c7a5b"
+RESTORED_COLOR = "#c9a227"
 #: who wrote a message
 ROLE_COLORS = {"system": "#5b6770", "user": "#3b7dd8", "assistant": "#17a2b8",
                "tool": "#a0522d", "other": "#999999"}

@@ -36,19 +36,33 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .blobstore import (
+    BLOBS,
+    Blobs,
+    Reader,
+    body_checksum,
+    decode_units,
+    encode_units,
+    fsync_dir,
+    manifest_text,
+    segment_from_json,
+    segment_json,
+    sweep,
+    write_blobs,
+    write_file,
+)
 from .engine_state import EngineBusy
 from .errors import NbkvError, RestoreError, SaveError
-from .events import RequestFinished, Segment, SlotsChanged
+from .events import RequestFinished, SlotsChanged
 from .gguf_header import gguf_fingerprint
 from .images import Image, image_hash, load_image
-from .media_units import MediaKey, MediaUnit
+from .media_units import MediaUnit
 from .slot_kv import KVSnapshot
 from .slot_table import SlotState
 from .spc import SavedPrompt
@@ -62,8 +76,6 @@ log = logging.getLogger("nbkv")
 FORMAT = "nbkv-kvcache"
 VERSION = 1
 MANIFEST = "manifest.json"
-BLOBS = "blobs"
-_BLOB_NAME = re.compile(r"[0-9a-f]{64}\.bin")
 _IMAGE_TAG = "$nbkv_image"
 
 
@@ -155,14 +167,6 @@ def default_path(notebook: str | None = None) -> Path:
     return base / f"{stem}-{digest}"
 
 
-def _blob_path(root: Path, name: Any) -> Path:
-    """The file of blob ``name``, refusing anything but a content name (no traversal)."""
-    if not isinstance(name, str) or not _BLOB_NAME.fullmatch(name):
-        raise RestoreError(f"the manifest names an invalid blob {name!r}: a crafted or "
-                           "corrupt save (blob names are 64 hex digits + .bin)")
-    return root / BLOBS / name
-
-
 # -- what describes an engine ----------------------------------------------------------------
 
 
@@ -226,71 +230,7 @@ def check_session_state(sessions: Any, name: str, state: Any) -> None:
 # -- encoding --------------------------------------------------------------------------------
 
 
-def encode_units(units: Iterable[Any]) -> list[Any]:
-    """A slot's position units as JSON: token ids, and one object per image run."""
-    out: list[Any] = []
-    for u in units:
-        if isinstance(u, MediaUnit):
-            if u.offset == 0:
-                k = u.key
-                out.append({"image": k.image_hash, "sub": k.sub_index, "n_tokens": k.n_tokens,
-                            "n_pos": k.n_pos})
-        else:
-            out.append(int(u))
-    return out
-
-
-def decode_units(items: Any, n_vocab: int) -> list[Any]:
-    """Inverse of :func:`encode_units`, validating every entry."""
-    if not isinstance(items, list):
-        raise RestoreError("a slot's tokens are not a list")
-    out: list[Any] = []
-    for it in items:
-        if isinstance(it, int) and not isinstance(it, bool):
-            if not 0 <= it < n_vocab:
-                raise RestoreError(f"token id {it} is outside the model's vocabulary")
-            out.append(it)
-        elif isinstance(it, dict):
-            try:
-                key = MediaKey(str(it["image"]), int(it["sub"]), int(it["n_tokens"]),
-                               int(it["n_pos"]))
-            except (KeyError, TypeError, ValueError) as e:
-                raise RestoreError(f"malformed image run in a slot's tokens: {it!r}") from e
-            if key.n_pos < 1 or key.n_tokens < 1:
-                raise RestoreError(f"malformed image run in a slot's tokens: {it!r}")
-            out.extend(MediaUnit(key, i) for i in range(key.n_pos))
-        else:
-            raise RestoreError(f"malformed entry in a slot's tokens: {it!r}")
-    return out
-
-
-def segment_json(s: Segment) -> dict[str, Any]:
-    """A KV-map segment as JSON."""
-    return {f.name: getattr(s, f.name) for f in fields(Segment)}
-
-
-def segment_from_json(d: Any) -> Segment:
-    """The inverse of :func:`segment_json`."""
-    names = {f.name for f in fields(Segment)}
-    if not isinstance(d, dict) or not set(d) <= names:
-        raise RestoreError(f"malformed KV map segment {d!r}")
-    return Segment(**d)
-
-
-class _Blobs:
-    """Blobs of a save being written, by content name."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def add(self, buf: Any) -> str:
-        mv = memoryview(buf).cast("B")
-        name = hashlib.sha256(mv).hexdigest() + ".bin"
-        self.data.setdefault(name, mv)
-        return name
-
-
-def _jsonable(value: Any, blobs: _Blobs, where: str) -> Any:
+def _jsonable(value: Any, blobs: Blobs, where: str) -> Any:
     """A message value as JSON; pictures (PIL, arrays, bytes, Image) become image blobs."""
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
@@ -354,7 +294,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
     if not os.access(root, os.W_OK) or not os.access(root / BLOBS, os.W_OK):
         raise SaveError(f"the save directory {root} is not writable")
     cap = engine.export_state(only_if_idle)
-    blobs = _Blobs()
+    blobs = Blobs()
     slots_json, reports = [], []
     media: set[str] = set()
     for s in cap.slots:
@@ -396,7 +336,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
         "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
         "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
         "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
-        "blobs": {n: {"sha256": n[:64], "size": len(mv)} for n, mv in blobs.data.items()},
+        "blobs": blobs.table(),
     }
     with _locked(root, exclusive=True):
         written = _write(root, body, blobs)
@@ -433,79 +373,17 @@ def _locked(root: Path, exclusive: bool) -> Any:
         os.close(fd)
 
 
-def _fsync_dir(d: Path) -> None:
+def _write(root: Path, body: dict[str, Any], blobs: Blobs) -> int:
     try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(target: Path, chunks: Iterable[Any]) -> int:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    n = 0
-    try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                f.write(c)
-                n += len(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    return n
-
-
-def _write(root: Path, body: dict[str, Any], blobs: _Blobs) -> int:
-    bdir = root / BLOBS
-    written = 0
-    try:
-        for name, mv in blobs.data.items():
-            target = bdir / name
-            if target.is_file() and target.stat().st_size == len(mv) and _sha(target) == name[:64]:
-                continue  # content-addressed: the same bytes are already there
-            written += _write_file(target, [mv])
-        _fsync_dir(bdir)
-        text = _manifest_text(body)
-        written += _write_file(root / MANIFEST, [text.encode()])
-        _fsync_dir(root)
+        written = write_blobs(root, blobs)
+        written += write_file(root / MANIFEST, [manifest_text(body).encode()])
+        fsync_dir(root)
     except OSError as e:
         raise SaveError(f"could not write the save to {root}: {e} (the previous save there, "
                         "if any, is intact)") from e
     # only now may blobs the new manifest does not name go: no manifest names them any more
-    keep = set(blobs.data)
-    for f in bdir.iterdir():
-        stale = f.name.endswith(".tmp") and time.time() - f.stat().st_mtime > 3600
-        if (_BLOB_NAME.fullmatch(f.name) and f.name not in keep) or stale:
-            try:
-                f.unlink()
-            except OSError:
-                pass
+    sweep(root, set(blobs.data))
     return written
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _manifest_text(body: dict[str, Any]) -> str:
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"checksum": hashlib.sha256(canon.encode()).hexdigest(), "body": body},
-                      indent=1, sort_keys=True)
 
 
 # -- restore ---------------------------------------------------------------------------------
@@ -530,8 +408,7 @@ def read_manifest(path: str | os.PathLike | None = None) -> tuple[Path, dict[str
     if not isinstance(version, int) or version > VERSION:
         raise RestoreError(f"the save at {root} has format version {version!r}, newer than this "
                            f"nbkv reads ({VERSION}): upgrade nbkv to restore it")
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    if hashlib.sha256(canon.encode()).hexdigest() != doc.get("checksum"):
+    if body_checksum(body) != doc.get("checksum"):
         raise RestoreError(f"the manifest {f} fails its checksum (corrupt or edited)")
     return root, body
 
@@ -637,39 +514,8 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
     table = body.get("blobs")
     if not isinstance(table, dict):
         raise RestoreError("the manifest has no blob table")
-    cache: dict[str, Any] = {}
     plan = _Plan()
-
-    def read(name: Any) -> Any:
-        p = _blob_path(root, name)
-        if name in cache:
-            return cache[name]
-        meta = table.get(name)
-        if not isinstance(meta, dict):
-            raise RestoreError(f"blob {name} is not in the manifest's blob table")
-        size = meta.get("size")
-        if not isinstance(size, int) or size < 0:
-            raise RestoreError(f"blob {name}: malformed size in the manifest")
-        try:
-            with p.open("rb") as f:  # straight into the buffer llama.cpp will read
-                actual = os.fstat(f.fileno()).st_size
-                if actual != size:
-                    raise RestoreError(f"blob {name} is truncated or padded: {actual} bytes, "
-                                       f"the manifest says {size}")
-                buf = (ctypes.c_uint8 * size)()
-                got = f.readinto(memoryview(buf).cast("B")) if size else 0
-        except FileNotFoundError:
-            raise RestoreError(f"blob {name} is missing from {root / BLOBS}") from None
-        except OSError as e:
-            raise RestoreError(f"cannot read blob {name}: {e}") from e
-        if got != size:
-            raise RestoreError(f"blob {name} is truncated: read {got} of {size} bytes")
-        digest = hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
-        if digest != meta.get("sha256") or name[:64] != digest:
-            raise RestoreError(f"blob {name} fails its checksum (corrupt)")
-        plan.nbytes += size
-        cache[name] = buf
-        return buf
+    read = Reader(root, table)
 
     n_vocab = engine.model.n_vocab
     n_saved = body.get("n_slots")
@@ -730,6 +576,7 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise RestoreError(f"malformed manifest in {root}: {type(e).__name__}: {e}") from e
+    plan.nbytes = read.nbytes
     return plan
 
 

@@ -8,9 +8,9 @@ decision out (trim, copy, prefill). Keeping it pure makes every rule testable wi
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("nbkv.policy")
 
@@ -37,8 +37,8 @@ class Plan:
     """How a request will be served.
 
     ``reuse`` tokens of ``slot``'s KV are kept (after copying them from ``donor`` when
-    ``donor`` is set); everything after them is trimmed and the request's remaining
-    tokens are prefilled.
+    ``donor`` is set, or restoring the parked conversation ``parked`` into the slot);
+    everything after them is trimmed and the request's remaining tokens are prefilled.
     """
 
     strategy: str
@@ -49,6 +49,7 @@ class Plan:
     evicted: str | None = None  # session whose conversation the target slot held and loses
     evicted_tokens: int = 0
     common_prefix: dict[int, int] = field(default_factory=dict)  # slot -> shared tokens
+    parked: str | None = None  # key of the parked conversation restored into ``slot`` first
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -102,12 +103,24 @@ def pick_free(slots: Sequence[SlotLike], session: str | None) -> SlotLike | None
     return empty_or_lru(free)
 
 
+class ParkedLike(Protocol):
+    """What the policy reads from a parked conversation (:class:`nbkv.parked.ParkedInfo`)."""
+
+    key: str
+    tokens: Sequence[Any]
+    hashes: Sequence[str]
+    msg_ends: Sequence[int]
+    session: str | None
+    last_used: int
+
+
 def select(
     slots: Sequence[SlotLike],
     tokens: Sequence[int],
     hashes: Sequence[str],
     session: str | None = None,
     min_tokens: int = 100,
+    parked: Sequence[ParkedLike] = (),
 ) -> Plan | None:
     """Choose the slot for a request with prompt ``tokens`` and message prefix ``hashes``.
 
@@ -120,6 +133,10 @@ def select(
 
     A match that would cut another conversation short is copied into an empty (or the LRU)
     slot instead of trimming the donor in place, so the donor's conversation survives.
+
+    ``parked`` conversations (any session's) are scanned the same way; the best one is
+    restored into the slot a miss would take (``Plan.parked``) when it keeps strictly more
+    tokens than the best choice among the slots.
     Returns ``None`` when every slot is pending: the caller waits and asks again.
     """
     free = [s for s in slots if not s.pending]
@@ -130,39 +147,75 @@ def select(
     shared = {s.index: common_prefix(s.tokens, tokens) for s in free if s.tokens}
     for i, n in shared.items():
         log.debug("slot[%d] common-prefix %d/%d tokens", i, n, len(tokens))
+    plan = _from_slots(free, tokens, hashes, session, min_tokens, limit, shared)
+    if not parked:
+        return plan
+    kept = {p.key: common_prefix(p.tokens, tokens) for p in parked}
+    found = _match(parked, kept, lambda p: p.key, hashes, session, min_tokens, "parked[%s]")
+    if found is None:
+        return plan
+    entry, k = found
+    reuse = min(kept[entry.key], limit)
+    if reuse <= plan.reuse:
+        log.debug("parked[%s] keeps %d tokens, a slot %d: not restored", entry.key, reuse,
+                  plan.reuse)
+        return plan
+    target = empty_or_lru(free)
+    log.debug("parked[%s] restored into slot[%d]: %d tokens", entry.key, target.index, reuse)
+    return Plan(_strategy(k, hashes), target.index, reuse, None, k,
+                evicted=target.session if target.tokens else None,
+                evicted_tokens=len(target.tokens), common_prefix=shared, parked=entry.key)
 
+
+def _strategy(matched: int, hashes: Sequence[str]) -> str:
+    if not matched:
+        return PREFIX_SALVAGE
+    return HASH_HIT if matched >= len(hashes) else HASH_EXTEND
+
+
+def _match(cands: Sequence[Any], shared: dict[Any, int], ident: Callable[[Any], Any],
+           hashes: Sequence[str], session: str | None, min_tokens: int, label: str
+           ) -> tuple[Any, int] | None:
+    """The best candidate and the messages it matches (0: a token prefix only), or None.
+
+    ``shared[ident(c)]`` is candidate ``c``'s common token prefix with the prompt.
+    """
     best: tuple | None = None
-    for s in free:
-        if not s.hashes:
+    for c in cands:
+        if not c.hashes:
             continue
-        k = common_prefix(s.hashes, hashes)
+        k = common_prefix(c.hashes, hashes)
         if k == 0:
             continue
-        if shared[s.index] < s.msg_ends[k - 1]:
-            log.debug(
-                "slot[%d] hash matches %d messages but tokens diverge at %d < %d (template drift)",
-                s.index, k, shared[s.index], s.msg_ends[k - 1],
-            )
+        n = shared.get(ident(c), 0)
+        if n < c.msg_ends[k - 1]:
+            log.debug(label + " hash matches %d messages but tokens diverge at %d < %d "
+                      "(template drift)", ident(c), k, n, c.msg_ends[k - 1])
             continue
-        score = (k, session is not None and s.session == session, shared[s.index], s.last_used)
+        score = (k, session is not None and c.session == session, n, c.last_used)
         if best is None or score > best[0]:
-            best = (score, s, k)
+            best = (score, c, k)
     if best is not None:
-        _, donor, k = best
-        strategy = HASH_HIT if k >= len(hashes) else HASH_EXTEND
-        log.debug("slot[%d] hash match: %d/%d messages", donor.index, k, len(hashes))
-        return _place(strategy, donor, min(shared[donor.index], limit), k, free, session, shared)
+        log.debug(label + " hash match: %d/%d messages", ident(best[1]), best[2], len(hashes))
+        return best[1], best[2]
+    ok = [c for c in cands if c.tokens and shared.get(ident(c), 0) >= min_tokens]
+    if not ok:
+        log.debug("no usable token prefix match (min %d tokens)", min_tokens)
+        return None
+    c = max(ok, key=lambda c: (shared[ident(c)], c.session == session, c.last_used))
+    log.debug(label + " token prefix match: %d tokens", ident(c), shared[ident(c)])
+    return c, 0
 
-    log.debug("no slot matched, trying token prefix match")
-    cands = [s for s in free if s.tokens and shared[s.index] >= min_tokens]
-    if cands:
-        donor = max(cands, key=lambda s: (shared[s.index], s.session == session, s.last_used))
-        log.debug("token prefix match found: slot[%d] %d tokens", donor.index, shared[donor.index])
-        return _place(
-            PREFIX_SALVAGE, donor, min(shared[donor.index], limit), 0, free, session, shared
-        )
-    log.debug("no usable token prefix match (min %d tokens)", min_tokens)
 
+def _from_slots(free: Sequence[SlotLike], tokens: tuple, hashes: Sequence[str],
+                session: str | None, min_tokens: int, limit: int, shared: dict[int, int]
+                ) -> Plan:
+    """The best plan among the slots alone (:func:`select`'s steps 1 to 3)."""
+    found = _match(free, shared, lambda s: s.index, hashes, session, min_tokens, "slot[%d]")
+    if found is not None:
+        donor, k = found
+        return _place(_strategy(k, hashes), donor, min(shared[donor.index], limit), k, free,
+                      session, shared)
     target = empty_or_lru(free)
     reuse = min(shared.get(target.index, 0), limit)
     return Plan(

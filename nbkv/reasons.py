@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .policy import common_prefix
+from .vocabulary import tier_words
 
 FIRST = "first"  # the session's first request: nothing of it was cached
 CONTINUED = "continued"  # the conversation grew: everything cached was reused
@@ -28,10 +29,13 @@ IMAGE_CHANGED = "image-changed"  # a different image at the same place
 OVERFLOW = "overflow"  # the oldest messages were dropped to fit the slot
 CHECKPOINT = "checkpoint"  # memory that cannot be cut: restored a checkpoint before the cut
 UNCACHED = "uncached"  # cache mode spc/off: conversations are not kept
+RESTORED = "restored"  # a parked conversation was put back into a slot
 
 #: the codes of ``record.reason``; their words are in :data:`nbkv.vocabulary.EVENTS`
 REASONS = (FIRST, CONTINUED, COPIED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
-           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED)
+           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED, RESTORED)
+#: a :class:`Whereabouts` fate (not a reason): the slot was taken and its conversation parked
+PARKED = "parked"
 WINDOW = 12  # units kept on each side of a divergence, for its excerpts
 
 
@@ -85,9 +89,12 @@ class Whereabouts:
     """What the engine remembers of a session: its last request, and its slot's fate since."""
 
     request: int
-    fate: str | None = None  # EVICTED, CLEARED or RELOADED once the conversation was lost
+    #: EVICTED, CLEARED or RELOADED once the conversation was lost; PARKED when the request
+    #: that took its slot parked it (:mod:`nbkv.parking`)
+    fate: str | None = None
     by_session: str | None = None
     by_request: int | None = None
+    slot: int | None = None  # the slot that was taken
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,15 @@ class Cached:
     tokens: Sequence[Any]
     hashes: Sequence[str]
     msg_ends: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The parked conversation a request restored into its slot (:mod:`nbkv.parking`)."""
+
+    session: str | None  # whose conversation it was
+    tier: str  # where it was parked: "ram" or "disk"
+    cached: Cached  # what it held
 
 
 def _unit_is_media(u: Any) -> bool:
@@ -130,12 +146,14 @@ def explain(
     dropped: int,
     can_trim: bool,
     cache: str = "imc",
+    restored: Restored | None = None,
 ) -> Reason:
     """The reason for a request placed with ``reuse`` tokens of KV kept.
 
     ``own`` is the session's slot if it still holds the conversation; ``trace`` what
     happened to that slot; ``wanted`` what the placement would have kept on memory that can
     be cut anywhere (``reuse`` is less when a checkpoint had to be restored further back).
+    ``restored`` is the parked conversation put back into the slot first, if any.
     """
     who = f"session {session}" if session is not None else "this request"
     if cache != "imc":
@@ -148,10 +166,15 @@ def explain(
         return Reason(OVERFLOW, f"the conversation outgrew its slot: the {dropped} oldest "
                                 f"message(s) were dropped, so the cache matched only up to "
                                 f"where they were{copied}", div)
-    if trace is not None and trace.fate == EVICTED:
+    if restored is not None:
+        return _restored(who, session, trace, restored, tokens, ends, roles, reuse, wanted,
+                         can_trim)
+    if trace is not None and trace.fate in (EVICTED, PARKED):
+        gone = (" and its conversation parked, but the parked copy was gone (over the "
+                "parking budget, or unreadable)" if trace.fate == PARKED else "")
         return Reason(EVICTED, f"{who}'s slot was taken by {trace.by_session}'s request "
-                               f"#{trace.by_request}, so its conversation was read again"
-                               f"{copied}")
+                               f"#{trace.by_request}{gone}, so its conversation was read "
+                               f"again{copied}")
     if trace is not None and trace.fate == CLEARED:
         return Reason(CLEARED, f"{who}'s slot was cleared by the user, so its conversation "
                                f"was read again{copied}")
@@ -166,10 +189,7 @@ def explain(
         extra = (f"; the slot it got began with the same {reuse} tokens (e.g. the chat "
                  "template's opening), so those were kept" if reuse else "")
         return Reason(FIRST, f"nothing of {who} was cached{extra}")
-    div = find_divergence(own.tokens, tokens, ends, roles)
-    tail = max(len(own.tokens) - own.msg_ends[-1], 0) if own.msg_ends else 0
-    if div is not None and div.position >= len(own.tokens) - tail:
-        div = None  # the previous reply re-tokenized differently: not a branch
+    div = _branch(own, tokens, ends, roles)
     if div is None:
         code, text = CONTINUED, f"everything cached for {who} was reused"
     else:
@@ -191,9 +211,47 @@ def explain(
             text = (f"kept {k} message(s), re-read from message {k} ({div.role}, edited) at "
                     f"token {div.position}")
     if not can_trim and reuse < wanted:
-        return Reason(CHECKPOINT, f"{text}; this model's memory cannot be cut there, so a "
-                                  f"checkpoint {wanted - reuse} tokens earlier was restored", div)
+        return Reason(CHECKPOINT, text + _checkpoint_note(reuse, wanted), div)
     return Reason(code, text, div)
+
+
+def _checkpoint_note(reuse: int, wanted: int) -> str:
+    return (f"; this model's memory cannot be cut there, so a checkpoint {wanted - reuse} "
+            "tokens earlier was restored")
+
+
+def _branch(cached: Cached, tokens: Sequence[Any], ends: Sequence[int],
+            roles: Sequence[str]) -> Divergence | None:
+    """Where the prompt leaves ``cached``; None where it only extends it."""
+    div = find_divergence(cached.tokens, tokens, ends, roles)
+    tail = max(len(cached.tokens) - cached.msg_ends[-1], 0) if cached.msg_ends else 0
+    if div is not None and div.position >= len(cached.tokens) - tail:
+        return None  # the previous reply re-tokenized differently: not a branch
+    return div
+
+
+def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Restored,
+              tokens: Sequence[Any], ends: Sequence[int], roles: Sequence[str], reuse: int,
+              wanted: int, can_trim: bool) -> Reason:
+    """``alice's conversation was parked when bob's request #5 took slot 0; restored ...``."""
+    where = tier_words(r.tier)
+    if session is None or r.session != session:
+        owner = f"{r.session}'s" if r.session is not None else "a"
+        return Reason(RESTORED, f"{who} was not cached; {reuse:,} tokens of {owner} parked "
+                                f"conversation were restored from {where}")
+    total = len(r.cached.tokens)
+    amount = f"its {reuse:,} tokens" if reuse == total else f"{reuse:,} of its {total:,} tokens"
+    when = ""
+    if trace is not None and trace.fate == PARKED:
+        slot = f"slot {trace.slot}" if trace.slot is not None else "its slot"
+        when = f" when {trace.by_session}'s request #{trace.by_request} took {slot}"
+    text = f"{who}'s conversation was parked{when}; restored {amount} from {where}"
+    div = _branch(r.cached, tokens, ends, roles)
+    if div is not None:
+        text += f", then read on from message {div.message} ({div.role}), token {div.position}"
+    if not can_trim and reuse < wanted:
+        text += _checkpoint_note(reuse, wanted)
+    return Reason(RESTORED, text, div)
 
 
 @dataclass(frozen=True)

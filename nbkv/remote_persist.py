@@ -19,18 +19,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .blobstore import fsync_dir, segment_from_json, segment_json, write_file
 from .errors import RestoreError, SaveError, ServerError
 from .persist import (
     RestoreReport,
     SaveReport,
     SlotSave,
-    _fsync_dir,
-    _write_file,
     check_session_state,
     default_path,
     kernel_sessions,
-    segment_from_json,
-    segment_json,
 )
 from .slot_table import SlotState
 
@@ -94,8 +91,8 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
             "server": _identity(engine), "slots": slots_json, "sessions": sess_json}
     data = json.dumps(body, indent=1).encode()
     try:
-        written = _write_file(root / MANIFEST, [data])
-        _fsync_dir(root)
+        written = write_file(root / MANIFEST, [data])
+        fsync_dir(root)
     except OSError as e:
         raise SaveError(f"cannot write {root / MANIFEST}: {e}") from e
     rep = SaveReport(root, tuple(reports), busy, 0, 0, tuple(s["name"] for s in sess_json),

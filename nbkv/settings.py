@@ -58,6 +58,11 @@ class Settings(Configurable):
                     ).tag(config=True)
     autosave_interval = Float(30.0, min=1.0, help="Autosave: seconds between two saves at least"
                               ).tag(config=True)
+    park_ram = Int(None, allow_none=True, min=0, help="Bytes of RAM for conversations that "
+                   "lost their slot, parked to be restored instead of read again (None: a "
+                   "quarter of free RAM, at most 4 GiB)").tag(config=True)
+    park_dir = Unicode("", help="Directory where parked conversations go when they leave RAM "
+                                "('' = no disk tier: they are dropped)").tag(config=True)
     frontend = Enum(("auto", "notebook", "terminal"), "auto",
                     help="How %%chat shows replies: 'auto' picks 'notebook' in a Jupyter "
                          "kernel, else 'terminal' (stdout)").tag(config=True)
@@ -71,8 +76,16 @@ class Settings(Configurable):
     def engine_kwargs(self, slots: int | None = None, ctx: int | None = None,
                       mode: str | None = None, min_tokens: int | None = None,
                       gpu_layers: int | None = None, kv_type: str | None = None,
-                      flash_attn: str | None = None) -> dict[str, Any]:
-        """:class:`~nbkv.engine.Engine` arguments: what was given, else these traits."""
+                      flash_attn: str | None = None, park_ram: int | None = None,
+                      park_dir: str | None = None) -> dict[str, Any]:
+        """:class:`~nbkv.engine.Engine` arguments: what was given, else these traits.
+
+        The parking options are passed only when set (the engine's defaults otherwise).
+        """
+        ram = self.park_ram if park_ram is None else park_ram
+        where = park_dir or self.park_dir
+        parking = {**({"park_ram": ram} if ram is not None else {}),
+                   **({"park_dir": where} if where else {})}
         return dict(
             n_slots=self.slots if slots is None else slots,
             n_ctx=self.ctx if ctx is None else ctx, cache=mode or self.mode,
@@ -82,4 +95,5 @@ class Settings(Configurable):
             main_gpu=self.main_gpu, split_mode=self.split_mode,
             flash_attn=flash_attn or self.flash_attn, type_k=kv_type or self.type_k,
             type_v=kv_type or self.type_v, use_mmap=self.use_mmap, use_mlock=self.use_mlock,
+            **parking,
         )

@@ -29,6 +29,7 @@ from .palette import (
     MUTED,
     NEUTRAL,
     PAPER,
+    PARKED_COLOR,
     ROLE_COLORS,
     RULE,
     TEXT,
@@ -204,8 +205,8 @@ def lru_ranks(slots: Sequence[Any]) -> tuple[dict[int, int], int]:
 
 
 def cards_html(slots: Sequence[Any], last_by_slot: Mapping[int, RequestRecord],
-               running: Mapping[int, Any] | None = None) -> str:
-    """Every slot's card, in a wrapping row."""
+               running: Mapping[int, Any] | None = None, parked: Sequence[Any] = ()) -> str:
+    """Every slot's card, in a wrapping row, then the shelf of ``parked`` conversations."""
     rank, n = lru_ranks(slots)
     running = running or {}
     cards = "".join(
@@ -213,7 +214,35 @@ def cards_html(slots: Sequence[Any], last_by_slot: Mapping[int, RequestRecord],
         f"{card(s, rank.get(s.index), n, running.get(s.index), last_by_slot.get(s.index))}"
         f"</div>" for s in slots)
     return (f'<div class="nbkv-slot-cards" style="display:flex;flex-flow:row wrap">{cards}'
-            "</div>")
+            f"</div>{shelf_html(parked)}")
+
+
+def parked_of(engine: Any) -> tuple[Any, ...]:
+    """The engine's parked conversations (``engine.parked()``); none if it parks nothing."""
+    get = getattr(engine, "parked", None)
+    return tuple(get()) if callable(get) else ()
+
+
+def shelf_html(parked: Sequence[Any]) -> str:
+    """The "parked" shelf under the slot cards: session, tokens, bytes, RAM or disk each.
+
+    ``parked``: :class:`nbkv.parked.ParkedInfo` items, most recently used first. Empty: no
+    shelf.
+    """
+    if not parked:
+        return ""
+    term = vocab.PARKING["parked"]
+    rows = "".join(
+        f'<div class="nbkv-parked" data-session="{esc(p.session or "")}">'
+        f"{esc(p.session or '-')} · {len(p.tokens):,} tokens · {size_text(p.nbytes)} · "
+        f"{tip(vocab.PARKING[p.tier].tip, esc(vocab.tier_words(p.tier)), 'nbkv-tier')}</div>"
+        for p in parked)
+    total = size_text(sum(p.nbytes for p in parked))
+    head = tip(term.tip, f'<b style="color:{PARKED_COLOR}">{esc(term.words)}</b>')
+    return (f'<div class="nbkv-shelf" style="{CARD};width:auto;max-width:440px;'
+            f'border-left:4px solid {PARKED_COLOR};margin:0 6px 6px 0">'
+            f"{head} · {len(parked)} conversation{'s' if len(parked) != 1 else ''} · {total}"
+            f"{rows}</div>")
 
 
 # ------------------------------------------------------------------ SVG helpers
@@ -385,6 +414,8 @@ def request_text(r: RequestRecord) -> str:
     lines = [f"request {r.id} · {r.session or 'no session'}", vocab.reason_line(r)]
     if vocab.took(r):
         lines.append(vocab.took(r))
+    if vocab.restored(r):
+        lines.append(vocab.restored(r))
     lines += [f"reused {r.reused_tokens} of {r.prompt_tokens} tokens, read "
               f"{r.prefilled_tokens} new", f"first token after {r.ttft_s * 1000:.0f} ms"]
     return "\n".join(lines)
@@ -431,7 +462,7 @@ def timeline_svg(history: Sequence[RequestRecord], max_requests: int = 50,
         for i, r in enumerate(recs):
             tip_text = request_text(r)
             if k == 0:
-                term = vocab.event(r)
+                term = vocab.bar(r)  # a restore is its own kind of bar
                 if r.reused_tokens:
                     events_seen[term.code] = term
                     fill = (f"url(#{_pattern_id(term.pattern)}-{uid})" if term.pattern
@@ -545,7 +576,8 @@ def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: 
         return frame(header_html(engine, closed=True), "nbkv-dashboard-static", caption)
     last = dict(getattr(state, "last_by_slot", None) or last_by_slot(engine))
     slots = engine.slots()
-    parts = [header_html(engine, len(running)), legend_html(), cards_html(slots, last, running)]
+    parts = [header_html(engine, len(running)), legend_html(),
+             cards_html(slots, last, running, parked_of(engine))]
     if engine.n_slots:
         parts.append(kvmap_svg(slots, engine.n_ctx, last, running))
     parts.append(timeline_svg(engine.history))

@@ -15,7 +15,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .palette import COLORS, INK, MEDIA_COLOR, NEUTRAL, ROLE_COLORS, TODO_COLOR
+from .palette import (
+    COLORS,
+    INK,
+    MEDIA_COLOR,
+    NEUTRAL,
+    PARKED_COLOR,
+    RESTORED_COLOR,
+    ROLE_COLORS,
+    TODO_COLOR,
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,11 @@ EVENTS = _table(
          ("cache off", "system prompt restored")),
     Term("server", "server's cache",
          "the server chose what to reuse (its own prefix cache)", _BAR, "."),
+    # its own kind of bar: served from the parking lot, not from a slot
+    Term("restored", "restored",
+         "the conversation had been parked (kept in RAM or on disk when another request "
+         "took its slot) and was put back into a slot: only the rest was read",
+         RESTORED_COLOR, ""),
 )
 
 #: what a request did to KV positions (the request rows, the bars, the figures line)
@@ -147,8 +161,20 @@ MEMORY = _table(
                                    "checkpoint, then reads on"),
 )
 
+#: conversations that lost their slot (the slot cards' shelf, ``%kvcache stats``)
+PARKING = _table(
+    Term("parked", "parked",
+         "a conversation whose slot another request took, kept (its KV state, checkpoints "
+         "and messages) to be restored instead of read again", PARKED_COLOR),
+    Term("ram", "RAM", "parked in the kernel's memory (park_ram bytes, least recently used "
+                       "out first)", PARKED_COLOR),
+    Term("disk", "disk", "parked on disk (park_dir), in the save format, after leaving RAM; "
+                         "checked before it is restored", PARKED_COLOR),
+    Term("spilled", "spilled to disk", "moved from RAM to disk to make room", PARKED_COLOR),
+)
+
 GROUPS = {"events": EVENTS, "states": STATES, "roles": ROLES, "endings": ENDINGS,
-          "marks": MARKS, "memory": MEMORY}
+          "marks": MARKS, "memory": MEMORY, "parking": PARKING}
 
 
 def event(record: Any) -> Term:
@@ -170,11 +196,36 @@ def ending(record: Any) -> str:
 
 
 def took(record: Any) -> str:
-    """``took bob's slot (125 tokens gone)`` when the request took another's slot, else ``""``."""
+    """``took bob's slot (125 tokens gone)`` when the request took another's slot, else ``""``.
+
+    ``(125 tokens parked)`` when the conversation was parked rather than lost.
+    """
     who = getattr(record, "evicted_session", None)
     if who is None or who == getattr(record, "session", None):
         return ""
-    return f"took {who}'s slot ({record.evicted_tokens} tokens gone)"
+    fate = PARKING["parked"].words if getattr(record, "evicted_parked", "") else "gone"
+    return f"took {who}'s slot ({record.evicted_tokens} tokens {fate})"
+
+
+def tier_words(tier: str) -> str:
+    """``RAM`` or ``disk``: where a conversation was parked."""
+    return PARKING[tier].words if tier in PARKING else tier
+
+
+def restored(record: Any) -> str:
+    """``restored alice's 1,204 tokens from RAM in 4 ms`` for a restore, else ``""``."""
+    tier = getattr(record, "restored_from", "")
+    if not tier:
+        return ""
+    who = getattr(record, "restored_session", None)
+    whose = f"{who}'s " if who is not None else ""
+    return (f"{EVENTS['restored'].words} {whose}{record.restored_tokens:,} tokens from "
+            f"{tier_words(tier)} in {record.restore_s * 1000:.0f} ms")
+
+
+def bar(record: Any) -> Term:
+    """The timeline bar of a request: a restore is its own kind, else the event's."""
+    return EVENTS["restored"] if getattr(record, "restored_from", "") else event(record)
 
 
 def lru_tip(rank: int, used: int) -> str:

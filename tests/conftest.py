@@ -36,6 +36,18 @@ QUESTIONS = [
 MAX_TOKENS = 12
 
 
+class QuietComm:
+    """A kernel comm stand-in that sends nothing (``comm.create_comm`` in widget tests)."""
+
+    comm_id, kernel = "quiet", None
+
+    def __init__(self, **kw):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: None
+
+
 def ipython_shell():
     """The process-wide test IPython shell (start_ipython returns None once it exists)."""
     from IPython import get_ipython

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture
-from nbkv import Engine, persist, policy
+from nbkv import Engine, blobstore, persist, policy
 from nbkv.engine_state import EngineBusy
 from nbkv.errors import RestoreError, SaveError
 from nbkv.oracle import scratch_logits
@@ -210,7 +210,7 @@ def state_of(e):
 def rewrite_manifest(d, edit):
     doc = json.loads((d / persist.MANIFEST).read_text())
     edit(doc["body"])
-    (d / persist.MANIFEST).write_text(persist._manifest_text(doc["body"]))
+    (d / persist.MANIFEST).write_text(blobstore.manifest_text(doc["body"]))
 
 
 def biggest_blob(d):
@@ -420,7 +420,7 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
 
 KILLED = """
     import json, sys, time
-    from nbkv import Engine, persist
+    from nbkv import Engine, blobstore, persist
     from nbkv.sessions import SessionStore
 
     model_path, save, phase = sys.argv[1:4]
@@ -430,7 +430,7 @@ KILLED = """
         first = e.save(save, store)
         print(json.dumps({"tokens": first.slots[0].tokens}), flush=True)
         store.get("a").chat("And memory?", engine=e, max_tokens=8, temperature=0)
-        real = persist._write_file
+        real = blobstore.write_file
 
         def hang(target, chunks):
             if phase == "manifest" and target.name != persist.MANIFEST:
@@ -443,7 +443,7 @@ KILLED = """
             print("writing", flush=True)
             time.sleep(120)
 
-        persist._write_file = hang
+        persist.write_file = blobstore.write_file = hang
         e.save(save, store)
 """
 

@@ -180,3 +180,121 @@ def test_salvaging_another_conversation_in_its_own_slot_takes_that_slot():
                          min_tokens=100)
     assert plan.slot == 0 and plan.donor is None and plan.reuse == 150
     assert plan.evicted == "alice" and plan.evicted_tokens == 150
+
+
+# ------------------------------------------------------------------ parked conversations
+
+
+@dataclass(frozen=True)
+class FakeParked:
+    key: str
+    tokens: tuple
+    hashes: tuple
+    msg_ends: tuple
+    session: str | None = None
+    last_used: int = 0
+
+
+def parked_with(key, msgs, tokens, ends, **kw):
+    return FakeParked(key, tuple(tokens), tuple(prefix_hashes(msgs)), tuple(ends), **kw)
+
+
+ALICE = conv("sys", "qa", "aa")  # alice's conversation: system, question, answer
+ALICE_TOKENS = SYS + list(range(1, 61)) + list(range(61, 91))  # 150 + 60 + 30
+ALICE_ENDS = [150, 210, 240]
+
+
+def full_slots():
+    """Two slots held by bob and carol, who share nothing with alice but the system prompt."""
+    bob = slot_with(0, conv("sys", "qb"), SYS + [500, 501], [150, 152], session="bob",
+                    last_used=5)
+    carol = slot_with(1, conv("other", "qc"), [7, 7, 7], [2, 3], session="carol", last_used=3)
+    return [bob, carol]
+
+
+def test_a_returning_conversation_is_restored_into_the_lru_slot():
+    p = parked_with("alice#1", ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice", last_used=1)
+    req = ALICE + [{"role": "user", "content": "more"}]
+    tokens = ALICE_TOKENS + [95, 96]
+    plan = policy.select(full_slots(), tokens, prefix_hashes(req), "alice", parked=[p])
+    assert plan.parked == "alice#1" and plan.strategy == policy.HASH_EXTEND
+    assert plan.slot == 1 and plan.reuse == 240 and plan.matched_messages == 3
+    assert plan.donor is None and plan.evicted == "carol" and plan.evicted_tokens == 3
+    # without it, bob's system prompt would have been copied: 150 tokens
+    plain = policy.select(full_slots(), tokens, prefix_hashes(req), "alice")
+    assert plain.parked is None and plain.reuse == 150 and plain.donor == 0
+
+
+def test_a_restore_goes_to_an_empty_slot_first():
+    p = parked_with("alice#1", ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice")
+    slots = [full_slots()[0], FakeSlot(1)]
+    plan = policy.select(slots, ALICE_TOKENS + [1], prefix_hashes(ALICE + [{"role": "user",
+                         "content": "x"}]), "alice", parked=[p])
+    assert plan.parked == "alice#1" and plan.slot == 1 and plan.evicted is None
+    assert plan.evicted_tokens == 0
+
+
+def test_any_session_whose_prompt_starts_with_a_parked_conversation_restores_it():
+    p = parked_with("alice#1", ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice")
+    fork = ALICE + [{"role": "user", "content": "dave's own question"}]
+    plan = policy.select(full_slots(), ALICE_TOKENS + [42], prefix_hashes(fork), "dave",
+                         parked=[p])
+    assert plan.parked == "alice#1" and plan.reuse == 240
+
+
+def test_a_parked_entry_wins_only_with_strictly_more_tokens():
+    # alice's slot is still there and holds as much as her parked entry: the slot wins
+    own = slot_with(0, ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice", last_used=4)
+    p = parked_with("alice#1", ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice", last_used=9)
+    req = ALICE + [{"role": "user", "content": "more"}]
+    plan = policy.select([own, FakeSlot(1)], ALICE_TOKENS + [1], prefix_hashes(req), "alice",
+                         parked=[p])
+    assert plan.parked is None and plan.slot == 0 and plan.reuse == 240
+    # a slot with a shorter prefix of it loses to the longer parked entry
+    short = slot_with(0, ALICE[:2], ALICE_TOKENS[:210], ALICE_ENDS[:2], session="alice")
+    plan = policy.select([short, FakeSlot(1)], ALICE_TOKENS + [1], prefix_hashes(req),
+                         "alice", parked=[p])
+    assert plan.parked == "alice#1" and plan.slot == 1 and plan.reuse == 240
+
+
+def test_the_parked_entry_sharing_more_messages_is_chosen():
+    short = parked_with("a#1", ALICE[:2], ALICE_TOKENS[:210], ALICE_ENDS[:2], session="a",
+                        last_used=9)
+    long = parked_with("a2#2", ALICE, ALICE_TOKENS, ALICE_ENDS, session="a2", last_used=1)
+    req = ALICE + [{"role": "user", "content": "more"}]
+    plan = policy.select(full_slots(), ALICE_TOKENS + [1], prefix_hashes(req), "x",
+                         parked=[short, long])
+    assert plan.parked == "a2#2"
+
+
+def test_a_parked_entry_with_template_drift_is_only_a_token_prefix():
+    drifted = SYS[:120] + [-5] * 30 + ALICE_TOKENS[150:]  # same messages, other tokens at 120
+    p = parked_with("alice#1", ALICE, drifted, ALICE_ENDS, session="alice")
+    req = ALICE + [{"role": "user", "content": "more"}]
+    plan = policy.select(full_slots(), ALICE_TOKENS + [1], prefix_hashes(req), "alice",
+                         parked=[p], min_tokens=100)
+    assert plan.parked is None and plan.reuse == 150  # 120 from it is less than bob's 150
+    lone = [FakeSlot(0, [7, 7], ["z"], [2], "zed", last_used=1)]
+    plan = policy.select(lone, ALICE_TOKENS + [1], prefix_hashes(req), "alice", parked=[p],
+                         min_tokens=100)
+    assert plan.parked == "alice#1" and plan.strategy == policy.PREFIX_SALVAGE
+    assert plan.reuse == 120 and plan.evicted == "zed"
+    plan = policy.select(lone, ALICE_TOKENS + [1], prefix_hashes(req), "alice", parked=[p],
+                         min_tokens=121)
+    assert plan.parked is None and plan.strategy == policy.MISS
+
+
+def test_no_free_slot_means_no_restore_either():
+    p = parked_with("alice#1", ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice")
+    slots = full_slots()
+    for s in slots:
+        s.pending = True
+    assert policy.select(slots, ALICE_TOKENS + [1], prefix_hashes(ALICE), "alice",
+                         parked=[p]) is None
+
+
+def test_a_whole_parked_prompt_keeps_its_last_token_for_logits():
+    p = parked_with("alice#1", ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice")
+    plan = policy.select(full_slots(), ALICE_TOKENS, prefix_hashes(ALICE), "alice", parked=[p])
+    assert plan.parked == "alice#1" and plan.strategy == policy.HASH_HIT
+    assert plan.reuse == len(ALICE_TOKENS) - 1

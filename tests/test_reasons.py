@@ -186,3 +186,74 @@ def test_a_checkpoint_restored_before_the_divergence():
         assert rec.reason == reasons.CHECKPOINT and rec.checkpoint_pos is not None
         assert rec.checkpoint_pos < rec.divergence.position == common_prefix(before, prompt)
         assert "edited" in rec.reason_text and "checkpoint" in rec.reason_text
+
+
+# ------------------------------------------------------------------ parking (no model)
+
+
+def _explain(session, trace, restored, tokens, reuse, wanted=None, can_trim=True):
+    ends = (3, len(tokens))
+    return reasons.explain(session=session, trace=trace, own=None, tokens=tokens,
+                           hashes=("a", "b"), ends=ends, roles=("system", "user"), reuse=reuse,
+                           wanted=reuse if wanted is None else wanted, donor_session=None,
+                           dropped=0, can_trim=can_trim, restored=restored)
+
+
+PARKED_TOKENS = tuple(range(1204))
+
+
+def test_a_restored_conversation_says_who_took_its_slot_and_from_where():
+    trace = reasons.Whereabouts(3, reasons.PARKED, "bob", 5, slot=0)
+    cached = reasons.Cached(PARKED_TOKENS, ("a",), (1204,))
+    r = _explain("alice", trace, reasons.Restored("alice", "ram", cached),
+                 PARKED_TOKENS + (7, 8), 1204)
+    assert r.code == reasons.RESTORED and r.divergence is None
+    assert r.text == ("session alice's conversation was parked when bob's request #5 took "
+                      "slot 0; restored its 1,204 tokens from RAM")
+    r = _explain("alice", None, reasons.Restored("alice", "disk", cached),
+                 PARKED_TOKENS[:1000] + (9, 9), 1000)
+    assert r.text.startswith("session alice's conversation was parked; restored 1,000 of its "
+                             "1,204 tokens from disk, then read on from message 1 (user), "
+                             "token 1000")
+    assert r.divergence.position == 1000
+
+
+def test_a_restore_of_another_sessions_conversation_and_one_before_a_checkpoint():
+    cached = reasons.Cached(PARKED_TOKENS, ("a",), (1204,))
+    r = _explain("dave", None, reasons.Restored("alice", "ram", cached),
+                 PARKED_TOKENS + (1,), 1204)
+    assert r.code == reasons.RESTORED
+    assert r.text == ("session dave was not cached; 1,204 tokens of alice's parked "
+                      "conversation were restored from RAM")
+    r = _explain("alice", None, reasons.Restored("alice", "ram", cached),
+                 PARKED_TOKENS[:900] + (5,), 800, wanted=900, can_trim=False)
+    assert r.code == reasons.RESTORED and "a checkpoint 100 tokens earlier" in r.text
+
+
+def test_a_parked_copy_that_was_gone_is_an_eviction():
+    trace = reasons.Whereabouts(3, reasons.PARKED, "bob", 5, slot=1)
+    r = _explain("alice", trace, None, PARKED_TOKENS, 0)
+    assert r.code == reasons.EVICTED
+    assert "parked copy was gone" in r.text and "bob's request #5" in r.text
+
+
+def test_the_figures_line_says_what_was_restored_from_where_and_how_fast():
+    from nbkv import vocabulary
+    from nbkv.events import RequestRecord
+
+    rec = RequestRecord(9, "alice", "hash-extend", 0, 1210, 1204, 6, 0, reason=reasons.RESTORED,
+                        reason_text="...", restored_from="ram", restored_tokens=1204,
+                        restored_session="alice", restore_s=0.004, evicted_session="carol",
+                        evicted_tokens=300, evicted_parked="ram")
+    line = rec.summary()
+    assert line.startswith("slot 0: restored alice's 1,204 tokens from RAM in 4 ms")
+    assert "took carol's slot (300 tokens parked)" in line
+    assert vocabulary.bar(rec) is vocabulary.EVENTS["restored"]
+    assert vocabulary.event(rec).words == "restored"
+    other = RequestRecord(10, "bob", "hash-extend", 0, 10, 5, 5, 0, reason=reasons.OVERFLOW,
+                          restored_from="disk", restored_tokens=5, restore_s=0.02)
+    texts = [t for t, _ in other.actions()]
+    assert "restored 5 tokens from disk in 20 ms" in texts
+    assert vocabulary.bar(other).code == "restored" != vocabulary.event(other).code
+    assert vocabulary.took(RequestRecord(11, "x", "miss", 0, 1, 0, 1, 0, evicted_session="y",
+                                         evicted_tokens=4)) == "took y's slot (4 tokens gone)"

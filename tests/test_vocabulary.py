@@ -16,7 +16,7 @@ from pathlib import Path
 import comm
 import pytest
 
-from conftest import SYSTEM
+from conftest import SYSTEM, QuietComm
 from nbkv import Engine, page, palette, static, vocabulary
 from nbkv.display import (
     EXPLAIN_READ,
@@ -32,16 +32,6 @@ from nbkv.display import (
 from nbkv.widgets import CacheDashboard, Feed
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class QuietComm:
-    comm_id, kernel = "quiet", None
-
-    def __init__(self, **kw):
-        pass
-
-    def __getattr__(self, name):
-        return lambda *a, **kw: None
 
 
 def user(text):

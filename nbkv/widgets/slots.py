@@ -1,4 +1,4 @@
-"""Slot occupancy: one card per slot (session, messages, tokens / capacity, LRU, pending)."""
+"""Slot occupancy: a card per slot (session, messages, tokens, LRU, pending), a parked shelf."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class SlotCards(FeedView, W.VBox):
 
     busy = Int(0, help="Slots serving a request at the last redraw")
     used = Int(0, help="KV positions in use over all slots at the last redraw")
+    parked = Int(0, help="Conversations parked (RAM and disk) at the last redraw")
 
     def __init__(self, engine: Any, feed: Feed | None = None, **kw: Any) -> None:
         self.engine = engine
@@ -28,8 +29,9 @@ class SlotCards(FeedView, W.VBox):
         for c in self.cards:
             c.add_class("nbkv-slot-card")
         self.note = W.HTML()
-        super().__init__([W.Box(self.cards, layout=W.Layout(flex_flow="row wrap")), self.note],
-                         **kw)
+        self.shelf = W.HTML()  # conversations parked in RAM or on disk
+        super().__init__([W.Box(self.cards, layout=W.Layout(flex_flow="row wrap")), self.shelf,
+                          self.note], **kw)
         self.add_class("nbkv-slot-cards")
         self._own_feed = feed is None
         self.feed = feed or Feed(engine)
@@ -43,6 +45,9 @@ class SlotCards(FeedView, W.VBox):
             for s, card in zip(slots, self.cards):
                 card.value = static.card(s, rank.get(s.index), n, state.running_on(s.index),
                                          state.last_by_slot.get(s.index))
+            parked = static.parked_of(self.engine)
+            self.shelf.value = static.shelf_html(parked)
+            self.parked = len(parked)
             self.busy = sum(1 for s in slots if s.pending)
             self.used = sum(s.n_tokens for s in slots)
             self.note.value = "engine closed" if state.closed else (
@@ -55,6 +60,7 @@ class SlotCards(FeedView, W.VBox):
         if state.closed:
             return static.frame("engine closed", "nbkv-slot-cards-static")
         running = {run.record.slot: run for run in state.running.values()}
-        return static.frame(static.cards_html(self.engine.slots(), state.last_by_slot, running),
+        return static.frame(static.cards_html(self.engine.slots(), state.last_by_slot, running,
+                                              static.parked_of(self.engine)),
                             "nbkv-slot-cards-static")
 

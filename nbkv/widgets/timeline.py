@@ -115,7 +115,7 @@ class Timeline(FeedView, W.VBox):
         rate = prefill_rate(history)
         with self.figure.batch_update():
             for code, t in list(self.traces.items())[:len(vocab.EVENTS)]:
-                mine = [r for r in recs if vocab.event(r).code == code and r.reused_tokens]
+                mine = [r for r in recs if vocab.bar(r).code == code and r.reused_tokens]
                 t.x = [r.id for r in mine]
                 t.y = [r.salvage_pct for r in mine]
                 t.customdata = [hover_text(r) for r in mine]

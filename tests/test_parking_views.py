@@ -1,0 +1,123 @@
+"""Parking on every surface, from constructed objects (no model): the slot cards' shelf, the
+timeline's restore bars, the stats table."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import comm
+import pytest
+
+from conftest import QuietComm
+from nbkv import static, vocabulary
+from nbkv.display import stats_table
+from nbkv.engine import SlotInfo
+from nbkv.events import EventBus, RequestFinished, RequestRecord
+from nbkv.palette import PARKED_COLOR, RESTORED_COLOR
+from nbkv.parked import DISK, RAM, ParkedInfo
+from nbkv.widgets import Feed, SlotCards, Timeline
+
+PARKED = (ParkedInfo("alice#3", "alice", tuple(range(1204)), ("h",), (1204,), 9, 3 << 20, RAM),
+          ParkedInfo("bob#1", "bob", tuple(range(80)), ("h",), (80,), 2, 512 << 10, DISK))
+
+
+def slots():
+    return (SlotInfo(0, 0, 2048, "carol", (1, 2, 3), ("h",), (3,), 5, False),
+            SlotInfo(1, 1, 2048, None, (), (), (), 0, False))
+
+
+def restore_record(i=1, **kw):
+    base = dict(reason="restored", reason_text="session alice's conversation was parked",
+                restored_from=RAM, restored_tokens=1204, restored_session="alice",
+                restore_s=0.004, ttft_s=0.02)
+    return RequestRecord(i, "alice", "hash-extend", 1, 1210, 1204, 6, 0, **{**base, **kw})
+
+
+class Engine:
+    """What the views read from an engine, and a parking lot's view of it."""
+
+    n_slots, n_ctx, cache = 2, 2048, "imc"
+
+    def __init__(self, parked=PARKED):
+        self.bus = EventBus()
+        self._parked = parked
+
+    def subscribe(self, cb):
+        return self.bus.subscribe(cb)
+
+    def slots(self):
+        return slots()
+
+    def parked(self):
+        return self._parked
+
+    @property
+    def history(self):
+        return list(self.bus.history)
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.setattr(comm, "create_comm", lambda **kw: QuietComm())
+
+
+def test_the_shelf_lists_sessions_tokens_bytes_and_tier():
+    html = static.shelf_html(PARKED)
+    assert "parked" in html and "2 conversations" in html and "3.5 MiB" in html
+    assert 'data-session="alice"' in html and "1,204 tokens · 3.0 MiB · " in html
+    assert "80 tokens · 512.0 KiB" in html
+    assert ">RAM</span>" in html and ">disk</span>" in html and PARKED_COLOR in html
+    assert vocabulary.PARKING["disk"].tip in html  # each tier explains itself
+    assert static.shelf_html(()) == ""
+    cards = static.cards_html(slots(), {}, None, PARKED)
+    assert cards.index('data-slot="1"') < cards.index("nbkv-shelf")
+    assert "nbkv-shelf" not in static.cards_html(slots(), {})
+
+
+def test_the_dashboards_fallback_and_the_live_cards_show_the_shelf(quiet):
+    eng = Engine()
+    cards = SlotCards(eng, Feed(eng, live=False))
+    assert "alice" in cards.shelf.value and cards.parked == 2
+    assert "nbkv-shelf" in cards.static_html()
+    eng._parked = ()
+    cards.feed.flush()
+    assert cards.shelf.value == "" and cards.parked == 0
+    assert static.parked_of(SimpleNamespace()) == ()  # an engine that does not park
+
+
+def test_a_restore_is_its_own_kind_of_bar():
+    recs = [RequestRecord(1, "carol", "miss", 0, 100, 0, 100, 0, reason="first"),
+            restore_record(2)]
+    svg = static.timeline_svg(recs)
+    assert f'fill="{RESTORED_COLOR}"' in svg
+    assert "restored alice&#x27;s 1,204 tokens from RAM in 4 ms" in svg  # the hover
+    assert vocabulary.EVENTS["restored"].tip in svg  # its legend entry
+    # a restore is drawn as one even when the request's event is another
+    other = restore_record(3, reason="overflow")
+    assert f'fill="{RESTORED_COLOR}"' in static.timeline_svg([other])
+
+
+def test_the_live_timeline_has_a_restore_trace(quiet):
+    eng = Engine()
+    tl = Timeline(eng, Feed(eng, live=False))
+    eng.bus.publish(RequestFinished(restore_record(1)))
+    eng.bus.publish(RequestFinished(restore_record(2, reason="edited")))
+    tl.feed.flush()
+    trace = tl.traces["restored"]
+    assert list(trace.x) == [1, 2] and trace.marker.color == RESTORED_COLOR
+    assert not list(tl.traces["edited"].x)
+
+
+def test_the_stats_table_counts_parking_only_when_there_is_some():
+    base = {"requests": 3, "prompt_tokens": 10, "reused_tokens": 5, "salvage_pct": 50.0,
+            "restored_requests": 0, "restored_tokens": 0}
+    quiet = stats_table(SimpleNamespace(stats=lambda: base))
+    assert not any("restore" in str(label) or "parked" in str(label) for label, _ in quiet.rows)
+    busy = {**base, "restored_requests": 2, "restored_tokens": 2408, "parks": 4, "restores": 2,
+            "spills": 1, "parking_drops": 0, "parked_ram_entries": 1,
+            "parked_ram_bytes": 3 << 20, "parked_disk_bytes": 0}
+    rows = dict(stats_table(SimpleNamespace(stats=lambda: busy)).rows)
+    assert rows["requests served by a restore (restored)"] == 2
+    assert rows["conversations parked"] == 4 and rows["spilled to disk"] == 1
+    assert rows["parked bytes in RAM"] == "3.0 MiB"
+    assert "parked conversations dropped (over the budgets)" not in rows
