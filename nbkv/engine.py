@@ -28,11 +28,13 @@ from .jobs import Job
 from .media_units import MediaUnit
 from .native import Resources, close_at_exit
 from .oracle import Verification
+from .parking import ParkedInfo, ParkingLot, parking_stats
 from .prompt import Prompt, PromptBuilder
 from .rewrite import settle_all
 from .sampling import SamplingParams
 from .scheduler import EngineSlot, Scheduler, ServeSettings
 from .slot_kv import SlotKV
+from .slot_parking import park_slot, restore_into
 from .slot_table import SlotInfo, SlotState, SlotTable
 from .spc import SavedPrompt, SystemPromptStore
 from .streams import ChatResult, ChatStream
@@ -144,6 +146,9 @@ class Engine(TemplatedAPI, ChatAPI):
         use_mlock: bool = False,
         check_memory: bool = True,
         calibration: str = "cached",
+        park_ram: int | None = None,
+        park_dir: str | None = None,
+        park_disk: int | None = None,
     ) -> None:
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
@@ -196,8 +201,14 @@ class Engine(TemplatedAPI, ChatAPI):
             [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints))
              for i in range(self.config.n_slots)], cv)
         self.spc = SystemPromptStore(spc_max_entries)
+        #: conversations that lost their slot, in RAM and on disk (None: parking is off)
+        self.parking = None
+        if cache == "imc" and (park_ram != 0 or park_dir is not None):
+            self.parking = ParkingLot(park_ram, park_dir, park_disk,
+                                      {**self.identity(), "n_slots": self.n_slots},
+                                      self.model.n_vocab)
         self.scheduler = Scheduler(res, self.table, self.spc, self.events, ServeSettings(
-            cache, cache_min_tokens, exact, self.speculative), cv)
+            cache, cache_min_tokens, exact, self.speculative), cv, self.parking)
         self.scheduler.start(self)
         close_at_exit(self)
         log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
@@ -244,6 +255,78 @@ class Engine(TemplatedAPI, ChatAPI):
         """An immutable snapshot of every slot."""
         return self.table.snapshots()
 
+    def parked(self) -> tuple[ParkedInfo, ...]:
+        """The parked conversations, most recently used first (see :mod:`nbkv.parking`)."""
+        return self.parking.entries() if self.parking is not None else ()
+
+    def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
+        """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
+        lot = self._parking_lot()
+
+        def do() -> list[str]:
+            done = []
+            for s in self.table:
+                if s.pending or not s.tokens or not (all or s.session == session):
+                    continue
+                who, n = s.session, len(s.tokens)
+                tier = park_slot(self.scheduler, s)
+                with self.table.lock:
+                    s.reset()
+                done.append(f"{who or f'slot {s.index}'}: {n:,} tokens to {tier or 'nowhere'}")
+            return done
+        done = self.scheduler.call(do)
+        self.events.publish(SlotsChanged("parked"))
+        if not done:
+            raise InvalidRequestError(f"no idle slot holds session {session!r}" if not all
+                                      else "no idle slot holds a conversation")
+        st = lot.stats()
+        return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
+                f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
+
+    def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
+        """Bring parked conversations back into slots now (an empty slot, else the LRU's)."""
+        lot = self._parking_lot()
+        wanted = [i for i in lot.entries() if all or i.session == session][: self.n_slots]
+        if not wanted:
+            raise InvalidRequestError(f"session {session!r} is not parked" if not all
+                                      else "nothing is parked")
+
+        def do() -> list[str]:
+            done = []
+            for info in wanted:
+                free = [s for s in self.table if not s.pending]
+                if not free:
+                    break
+                slot = next((s for s in free if not s.tokens), None) or min(
+                    free, key=lambda s: (s.last_used, s.index))
+                entry = lot.take(info.key)
+                if entry is None:
+                    continue
+                park_slot(self.scheduler, slot)
+                slot.reset()
+                n = restore_into(slot, entry)
+                if n:
+                    self.table.adopt(slot, SlotState(
+                        slot.index, entry.session, tuple(entry.hashes), tuple(entry.msg_ends),
+                        tuple(entry.segments), 0, entry.last_request, None))
+                done.append(f"{entry.session}: {n:,} tokens from {entry.tier} into slot "
+                            f"{slot.index}")
+            return done
+        done = self.scheduler.call(do)
+        self.events.publish(SlotsChanged("unparked"))
+        return "unparked " + ("; ".join(done) or "nothing")
+
+    def _parking_lot(self) -> ParkingLot:
+        if self.parking is None:
+            raise InvalidRequestError("parking is off for this engine (cache mode "
+                                      f"{self.cache!r}, or park_ram=0 without park_dir)")
+        return self.parking
+
+    def identity(self) -> dict[str, Any]:
+        """What a saved or parked state depends on: model, projector, build, n_ctx, KV."""
+        return self.res.identity(self.n_ctx, self.hardware.type_k, self.hardware.type_v,
+                                 self.flash_attn)
+
     def clear(self, slot: int | None = None) -> None:
         """Empty one slot (or all, and the system prompt cache). A busy slot can't be cleared."""
         if slot is not None:
@@ -257,6 +340,8 @@ class Engine(TemplatedAPI, ChatAPI):
                     s.reset()
             if slot is None:
                 self.spc.clear()
+                if self.parking is not None:
+                    self.parking.clear()
         self.scheduler.call(do)
         self.events.publish(SlotsChanged("cleared"))
 
@@ -380,6 +465,7 @@ class Engine(TemplatedAPI, ChatAPI):
             "draft_acceptance_pct": 100.0 * accepted / drafted if drafted else 0.0,
             "evictions": sum(1 for r in h if r.evicted_session is not None or r.evicted_tokens),
             "spc_entries": len(self.spc),
+            **parking_stats(self.parking),
             **thrashing(h, self.n_slots),
         }
 

@@ -25,7 +25,7 @@ from . import calibrate, memplan
 from .backend import Batch, Context, Model, default_threads
 from .config import EngineConfig
 from .errors import NbkvError
-from .gguf_header import read_metadata
+from .gguf_header import gguf_fingerprint, read_metadata
 from .hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, kv_type_id
 from .invariance import PrefillRule
 from .models import resolve_model_path
@@ -155,6 +155,29 @@ class Resources:
             log.warning("%s", msg)
             warnings.warn(msg, stacklevel=5)
         return rule
+
+    def identity(self, n_ctx: int, type_k: str, type_v: str, flash_attn: str
+                 ) -> dict[str, Any]:
+        """The facts a saved or parked state depends on (compared field by field)."""
+        import llama_cpp
+
+        proj = self.projector
+        return {
+            "model": {"name": self.model.path.name,
+                      "fingerprint": gguf_fingerprint(self.model.path)},
+            "projector": None if proj is None else {"name": proj.path.name,
+                                                    "fingerprint": proj.identity},
+            "llama_cpp_python": llama_cpp.__version__,
+            "n_ctx": n_ctx,
+            "memory": self.memory.kind,
+            "kv": {
+                "type_k": type_k,
+                "type_v": type_v,
+                "kv_unified": bool(self.ctx.params.kv_unified),
+                "swa_full": bool(self.ctx.params.swa_full),
+                "flash_attn": flash_attn,
+            },
+        }
 
     def close(self) -> None:
         """Free everything, newest first (the projector points into the model); once."""

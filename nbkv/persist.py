@@ -60,9 +60,9 @@ from .blobstore import (
 from .engine_state import EngineBusy
 from .errors import NbkvError, RestoreError, SaveError
 from .events import RequestFinished, SlotsChanged
-from .gguf_header import gguf_fingerprint
 from .images import Image, image_hash, load_image
 from .media_units import MediaUnit
+from .parked import ParkedEntry
 from .slot_kv import KVSnapshot
 from .slot_table import SlotState
 from .spc import SavedPrompt
@@ -172,26 +172,7 @@ def default_path(notebook: str | None = None) -> Path:
 
 def describe_engine(engine: Engine) -> dict[str, Any]:
     """The facts a saved state depends on (compared field by field on restore)."""
-    import llama_cpp
-
-    ctx = engine.ctx
-    proj = engine.projector
-    return {
-        "model": {"name": engine.model.path.name,
-                  "fingerprint": gguf_fingerprint(engine.model.path)},
-        "projector": None if proj is None else {"name": proj.path.name,
-                                                "fingerprint": proj.identity},
-        "llama_cpp_python": llama_cpp.__version__,
-        "n_ctx": engine.n_ctx,
-        "memory": engine.memory.kind,
-        "kv": {
-            "type_k": engine.hardware.type_k,
-            "type_v": engine.hardware.type_v,
-            "kv_unified": bool(ctx.params.kv_unified),
-            "swa_full": bool(ctx.params.swa_full),
-            "flash_attn": engine.flash_attn,
-        },
-    }
+    return engine.identity()
 
 
 def _require_local(engine: Any, what: str) -> None:
@@ -310,6 +291,9 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
             "segments": [segment_json(g) for g in s.segments], "nbytes": kv.nbytes,
         })
         reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
+    parked_json = engine.parking.export(blobs) if engine.parking is not None else []
+    for e in parked_json:
+        media.update(u["image"] for u in e["tokens"] if isinstance(u, dict))
     spc_json = []
     for key, entry in cap.spc:
         media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
@@ -336,6 +320,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
         "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
         "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
         "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
+        "parked": parked_json,
         "blobs": blobs.table(),
     }
     with _locked(root, exclusive=True):
@@ -439,7 +424,8 @@ def compare(engine: Engine, body: dict[str, Any]) -> list[str]:
 
 
 def _uses_media(body: dict[str, Any]) -> bool:
-    return any(isinstance(t, dict) for s in body.get("slots", []) + body.get("spc", [])
+    return any(isinstance(t, dict) for s in (*body.get("slots", []), *body.get("spc", []),
+                                             *body.get("parked", []))
                for t in s.get("tokens", []))
 
 
@@ -506,6 +492,7 @@ class _Plan:
     spc: list[tuple[str, SavedPrompt]] = field(default_factory=list)
     embeddings: list[tuple[str, list[np.ndarray]]] = field(default_factory=list)
     sessions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # state_dict()s
+    parked: list[ParkedEntry] = field(default_factory=list)  # for the engine's parking lot
     nbytes: int = 0
 
 
@@ -529,8 +516,9 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
 
     try:
         saved = sorted(body.get("slots", []), key=lambda s: -int(s["last_used"]))
+        lot = engine.parking
         for i, s in enumerate(saved):
-            if i >= engine.n_slots:
+            if i >= engine.n_slots and lot is None:
                 plan.dropped.append(s.get("session") or f"slot {s['index']}")
                 continue
             tokens = decode_units(s["tokens"], n_vocab)
@@ -547,10 +535,18 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
                 if not 0 < pos <= n:
                     raise RestoreError(f"slot {s['index']}: checkpoint at {pos} is outside it")
                 cps.append((pos, read(c["blob"])))
+            segments = tuple(segment_from_json(g) for g in s["segments"])
+            if i >= engine.n_slots:  # more slots saved than there are: park the rest
+                plan.parked.append(ParkedEntry(
+                    s["session"], tokens, hashes, ends, state(s["state"]), cps, segments,
+                    settled, exact_len, None, int(s["last_used"])))
+                continue
             plan.slots.append(SlotState(
-                int(s["index"]), s["session"], tuple(hashes), tuple(ends),
-                tuple(segment_from_json(g) for g in s["segments"]), int(s["last_used"]), None,
+                int(s["index"]), s["session"], tuple(hashes), tuple(ends), segments,
+                int(s["last_used"]), None,
                 KVSnapshot.of(state(s["state"]), tokens, settled, exact_len, cps)))
+        if lot is not None:
+            plan.parked[:0] = lot.decode(body.get("parked", []), read, state)
         for e in body.get("spc", []):
             plan.spc.append((str(e["key"]), SavedPrompt(
                 state(e["state"]), tuple(decode_units(e["tokens"], n_vocab)))))
@@ -603,6 +599,8 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
         raise RestoreError("the save holds images: load the engine with its vision projector")
     where = _placement(plan.slots, engine.n_slots)
     engine.import_state(list(zip(where, plan.slots)), plan.spc)
+    if engine.parking is not None:
+        engine.parking.import_(sorted(plan.parked, key=lambda e: e.last_used))
     placed = sorted((SlotSave(i, st.session, len(st.kv.tokens), st.kv.nbytes)
                      for i, st in zip(where, plan.slots)), key=lambda p: p.index)
     proj = engine.projector

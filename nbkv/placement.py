@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from . import invariance, policy
+from . import invariance, policy, reasons
 from .events import RequestStarted, Segment
-from .invariance import PrefillRule
 from .kv_segments import prompt_segments
 from .sampling import Sampler
-from .slot_kv import SlotKV
+from .slot_kv import SlotKV, trim_valid
+from .slot_parking import park_slot, restore_into
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -32,25 +31,6 @@ CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often i
 REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
 
 
-def trim_valid(kv: SlotKV, units: Sequence[Any], n: int, rule: PrefillRule) -> int:
-    """Cut ``kv`` back to where a canonical prefill of ``units`` may begin; returns it.
-
-    ``kv`` holds a prefix of ``units``; the cut is the largest position ``<= n`` that is a
-    valid start (:func:`nbkv.invariance.valid_start`) and that its memory can go back to.
-    Memory that cannot be cut goes back to a checkpoint, which must itself be such a
-    position in *this* prompt, else further back.
-    """
-    restored = None
-    while True:
-        n = invariance.valid_start(units, n, rule)
-        kept = kv.trim_to(n)
-        restored = kv.last_restore if kv.last_restore is not None else restored
-        if kept == n:
-            kv.last_restore = restored  # the checkpoint this cut went back to, if any
-            return kept
-        n = kept
-
-
 def servable(sched: Scheduler, kv: SlotKV) -> int:
     """Leading positions of ``kv`` a request may keep: its settled KV in exact mode."""
     return kv.settled if sched.settings.exact else len(kv)
@@ -60,20 +40,30 @@ def start(sched: Scheduler, job: Job) -> bool:
     """Pick a slot and prepare its KV; False when no slot is free yet."""
     p, cfg, table, rule = job.prompt, sched.settings, sched.table, sched.res.rule
     snaps = table.snapshots()
-    plan = table.place(snaps, p, job.session, cache=cfg.cache, min_tokens=cfg.cache_min_tokens)
-    if plan is None:
-        return False
+    lot = sched.parking if cfg.cache == "imc" else None
+    parked = list(lot.entries()) if lot is not None else []
+    while True:
+        plan = table.place(snaps, p, job.session, cache=cfg.cache,
+                           min_tokens=cfg.cache_min_tokens, parked=parked)
+        if plan is None:
+            return False
+        t0 = time.perf_counter()
+        entry = lot.take(plan.parked) if plan.parked is not None else None
+        if plan.parked is None or entry is not None:
+            break
+        parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
     own = table.own(snaps, job.session)
     slot, donor, strategy = table[plan.slot], plan.donor, plan.strategy
-    t0 = time.perf_counter()
     kv = slot.kv
     source_slot = table[donor] if donor is not None else slot
     source = source_slot.kv
     prev_len = len(source) + len(source_slot.redo)
     prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends and donor is None else prev_len
+    if entry is not None:  # what is reused is the parked conversation, not the slot's
+        prev_len = prev_prompt_len = 0
     wanted = reuse = plan.reuse  # ... if every cached position were servable as it is
     absorbed = 0
-    if cfg.exact:  # a reply decoded token by token is not servable before its rewrite
+    if cfg.exact and entry is None:  # a reply decoded one token at a time is not servable
         absorbed = max(min(wanted, prev_len) - source.exact_len, 0)
         reuse = min(reuse, source.settled)
     # where a canonical prefill of this prompt may begin (nbkv.invariance)
@@ -83,8 +73,21 @@ def start(sched: Scheduler, job: Job) -> bool:
     kv.last_restore = None
     with sched.cv:
         slot.pending = True
-        slot.redo.clear()
+    parked_to = ""
+    restored = None
     try:
+        if plan.evicted is not None and plan.evicted != job.session:
+            parked_to = park_slot(sched, slot)  # before the slot is cut, copied over or reused
+        with sched.cv:
+            slot.redo.clear()
+        if entry is not None:
+            kv.clear()
+            held = restore_into(slot, entry)
+            restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
+                tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
+            reuse = target = invariance.valid_start(p.tokens, min(
+                plan.reuse, kv.settled if cfg.exact else held, policy.reuse_limit(len(p.tokens))),
+                rule)
         if donor is not None:
             reuse = kv.copy_from(source, reuse)
             log.debug("imc-copy-prefix: slot[%d] -> slot[%d], %d tokens",
@@ -105,7 +108,7 @@ def start(sched: Scheduler, job: Job) -> bool:
         with sched.cv:
             slot.pending = False
         raise
-    restored = kv.last_restore
+    checkpoint_pos = kv.last_restore
     restore_s = time.perf_counter() - t0
     # the previous reply, as generated, against its re-tokenization in this prompt
     reply_cached = max(prev_len - prev_prompt_len, 0) if donor is None else 0
@@ -113,8 +116,8 @@ def start(sched: Scheduler, job: Job) -> bool:
     donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
     why = table.reason(job.id, p, job.session, own, table[donor].tokens if donor is not None
                        else (), reuse=reuse, wanted=target, donor_session=donor_session,
-                       can_trim=sched.res.memory.can_trim, cache=cfg.cache)
-    table.claim(slot, job.id, job.session, p, reuse, plan.evicted)
+                       can_trim=sched.res.memory.can_trim, cache=cfg.cache, restored=restored)
+    table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to))
     job.slot = slot
     job.reuse = reuse
     job.todo = list(p.tokens[reuse:])
@@ -135,7 +138,11 @@ def start(sched: Scheduler, job: Job) -> bool:
         donor_slot=donor, donor_session=table[donor].session if donor is not None else None,
         reply_tokens_cached=reply_cached, reply_tokens_reused=reply_reused,
         restore_s=restore_s, segments=segments(sched, job, len(p.tokens)),
-        media_chunks=p.image_chunks, checkpoint_pos=restored,
+        media_chunks=p.image_chunks, checkpoint_pos=checkpoint_pos,
+        restored_from=entry.tier if entry is not None and reuse else "",
+        restored_tokens=reuse if entry is not None else 0,
+        restored_session=entry.session if entry is not None and reuse else None,
+        evicted_parked=parked_to,
         reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
         rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact)
     if reply_cached and reply_reused < reply_cached:

@@ -16,7 +16,8 @@ import numpy as np
 
 from . import invariance
 from .errors import NbkvError
-from .placement import servable, spc_capture, trim_valid
+from .placement import servable, spc_capture
+from .slot_kv import trim_valid
 
 if TYPE_CHECKING:
     from .jobs import Job

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from . import invariance
 from .events import SlotRewritten
-from .placement import REPLY_TAIL, trim_valid
+from .placement import REPLY_TAIL
+from .slot_kv import trim_valid
 
 if TYPE_CHECKING:
     from .scheduler import EngineSlot, Scheduler

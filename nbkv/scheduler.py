@@ -30,6 +30,7 @@ from .invariance import next_chunk
 from .jobs import Job
 from .media_units import MediaUnit
 from .native import Resources
+from .parking import ParkingLot
 from .prefill import prefill
 from .slot_kv import SlotKV
 from .slot_table import SlotInfo, SlotTable, TableSlot
@@ -88,10 +89,12 @@ class Scheduler:
     """Queue, admission, decode steps and idle rewrites of one engine, on its own thread."""
 
     def __init__(self, res: Resources, table: SlotTable[EngineSlot], spc: SystemPromptStore,
-                 events: EventBus, settings: ServeSettings, cv: threading.Condition) -> None:
+                 events: EventBus, settings: ServeSettings, cv: threading.Condition,
+                 parking: ParkingLot | None = None) -> None:
         self.res = res
         self.table = table
         self.spc = spc
+        self.parking = parking  # conversations that lost their slot (None: parking off)
         self.events = events
         self.settings = settings
         self.cv = cv

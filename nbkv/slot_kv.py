@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import invariance
 from .backend import Batch, Context, Model
 from .errors import ModelLoadError
 
@@ -401,3 +402,22 @@ class SlotKV:
             return True
         lo = self.ctx.seq_pos_min(self.seq_id)
         return 0 <= lo <= max(0, n - self.memory.n_swa)
+
+
+def trim_valid(kv: SlotKV, units: Sequence[Any], n: int, rule: invariance.PrefillRule) -> int:
+    """Cut ``kv`` back to where a canonical prefill of ``units`` may begin; returns it.
+
+    ``kv`` holds a prefix of ``units``; the cut is the largest position ``<= n`` that is a
+    valid start (:func:`nbkv.invariance.valid_start`) and that its memory can go back to.
+    Memory that cannot be cut goes back to a checkpoint, which must itself be such a
+    position in *this* prompt, else further back.
+    """
+    restored = None
+    while True:
+        n = invariance.valid_start(units, n, rule)
+        kept = kv.trim_to(n)
+        restored = kv.last_restore if kv.last_restore is not None else restored
+        if kept == n:
+            kv.last_restore = restored  # the checkpoint this cut went back to, if any
+            return kept
+        n = kept

@@ -167,12 +167,14 @@ class SlotTable(Generic[S]):
     # ------------------------------------------------------------------ placement
 
     def place(self, snaps: Sequence[SlotInfo], prompt: Prompt, session: str | None, *,
-              cache: str, min_tokens: int, copies: bool = True) -> policy.Plan | None:
+              cache: str, min_tokens: int, copies: bool = True,
+              parked: Sequence[policy.ParkedLike] = ()) -> policy.Plan | None:
         """Where ``prompt`` goes and what of the slot's KV it keeps; None when all are busy.
 
         ``cache="imc"`` asks :func:`nbkv.policy.select`; other modes take a free slot and
         reuse nothing of it. ``copies=False`` (a server cannot copy a prefix between slots)
         turns a donor copy into a rebuild in the target slot, keeping what it shares.
+        ``parked`` conversations are candidates too (:mod:`nbkv.parking`).
         """
         if cache != "imc":
             target = policy.pick_free(snaps, session)
@@ -182,7 +184,8 @@ class SlotTable(Generic[S]):
             return policy.Plan(cache, target.index, 0,
                                evicted=target.session if taken else None,
                                evicted_tokens=len(target.tokens) if taken else 0)
-        plan = policy.select(snaps, prompt.tokens, prompt.hashes, session, min_tokens)
+        plan = policy.select(snaps, prompt.tokens, prompt.hashes, session, min_tokens,
+                             parked=parked)
         if plan is not None and plan.donor is not None and not copies:
             t = snaps[plan.slot]
             reuse = min(policy.common_prefix(t.tokens, prompt.tokens),
@@ -203,7 +206,8 @@ class SlotTable(Generic[S]):
     def reason(self, request: int, prompt: Prompt, session: str | None,
                own: SlotInfo | None, source: Sequence[Any], *, reuse: int, wanted: int,
                donor_session: str | None = None, can_trim: bool = True,
-               cache: str = "imc") -> reasons.Reason:
+               cache: str = "imc", restored: reasons.Restored | None = None
+               ) -> reasons.Reason:
         """Why ``request`` reuses ``reuse`` positions; keeps the comparison for explain()."""
         cached = (reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None
                   else None)
@@ -212,7 +216,9 @@ class SlotTable(Generic[S]):
             else None, own=cached, tokens=prompt.tokens, hashes=prompt.hashes,
             ends=prompt.ends, roles=[m["role"] for m in prompt.messages], reuse=reuse,
             wanted=wanted, donor_session=donor_session, dropped=prompt.dropped,
-            can_trim=can_trim, cache=cache)
+            can_trim=can_trim, cache=cache, restored=restored)
+        if restored is not None:
+            source = restored.cached.tokens
         self.compared[request] = (tuple(own.tokens if own is not None else source),
                                   tuple(prompt.tokens))
         while len(self.compared) > reasons.EXPLAINED:
@@ -225,13 +231,17 @@ class SlotTable(Generic[S]):
         return reasons.explain_request(history, self.compared, text_of, request)
 
     def claim(self, slot: S, request: int, session: str | None, prompt: Prompt, reuse: int,
-              evicted: str | None) -> None:
-        """``slot`` now serves ``request``: its kept messages, the clock and the trail."""
+              evicted: str | None, parked: bool = False) -> None:
+        """``slot`` now serves ``request``: its kept messages, the clock and the trail.
+
+        ``parked``: the conversation ``evicted`` from the slot was parked, not lost.
+        """
         with self.lock:
             if evicted is not None and evicted != session:
                 self.whereabouts[evicted] = reasons.Whereabouts(
                     self.whereabouts.get(evicted, reasons.Whereabouts(0)).request,
-                    reasons.EVICTED, session, request)
+                    reasons.PARKED if parked else reasons.EVICTED, session, request,
+                    slot.index)
             if session is not None:
                 self.whereabouts[session] = reasons.Whereabouts(request)
             slot.session = session
