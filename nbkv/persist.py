@@ -29,12 +29,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import json
 import logging
 import os
-import re
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +43,6 @@ from .blobstore import (
     BLOBS,
     Blobs,
     Reader,
-    body_checksum,
     decode_units,
     encode_units,
     fsync_dir,
@@ -57,12 +53,24 @@ from .blobstore import (
     write_blobs,
     write_file,
 )
-from .engine_state import EngineBusy
 from .errors import NbkvError, RestoreError, SaveError
-from .events import RequestFinished, SlotsChanged
+from .events import SlotsChanged
 from .images import Image, image_hash, load_image
 from .media_units import MediaUnit
 from .parked import ParkedEntry
+from .save_checks import (  # noqa: F401 - re-exported: the save format's checks
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    compare,
+    compatible,
+    default_path,
+    describe_engine,
+    offer,
+    read_manifest,
+    restream,
+    uses_media,
+)
 from .slot_kv import KVSnapshot
 from .slot_table import SlotState
 from .spc import SavedPrompt
@@ -73,9 +81,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nbkv")
 
-FORMAT = "nbkv-kvcache"
-VERSION = 1
-MANIFEST = "manifest.json"
 _IMAGE_TAG = "$nbkv_image"
 
 
@@ -146,33 +151,7 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-# -- paths -----------------------------------------------------------------------------------
-
-
-def default_path(notebook: str | None = None) -> Path:
-    """Where saves go by default: one directory per notebook under the user's cache dir.
-
-    ``notebook`` is the notebook's path (Jupyter tells kernels in ``$JPY_SESSION_NAME``);
-    without one, a directory called ``default``.
-    """
-    import platformdirs
-
-    base = Path(os.environ.get("NBKV_SAVE_DIR") or
-                Path(platformdirs.user_cache_dir("nbkv")) / "saves")
-    nb = notebook or os.environ.get("JPY_SESSION_NAME")
-    if not nb:
-        return base / "default"
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(nb).stem)[:60] or "notebook"
-    digest = hashlib.sha256(str(Path(nb).expanduser().absolute()).encode()).hexdigest()[:10]
-    return base / f"{stem}-{digest}"
-
-
 # -- what describes an engine ----------------------------------------------------------------
-
-
-def describe_engine(engine: Engine) -> dict[str, Any]:
-    """The facts a saved state depends on (compared field by field on restore)."""
-    return engine.identity()
 
 
 def _require_local(engine: Any, what: str) -> None:
@@ -374,117 +353,6 @@ def _write(root: Path, body: dict[str, Any], blobs: Blobs) -> int:
 # -- restore ---------------------------------------------------------------------------------
 
 
-def read_manifest(path: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
-    """The checked manifest of the save at ``path``: ``(directory, body)``."""
-    root = Path(path).expanduser() if path is not None else default_path()
-    f = root / MANIFEST
-    if not f.is_file():
-        raise RestoreError(f"no save at {root} (no {MANIFEST})")
-    try:
-        doc = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RestoreError(f"the manifest {f} is unreadable (truncated or corrupt: {e})") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
-        raise RestoreError(f"{f} is not an nbkv save manifest")
-    body = doc["body"]
-    if body.get("format") != FORMAT:
-        raise RestoreError(f"{f} is not an nbkv save manifest (format {body.get('format')!r})")
-    version = body.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise RestoreError(f"the save at {root} has format version {version!r}, newer than this "
-                           f"nbkv reads ({VERSION}): upgrade nbkv to restore it")
-    if body_checksum(body) != doc.get("checksum"):
-        raise RestoreError(f"the manifest {f} fails its checksum (corrupt or edited)")
-    return root, body
-
-
-def compare(engine: Engine, body: dict[str, Any]) -> list[str]:
-    """What differs between the engine and a save's manifest (empty: compatible)."""
-    mine, theirs = describe_engine(engine), body.get("engine") or {}
-    diffs = []
-    labels = {"model": "model", "projector": "vision projector",
-              "llama_cpp_python": "llama-cpp-python (llama.cpp build)",
-              "n_ctx": "tokens per slot (n_ctx)", "memory": "memory class", "kv": "KV layout"}
-    for k, label in labels.items():
-        a, b = theirs.get(k), mine.get(k)
-        if k in ("model", "projector"):
-            a = a and a.get("fingerprint")
-            b = b and b.get("fingerprint")
-        if a != b:
-            if k == "projector" and a is None and not _uses_media(body):
-                continue  # a text-only save restores into a vision engine
-            was = (theirs.get(k) or {}).get("name", a) if k in ("model", "projector") else a
-            now = (mine.get(k) or {}).get("name", b) if k in ("model", "projector") else b
-            diffs.append(f"{label}: saved with {was}, this engine has {now}")
-    n_saved = body.get("n_slots")
-    if n_saved != engine.n_slots and engine.memory.kind != "plain":
-        diffs.append(f"slots: saved with {n_saved}, this engine has {engine.n_slots} (only "
-                     "plain-attention saves restore into another number of slots)")
-    return diffs
-
-
-def _uses_media(body: dict[str, Any]) -> bool:
-    return any(isinstance(t, dict) for s in (*body.get("slots", []), *body.get("spc", []),
-                                             *body.get("parked", []))
-               for t in s.get("tokens", []))
-
-
-def compatible(engine: Engine, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
-    """The manifest of a save at ``path`` that ``engine`` can restore, else None (no raise)."""
-    try:
-        _, body = read_manifest(path)
-    except RestoreError:
-        return None
-    return None if compare(engine, body) else body
-
-
-_STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")
-
-
-def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
-    """A plain-attention sequence state re-addressed from ``n_saved`` KV streams to ``n_now``.
-
-    With ``kv_unified=False`` every slot has its own KV stream, and llama.cpp writes a
-    sequence's state as the stream count followed by one section per stream, all empty (a
-    zero cell count) but the sequence's own; it refuses a state whose stream count differs
-    from the context's. On plain memory the state is just that, so the one non-empty section
-    is kept and the empty ones are rewritten for the new count (a reader loads the non-empty
-    section into the target sequence's stream, wherever it sits).
-    """
-    u32 = 4
-    # llama.cpp's header: a magic number and the sequence it was read from (ignored on load)
-    pre = 2 * u32 if state[:u32] == _STATE_MAGIC else 0
-    body = state[pre:]
-    n = int.from_bytes(body[:u32], "little")
-    stream = 0  # the first non-empty section is the sequence's
-    while stream < n_saved and len(body) >= u32 * (stream + 2) \
-            and not any(body[u32 * (stream + 1):u32 * (stream + 2)]):
-        stream += 1
-    head = u32 * (1 + stream)
-    tail = u32 * (n_saved - stream - 1)
-    if n != n_saved or stream >= n_saved or len(body) < head + u32 + tail \
-            or (tail and any(body[-tail:])):
-        raise RestoreError("a saved state does not have the layout of one KV stream per slot")
-    section = body[head:len(body) - tail]
-    zero = bytes(u32)
-    return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
-
-
-def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
-    """A line offering the save at ``path`` if ``engine`` can restore it, else None."""
-    body = compatible(engine, path)
-    if body is None:
-        return None
-    try:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(body["created"])))
-        sessions = ", ".join(str(s["name"]) for s in body["sessions"]) or "no session"
-        n = len(body["slots"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    return (f"a save of this notebook from {when} fits this engine ({n} slot(s); "
-            f"{sessions}): %kvcache restore brings it back (or %kvcache load --restore)")
-
-
 @dataclass
 class _Plan:
     slots: list[SlotState] = field(default_factory=list)
@@ -595,7 +463,7 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
             raise RestoreError(f"the save at {root} does not fit this engine: "
                                + "; ".join(diffs))
         plan = _load(engine, root, body, store)
-    if _uses_media(body) and engine.projector is None:
+    if uses_media(body) and engine.projector is None:
         raise RestoreError("the save holds images: load the engine with its vision projector")
     where = _placement(plan.slots, engine.n_slots)
     engine.import_state(list(zip(where, plan.slots)), plan.spc)
@@ -630,72 +498,3 @@ def _placement(slots: list[SlotState], n: int) -> list[int]:
             used.add(rec.index)
     free = iter(i for i in range(n) if i not in used)
     return [o if o is not None else next(free) for o in out]
-
-
-# -- autosave --------------------------------------------------------------------------------
-
-
-class Autosaver:
-    """Saves an engine in the background after requests, at most every ``interval`` seconds.
-
-    A save starts only when the engine is idle (nothing queued, running or being rewritten)
-    and a few seconds after the last request, and gives way if a request arrives before its
-    states are copied: a reply is never held up by it.
-    """
-
-    def __init__(self, engine: Engine, path: str | os.PathLike | None = None,
-                 sessions: SessionStore | None = None, interval: float = 30.0,
-                 quiet: float = 2.0) -> None:
-        self.engine = engine
-        self.path = path
-        self.sessions = sessions
-        self.interval = interval
-        self.quiet = quiet
-        self.saves = 0
-        self.last_error: str | None = None
-        self._dirty = threading.Event()
-        self._stop = threading.Event()
-        self._last_event = 0.0
-        self._last_save = 0.0
-        self._unsubscribe = engine.subscribe(self._on_event)
-        self._thread = threading.Thread(target=self._run, name="nbkv-autosave", daemon=True)
-        self._thread.start()
-
-    def _on_event(self, event: Any) -> None:
-        if isinstance(event, RequestFinished):
-            self._last_event = time.monotonic()
-            self._dirty.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._dirty.wait(0.5):
-                continue
-            now = time.monotonic()
-            wait = max(self._last_event + self.quiet, self._last_save + self.interval) - now
-            if wait > 0:
-                self._stop.wait(min(wait, 1.0))
-                continue
-            self._dirty.clear()
-            try:
-                save(self.engine, self.path, self.sessions, only_if_idle=True)
-                self.saves += 1
-                self._last_save = time.monotonic()
-            except EngineBusy:
-                self._dirty.set()
-                self._last_event = time.monotonic()  # try again once it is quiet
-            except NbkvError as e:
-                self.last_error = str(e)
-                self._last_save = time.monotonic()
-                log.warning("autosave failed: %s", e)
-                if "closed" in str(e):
-                    return
-            except Exception as e:  # noqa: BLE001 - a background thread must not die loudly
-                self.last_error = f"{type(e).__name__}: {e}"
-                self._last_save = time.monotonic()
-                log.exception("autosave failed")
-
-    def stop(self) -> None:
-        """Stop autosaving (a save in progress finishes)."""
-        self._stop.set()
-        self._unsubscribe()
-        self._thread.join(timeout=30)

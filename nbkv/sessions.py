@@ -432,7 +432,7 @@ class SessionStore:
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
         self.engine: EngineLike | None = None
-        self.autosaver: Any = None  # nbkv.persist.Autosaver while autosave is on
+        self.autosaver: Any = None  # nbkv.autosave.Autosaver while autosave is on
         self.events = EventBus()
         self._origins: dict[int, tuple[str, CellRef | None]] = {}
 

@@ -18,7 +18,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import sys
     import nbkv
-    from nbkv.persist import Autosaver
+    from nbkv.autosave import Autosaver
 
     mode, path = sys.argv[1], sys.argv[2]
     e = nbkv.Engine(n_slots=2, n_ctx=512, n_threads=1)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture
-from nbkv import Engine, blobstore, persist, policy
+from nbkv import Engine, autosave, blobstore, persist, policy
 from nbkv.engine_state import EngineBusy
 from nbkv.errors import RestoreError, SaveError
 from nbkv.oracle import scratch_logits
@@ -398,7 +398,7 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
         persist.save(engine, tmp_path / "busy", SessionStore(), only_if_idle=True)
     stream.close()
     assert not (tmp_path / "busy" / persist.MANIFEST).exists()
-    saver = persist.Autosaver(engine, tmp_path / "auto", SessionStore(), interval=60, quiet=0.2)
+    saver = autosave.Autosaver(engine, tmp_path / "auto", SessionStore(), interval=60, quiet=0.2)
     try:
         engine.chat(msgs, max_tokens=4, temperature=0)
         deadline = time.monotonic() + 20
