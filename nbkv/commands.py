@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import display as disp
 from .errors import InvalidRequestError, NbkvError
+from .figures import ExplainReport
 from .views import LoadProgress
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ def history(ws: Workspace, args: Any) -> Any:
 def explain(ws: Workspace, args: Any) -> Any:
     """Why request N (default: the latest) reused what it did, both renderings shown."""
     request = _number(args.target, "explain: give a request number")
-    return disp.ExplainReport(ws.engine().explain(request))
+    return ExplainReport(ws.engine().explain(request))
 
 
 def verify(ws: Workspace, args: Any) -> Any:

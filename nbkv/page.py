@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from . import static
-from .display import ExplainReport, history_table, stats_table
+from .display import history_table, stats_table
 from .errors import NbkvError
+from .figures import ExplainReport
 from .palette import INK, MUTED, PAPER, TEXT
 
 

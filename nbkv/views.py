@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import vocabulary as vocab
-from .display import Figures, Message, TurnFigures, progress_html, progress_text
+from .display import Message, progress_html, progress_text
 from .events import Progress
+from .figures import Figures, TurnFigures
 from .palette import NEUTRAL
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import SYSTEM
 from nbkv import Engine, reasons, templates
-from nbkv.display import ExplainReport, Figures
 from nbkv.errors import ContextOverflowError
+from nbkv.figures import ExplainReport, Figures
 from nbkv.policy import common_prefix
 
 MAX = 3

@@ -19,16 +19,13 @@ import pytest
 from conftest import SYSTEM, QuietComm
 from nbkv import Engine, page, palette, static, vocabulary
 from nbkv.display import (
-    EXPLAIN_READ,
-    EXPLAIN_TRIMMED,
-    ExplainReport,
-    Figures,
     history_table,
     legend_html,
     slots_table,
     stats_table,
     status_table,
 )
+from nbkv.figures import EXPLAIN_READ, EXPLAIN_TRIMMED, ExplainReport, Figures
 from nbkv.widgets import CacheDashboard, Feed
 
 ROOT = Path(__file__).resolve().parents[1]
