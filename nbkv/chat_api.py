@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from . import validate
 from .errors import InvalidRequestError
 from .events import EventBus, RequestRecord, Subscriber
 from .streams import AsyncChatStream, ChatResult, ChatStream
@@ -25,6 +26,15 @@ class ChatAPI:
              stream: bool = False, **sampling: Any) -> Any:
         """Reply to ``messages``: a ChatResult, or a ChatStream with ``stream=True``."""
         raise NotImplementedError
+
+    @staticmethod
+    def _check_request(session: Any, timeout: Any) -> None:
+        """Refuse a ``session`` that is not a name, a ``timeout`` that is not seconds > 0.
+
+        Every engine's ``chat`` starts here, before anything is queued or sent.
+        """
+        validate.session_name(session)
+        validate.seconds("timeout", timeout, optional=True)
 
     def chat_many(
         self,

@@ -30,7 +30,7 @@ from . import calibrate, invariance, memplan, policy, reasons
 from .backend import Batch, Context, Model, default_threads
 from .batching import Prefilling, plan_step
 from .chat_api import ChatAPI, TemplatedAPI, request_totals
-from .config import DEFAULTS, EngineConfig
+from .config import DEFAULTS, EngineConfig, check_engine_args
 from .drafts import NgramDrafter
 from .errors import (
     EngineClosedError,
@@ -353,6 +353,10 @@ class Engine(TemplatedAPI, ChatAPI):
         check_memory: bool = True,
         calibration: str = "cached",
     ) -> None:
+        check_engine_args(n_slots=n_slots, n_ctx=n_ctx, cache_min_tokens=cache_min_tokens,
+                          n_batch=n_batch, n_threads=n_threads, spc_max_entries=spc_max_entries,
+                          max_checkpoints=max_checkpoints, wait_timeout=wait_timeout,
+                          history_size=history_size)
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
                 "the System Prompt Cache and the Incremental Message Cache are mutually "
@@ -537,6 +541,7 @@ class Engine(TemplatedAPI, ChatAPI):
         With ``stream=True`` returns a :class:`ChatStream` of text deltas, else a
         :class:`ChatResult`.
         """
+        self._check_request(session, timeout)
         t0 = time.perf_counter()
         params = SamplingParams.from_kwargs(**sampling)
         prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
