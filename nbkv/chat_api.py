@@ -52,6 +52,8 @@ class ChatAPI:
         sessions = list(sessions) if sessions is not None else [None] * len(conversations)
         if len(sessions) != len(conversations):
             raise InvalidRequestError("sessions must have one entry per conversation")
+        for sess in sessions:  # all of them before any request is sent
+            self._check_request(sess, sampling.get("timeout"))
         streams: list[ChatStream] = []
         try:
             for conv, sess in zip(conversations, sessions):

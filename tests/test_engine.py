@@ -150,8 +150,11 @@ def test_bad_requests_raise_clear_errors_and_change_nothing(engine):
                        (dict(timeout=True), "not True")):
         with pytest.raises(InvalidRequestError, match=match):
             engine.chat([user("hi")], **bad)
+    # chat_many checks every conversation's before it sends the first
     with pytest.raises(InvalidRequestError, match="session must be"):
         engine.chat_many([[user("hi")], [user("ho")]], sessions=["a", 7])
+    with pytest.raises(InvalidRequestError, match="timeout must be"):
+        engine.chat_many([[user("hi")], [user("ho")]], timeout=-1)
     for slot in (99, -1, True, "0"):  # probe(slot) names a slot, or says which there are
         with pytest.raises(InvalidRequestError, match="no slot .*: slots are 0..1"):
             engine.probe(slot, 42)
