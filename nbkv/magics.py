@@ -194,7 +194,7 @@ class Nbkv(Magics, Settings):
                         [--kv-type T] [--flash-attn auto|on|off]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
-          %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
+          %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR]
           %kvcache widget | report [FILE] | unload | config
         """
         args = parse_argstring(self.kvcache, line)
