@@ -199,7 +199,7 @@ class Nbkv(Magics, Settings):
         """
         args = parse_argstring(self.kvcache, line)
         run, options, takes_target = commands.COMMANDS[args.command]
-        given = {k for k, v in vars(args).items()  # 0 is given (0 == False: no `in`)
+        given = {k for k, v in vars(args).items()  # 0 is given, though `0 in (None, False)`
                  if k not in ("command", "target") and v is not None and v is not False}
         if given - options:
             flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given - options))
@@ -258,7 +258,7 @@ class Nbkv(Magics, Settings):
         engine = self._engine(autoload=self.autoload)
         name = args.session or self.session
         sampling: dict[str, Any] = dict(
-            max_tokens=args.max_tokens or self.max_tokens,
+            max_tokens=self.max_tokens if args.max_tokens is None else args.max_tokens,
             temperature=self.temperature if args.temp is None else args.temp,
         )
         if args.seed is not None:
