@@ -1,6 +1,7 @@
 """Widgets on the real engine: traits, figure data and comm messages follow its events.
 
-One SmolLM2 engine (with the generated tiny vision projector, for images) serves the module;
+One SmolLM2 engine (with the generated tiny vision projector, for images) serves the module
+(the generated tiny LFM2 stands in where an engine must be hybrid, or be closed);
 a scripted conversation (:func:`story`) runs on it once while the widgets are drawn at each
 of its events, on the engine's thread, so what they showed is what the engine held then.
 The live feed's throttle runs on a clock the test moves, and the engine is held at chosen
@@ -29,7 +30,7 @@ from nbkv.events import (
     RequestStarted,
     SlotRewritten,
 )
-from nbkv.fixtures import make_mmproj
+from nbkv.fixtures import make_mmproj, make_text_model
 from nbkv.palette import COLORS
 from nbkv.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline
 from nbkv.widgets.kvmap import BARS
@@ -630,8 +631,8 @@ def test_a_failing_redraw_is_shown_not_raised(engine, monkeypatch):
         dash.close()
 
 
-def test_engine_closed_stops_the_feed(model_path):
-    e = Engine(model_path, n_slots=2, n_ctx=CTX)
+def test_engine_closed_stops_the_feed():
+    e = Engine(str(make_text_model("lfm2")), n_slots=1, n_ctx=CTX)  # tiny: closed here
     dash = CacheDashboard(e, interval=0.05)
     subscribers = len(e.events._subs)
     e.close()
@@ -728,8 +729,6 @@ def test_conversations_follow_session_changes(engine, sent):
 
 def test_kv_map_marks_checkpoints_on_the_messages_row():
     """A hybrid model (the generated tiny LFM2) keeps checkpoints: ticks on the messages row."""
-    from nbkv.fixtures import make_text_model
-
     with Engine(str(make_text_model("lfm2")), n_slots=1, n_ctx=CTX) as e:
         msgs = [SYSTEM, user("What is a CPU?")]
         msgs += [e.chat(msgs, session="h", max_tokens=4, temperature=0).message,
