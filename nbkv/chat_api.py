@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from . import validate
 from .errors import InvalidRequestError
 from .events import EventBus, RequestRecord, Subscriber
 from .policy import MISS
@@ -26,6 +27,15 @@ class ChatAPI:
              stream: bool = False, **sampling: Any) -> Any:
         """Reply to ``messages``: a ChatResult, or a ChatStream with ``stream=True``."""
         raise NotImplementedError
+
+    @staticmethod
+    def _check_request(session: Any, timeout: Any) -> None:
+        """Refuse a ``session`` that is not a name, a ``timeout`` that is not seconds > 0.
+
+        Every engine's ``chat`` starts here, before anything is queued or sent.
+        """
+        validate.session_name(session)
+        validate.seconds("timeout", timeout, optional=True)
 
     def chat_many(
         self,
@@ -43,6 +53,8 @@ class ChatAPI:
         sessions = list(sessions) if sessions is not None else [None] * len(conversations)
         if len(sessions) != len(conversations):
             raise InvalidRequestError("sessions must have one entry per conversation")
+        for sess in sessions:  # all of them before any request is sent
+            self._check_request(sess, sampling.get("timeout"))
         streams: list[ChatStream] = []
         try:
             for conv, sess in zip(conversations, sessions):

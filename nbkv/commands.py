@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import display as disp
+from .config import check_engine_args
 from .errors import InvalidRequestError, NbkvError
 from .figures import ExplainReport
 from .views import LoadProgress
@@ -83,23 +84,32 @@ def status(ws: Workspace, args: Any) -> Any:
     return disp.status_table(ws.store.engine, ws.store)
 
 
+#: the flags that count something: how the user gets the default (never by writing 0)
+_COUNTS = {"slots": ("--slots", "leave --slots out to size it from the memory plan"),
+           "ctx": ("--ctx", "leave --ctx out to size it from the memory plan"),
+           "last": ("-n", "leave -n out for the last 20")}
+
+
 def _at_least_one(args: Any, *flags: str) -> None:
-    """Refuse ``--slots 0`` and the like: 0 is not "the default" (leave the flag out)."""
+    """Refuse ``--slots 0``, ``-n -3`` and the like: 0 is not "the default"."""
     for flag in flags:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
-            name = "--" + flag.replace("_", "-")
-            raise InvalidRequestError(f"{name} must be at least 1, not {value} (leave {name} "
-                                      "out to size it from the memory plan)")
+            name, default = _COUNTS[flag]
+            raise InvalidRequestError(f"{name} must be at least 1, not {value} ({default})")
 
 
 def load(ws: Workspace, args: Any) -> Any:
-    """Close the engine, load a new one (the model and options given, else the settings)."""
+    """Close the engine, load a new one (the model and options given, else the settings).
+
+    Every argument is checked first: a mistake leaves the current engine as it was.
+    """
     _at_least_one(args, "slots", "ctx")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
                                        kv_type=args.kv_type, flash_attn=args.flash_attn,
                                        **_parking_options(args))
+    check_engine_args(**kwargs)
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:
@@ -170,6 +180,7 @@ def stats(ws: Workspace, args: Any) -> Any:
 
 def history(ws: Workspace, args: Any) -> Any:
     """The last requests, one row each, with the notebook cell that sent each."""
+    _at_least_one(args, "last")
     return disp.history_table(ws.engine().history, 20 if args.last is None else args.last,
                               cell_of=ws.store.cell_of)
 
@@ -196,10 +207,13 @@ def verify(ws: Workspace, args: Any) -> Any:
 
 
 def clear(ws: Workspace, args: Any) -> Any:
-    """Empty one slot, or every slot and the system prompt cache."""
+    """Empty one slot, or (``--all``) every slot and the system prompt cache."""
     engine = ws.engine()
     if args.target is not None and args.all:
         raise InvalidRequestError("%kvcache clear: give a slot or --all, not both")
+    if args.target is None and not args.all:  # too much to lose to a bare command
+        raise InvalidRequestError("%kvcache clear: name a slot (%kvcache clear 0) or clear "
+                                  "every slot with %kvcache clear --all")
     slot = _number(args.target, "clear: slot must be a number")
     engine.clear(slot)
     return disp.Message(f"cleared slot {slot}" if slot is not None else

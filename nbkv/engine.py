@@ -18,7 +18,7 @@ from typing import Any
 
 from . import engine_state, reasons, verify
 from .chat_api import ChatAPI, TemplatedAPI, request_totals, thrashing
-from .config import DEFAULTS, EngineConfig
+from .config import DEFAULTS, EngineConfig, check_engine_args
 from .drafts import NgramDrafter
 from .embeddings import EmbeddingCache
 from .errors import EngineClosedError, InvalidRequestError
@@ -150,6 +150,10 @@ class Engine(TemplatedAPI, ChatAPI):
         park_dir: str | None = None,
         park_disk: int | None = None,
     ) -> None:
+        check_engine_args(n_slots=n_slots, n_ctx=n_ctx, cache_min_tokens=cache_min_tokens,
+                          n_batch=n_batch, n_threads=n_threads, spc_max_entries=spc_max_entries,
+                          max_checkpoints=max_checkpoints, wait_timeout=wait_timeout,
+                          history_size=history_size, park_ram=park_ram, park_disk=park_disk)
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
                 "the System Prompt Cache and the Incremental Message Cache are mutually "
@@ -239,6 +243,7 @@ class Engine(TemplatedAPI, ChatAPI):
         With ``stream=True`` returns a :class:`ChatStream` of text deltas, else a
         :class:`ChatResult`.
         """
+        self._check_request(session, timeout)
         t0 = time.perf_counter()
         params = SamplingParams.from_kwargs(**sampling)
         prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)

@@ -6,11 +6,12 @@ Defaults are traits: ``%config Nbkv.slots = 2``, or ``c.Nbkv.slots = 2`` in
 
 from __future__ import annotations
 
+import functools
 import itertools
 import keyword
 import string
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -26,6 +27,25 @@ from .media_messages import contains_images, content_with_images
 from .sessions import STORE, CellRef, SessionStore
 from .settings import Settings
 from .views import chat_view
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def usage_errors(magic: F) -> F:
+    """Show nbkv's own errors as one line, without a traceback (IPython's UsageError).
+
+    They are the user's to fix (a wrong argument, no engine loaded...). A
+    :class:`~nbkv.errors.DecodeError` is not: llama.cpp failed, and its traceback stays.
+    """
+    @functools.wraps(magic)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return magic(*args, **kwargs)
+        except DecodeError:
+            raise
+        except NbkvError as e:
+            raise UsageError(str(e)) from e
+    return run  # type: ignore[return-value]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -169,6 +189,7 @@ class Nbkv(Magics, Settings):
               help="clear: every slot; park, unpark: every conversation")
     @argument("-n", "--last", type=int, metavar="N", help="history: records shown (20)")
     @line_magic
+    @usage_errors
     def kvcache(self, line: str = "") -> Any:
         """Load, connect, inspect and clear the engine (in the kernel, or a server).
 
@@ -180,23 +201,20 @@ class Nbkv(Magics, Settings):
                         [--park-dir DIR]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
-          %kvcache clear [SLOT | --all] | save [DIR] | restore [DIR]
+          %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR]
           %kvcache park [SESSION | --all] | unpark [SESSION | --all]
           %kvcache widget | report [FILE] | unload | config
         """
         args = parse_argstring(self.kvcache, line)
         run, options, takes_target = commands.COMMANDS[args.command]
-        given = {k for k, v in vars(args).items()
-                 if k not in ("command", "target") and v not in (None, False)}
+        given = {k for k, v in vars(args).items()  # 0 is given, though `0 in (None, False)`
+                 if k not in ("command", "target") and v is not None and v is not False}
         if given - options:
             flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given - options))
             raise UsageError(f"%kvcache {args.command} does not take {flags}")
         if args.target is not None and not takes_target:
             raise UsageError(f"%kvcache {args.command} takes no argument ({args.target!r})")
-        try:
-            return run(self._workspace(), args)
-        except NbkvError as e:  # nbkv's own errors are the user's to fix: no traceback
-            raise UsageError(str(e)) from e
+        return run(self._workspace(), args)
 
     @observe("autosave", "autosave_interval")
     def _sync_autosave(self, change: Any = None) -> None:
@@ -222,6 +240,7 @@ class Nbkv(Magics, Settings):
     @argument("--no-stats", dest="stats", action="store_const", const=False,
               help="hide the cache figures")
     @cell_magic
+    @usage_errors
     def chat(self, line: str, cell: str) -> None:
         """Send the cell as a user message of a session and stream the reply.
 
@@ -247,33 +266,25 @@ class Nbkv(Magics, Settings):
         engine = self._engine(autoload=self.autoload)
         name = args.session or self.session
         sampling: dict[str, Any] = dict(
-            max_tokens=args.max_tokens or self.max_tokens,
+            max_tokens=self.max_tokens if args.max_tokens is None else args.max_tokens,
             temperature=self.temperature if args.temp is None else args.temp,
         )
         if args.seed is not None:
             sampling["seed"] = args.seed
-        try:
-            content = content_with_images(text, args.image or [])
-            if (getattr(engine, "projector", False) is None
-                    and contains_images([{"role": "user", "content": content}])):
-                raise UsageError("this cell attaches an image, but the engine has no vision "
-                                 "projector: load one with %kvcache load [MODEL] --mmproj "
-                                 "PROJECTOR.gguf (the model's mmproj file)")
-            session = (self.store[fork[0]].fork(name, fork[1]) if fork is not None
-                       else self.store.get(name))
-            turn = session.start(engine, content, new=args.new, system=args.system,
-                                 cell=self.cells.current if self.cells is not None else None,
-                                 **sampling)
-        except NbkvError as e:
-            raise UsageError(str(e)) from e
+        content = content_with_images(text, args.image or [])
+        if (getattr(engine, "projector", False) is None
+                and contains_images([{"role": "user", "content": content}])):
+            raise UsageError("this cell attaches an image, but the engine has no vision "
+                             "projector: load one with %kvcache load [MODEL] --mmproj "
+                             "PROJECTOR.gguf (the model's mmproj file)")
+        session = (self.store[fork[0]].fork(name, fork[1]) if fork is not None
+                   else self.store.get(name))
+        turn = session.start(engine, content, new=args.new, system=args.system,
+                             cell=self.cells.current if self.cells is not None else None,
+                             **sampling)
         view = chat_view(self._notebook(), self.refresh)
-        try:
-            reply, interrupted = view.stream(
-                turn, engine.subscribe, self.stats if args.stats is None else args.stats)
-        except DecodeError:
-            raise
-        except NbkvError as e:
-            raise UsageError(str(e)) from e
+        reply, interrupted = view.stream(
+            turn, engine.subscribe, self.stats if args.stats is None else args.stats)
         if args.out:
             self.shell.user_ns[args.out] = reply
         if interrupted:  # so that a "run all" stops here, with one line instead of a traceback
@@ -293,10 +304,7 @@ class Nbkv(Magics, Settings):
     def _engine(self, autoload: bool = False) -> Any:
         if self.store.engine is None and autoload:
             self.kvcache("load")
-        try:
-            return self._workspace().engine()
-        except NbkvError as e:
-            raise UsageError(str(e)) from None
+        return self._workspace().engine()
 
     def _interpolate(self, text: str) -> str:
         ns: Mapping[str, Any] = self.shell.user_ns if self.shell is not None else {}

@@ -66,6 +66,7 @@ class RemoteBase(ChatAPI):
              stream: bool = False, overflow: str | None = None, timeout: float | None = None,
              **sampling: Any) -> Any:
         """Reply to ``messages``, like :meth:`nbkv.engine.Engine.chat`, on the server."""
+        self._check_request(session, timeout)
         if self.closed:
             raise EngineClosedError("the remote engine was closed; connect again")
         t0 = time.perf_counter()

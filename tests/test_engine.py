@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -130,7 +131,7 @@ def test_sampling_with_seed_is_reproducible(engine):
 
 
 def test_bad_requests_raise_clear_errors_and_change_nothing(engine):
-    before = engine.slots()
+    before, history = engine.slots(), engine.history
     with pytest.raises(InvalidRequestError, match="role"):
         engine.chat([{"role": "wizard", "content": "x"}])
     with pytest.raises(InvalidRequestError, match="empty"):
@@ -141,7 +142,23 @@ def test_bad_requests_raise_clear_errors_and_change_nothing(engine):
         engine.chat([user("hi")], top_p=0)
     with pytest.raises(InvalidRequestError):
         engine.clear(slot=99)
-    assert engine.slots() == before
+    # the session names the conversation; the timeout is seconds a request may wait
+    for bad, match in ((dict(session=3), "session must be a non-empty str or None, not 3"),
+                       (dict(session=""), "session must be a non-empty str"),
+                       (dict(timeout=0), "timeout must be a number of seconds > 0"),
+                       (dict(timeout=-1.5), "not -1.5"), (dict(timeout="5"), "not '5'"),
+                       (dict(timeout=True), "not True")):
+        with pytest.raises(InvalidRequestError, match=match):
+            engine.chat([user("hi")], **bad)
+    # chat_many checks every conversation's before it sends the first
+    with pytest.raises(InvalidRequestError, match="session must be"):
+        engine.chat_many([[user("hi")], [user("ho")]], sessions=["a", 7])
+    with pytest.raises(InvalidRequestError, match="timeout must be"):
+        engine.chat_many([[user("hi")], [user("ho")]], timeout=-1)
+    for slot in (99, -1, True, "0"):  # probe(slot) names a slot, or says which there are
+        with pytest.raises(InvalidRequestError, match="no slot .*: slots are 0..1"):
+            engine.probe(slot, 42)
+    assert engine.slots() == before and engine.history == history
 
 
 def test_template_errors(model_path):
@@ -253,6 +270,39 @@ def test_spc_and_imc_are_exclusive(model_path):
         Engine(model_path, cache="imc", system_prompt_cache=True)
     with pytest.raises(InvalidRequestError):
         Engine(model_path, cache="both")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(n_batch=1), "n_batch must be an integer >= 2, not 1"),
+    (dict(n_batch=True), "n_batch must be an integer >= 2, not True"),  # a bool is no count
+    (dict(n_batch=64.0), "n_batch must be an integer"),
+    (dict(n_threads=0), "n_threads must be an integer >= 1 or None, not 0"),
+    (dict(cache_min_tokens=-1), "cache_min_tokens must be an integer >= 0"),
+    (dict(spc_max_entries=0), "spc_max_entries must be an integer >= 1"),
+    (dict(max_checkpoints=-1), "max_checkpoints must be an integer >= 0"),
+    (dict(wait_timeout=0), "wait_timeout must be a number of seconds > 0, not 0"),
+    (dict(wait_timeout=False), "wait_timeout must be a number of seconds > 0, not False"),
+    (dict(history_size=0), "history_size must be an integer >= 1"),
+    (dict(history_size=None), "history_size must be an integer >= 1, not None"),
+    (dict(n_slots=0), "n_slots must be an integer >= 1 or None, not 0"),
+    (dict(n_ctx="4096"), "n_ctx must be an integer"),
+])
+def test_engine_arguments_are_checked_before_the_model_loads(tmp_path, bad, match):
+    missing = str(tmp_path / "no-model.gguf")  # loading it would raise ModelNotFoundError
+    with pytest.raises(InvalidRequestError, match=match):
+        Engine(missing, **bad)
+
+
+def test_the_least_engine_arguments_work(model_path):
+    """The lower bounds are real: the least accepted values serve a request."""
+    with warnings.catch_warnings():  # n_batch 2 is too small to prove the cache exact
+        warnings.simplefilter("ignore", UserWarning)
+        e = Engine(model_path, n_slots=1, n_ctx=256, n_batch=2, cache_min_tokens=0,
+                   spc_max_entries=1, max_checkpoints=0, wait_timeout=0.5, history_size=1)
+    with e:
+        for q in ("hi", "ho"):
+            assert e.chat([user(q)], max_tokens=2, temperature=0).record.generated_tokens
+        assert len(e.history) == 1
 
 
 def test_closed_engine_refuses_work(model_path):

@@ -169,12 +169,28 @@ def test_bad_chat_arguments_raise_usage_errors(loaded, line, body, match):
     ("load --template /nonexistent.jinja", "cannot read"),
     ("load --slots 0", "--slots must be at least 1, not 0"),  # not silently "the default"
     ("load --ctx 0", "--ctx must be at least 1, not 0"),
+    ("load --min-tokens -1", "cache_min_tokens must be an integer >= 0, not -1"),
+    ("load --gpu-layers -5", "n_gpu_layers must be an integer >= -1"),
+    ("stats --slots 0", "does not take --slots"),  # 0 is given, though 0 == False
+    ("clear", "name a slot .* or clear every slot with %kvcache clear --all"),
+    ("history -n -3", "-n must be at least 1, not -3"),
+    ("history -n 0", "-n must be at least 1, not 0"),
 ])
 def test_bad_kvcache_arguments_raise_usage_errors(loaded, line, match):
     engine = nbkv.current_engine()
+    held = [(s.session, s.tokens) for s in engine.slots()]
     with pytest.raises(UsageError, match=match):
         loaded.run_line_magic("kvcache", line)
     assert nbkv.current_engine() is engine  # a failed load keeps the engine
+    assert [(s.session, s.tokens) for s in engine.slots()] == held  # a bare clear clears nothing
+
+
+def test_a_refused_load_leaves_the_engine_working(loaded):
+    engine = nbkv.current_engine()
+    with pytest.raises(UsageError, match="--slots must be at least 1"):
+        loaded.run_line_magic("kvcache", "load --slots 0")
+    chat(loaded, "kept --new --no-stats --max-tokens 2", "Say hi.")
+    assert nbkv.current_engine() is engine and engine.history[-1].session == "kept"
 
 
 def rendered(table):
@@ -240,6 +256,8 @@ def test_kvcache_commands_render_html_and_text(loaded):
 
     assert str(loaded.run_line_magic("kvcache", "clear 1")) == "cleared slot 1"
     assert e.slots()[1].empty
+    assert "cleared every slot" in str(loaded.run_line_magic("kvcache", "clear --all"))
+    assert all(s.empty for s in e.slots())
     dash = loaded.run_line_magic("kvcache", "widget")
     try:
         assert type(dash).__name__ == "CacheDashboard" and dash.engine is e

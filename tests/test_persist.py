@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -388,6 +389,26 @@ def test_system_prompt_cache_entries_are_restored(model_path, tmp_path):
         assert_consistent(b)
 
 
+class Deferrals(threading.Event):
+    """An autosaver's stop event that counts its waits: each is a save put off for now."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.cv = threading.Condition()
+
+    def wait(self, timeout=None):
+        with self.cv:
+            self.count += 1
+            self.cv.notify_all()
+        return super().wait(timeout)
+
+    def reach(self, n, timeout=30.0):
+        """Wait until ``n`` saves were put off in all (False if that took ``timeout``)."""
+        with self.cv:
+            return self.cv.wait_for(lambda: self.count >= n, timeout)
+
+
 def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
     import time
 
@@ -399,6 +420,7 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
     stream.close()
     assert not (tmp_path / "busy" / persist.MANIFEST).exists()
     saver = autosave.Autosaver(engine, tmp_path / "auto", SessionStore(), interval=60, quiet=0.2)
+    deferred = saver._stop = Deferrals()  # before any request: it has not waited on it yet
     try:
         engine.chat(msgs, max_tokens=4, temperature=0)
         deadline = time.monotonic() + 20
@@ -407,7 +429,9 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
         assert saver.saves == 1 and saver.last_error is None
         for q in QUESTIONS[:2]:  # within the interval: no second save
             engine.chat([{"role": "user", "content": q}], max_tokens=4, temperature=0)
-        time.sleep(1.5)
+        # it looked again after these requests (twice: the second look began after them)
+        # and put the save off each time
+        assert deferred.reach(deferred.count + 2), "no longer put off: it saved, or stopped"
         assert saver.saves == 1
     finally:
         saver.stop()

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import SYSTEM
 from nbkv import Engine, reasons, templates
-from nbkv.errors import ContextOverflowError
+from nbkv.errors import ContextOverflowError, InvalidRequestError
 from nbkv.figures import ExplainReport, Figures
 from nbkv.policy import common_prefix
 
@@ -120,7 +120,7 @@ def test_explain_shows_both_renderings_split_at_the_divergence(engine):
     assert "message 0 (user) at token" in text and "⟦ Tuesday" in text and "⟦ Wednesday" in text
     html = report._repr_html_()
     assert html.count('class="nbkv-divergence"') == 2 and "Wednesday" in html
-    with pytest.raises(Exception, match="no request #9999"):
+    with pytest.raises(InvalidRequestError, match="no request #9999"):
         engine.explain(9999)
 
 

@@ -1,29 +1,50 @@
-"""Widgets at the model level: traits, figure data and comm messages follow engine events."""
+"""Widgets on the real engine: traits, figure data and comm messages follow its events.
+
+One SmolLM2 engine (with the generated tiny vision projector, for images) serves the module
+(the generated tiny LFM2 stands in where an engine must be hybrid, or be closed);
+a scripted conversation (:func:`story`) runs on it once while the widgets are drawn at each
+of its events, on the engine's thread, so what they showed is what the engine held then.
+The live feed's throttle runs on a clock the test moves, and the engine is held at chosen
+events: nothing depends on how fast this machine is.
+"""
 
 from __future__ import annotations
 
 import re
 import threading
 import time
-from dataclasses import replace
-from types import SimpleNamespace
+from dataclasses import dataclass, field, replace
+from html import escape
+from typing import Any
 
 import comm
 import pytest
 
+from conftest import picture
+from nbkv import Engine, vocabulary
 from nbkv.engine import SlotInfo
 from nbkv.events import (
-    EventBus,
     Progress,
     RequestFinished,
     RequestRecord,
     RequestStarted,
-    Segment,
-    SlotsChanged,
+    SlotRewritten,
 )
-from nbkv.media_units import MediaKey, MediaUnit
+from nbkv.fixtures import make_mmproj, make_text_model
 from nbkv.palette import COLORS
 from nbkv.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline
+from nbkv.widgets.kvmap import BARS
+
+CTX = 512
+WAIT = 30.0  # seconds: the bound of every wait (a failure, never a hang)
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def user(text, image=None):
+    if image is None:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "text", "text": text},
+                                        {"type": "image", "image": image}]}
 
 
 class RecordingComm:
@@ -50,179 +71,288 @@ class RecordingComm:
         pass
 
 
+def record_comms(mp, log):
+    mp.setattr(comm, "create_comm", lambda **kw: RecordingComm(log, **kw))
+
+
 @pytest.fixture
 def sent(monkeypatch):
     log = []
-    monkeypatch.setattr(comm, "create_comm", lambda **kw: RecordingComm(log, **kw))
+    record_comms(monkeypatch, log)
     return log
 
 
-class FakeEngine:
-    n_slots, n_ctx, cache, cache_min_tokens = 2, 512, "imc", 100
-    model = SimpleNamespace(description="fake 1M", name="Fake 1M (1M parameters, F16)")
-
-    def __init__(self):
-        self.bus = EventBus()
-        self._slots = [SlotInfo(i, i, self.n_ctx, None, (), (), (), 0, False) for i in range(2)]
-        self.fail = False
-
-    def subscribe(self, cb):
-        return self.bus.subscribe(cb)
-
-    def publish(self, event):
-        self.bus.publish(event)
-
-    def slots(self):
-        if self.fail:
-            raise RuntimeError("snapshot broke")
-        return tuple(self._slots)
-
-    @property
-    def history(self):
-        return list(self.bus.history)
-
-    def stats(self):
-        h = self.history
-        p = sum(r.prompt_tokens for r in h)
-        return {"requests": len(h),
-                "salvage_pct": 100 * sum(r.reused_tokens for r in h) / p if p else 0.0}
-
-    def set_slot(self, i, **kw):
-        self._slots[i] = replace(self._slots[i], **kw)
-
-
-SEGS = (
-    Segment(0, 40, 0, "system", "reused", "Be brief."),
-    Segment(40, 60, 1, "user", "reused", "What is a CPU?"),
-    Segment(60, 80, 2, "assistant", "reused", "A processor."),
-    Segment(80, 100, 3, "user", "prefilled", "And memory?"),
-    Segment(100, 104, 4, "assistant", "prefilled", "(generation prompt)"),
-)
-
-
-def record(id=1, **kw):
-    base = dict(id=id, session="alice", strategy="hash-extend", slot=0, prompt_tokens=104,
-                reused_tokens=80, prefilled_tokens=24, trimmed_tokens=6, capacity=512,
-                segments=SEGS, reason="continued")
-    base.update(kw)
-    return RequestRecord(**base)
+@pytest.fixture(scope="module")
+def engine(model_path):
+    with Engine(model_path, mmproj=str(make_mmproj(kind="tiny")), n_slots=2, n_ctx=CTX) as e:
+        yield e
 
 
 def bars(trace):
     return sorted(zip(trace.y, trace.base, [b + x for b, x in zip(trace.base, trace.x)]))
 
 
-def test_slot_cards_follow_a_request(sent):
-    eng = FakeEngine()
-    cards = SlotCards(eng, Feed(eng, live=False))
-    assert "free" in cards.cards[0].value and "0/512 tokens" in cards.cards[0].value
-    eng.set_slot(0, session="alice", pending=True, tokens=tuple(range(80)),
-                 hashes=("a", "b", "c"), last_used=1)
-    eng.publish(RequestStarted(record()))
-    eng.publish(Progress(1, 0, "extend", 10, 24))
-    cards.feed.flush()
-    card = cards.cards[0].value
-    assert "alice" in card and "busy" in card and "read 10/24 new (continued)" in card
-    assert "3 messages" in card and "80/512 tokens" in card and "images: 0" in card
-    assert cards.busy == 1 and cards.used == 80
-    eng.publish(Progress(1, 0, "generate", 3, 8))
-    cards.feed.flush()
-    assert "generating: 3 tokens" in cards.cards[0].value
-    eng.set_slot(0, pending=False, tokens=tuple(range(110)), last_used=2)
-    eng.set_slot(1, session="bob", tokens=tuple(range(30)), hashes=("x",), last_used=1)
-    eng.publish(RequestFinished(record(generated_tokens=6)))
-    n = len(sent)
-    cards.feed.flush()
-    assert "busy" not in cards.cards[0].value and "LRU 1 of 2" in cards.cards[0].value
-    assert "LRU 2 of 2" in cards.cards[1].value and cards.busy == 0
-    # the redraw reached the front end as widget state messages
-    assert any(d and d.get("method") == "update" and "LRU 1 of 2" in str(d)
-               for _, d in sent[n:])
+def req(slot):
+    return f"slot {slot} · request"
 
 
-def test_kv_map_shows_messages_states_and_progress():
-    eng = FakeEngine()
-    kv = KVMap(eng, Feed(eng, live=False))
+# ------------------------------------------------------------------ the scripted conversation
+
+
+@dataclass
+class Shown:
+    """What the slot cards and the KV map showed at one moment."""
+
+    cards: list[str]
+    busy: int
+    used: int
+    bars: dict[str, list[tuple[str, int, int]]]
+    hover: dict[str, list[list[Any]]]
+    opacity: dict[str, Any]
+    divergence: list[tuple[Any, ...]]
+    segments: int
+    slots: tuple[SlotInfo, ...]
+
+
+def shown(engine, cards, kv):
     t = kv.traces
-    assert list(kv.figure.data[0].x) == [512] * 4 and kv.segments == 0
+    return Shown([c.value for c in cards.cards], cards.busy, cards.used,
+                 {name: bars(t[name]) for name in BARS},
+                 {name: [list(c) for c in t[name].customdata] for name in BARS},
+                 {name: t[name].marker.opacity for name in BARS},
+                 list(zip(t["divergence"].x, t["divergence"].y, t["divergence"].customdata)),
+                 kv.segments, engine.slots())
+
+
+@dataclass
+class Story:
+    """Requests on the real engine, and what the widgets showed at each of their events."""
+
+    records: dict[str, RequestRecord] = field(default_factory=dict)
+    #: (request, "started" / "first token" / "finished"), ("empty", ""), ("cleared", "")
+    at: dict[tuple[str, str], Shown] = field(default_factory=dict)
+    sent: list[Any] = field(default_factory=list)  # the widgets' comm messages
+    late_divergence: list[Any] = field(default_factory=list)  # of a map made afterwards
+
+
+@pytest.fixture(scope="module")
+def story(engine):
+    """alice (twice), bob, alice with an earlier message edited, eve with an image.
+
+    Two slots: alice and bob fill them, the edit is salvaged up to the changed message,
+    and eve takes bob's slot (the least recently used). Then every slot is cleared.
+    """
+    engine.clear()
+    out = Story()
+    with pytest.MonkeyPatch.context() as mp:
+        record_comms(mp, out.sent)
+        feed = Feed(engine, live=False)
+        cards, kv = SlotCards(engine, feed), KVMap(engine, feed)
+    out.at[("empty", "")] = shown(engine, cards, kv)
+    current = [""]
+
+    def draw(moment):
+        feed.flush()  # on the engine's thread, as the event is published
+        out.at[(current[0], moment)] = shown(engine, cards, kv)
+
+    def watch(ev):
+        if isinstance(ev, RequestStarted):
+            draw("started")
+        elif isinstance(ev, Progress) and ev.phase == "generate" and ev.done == 1:
+            draw("first token")
+        elif isinstance(ev, RequestFinished):
+            draw("finished")
+
+    def ask(name, messages, session):
+        current[0] = name
+        r = engine.chat(messages, session=session, max_tokens=6, temperature=0)
+        out.records[name] = r.record
+        return r
+
+    unsubscribe = engine.subscribe(watch)  # after the feed: it has queued each event
+    try:
+        alice = [SYSTEM, user("What is a CPU?")]
+        alice += [ask("first", alice, "alice").message, user("And memory?")]
+        ask("continued", alice, "alice")
+        ask("bob", [user("Name a fruit.")], "bob")
+        ask("edited", [SYSTEM, user("What is a GPU?"), *alice[2:]], "alice")
+        ask("image", [user("Describe it.", picture(3))], "eve")
+    finally:
+        unsubscribe()
+    late = KVMap(engine, Feed(engine, live=False))  # drawn once, right away: no flush
+    out.late_divergence = list(zip(late.traces["divergence"].x, late.traces["divergence"].y))
+    late.close()
+    engine.clear()
+    feed.flush()
+    out.at[("cleared", "")] = shown(engine, cards, kv)
+    cards.close()
+    kv.close()
+    return out
+
+
+def by_message(segments, slot):
+    """The message row a map should draw: a bar per message (an image apart), by role."""
+    spans: list[tuple[str, Any, int, int]] = []  # (key, message, start, end)
+    for s in segments:
+        key = "image" if s.is_media else s.role
+        if spans and spans[-1][:2] == (key, s.message) and spans[-1][3] == s.start:
+            spans[-1] = (key, s.message, spans[-1][2], s.end)
+        else:
+            spans.append((key, s.message, s.start, s.end))
+    rows: dict[str, list[tuple[str, int, int]]] = {}
+    for key, _, a, b in spans:
+        rows.setdefault(key, []).append((f"slot {slot}", a, b))
+    return {key: sorted(row) for key, row in rows.items()}
+
+
+def on_slot(rows, slot):
+    return [r for r in rows if r[0] in (f"slot {slot}", req(slot))]
+
+
+def test_the_story_went_as_scripted(story):
+    r = story.records
+    assert [r[k].reason for k in ("first", "continued", "bob", "edited")] == [
+        "first", "continued", "first", "edited"]
+    assert r["first"].slot == r["continued"].slot == r["edited"].slot != r["bob"].slot
+    assert r["image"].slot == r["bob"].slot and r["image"].evicted_session == "bob"
+    assert r["edited"].trimmed_tokens > 0 and r["edited"].divergence is not None
+
+
+def test_slot_cards_follow_a_request(story):
+    empty = story.at[("empty", "")]
+    assert all("free" in c and f"0/{CTX} tokens" in c for c in empty.cards)
+    rec = story.records["first"]
+    started = story.at[("first", "started")]
+    card = started.cards[rec.slot]
+    assert "alice" in card and "busy" in card and started.busy == 1
+    assert f"read 0/{rec.prefilled_tokens} new (new conversation)" in card  # the vocabulary
+    first = story.at[("first", "first token")]
+    assert "generating: 1 tokens" in first.cards[rec.slot] and first.busy == 1
+    done = story.at[("first", "finished")]
+    slot = done.slots[rec.slot]
+    card = done.cards[rec.slot]
+    assert "busy" not in card and done.busy == 0 and "LRU 1 of 1" in card
+    assert f"{slot.n_messages} messages" in card and slot.n_messages == 3  # with the reply
+    assert f"{slot.n_tokens}/{CTX} tokens" in card and done.used == slot.n_tokens
+    assert "latest: new conversation" in card and "images: 0" in card
+    # bob took the free slot: alice's is now the less recently used
+    bob = story.records["bob"]
+    after_bob = story.at[("bob", "finished")]
+    assert "LRU 1 of 2" in after_bob.cards[bob.slot]
+    assert "LRU 2 of 2" in after_bob.cards[rec.slot]
+    # eve took bob's slot: its card says so
+    eve = story.records["image"]
+    assert vocabulary.took(eve) == f"took bob's slot ({eve.evicted_tokens} tokens gone)"
+    assert escape(vocabulary.took(eve)) in story.at[("image", "finished")].cards[eve.slot]
+    # the redraws reached the front end as widget state messages
+    assert any(d and d.get("method") == "update" and "LRU 1 of 2" in str(d)
+               for _, d in story.sent)
+
+
+def test_kv_map_shows_messages_states_and_progress(engine, story):
+    t = KVMap(engine, Feed(engine, live=False)).traces
     # named in the vocabulary's words (the legend and the hovers)
     assert (t["prefilled"].name, t["todo"].name, t["image"].name) == (
         "read new", "still to read", "image")
-    eng.publish(RequestStarted(record()))
-    eng.publish(Progress(1, 0, "extend", 10, 24))
-    kv.feed.flush()
-    # message row: coloured by role, one bar per message
-    assert bars(t["system"]) == [("slot 0", 0, 40)]
-    assert bars(t["user"]) == [("slot 0", 40, 60), ("slot 0", 80, 100)]
-    assert bars(t["assistant"]) == [("slot 0", 60, 80), ("slot 0", 100, 104)]
-    assert list(t["user"].marker.opacity) == [0.7, 0.7]  # odd messages shaded
-    # request row: reused, prefilled so far, still to prefill
-    req = "slot 0 · request"
-    assert bars(t["reused"]) == [(req, 0, 40), (req, 40, 60), (req, 60, 80)]
-    assert bars(t["prefilled"]) == [(req, 80, 90)]
-    assert bars(t["todo"]) == [(req, 90, 100), (req, 100, 104)]
-    assert bars(t["trimmed"]) == [(req, 80, 86)]
+    rec = story.records["continued"]
+    segs, row = rec.segments, req(rec.slot)
+    reused = [(row, s.start, s.end) for s in segs if s.state == "reused"]
+    read = [(row, s.start, s.end) for s in segs if s.state == "prefilled"]
+    assert reused and read and reused[-1][2] == rec.reused_tokens
+    started = story.at[("continued", "started")]
+    # message row: coloured by role, one bar per message (the prompt's, until the reply)
+    want = by_message([s for s in segs if s.state != "generated"], rec.slot)
+    assert {k: on_slot(started.bars[k], rec.slot) for k in want} == want
+    assert set(want) == {"system", "user", "assistant"}
+    assert list(started.opacity["user"]) == [0.7, 0.7]  # odd messages shaded
     # hover: message index, role, token range, preview
-    assert list(t["user"].customdata[0]) == [1, "user", 40, 60, "What is a CPU?"]
-    eng.publish(Progress(1, 0, "generate", 5, 16))
-    kv.feed.flush()
-    assert bars(t["todo"]) == [] and bars(t["generated"]) == [(req, 104, 109)]
-    final = SEGS + (Segment(104, 110, 4, "assistant", "generated", "Stores data."),)
-    eng.set_slot(0, segments=final, tokens=tuple(range(110)), session="alice")
-    eng.publish(RequestFinished(record(segments=final, generated_tokens=6)))
-    kv.feed.flush()
-    assert bars(t["generated"]) == [(req, 104, 110)]
-    assert bars(t["assistant"]) == [("slot 0", 60, 80), ("slot 0", 100, 110)]
-    assert bars(t["trimmed"]) == [(req, 80, 86)] and bars(t["image"]) == []
-    eng.publish(SlotsChanged("cleared"))
-    eng.set_slot(0, segments=(), tokens=())
-    kv.feed.flush()
-    assert kv.segments == 0
+    first_user = started.hover["user"][0]
+    assert first_user[:2] == [1, "user"] and first_user[4].startswith("What is a CPU?")
+    # request row while the prompt is read: reused, and still to read
+    assert started.bars["reused"] == sorted(reused)
+    assert started.bars["prefilled"] == [] and started.bars["todo"] == sorted(read)
+    first = story.at[("continued", "first token")]
+    assert first.bars["todo"] == [] and first.bars["prefilled"] == sorted(read)
+    assert first.bars["generated"] == [(row, rec.prompt_tokens, rec.prompt_tokens + 1)]
+    done = story.at[("continued", "finished")]
+    # the last sampled token is never decoded, so the KV can end one short of the reply
+    assert done.bars["generated"] == [(row, rec.prompt_tokens,
+                                       done.slots[rec.slot].n_tokens)]
+    assert done.bars["trimmed"] == [] and done.divergence == []
+    # an edited earlier message: the cut-off KV as a thin band, a mark where it diverged
+    ed = story.records["edited"]
+    done = story.at[("edited", "finished")]
+    a = ed.reused_tokens
+    assert done.bars["trimmed"] == [(req(ed.slot), a, a + ed.trimmed_tokens)]
+    ((x, y, text),) = done.divergence
+    assert (x, y) == (ed.divergence.position, req(ed.slot))
+    assert text.startswith(f"request {ed.id}: edited message: ")
+    assert story.at[("cleared", "")].segments == 0
 
 
-def test_timeline_plots_salvage_ttft_and_no_cache_estimate():
-    eng = FakeEngine()
-    tl = Timeline(eng, Feed(eng, live=False), max_requests=2)
-    recs = [
-        record(1, strategy="miss", reused_tokens=0, prefilled_tokens=200, prompt_tokens=200,
-               ttft_s=1.0, prefill_s=1.0, reason="first"),
-        record(2, strategy="hash-extend", reused_tokens=200, prefilled_tokens=20,
-               prompt_tokens=220, ttft_s=0.1, prefill_s=0.1, reason="continued"),
-        record(3, strategy="prefix-salvage", reused_tokens=100, prefilled_tokens=140,
-               prompt_tokens=240, ttft_s=0.7, prefill_s=0.7, reason="copied"),
-    ]
-    for r in recs:
-        eng.publish(RequestFinished(r))
-    tl.feed.flush()
+def test_images_show_as_media_spans_and_chunks(story):
+    rec = story.records["image"]
+    done = story.at[("image", "finished")]
+    images = [s for s in rec.segments if s.is_media]
+    assert len(images) == 1 and rec.media_chunks == 1
+    want = by_message(rec.segments, rec.slot)
+    assert done.bars["image"] == want["image"] == [(f"slot {rec.slot}", images[0].start,
+                                                     images[0].end)]
+    assert on_slot(done.bars["user"], rec.slot) == want["user"]  # the text around the image
+    assert done.hover["image"][0][4] == "image array"  # its name, else its hash's start
+    assert "images: 1" in done.cards[rec.slot]
+
+
+def test_a_map_made_after_the_requests_starts_from_the_latest_one(story):
+    ed = story.records["edited"]
+    assert story.late_divergence == [(ed.divergence.position, req(ed.slot))]
+
+
+def test_timeline_plots_salvage_ttft_and_no_cache_estimate(engine, story):
+    tl = Timeline(engine, Feed(engine, live=False))
+    history = engine.history
     t = tl.traces
-    assert tl.shown == 2  # max_requests
-    extended, salvaged = t["continued"], t["copied"]
-    assert (extended.name, salvaged.name) == ("continued", "copied prefix")  # vocabulary
-    assert list(extended.x) == [2] and list(salvaged.x) == [3]
-    assert list(t["first"].x) == []
-    assert extended.y[0] == pytest.approx(100 * 200 / 220)
-    # one visual language: every salvage bar is "reused" green; the event is the pattern
-    assert {tr.marker.color for tr in (extended, salvaged, t["first"])} == {COLORS["reused"]}
-    assert salvaged.marker.pattern.shape == "/" and not extended.marker.pattern.shape
-    assert "reused 200 of 220 tokens" in extended.customdata[0]
-    assert "first token after 100 ms" in extended.customdata[0]
-    assert list(t["first token"].y) == pytest.approx([100, 700])
-    assert "= waited 0 ms" in t["first token"].customdata[0]  # the split, on hover
-    # 200 tokens/s observed: reusing 200 tokens saved ~1 s
-    assert list(t["no-cache estimate"].y) == pytest.approx([1100, 1200])
-    assert list(t["read new"].y) == [20, 140] and list(t["reused"].y) == [200, 100]
-    # a request that reused nothing still shows a mark at 0
-    eng.publish(RequestFinished(record(4, strategy="miss", reused_tokens=0, prompt_tokens=50,
-                                       prefilled_tokens=50, ttft_s=0.2)))
-    tl.feed.flush()
-    nothing = t["reused nothing"]  # an open circle: never mistaken for a line's label
-    assert list(nothing.x) == [4] and list(nothing.y) == [0]
+    assert tl.shown == len(history) >= len(story.records)
+    continued = story.records["continued"]
+    i = list(t["continued"].x).index(continued.id)
+    assert t["continued"].y[i] == pytest.approx(continued.salvage_pct)
+    assert (f"reused {continued.reused_tokens} of {continued.prompt_tokens} tokens"
+            in t["continued"].customdata[i])
+    assert f"first token after {continued.ttft_s * 1000:.0f} ms" in t["continued"].customdata[i]
+    assert story.records["edited"].id in t["edited"].x
+    # a request that reused nothing still shows a mark at 0: an open circle, not a line
+    nothing = t["reused nothing"]
+    assert story.records["first"].id in nothing.x and set(nothing.y) == {0}
     assert nothing.marker.symbol == "circle-open"
+    assert list(t["first token"].x) == [r.id for r in history]
+    assert list(t["first token"].y) == pytest.approx([r.ttft_s * 1000 for r in history])
+    assert "= waited" in t["first token"].customdata[0]  # the split, on hover
+    # the estimate adds the reused tokens at one prefill speed, the same for every request
+    est = dict(zip(t["no-cache estimate"].x, t["no-cache estimate"].y))
+    assert set(est) == {r.id for r in history}
+    per_token = {round((est[r.id] - r.ttft_s * 1000) / r.reused_tokens, 9)
+                 for r in history if r.reused_tokens}
+    assert len(per_token) == 1 and per_token.pop() > 0
+    assert all(est[r.id] == pytest.approx(r.ttft_s * 1000) for r in history
+               if not r.reused_tokens)
+    assert list(t["read new"].y) == [r.prefilled_tokens for r in history]
+    assert list(t["reused"].y) == [r.reused_tokens for r in history]
+    # one visual language: every salvage bar is "reused" green; the event is the pattern
+    assert {t[c].marker.color for c in ("continued", "copied", "first")} == {COLORS["reused"]}
+    assert t["copied"].marker.pattern.shape == "/" and not t["continued"].marker.pattern.shape
+    assert (t["continued"].name, t["copied"].name) == ("continued", "copied prefix")
     layout = tl.figure.layout
     assert layout.xaxis3.title.text == "request #" and layout.xaxis.tickformat == "d"
     assert [layout[f"yaxis{i}"].title.text for i in ("", "2", "3")] == ["%", "ms", "tokens"]
+    tl.max_requests = 2
+    tl.feed.flush()
+    assert tl.shown == 2 and list(t["first token"].x) == [r.id for r in history[-2:]]
     with pytest.raises(ValueError, match="max_requests must be >= 1"):
         tl.max_requests = 0
+    tl.close()
+
+
+# ------------------------------------------------------------------ the live feed's throttle
 
 
 class ManualClock:
@@ -235,6 +365,7 @@ class ManualClock:
     def __init__(self, now=1000.0):
         self.now = now
         self.cv = threading.Condition()
+        self.waiters: list[tuple[ClockEvent, float | None]] = []  # threads in ClockEvent.wait
 
     def monotonic(self):
         with self.cv:
@@ -244,6 +375,18 @@ class ManualClock:
         with self.cv:
             self.now += seconds
             self.cv.notify_all()
+
+    def settled(self, timeout=WAIT):
+        """Wait until the feed's thread waits on this clock with nothing to wake it.
+
+        Every queued event it could act on has then been acted on: only moving the clock
+        or a new event changes what it shows.
+        """
+        def idle():
+            return self.waiters and all(not ev.flag and (end is None or self.now < end)
+                                        for ev, end in self.waiters)
+        with self.cv:
+            return self.cv.wait_for(idle, timeout)
 
     def __getattr__(self, name):  # anything else the feed takes from ``time``
         return getattr(time, name)
@@ -270,8 +413,15 @@ class ClockEvent:
     def wait(self, timeout=None):
         with self.clock.cv:
             end = None if timeout is None else self.clock.now + timeout
-            while not self.flag and (end is None or self.clock.now < end):
-                self.clock.cv.wait()
+            me = (self, end)
+            self.clock.waiters.append(me)
+            self.clock.cv.notify_all()
+            try:
+                while not self.flag and (end is None or self.clock.now < end):
+                    self.clock.cv.wait()
+            finally:
+                self.clock.waiters.remove(me)
+                self.clock.cv.notify_all()
             return self.flag
 
 
@@ -310,156 +460,290 @@ class Draws:
 
     def wait_for(self, n):
         with self.cv:
-            assert self.cv.wait_for(lambda: len(self.seen) >= n, timeout=30), self.seen
+            assert self.cv.wait_for(lambda: len(self.seen) >= n, timeout=WAIT), self.seen
         return self.seen[n - 1]
 
 
-def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(sent, clock):
-    eng = FakeEngine()
-    dash = CacheDashboard(eng, interval=0.25)
+class Gate:
+    """Holds the engine's thread at the events ``when`` picks, until the test lets it go.
+
+    Subscribed after the feed, so the feed has queued the event when the engine stops:
+    the test sees the feed with exactly the events so far. Also counts every event.
+    """
+
+    def __init__(self, engine, when):
+        self.when = when
+        self.cv = threading.Condition()
+        self.events: list[Any] = []
+        self.held: list[Any] = []
+        self.released = 0
+        self.opened = False
+        self.unsubscribe = engine.subscribe(self._on_event)
+
+    def _on_event(self, ev):
+        with self.cv:
+            self.events.append(ev)
+            self.cv.notify_all()
+            if self.when is not None and self.when(ev):
+                self.held.append(ev)
+                n = len(self.held)
+                self.cv.wait_for(lambda: self.opened or self.released >= n, timeout=WAIT)
+
+    def reached(self, n):
+        """The ``n``-th event the engine was held at, once it is held there."""
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.held) >= n, timeout=WAIT), self.events
+            return self.held[n - 1]
+
+    def release(self):
+        with self.cv:
+            self.released += 1
+            self.cv.notify_all()
+
+    def seen(self, test):
+        """Wait for an event that passes ``test``."""
+        with self.cv:
+            assert self.cv.wait_for(lambda: any(test(ev) for ev in self.events),
+                                    timeout=WAIT), self.events
+
+    def open(self):
+        """Hold nothing more, let everything go."""
+        with self.cv:
+            self.when, self.opened = None, True
+            self.cv.notify_all()
+        self.unsubscribe()
+
+
+def test_live_feed_redraws_once_per_interval_and_ends_on_the_final_state(engine, sent, clock):
+    engine.clear()  # nothing of earlier requests left to rewrite: every event is this test's
+    dash = CacheDashboard(engine, interval=0.25)
     draws = Draws()
+
+    def hold(ev):  # a's start; each request's first token
+        return (isinstance(ev, RequestStarted) and ev.record.session == "a"
+                or isinstance(ev, Progress) and ev.phase == "generate" and ev.done == 1)
+
+    gate = Gate(engine, hold)
     dash.feed.attach(draws)  # drawn once right away, on this thread
+    streams = []
+
+    def ask(session, text):
+        streams.append(engine.chat([SYSTEM, user(text)], session=session, stream=True,
+                                   max_tokens=8, temperature=0))
+
     try:
-        eng.publish(RequestStarted(record()))  # a prompt is being read: no redraw yet
-        time.sleep(0.2)
-        assert len(draws.seen) == 1
-        eng.publish(Progress(1, 0, "generate", 1, 100))  # its first token: drawn at once
-        assert draws.wait_for(2) == ("nbkv-widgets", 2)
-        for i in range(2, 52):  # 50 events within 0.2 s of that redraw
-            clock.advance(0.004)
-            eng.publish(Progress(1, 0, "generate", i, 100))
-        assert len(draws.seen) == 2  # the feed waits for the interval to pass
-        clock.advance(0.1)  # 0.3 s since the last redraw: one redraw for all 50
-        assert draws.wait_for(3) == ("nbkv-widgets", 52)
-        for i in range(52, 102):
-            clock.advance(0.004)
-            eng.publish(Progress(1, 0, "generate", i, 100))
-        eng.publish(RequestFinished(record(generated_tokens=100)))
-        assert len(draws.seen) == 3
-        clock.advance(0.3)  # a request that ended is drawn once nothing follows for 0.4 s
-        time.sleep(0.2)
-        assert len(draws.seen) == 3
-        clock.advance(0.2)  # the final state, once more after the last event
-        assert draws.wait_for(4) == ("nbkv-widgets", 103)
-        assert dash.feed.renders == 3  # 103 events, 3 redraws
-        assert dash.timeline.shown == 1 and "1 requests" in dash.header.value
-        assert "generating" not in dash.slots.cards[0].value  # the request ended
+        ask("a", "Name a colour.")
+        assert isinstance(gate.reached(1), RequestStarted)  # a's prompt is being read
+        assert clock.settled() and len(draws.seen) == 1  # no redraw for that
+        gate.release()
+        first = gate.reached(2)
+        assert first.phase == "generate" and first.done == 1  # a's first token
+        assert draws.wait_for(2) == ("nbkv-widgets", 2)  # drawn at once: no clock moved
+        ask("b", "Name a fruit.")  # queued while the engine is held: it starts after
+        gate.release()
+        third = gate.reached(3)
+        assert third.request_id == next(ev.record.id for ev in gate.events if isinstance(
+            ev, RequestStarted) and ev.record.session == "b")  # b's first token
+        # b started and answered within the interval of the last redraw: not drawn yet
+        assert clock.settled() and len(draws.seen) == 2
+        clock.advance(0.3)  # the interval passed: one redraw for all that came
+        assert draws.wait_for(3) == ("nbkv-widgets", len(gate.events))
+        gate.when = None  # the rest, at the engine's own pace
+        gate.release()
+        ids = {s.result().record.id for s in streams}
+        gate.seen(lambda ev: ids == {e.request_id for e in gate.events
+                                     if isinstance(e, SlotRewritten)})
+        assert clock.settled() and len(draws.seen) == 3  # within the interval again
+        clock.advance(0.3)  # past it; the requests ended: drawn once 0.4 s are quiet
+        assert clock.settled() and len(draws.seen) == 3
+        clock.advance(0.2)
+        assert draws.wait_for(4) == ("nbkv-widgets", len(gate.events))  # the final state
+        assert clock.settled() and dash.feed.renders == 3
+        assert f"{len(engine.history)} requests" in dash.header.value
+        assert not any("generating" in c.value for c in dash.slots.cards)  # they ended
         # publishing only queues: every redraw after the first ran on the widget thread
         assert [name for name, _ in draws.seen] == ["MainThread"] + ["nbkv-widgets"] * 3
         assert {name for name, _ in sent} - {"MainThread"} <= {"nbkv-widgets"}
     finally:
+        gate.open()
+        for s in streams:
+            s.close()
         dash.close()
     assert len(draws.seen) == 4  # closing draws nothing more
 
 
-def test_a_long_prefill_is_redrawn_at_most_once_per_hold(clock):
-    eng = FakeEngine()
-    feed = Feed(eng, interval=0.25, hold=1.0)
+def test_a_long_prefill_is_redrawn_at_most_once_per_hold(engine, clock):
+    engine.clear()
+    feed = Feed(engine, interval=0.25, hold=1.0)
     draws = Draws()
+
+    def reading(ev):  # the start, and the progress of the prompt's reading
+        return (isinstance(ev, RequestStarted)
+                or isinstance(ev, Progress) and ev.phase != "generate")
+
+    gate = Gate(engine, reading)
     feed.attach(draws)
+    # a prompt longer than n_batch: read in two pieces, with a progress event after the first
+    long = [SYSTEM, user(" ".join(f"Fact {i}: cats sleep a lot." for i in range(40)))]
+    assert engine.ctx.n_batch < len(engine.tokenize_prompt(long)) < CTX - 8
+    stream = None
     try:
-        eng.publish(RequestStarted(record()))
-        deadline = time.monotonic() + 10
-        while not feed.state.running and time.monotonic() < deadline:  # the thread took it
-            time.sleep(0.01)
+        stream = engine.chat(long, session="long", stream=True, max_tokens=2, temperature=0)
+        gate.reached(1)
+        assert clock.settled() and len(draws.seen) == 1
         clock.advance(0.5)
-        time.sleep(0.2)
-        assert len(draws.seen) == 1  # still reading, within the hold
+        assert clock.settled() and len(draws.seen) == 1  # still reading, within the hold
         clock.advance(0.6)  # 1.1 s: a long prefill shows its progress
         assert draws.wait_for(2)[1] == 1
-        eng.publish(Progress(1, 0, "extend", 10, 24))
+        gate.release()
+        progress = gate.reached(2)
+        assert isinstance(progress, Progress) and 0 < progress.done < progress.total
         clock.advance(0.3)  # past the interval, but within the hold of the last redraw
-        time.sleep(0.2)
-        assert len(draws.seen) == 2
+        assert clock.settled() and len(draws.seen) == 2
         clock.advance(0.8)
         assert draws.wait_for(3)[1] == 2
     finally:
+        gate.open()
+        if stream is not None:
+            stream.close()
         feed.close()
 
 
-def test_a_failing_redraw_is_shown_not_raised():
-    eng = FakeEngine()
-    dash = CacheDashboard(eng, live=False)
-    eng.fail = True
-    eng.publish(SlotsChanged("cleared"))
-    dash.feed.flush()  # no exception
-    assert "snapshot broke" in dash.slots.note.value
-    assert "snapshot broke" in dash.kvmap.note.value
-    eng.fail = False
-    eng.publish(SlotsChanged("cleared"))
-    dash.feed.flush()
-    assert dash.slots.note.value == ""
+# ------------------------------------------------------------------ the dashboard
 
 
-def test_engine_closed_stops_the_feed():
-    eng = FakeEngine()
-    dash = CacheDashboard(eng, interval=0.05)
-    eng.publish(SlotsChanged("closed"))
-    deadline = time.monotonic() + 5
-    while dash.feed._thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not dash.feed._thread.is_alive()
-    assert "engine closed" in dash.header.value and "engine closed" in dash.slots.note.value
-    assert not eng.bus._subs  # unsubscribed
-
-
-# ------------------------------------------------------------------ real engine
-
-
-@pytest.fixture(scope="module")
-def engine(model_path):
-    from nbkv import Engine
-
-    with Engine(model_path, n_slots=2, n_ctx=1024) as e:
-        yield e
-
-
-def test_dashboard_follows_a_real_conversation(engine):
-    dash = CacheDashboard(engine, interval=0.1)
+def test_a_failing_redraw_is_shown_not_raised(engine, monkeypatch):
+    dash = CacheDashboard(engine, live=False)
     try:
-        msgs = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "What is a CPU?"}]
-        res = engine.chat(msgs, session="real", max_tokens=6, temperature=0)
-        msgs += [res.message, {"role": "user", "content": "And memory?"}]
-        res2 = engine.chat(msgs, session="real", max_tokens=6, temperature=0)
-        deadline = time.monotonic() + 10
-        while dash.timeline.shown < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert dash.timeline.shown == 2  # the live feed drew both requests on its own
-        dash.feed.flush()  # the final state, drawn now whatever the throttle
-        slot = res2.record.slot
-        card = dash.slots.cards[slot].value
-        assert "real" in card and f"{engine.slots()[slot].n_tokens}/1024" in card
-        t = dash.kvmap.traces
-        req = f"slot {slot} · request"
-        reused = [b for b in bars(t["reused"]) if b[0] == req]
-        assert reused and reused[-1][2] == res2.record.reused_tokens
-        gen = [b for b in bars(t["generated"]) if b[0] == req]
-        # the last sampled token is never decoded, so the KV ends one short of the reply
-        assert gen == [(req, res2.record.prompt_tokens, engine.slots()[slot].n_tokens)]
-        assert list(dash.timeline.traces["continued"].x) == [res2.record.id]
+        def broken():
+            raise RuntimeError("snapshot broke")
+
+        monkeypatch.setattr(engine, "slots", broken)  # the engine's snapshot fails once
+        engine.clear()
+        dash.feed.flush()  # no exception
+        assert "snapshot broke" in dash.slots.note.value
+        assert "snapshot broke" in dash.kvmap.note.value
+        monkeypatch.undo()
+        engine.clear()
+        dash.feed.flush()
+        assert dash.slots.note.value == ""
     finally:
         dash.close()
 
 
-def test_images_show_as_media_spans_and_chunks():
-    eng = FakeEngine()
-    feed = Feed(eng, live=False)
-    cards, kv = SlotCards(eng, feed), KVMap(eng, feed)
-    segs = (
-        Segment(0, 5, 0, "user", "reused", "Describe"),
-        Segment(5, 69, 0, "user", "reused", "", kind="image", image_hash="ab" * 16),
-        Segment(69, 80, 0, "user", "prefilled", "it."),
-        Segment(80, 90, 1, "assistant", "generated", "A cat."),
-    )
-    image = MediaKey("ab" * 16, 0, 64, 64)
-    tokens = (*range(5), *(MediaUnit(image, i) for i in range(64)), *range(69, 90))
-    eng.set_slot(0, session="eve", tokens=tokens, segments=segs, last_used=1)
-    feed.flush()
-    assert bars(kv.traces["image"]) == [("slot 0", 5, 69)]
-    assert bars(kv.traces["user"]) == [("slot 0", 0, 5), ("slot 0", 69, 80)]
-    assert kv.traces["image"].customdata[0][4] == "image " + "ab" * 6
-    assert "images: 1" in cards.cards[0].value
+def test_engine_closed_stops_the_feed():
+    e = Engine(str(make_text_model("lfm2")), n_slots=1, n_ctx=CTX)  # tiny: closed here
+    dash = CacheDashboard(e, interval=0.05)
+    subscribers = len(e.events._subs)
+    e.close()
+    dash.feed._thread.join(WAIT)  # the feed's thread ends on its own
+    assert not dash.feed._thread.is_alive()
+    assert "engine closed" in dash.header.value and "engine closed" in dash.slots.note.value
+    assert len(e.events._subs) == subscribers - 1  # unsubscribed
+
+
+def test_dashboard_follows_a_real_conversation(engine):
+    engine.clear()
+    dash = CacheDashboard(engine, interval=0.1)
+    drawn = Draws()
+    dash.feed.attach(drawn)  # after the dashboard's own pieces: redrawn after them
+    try:
+        msgs = [SYSTEM, user("What is a CPU?")]
+        res = engine.chat(msgs, session="real", max_tokens=6, temperature=0)
+        msgs += [res.message, user("And memory?")]
+        res2 = engine.chat(msgs, session="real", max_tokens=6, temperature=0)
+        with drawn.cv:  # the live feed draws both requests on its own
+            assert drawn.cv.wait_for(lambda: res2.record in dash.feed.state.last_by_slot.values()
+                                     and dash.timeline.shown == len(engine.history), WAIT)
+        dash.feed.flush()  # the final state, drawn now whatever the throttle
+        slot = res2.record.slot
+        card = dash.slots.cards[slot].value
+        assert "real" in card and f"{engine.slots()[slot].n_tokens}/{CTX}" in card
+        t = dash.kvmap.traces
+        reused = [b for b in bars(t["reused"]) if b[0] == req(slot)]
+        assert reused and reused[-1][2] == res2.record.reused_tokens
+        gen = [b for b in bars(t["generated"]) if b[0] == req(slot)]
+        # the last sampled token is never decoded, so the KV ends one short of the reply
+        assert gen == [(req(slot), res2.record.prompt_tokens, engine.slots()[slot].n_tokens)]
+        assert res2.record.id in dash.timeline.traces["continued"].x
+    finally:
+        dash.close()
+
+
+def test_one_legend_for_the_dashboard_and_the_slot_strips(engine):
+    from nbkv.display import LEGEND_STATES, legend_html, stats_table
+    from nbkv.palette import ROLE_COLORS
+
+    html = legend_html()
+    for key, label in LEGEND_STATES:  # each colour named once, by what it means
+        assert html.count(COLORS[key]) == 1 and label in html
+    assert all(ROLE_COLORS[r] in html for r in ("system", "user", "assistant"))
+    assert "checkpoint" in html and "where the prompt diverged" in html
+    dash = CacheDashboard(engine, live=False)
+    try:
+        assert dash.legend.value == html
+    finally:
+        dash.close()
+    # statistics: internals only under "details", draft counts only when guesses are on
+    assert not engine.speculative
+    table = stats_table(engine)
+    rows = [r[0] for r in table.rows]
+    assert rows[:3] == ["requests", "prompt tokens", "reused from cache"]
+    assert "took another conversation's slot" in rows
+    assert [r[0] for r in table.details] == ["spc_entries"]
+    assert "<details>" in table._repr_html_()
+    # the slot strips are drawn in role colours: their legend shows roles and shading only
+    strips = legend_html("strips")
+    assert not any(COLORS[key] in strips for key, _ in LEGEND_STATES)
+    assert "solid = reused" in strips and "pale = read new" in strips
+    assert "striped = generated" in strips
+
+
+def test_conversations_follow_session_changes(engine, sent):
+    from nbkv.sessions import SessionStore
+
+    store = SessionStore()
+    view = Conversations(engine, Feed(engine, live=False), sessions=store)
+    assert "no conversation yet" in view.view.value and view.turns == 0
+    s = store.get("dora")
+    for q in ("What is a CPU?", "And memory?"):  # each turn commits: a session event
+        s.chat(q, engine=engine, max_tokens=4, temperature=0)
+    view.feed.flush()
+    assert view.turns == 2 and view.stale == 0 and "What is a CPU?" in view.view.value
+    slot = next(x for x in engine.slots() if x.session == "dora")
+    assert f"slot {slot.index}: {slot.n_tokens} tokens in KV" in view.view.value
+    n = len(sent)
+    s.rewind(1)  # the second turn goes stale
+    view.feed.flush()
+    assert view.stale == 1 and view.view.value.count('data-state="stale"') == 1
+    # the redraw reached the front end as a widget state message
+    assert any(d and d.get("method") == "update" and 'data-state="stale"' in str(d)
+               for _, d in sent[n:])
+    view.close()
+    s.reset()  # no longer followed: nothing raised, nothing redrawn
+    assert view.turns == 2
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_kv_map_marks_checkpoints_on_the_messages_row():
+    """A hybrid model (the generated tiny LFM2) keeps checkpoints: ticks on the messages row."""
+    with Engine(str(make_text_model("lfm2")), n_slots=1, n_ctx=CTX) as e:
+        msgs = [SYSTEM, user("What is a CPU?")]
+        msgs += [e.chat(msgs, session="h", max_tokens=4, temperature=0).message,
+                 user("And memory?")]
+        e.chat(msgs, session="h", max_tokens=4, temperature=0)
+        kv = KVMap(e, Feed(e, live=False))
+        cards = SlotCards(e, kv.feed)
+        s = e.slots()[0]
+        assert s.memory == "hybrid" and len(s.checkpoints) > 1
+        cp = kv.traces["checkpoint"]
+        assert list(zip(cp.y, cp.x)) == [("slot 0", p) for p in s.checkpoints]
+        assert "checkpoint at position" in cp.hovertemplate
+        assert f"hybrid · {len(s.checkpoints)} checkpoints (" in cards.cards[0].value
+        kv.close()
+        cards.close()
 
 
 def test_slot_cards_show_the_memory_class_and_checkpoints():
@@ -483,107 +767,3 @@ def test_slot_cards_show_the_memory_class_and_checkpoints():
     stuck = replace(hybrid, checkpoints=(128,), checkpoint_bytes=2048, memory="plain")
     assert memory_text(stuck) == "plain · 1 checkpoint (2.0 KiB)"
     assert "plain · 1 checkpoint (2.0 KiB)</span>" in card(stuck, 1, 2, None)
-
-
-def test_kv_map_marks_checkpoints_on_the_messages_row():
-    eng = FakeEngine()
-    kv = KVMap(eng, Feed(eng, live=False))
-    eng._slots[1] = SlotInfo(1, 1, 512, "b", tuple(range(130)), ("h",), (130,), 1, False,
-                             checkpoints=(64, 128), checkpoint_bytes=2200, memory="hybrid")
-    eng.publish(RequestFinished(record()))
-    kv.feed.flush()
-    cp = kv.traces["checkpoint"]
-    assert list(zip(cp.y, cp.x)) == [("slot 1", 64), ("slot 1", 128)]
-    assert "checkpoint at position" in cp.hovertemplate
-
-
-def test_kv_map_marks_where_the_prompt_diverged():
-    from nbkv.reasons import Divergence
-
-    eng = FakeEngine()
-    kv = KVMap(eng, Feed(eng, live=False))
-    eng.set_slot(0, segments=SEGS, tokens=tuple(range(104)), session="alice")
-    div = Divergence(63, 2, "assistant", (), (), 63)
-    eng.publish(RequestFinished(record(7, reason="edited", divergence=div,
-                                       reason_text="kept 2 message(s), re-read from message 2")))
-    kv.feed.flush()
-    mark = kv.traces["divergence"]
-    assert list(mark.x) == [63] and list(mark.y) == ["slot 0 · request"]
-    assert "request 7: edited message: kept 2 message(s)" in mark.customdata[0]
-
-
-def test_one_legend_for_the_dashboard_and_the_slot_strips():
-    from nbkv.display import LEGEND_STATES, legend_html, stats_table
-    from nbkv.palette import ROLE_COLORS
-
-    html = legend_html()
-    for key, label in LEGEND_STATES:  # each colour named once, by what it means
-        assert html.count(COLORS[key]) == 1 and label in html
-    assert all(ROLE_COLORS[r] in html for r in ("system", "user", "assistant"))
-    assert "checkpoint" in html and "where the prompt diverged" in html
-    eng = FakeEngine()
-    dash = CacheDashboard(eng, live=False)
-    try:
-        assert dash.legend.value == html
-    finally:
-        dash.close()
-    # statistics: internals only under "details", draft counts only when guesses are on
-    eng.speculative = False
-    eng.stats = lambda: {"requests": 3, "reused_tokens": 10, "draft_tokens": 0,
-                         "evictions": 1, "thrashing": False, "advice": "", "spc_entries": 0}
-    table = stats_table(eng)
-    assert [r[0] for r in table.rows] == ["requests", "reused from cache",
-                                          "took another conversation's slot"]
-    assert [r[0] for r in table.details] == ["spc_entries"]
-    assert "<details>" in table._repr_html_() and table.note == ""
-    # the slot strips are drawn in role colours: their legend shows roles and shading only
-    strips = legend_html("strips")
-    assert not any(COLORS[key] in strips for key, _ in LEGEND_STATES)
-    assert "solid = reused" in strips and "pale = read new" in strips
-    assert "striped = generated" in strips
-
-
-def test_a_map_made_after_the_requests_starts_from_the_latest_one():
-    from nbkv.reasons import Divergence
-
-    eng = FakeEngine()
-    eng.set_slot(0, segments=SEGS, tokens=tuple(range(104)), session="alice", last_request=7)
-    div = Divergence(63, 2, "assistant", (), (), 63)
-    eng.publish(RequestFinished(record(6)))
-    eng.publish(RequestFinished(record(7, reason="edited", divergence=div)))
-    kv = KVMap(eng, Feed(eng, live=False))  # drawn once, right away: no flush
-    assert list(kv.traces["divergence"].x) == [63]
-
-
-def test_conversations_follow_session_changes(sent):
-    from nbkv.sessions import CellRef, SessionStore, Turn
-
-    eng, store = FakeEngine(), SessionStore()
-    view = Conversations(eng, Feed(eng, live=False), sessions=store)
-    assert "no conversation yet" in view.view.value and view.turns == 0
-    s = store.get("alice")
-    s.messages = [{"role": "system", "content": "Be brief."},
-                  {"role": "user", "content": "What is a CPU?"},
-                  {"role": "assistant", "content": "A processor."},
-                  {"role": "user", "content": "And memory?"},
-                  {"role": "assistant", "content": "Storage."}]
-    view.feed.flush()
-    assert view.turns == 2 and view.stale == 0 and "What is a CPU?" in view.view.value
-    # a cell's turn commits, then a rewind: session events, not engine ones
-    n = len(sent)
-    s._commit(Turn([{"role": "user", "content": "What is a GPU?"},
-                    {"role": "assistant", "content": "A graphics chip."}], CellRef("c1", 7)))
-    assert s.turns[0].cell is None  # the turns set from Python had no cell: appended
-    s.rewind(0)
-    view.feed.flush()
-    assert view.stale == 3 and view.view.value.count('data-state="stale"') == 3
-    # the redraw reached the front end as a widget state message
-    assert any(d and d.get("method") == "update" and 'data-state="stale"' in str(d)
-               for _, d in sent[n:])
-    eng.set_slot(0, session="alice", tokens=tuple(range(50)), last_used=1)
-    eng.publish(RequestFinished(record()))
-    view.feed.flush()
-    assert "slot 0: 50 tokens in KV" in view.view.value
-    view.close()
-    s.reset()  # no longer followed: nothing raised, nothing redrawn
-    assert view.turns == 3
