@@ -14,8 +14,8 @@ from IPython.utils.capture import capture_output
 import nbkv
 from conftest import assert_consistent, ipython_shell
 from nbkv import vocabulary
-from nbkv.display import Figures
 from nbkv.events import Progress
+from nbkv.figures import Figures
 from nbkv.sessions import STORE
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
