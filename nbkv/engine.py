@@ -34,7 +34,7 @@ from .rewrite import settle_all
 from .sampling import SamplingParams
 from .scheduler import EngineSlot, Scheduler, ServeSettings
 from .slot_kv import SlotKV
-from .slot_parking import park_slot, restore_into
+from .slot_parking import park_sessions, unpark_sessions
 from .slot_table import SlotInfo, SlotState, SlotTable
 from .spc import SavedPrompt, SystemPromptStore
 from .streams import ChatResult, ChatStream
@@ -266,60 +266,17 @@ class Engine(TemplatedAPI, ChatAPI):
 
     def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
-        lot = self._parking_lot()
-
-        def do() -> list[str]:
-            done = []
-            for s in self.table:
-                if s.pending or not s.tokens or not (all or s.session == session):
-                    continue
-                who, n = s.session, len(s.tokens)
-                tier = park_slot(self.scheduler, s)
-                with self.table.lock:
-                    s.reset()
-                done.append(f"{who or f'slot {s.index}'}: {n:,} tokens to {tier or 'nowhere'}")
-            return done
-        done = self.scheduler.call(do)
+        self._parking_lot()
+        text = self.scheduler.call(lambda: park_sessions(self.scheduler, session, all))
         self.events.publish(SlotsChanged("parked"))
-        if not done:
-            raise InvalidRequestError(f"no idle slot holds session {session!r}" if not all
-                                      else "no idle slot holds a conversation")
-        st = lot.stats()
-        return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
-                f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
+        return text
 
     def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Bring parked conversations back into slots now (an empty slot, else the LRU's)."""
-        lot = self._parking_lot()
-        wanted = [i for i in lot.entries() if all or i.session == session][: self.n_slots]
-        if not wanted:
-            raise InvalidRequestError(f"session {session!r} is not parked" if not all
-                                      else "nothing is parked")
-
-        def do() -> list[str]:
-            done = []
-            for info in wanted:
-                free = [s for s in self.table if not s.pending]
-                if not free:
-                    break
-                slot = next((s for s in free if not s.tokens), None) or min(
-                    free, key=lambda s: (s.last_used, s.index))
-                entry = lot.take(info.key)
-                if entry is None:
-                    continue
-                park_slot(self.scheduler, slot)
-                slot.reset()
-                n = restore_into(slot, entry)
-                if n:
-                    self.table.adopt(slot, SlotState(
-                        slot.index, entry.session, tuple(entry.hashes), tuple(entry.msg_ends),
-                        tuple(entry.segments), 0, entry.last_request, None))
-                done.append(f"{entry.session}: {n:,} tokens from {entry.tier} into slot "
-                            f"{slot.index}")
-            return done
-        done = self.scheduler.call(do)
+        self._parking_lot()
+        text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, session, all))
         self.events.publish(SlotsChanged("unparked"))
-        return "unparked " + ("; ".join(done) or "nothing")
+        return text
 
     def _parking_lot(self) -> ParkingLot:
         if self.parking is None:

@@ -15,8 +15,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from .errors import InvalidRequestError
 from .parked import ParkedEntry
 from .slot_kv import KVSnapshot, trim_valid
+from .slot_table import SlotState
 
 if TYPE_CHECKING:
     from .scheduler import EngineSlot, Scheduler
@@ -58,3 +60,55 @@ def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:
         kv.clear()
         return 0
     return len(kv)
+
+
+def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+    """Park ``session``'s idle slot (every idle slot that holds something with ``every``)."""
+    done = []
+    for s in sched.table:
+        if s.pending or not s.tokens or not (every or s.session == session):
+            continue
+        who, n = s.session, len(s.tokens)
+        tier = park_slot(sched, s)
+        with sched.cv:
+            s.reset()
+        done.append(f"{who or f'slot {s.index}'}: {n:,} tokens to {tier or 'nowhere'}")
+    if not done:
+        raise InvalidRequestError("no idle slot holds a conversation" if every
+                                  else f"no idle slot holds session {session!r}")
+    st = sched.parking.stats()
+    return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
+            f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
+
+
+def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+    """Restore ``session``'s parked conversation (all, with ``every``) into slots.
+
+    Each goes into an empty slot, else the least recently used one (whose conversation is
+    parked in turn); at most one per slot.
+    """
+    lot, table = sched.parking, sched.table
+    wanted = [i for i in lot.entries() if every or i.session == session][: len(table)]
+    if not wanted:
+        raise InvalidRequestError("nothing is parked" if every
+                                  else f"session {session!r} is not parked")
+    done = []
+    for info in wanted:
+        free = [s for s in table if not s.pending]
+        if not free:
+            break
+        slot = next((s for s in free if not s.tokens), None) or min(
+            free, key=lambda s: (s.last_used, s.index))
+        entry = lot.take(info.key)
+        if entry is None:
+            continue
+        park_slot(sched, slot)
+        with sched.cv:
+            slot.reset()
+        n = restore_into(slot, entry)
+        if n:
+            table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
+                                        tuple(entry.msg_ends), tuple(entry.segments), 0,
+                                        entry.last_request, None))
+        done.append(f"{entry.session}: {n:,} tokens from {entry.tier} into slot {slot.index}")
+    return "unparked " + ("; ".join(done) or "nothing")
