@@ -135,12 +135,14 @@ class RestoreReport:
     nbytes: int
     seconds: float
     saved_at: float
+    parked: tuple[str, ...] = ()  # conversations parked: saved parked, or without a slot
 
     def __str__(self) -> str:
         per = ", ".join(f"slot {s.index} ({s.session or '-'}): {s.tokens} tokens"
                         for s in self.slots) or "no slot"
         drop = (f"; not enough slots, dropped the least recently used: "
                 f"{', '.join(self.dropped)}" if self.dropped else "")
+        drop += (f"; parked: {', '.join(self.parked)}" if self.parked else "")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.saved_at))
         return (f"restored the save of {when} from {self.path} in {self.seconds:.2f} s: "
                 f"{per}; {self.spc_entries} system prompt(s), {self.embeddings} image "
@@ -481,7 +483,8 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
         store.get(name).load_state(state)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), tuple(plan.dropped), len(plan.spc),
                         len(plan.embeddings), tuple(n for n, _ in plan.sessions), plan.nbytes,
-                        time.perf_counter() - t0, float(body.get("created", 0.0)))
+                        time.perf_counter() - t0, float(body.get("created", 0.0)),
+                        tuple(e.session or "-" for e in plan.parked))
     engine.last_restore = rep
     engine.events.publish(SlotsChanged("restored"))
     log.info("%s", rep)

@@ -515,7 +515,7 @@ class SessionStore:
         ``None`` stops it. Follows the loaded engine; only an in-kernel engine is autosaved
         (a server's slots are saved on demand: ``%kvcache save``).
         """
-        from .persist import Autosaver
+        from .autosave import Autosaver
 
         saver, engine = self.autosaver, self.engine
         if saver is not None and (path is None or saver.engine is not engine

@@ -328,7 +328,7 @@ def test_fewer_slots_keep_the_most_recently_used(model_path, tmp_path):
         for name in ("old", "new"):
             store.get(name).chat(QUESTIONS[0], engine=e, max_tokens=4, temperature=0)
         e.save(tmp_path / "s", store)
-    with Engine(model_path, n_slots=1, n_ctx=512, n_threads=2) as e:
+    with Engine(model_path, n_slots=1, n_ctx=512, n_threads=2, park_ram=0) as e:
         rep = e.restore(tmp_path / "s", SessionStore())
         assert [s.session for s in rep.slots] == ["new"] and rep.dropped == ("old",)
         assert "dropped the least recently used: old" in str(rep)
@@ -336,6 +336,10 @@ def test_fewer_slots_keep_the_most_recently_used(model_path, tmp_path):
         assert np.array_equal(np.array(e.probe(0, PROBE)),
                               fresh_probe(e.model, s.tokens, PROBE))
         assert_consistent(e)
+    with Engine(model_path, n_slots=1, n_ctx=512, n_threads=2) as e:  # parking on: parked
+        rep = e.restore(tmp_path / "s", SessionStore())
+        assert rep.dropped == () and rep.parked == ("old",) and "parked: old" in str(rep)
+        assert [p.session for p in e.parked()] == ["old"]
 
 
 def test_an_unwritable_directory_fails_the_save_and_keeps_everything(engine, good_save,

@@ -38,7 +38,7 @@ def user(text):
 @pytest.fixture(scope="module")
 def engine(model_path):
     """Every event of the lesson, on 2 slots."""
-    with Engine(model_path, n_slots=2, n_ctx=1024) as e:
+    with Engine(model_path, n_slots=2, n_ctx=1024, park_ram=0) as e:  # evictions lose
         def ask(session, msgs):
             res = e.chat(msgs, session=session, max_tokens=3, temperature=0)
             msgs.append(res.message)

@@ -242,7 +242,7 @@ def test_slot_cards_follow_a_request(story):
     assert "LRU 2 of 2" in after_bob.cards[rec.slot]
     # eve took bob's slot: its card says so
     eve = story.records["image"]
-    assert vocabulary.took(eve) == f"took bob's slot ({eve.evicted_tokens} tokens gone)"
+    assert vocabulary.took(eve) == f"took bob's slot ({eve.evicted_tokens} tokens parked)"
     assert escape(vocabulary.took(eve)) in story.at[("image", "finished")].cards[eve.slot]
     # the redraws reached the front end as widget state messages
     assert any(d and d.get("method") == "update" and "LRU 1 of 2" in str(d)
