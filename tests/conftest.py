@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -59,6 +66,17 @@ def ipython_shell():
 @pytest.fixture(scope="session")
 def model_path():
     return str(default_model_path())
+
+
+def run_py(code, *args, timeout=300):
+    """Run ``code`` (dedented) in a new Python process with ``args``; returns the JSON its
+    last output line holds (the process must succeed)."""
+    here = Path(__file__).parent  # run from tests/: ``import conftest`` is this file
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]))
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, env=env, cwd=here)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def scratch_reply(model_path, messages, template=None, max_tokens=MAX_TOKENS, **engine):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture
+from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture, run_py
 from nbkv import Engine, autosave, blobstore, persist, policy
 from nbkv.engine_state import EngineBusy
 from nbkv.errors import RestoreError, SaveError
@@ -49,15 +49,6 @@ def scratch_probe(model, projector, units, probe, images):
     ``projector`` (give it its own embedding cache).
     """
     return scratch_logits(model, units, probe, projector=projector, images=images)
-
-
-def run_py(code, *args, timeout=300):
-    # run from tests/: ``import conftest`` is tests/conftest.py, not the repository's
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 # -- continuity across a real restart ---------------------------------------------------------
