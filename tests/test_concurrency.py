@@ -127,7 +127,7 @@ def test_waiting_for_a_slot_times_out_clearly(model_path):
 
 
 def test_thrashing_is_detected(model_path):
-    with Engine(model_path, n_slots=2, n_ctx=512) as e:
+    with Engine(model_path, n_slots=2, n_ctx=512, park_ram=0) as e:  # no parking: thrash
         hist = {n: conv(i) for i, n in enumerate("abc")}
         for _ in range(3):
             for n, msgs in hist.items():

@@ -81,7 +81,8 @@ def llm(model_path):
 
 @pytest.fixture
 def engine(model_path):
-    with Engine(model_path, n_slots=2, n_ctx=N_CTX, n_batch=N_BATCH) as e:
+    with Engine(model_path, n_slots=2, n_ctx=N_CTX, n_batch=N_BATCH,
+                park_ram=0) as e:  # evictions lose the conversation, as in Llama
         assert e.ctx.n_batch == N_BATCH and e.ctx.n_ctx_seq == N_CTX
         assert e.exact and not e.speculative
         yield e
