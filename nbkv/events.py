@@ -109,6 +109,7 @@ class RequestRecord:
     restored_tokens: int = 0  # ... tokens of it the request reused
     restored_session: str | None = None  # ... whose conversation it was
     evicted_parked: str = ""  # "ram" or "disk": the evicted conversation was parked, not lost
+    park_s: float = 0.0  # ... the time that took (copying its state out), within restore_s
 
     @property
     def salvage_pct(self) -> float:

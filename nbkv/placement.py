@@ -74,10 +74,13 @@ def start(sched: Scheduler, job: Job) -> bool:
     with sched.cv:
         slot.pending = True
     parked_to = ""
+    park_s = 0.0
     restored = None
     try:
         if plan.evicted is not None and plan.evicted != job.session:
+            t_park = time.perf_counter()
             parked_to = park_slot(sched, slot)  # before the slot is cut, copied over or reused
+            park_s = time.perf_counter() - t_park
         with sched.cv:
             slot.redo.clear()
         if entry is not None:
@@ -142,7 +145,7 @@ def start(sched: Scheduler, job: Job) -> bool:
         restored_from=entry.tier if entry is not None and reuse else "",
         restored_tokens=reuse if entry is not None else 0,
         restored_session=entry.session if entry is not None and reuse else None,
-        evicted_parked=parked_to,
+        evicted_parked=parked_to, park_s=park_s,
         reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
         rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact)
     if reply_cached and reply_reused < reply_cached:

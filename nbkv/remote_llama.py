@@ -414,8 +414,15 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
         t = final.get("timings") or {}
         told = int(t["cache_n"]) if "cache_n" in t else seen_cache  # what the server said
         reused = plan.reuse if told is None else told
-        verified, note = True, ""
-        if told is not None and expected is not None and reused != expected:
+        verified, note, restored = True, "", {}
+        if told is not None and expected is not None and expected < reused <= len(p.tokens):
+            # the server found a longer prefix of this prompt in its --cache-ram (its host-
+            # memory prompt cache, llama-server's parking lot) and loaded it into the slot
+            note = (f"the server restored {reused:,} tokens from its --cache-ram into slot "
+                    f"{slot.index}, which held {expected:,} of them")
+            restored = dict(restored_from="server-ram", restored_tokens=reused,
+                            reason=reasons.RESTORED, reason_text=note, divergence=None)
+        elif told is not None and expected is not None and reused != expected:
             verified = False
             note = (f"the server reused {reused} tokens where nbkv expected {expected}: "
                     f"another client used slot {slot.index}, or the server cleared it")
@@ -432,7 +439,7 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
             prefill_s=float(t.get("prompt_ms", 0.0)) / 1000,
             decode_s=float(t.get("predicted_ms", 0.0)) / 1000 if final else (
                 now - job.t_first if job.t_first else 0.0),
-            finish_reason=finish, verified=verified, note=note,
+            finish_reason=finish, verified=verified, note=note, **restored,
             error=None if error is None else f"{type(error).__name__}: {error}",
             segments=message_segments(p.messages, p.ends, len(p.tokens), reused,
                                       len(slot.tokens) if slot.known else len(p.tokens),

@@ -10,8 +10,13 @@ The flags that keep nbkv's slot pinning exact (``SERVER_FLAGS``):
 - ``--no-kv-unified``: each slot has its own KV; with a unified KV buffer llama-server clears
   idle slots to make room (``try_clear_idle_slots``) and, with ``--cache-idle-slots``, when
   any new task starts, so a pinned conversation would vanish between turns;
-- ``--cache-ram 0``: no host-memory prompt cache swapping other prompts into a pinned slot
-  behind nbkv's back (optional: with it, the records say when the server reused more);
+- ``--cache-ram MIB``: llama-server's host-memory prompt cache, the server's parking lot
+  (:mod:`nbkv.parking`): a prompt leaving a slot is copied to RAM, and one that comes back
+  is restored from there into whichever slot nbkv pins it to. ``python -m nbkv.server``
+  sizes it from the budget the in-kernel engine parks in (``default_ram_budget()``; its
+  ``--cache-ram MIB`` overrides, 0 = off); the records say when the server restored more
+  than the pinned slot held (``restored_from="server-ram"``). :class:`LlamaServer` leaves
+  it off unless asked (``cache_ram``): tests and benchmarks pin what the server holds;
 - ``--metrics`` and the ``/slots`` endpoint (on by default): the server's own figures;
 - ``--slot-save-path DIR``: slot save, restore and erase (``%kvcache save`` / ``clear``).
 
@@ -37,7 +42,7 @@ from typing import Any
 
 from .errors import NbkvError, ServerError
 
-SERVER_FLAGS = ("--no-kv-unified", "--cache-ram", "0", "--metrics", "--slots", "--no-webui")
+SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
 
 
 def binary() -> Path | None:
@@ -70,13 +75,14 @@ class LlamaServer:
     equal to the in-kernel engine's, pin what changes the arithmetic to its values:
     ``batch`` and ``ubatch`` (``-b``, ``-ub``: the pieces a prefill is computed in; nbkv's
     default is 256) and ``flash_attn="off"`` (llama-server's ``auto`` turns flash attention
-    on where the in-kernel engine keeps it off for exactness).
+    on where the in-kernel engine keeps it off for exactness). ``cache_ram``: MiB of
+    llama-server's host-memory prompt cache (``--cache-ram``; 0 = off).
     """
 
     def __init__(self, model: str | None = None, *, port: int | None = None, slots: int = 2,
                  ctx: int = 2048, threads: int | None = None, batch: int | None = None,
                  ubatch: int | None = None, flash_attn: str | None = None,
-                 slot_save_path: str | None = None,
+                 slot_save_path: str | None = None, cache_ram: int = 0,
                  extra: tuple[str, ...] = (), log_path: str | None = None) -> None:
         exe = binary()
         if exe is None:
@@ -91,8 +97,10 @@ class LlamaServer:
         self.port = port or free_port()
         self.slots = slots
         self.ctx = ctx
+        self.cache_ram = int(cache_ram)
         self.argv = [str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
-                     "-np", str(slots), "-c", str(slots * ctx), *SERVER_FLAGS]
+                     "-np", str(slots), "-c", str(slots * ctx), *SERVER_FLAGS,
+                     "--cache-ram", str(int(cache_ram))]
         if threads:
             self.argv += ["-t", str(threads), "-tb", str(threads)]
         if batch:
@@ -193,10 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=4, help="slots (llama-server -np)")
     ap.add_argument("--ctx", type=int, default=4096, help="tokens per slot")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cache-ram", type=int, default=None, metavar="MIB",
+                    help="llama-server's host-memory prompt cache, where prompts leaving a "
+                         "slot are parked (default: the in-kernel engine's parking budget, "
+                         "min(1/4 of free RAM, 4 GiB); 0 = off)")
     args, extra = ap.parse_known_args(argv)
+    if args.cache_ram is None:
+        from .parking import default_ram_budget
+
+        args.cache_ram = default_ram_budget() >> 20
     try:
         server = LlamaServer(args.model, port=args.port, slots=args.slots, ctx=args.ctx,
-                             threads=args.threads, extra=tuple(extra))
+                             threads=args.threads, cache_ram=args.cache_ram,
+                             extra=tuple(extra))
     except NbkvError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

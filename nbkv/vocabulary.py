@@ -171,6 +171,9 @@ PARKING = _table(
     Term("disk", "disk", "parked on disk (park_dir), in the save format, after leaving RAM; "
                          "checked before it is restored", PARKED_COLOR),
     Term("spilled", "spilled to disk", "moved from RAM to disk to make room", PARKED_COLOR),
+    Term("server-ram", "the server's RAM", "llama-server's host-memory prompt cache "
+         "(--cache-ram): a prompt leaving a server slot is kept there and loaded back into "
+         "the slot it returns to", PARKED_COLOR),
 )
 
 GROUPS = {"events": EVENTS, "states": STATES, "roles": ROLES, "endings": ENDINGS,
@@ -219,8 +222,9 @@ def restored(record: Any) -> str:
         return ""
     who = getattr(record, "restored_session", None)
     whose = f"{who}'s " if who is not None else ""
+    took = f" in {record.restore_s * 1000:.0f} ms" if record.restore_s else ""  # (a server)
     return (f"{EVENTS['restored'].words} {whose}{record.restored_tokens:,} tokens from "
-            f"{tier_words(tier)} in {record.restore_s * 1000:.0f} ms")
+            f"{tier_words(tier)}{took}")
 
 
 def bar(record: Any) -> Term:

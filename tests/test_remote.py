@@ -70,9 +70,10 @@ def local():
     e.close()
 
 
-def conversation(engine, names=("ann", "bob"), turns=3, max_tokens=16):
+def conversation(engine, names=("ann", "bob"), turns=3, max_tokens=16, own_system=False):
     """Sessions taking turns; returns the replies and records in order."""
-    conv = {k: [{"role": "system", "content": SYSTEM}] for k in names}
+    conv = {k: [{"role": "system", "content": f"You are {k.title()}'s own assistant. Be brief."
+                 if own_system else SYSTEM}] for k in names}
     out = []
     for t in range(turns):
         for k in names:
@@ -294,6 +295,34 @@ def test_unified_kv_with_idle_slot_caching_clears_pinned_slots(tmp_path_factory)
             e.close()
 
 
+def test_a_restore_from_the_servers_cache_ram_is_told_from_a_plain_hit(tmp_path_factory,
+                                                                        local):
+    """With --cache-ram a session coming back to a slot another took is loaded from the
+    server's RAM: more than the pinned slot held, verified, said as a restore, exact."""
+    local.clear()
+    # (own system prompts: llama-server parks a slot's prompt only when a request would
+    # keep less than half of it)
+    mine = conversation(local, ("ann", "bob", "cat"), turns=2, max_tokens=4, own_system=True)
+    with server(tmp_path_factory, cache_ram=64) as s:
+        assert s.argv[s.argv.index("--cache-ram") + 1] == "64"
+        e = nbkv.connect(s.url)
+        try:
+            theirs = conversation(e, ("ann", "bob", "cat"), turns=2, max_tokens=4,
+                                  own_system=True)
+        finally:
+            e.close()
+    assert [r.text for r in theirs] == [r.text for r in mine]
+    recs = [r.record for r in theirs]
+    assert all(r.verified for r in recs) and not any(r.restored_from for r in recs[:3])
+    for r, first in zip(recs[3:], recs):  # each comes back to a slot another session took
+        assert r.evicted_session not in (None, r.session)
+        assert r.restored_from == "server-ram" and r.reason == "restored", r.summary()
+        assert r.reused_tokens == r.restored_tokens >= first.prompt_tokens
+        assert "--cache-ram" in r.reason_text
+        assert f"restored {r.reused_tokens} tokens from the server's RAM" in " ".join(
+            t for t, _ in r.actions())
+
+
 def test_a_new_connection_does_not_trust_what_the_server_already_holds(remote, srv):
     r = remote.chat([{"role": "user", "content": "Remember the number 7."}], "ann",
                     max_tokens=4)
@@ -411,6 +440,8 @@ def test_python_m_nbkv_server_runs_until_ctrl_c():
             if "ready" in line or not line:
                 break
         assert f"%kvcache connect http://127.0.0.1:{port}" in "".join(lines), lines
+        argv = lines[0].split()  # --cache-ram sized from the in-kernel parking budget
+        assert 0 < int(argv[argv.index("--cache-ram") + 1]) <= 4096
         e = nbkv.connect(f"http://127.0.0.1:{port}")
         assert e.n_slots == 1 and e.n_ctx == 512
         e.close()

@@ -7,6 +7,7 @@ are imported below: a new family is a new module, imported there.
 
 # isort: off
 from . import text, vision, subagents, decode, families, restore, kv_types, remote  # noqa: F401
+from . import thrash  # noqa: F401
 from . import quants, back_to_back, dashboard  # noqa: F401
 # isort: on
 
@@ -40,6 +41,7 @@ from .runners import (
     MAX_TOKENS,
     HandlerRunner,
     LimitRunner,
+    LlamaCacheRunner,
     LlamaCppRunner,
     LlamaDecodeRunner,
     NbkvRunner,
@@ -47,6 +49,7 @@ from .runners import (
 )
 from .subagents import batching_ceiling, scenario_subagents
 from .text import scenario_drift, scenario_interleaved, scenario_shared_system, scenario_single
+from .thrash import scenario_thrash
 from .vision import (
     IMAGE_FOLLOWUPS,
     VISION_HANDLERS,
@@ -60,13 +63,14 @@ from .vision import (
 __all__ = [
     "DECODE_FOLLOWUP", "DECODE_PROMPTS", "DECODE_VARIANTS", "FAMILIES", "IMAGE_FOLLOWUPS",
     "MAX_TOKENS", "QUANTS", "QUESTIONS", "SCENARIOS", "TARGETS", "TOPICS", "VISION_HANDLERS",
-    "VISION_PAIRS", "HandlerRunner", "HeadlessComm", "LimitRunner", "LlamaCppRunner",
-    "LlamaDecodeRunner", "NbkvRunner", "RemoteRunner", "Scenario", "baselines",
+    "VISION_PAIRS", "HandlerRunner", "HeadlessComm", "LimitRunner", "LlamaCacheRunner",
+    "LlamaCppRunner", "LlamaDecodeRunner", "NbkvRunner", "RemoteRunner", "Scenario", "baselines",
     "batching_ceiling", "family_model", "main", "mean", "paragraph", "print_report",
     "run_conversations", "scenario", "scenario_back_to_back", "scenario_dashboard",
     "scenario_decode", "scenario_drift", "scenario_families", "scenario_interleaved",
     "scenario_kv_types", "scenario_quants", "scenario_remote", "scenario_restore",
     "scenario_shared_system", "scenario_single", "scenario_speculative", "scenario_subagents",
+    "scenario_thrash",
     "scenario_vision", "scenario_vision_families", "scenario_vision_families_realistic",
     "scenario_vision_realistic", "system_prompt", "targets",
 ]

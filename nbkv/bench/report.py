@@ -37,6 +37,13 @@ TARGETS: list[tuple[str, str, str, float]] = [
       for k in ("single_imc_vs_llama_cpp_ttft", "interleaved_imc_vs_llama_cpp_ttft",
                 "exact_over_llama_decode")),
     ("dashboard", "dashboard_over_bare_prefill_tokens_per_s", ">=", 0.95),
+    # 6 sessions on 2 slots, rounds 2-3: parking against the 6-slot floor (first-token time,
+    # reuse in percentage points), a restore's own time (ms per 1,000 tokens, the slowest),
+    # and llama-server's --cache-ram on the same turns
+    ("thrash", "parking_over_6_slots_ttft", "<=", 1.2),
+    ("thrash", "reuse_points_below_6_slots", "<=", 5.0),
+    ("thrash", "restore_ms_per_1k_tokens_max", "<=", 5.0),
+    ("thrash", "server_ram_over_parking_ttft", ">=", 1.0),
     # prefill over the minimum, mean over turns 2+: hybrid/recurrent models go back to a
     # checkpoint, plain/SWA ones cut anywhere. The minimum as such (new message + glue), and
     # what a cache could reuse at all (replies of the random-weight models often re-tokenize
@@ -76,6 +83,8 @@ def print_report(report: dict[str, Any]) -> None:
             continue
         for variant, v in report[name][key].items():
             print(f"{name:<14} {variant:<10} {1000 * v:>15.1f}")
+    if "thrash" in report and "variants" in report["thrash"]:
+        print_thrash(report["thrash"])
     if "decode" in report:
         dec = report["decode"]
         print()
@@ -89,3 +98,24 @@ def print_report(report: dict[str, Any]) -> None:
     for t in report["targets"]:
         print(f"{t['scenario'] + ': ' + t['ratio']:<52} {t['target']:>8} {t['got']:>9.3f}  "
               f"{'yes' if t['met'] else 'NO'}")
+
+
+def print_thrash(th: dict[str, Any]) -> None:
+    """The thrash scenario's variants side by side (rounds 2 on)."""
+    print()
+    print(f"{'thrash':<14} {'variant':<11} {'TTFT ms':>8} {'reuse %':>8} {'restores':>8} "
+          f"{'restore ms/1k tok':>17} {'park ms':>8}")
+    for v, f in th["variants"].items():
+        per_1k = f["restore_ms_per_1k_tokens"]
+        restore = (f"{per_1k['mean']:.2f} (max {per_1k['max']:.2f})" if f["restores"]
+                   and per_1k["max"] else "-")
+        if "server_cache_update_ms" in f and f["server_cache_update_ms"]["n"]:
+            restore = f"{f['server_cache_update_ms']['mean']:.1f} ms/update (in server)"
+        park = f"{f['park_ms']['mean']:.2f}" if f["parks"] else "-"
+        print(f"{'thrash':<14} {v:<11} {1000 * f['mean_ttft_s']:>8.1f} {f['reuse_pct']:>8.1f} "
+              f"{f['restores']:>8} {restore:>17} {park:>8}")
+    p = th["parked"]
+    print(f"{'thrash':<14} parked: {p['bytes_per_token']:,.0f} bytes/token (llama.cpp KV: "
+          f"{p['llama_cpp_kv_bytes_per_token']:,.0f}; LlamaRAMCache: "
+          f"{p['llama_ram_cache_state_bytes_per_token']:,.0f} of state, "
+          f"{p['llama_ram_cache_bytes_per_token']:,.0f} with its logits copies)")

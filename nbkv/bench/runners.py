@@ -51,7 +51,9 @@ class NbkvRunner:
                 "guesses": r.draft_tokens, "accepted": r.draft_accepted, "slot": r.slot,
                 "checkpoint_pos": r.checkpoint_pos, "reprefilled": r.reprefilled_tokens,
                 "rewrite_absorbed": r.rewrite_absorbed, "settle_s": settle_s, "id": r.id,
-                "encoder_runs": r.encoder_runs,
+                "encoder_runs": r.encoder_runs, "park_s": r.park_s,
+                "restored_from": r.restored_from, "restored_tokens": r.restored_tokens,
+                "evicted_parked": r.evicted_parked,
                 "finish": r.finish_reason, "text": res.text}
 
     def rewrite_summary(self) -> dict[str, float]:
@@ -88,6 +90,56 @@ class LlamaCppRunner:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class LlamaCacheRunner(LlamaCppRunner):
+    """``Llama`` with llama-cpp-python's ``LlamaRAMCache`` (``llm.set_cache``).
+
+    After every reply ``Llama`` saves its whole context state under the conversation's
+    tokens; a prompt whose longest cached prefix is longer than what the context holds
+    loads that state back first. Timed here: the load (``restore_s``, inside the first-token
+    time), the save (``park_s``, after the reply) and, from the first ``eval`` of a turn,
+    what was reused.
+    """
+
+    def __init__(self, path: str, n_ctx: int, capacity_bytes: int,
+                 max_tokens: int = MAX_TOKENS) -> None:
+        from llama_cpp import LlamaRAMCache
+
+        super().__init__(path, n_ctx, max_tokens)
+        self.cache = LlamaRAMCache(capacity_bytes=capacity_bytes)
+        self.llm.set_cache(self.cache)
+        self._t: dict[str, Any] = {}
+        llm = self.llm
+        load, save, evaluate = llm.load_state, llm.save_state, llm.eval
+
+        def timed(fn: Any, key: str) -> Any:
+            def call(*a: Any) -> Any:
+                t0 = time.perf_counter()
+                out = fn(*a)
+                self._t[key] = self._t.get(key, 0.0) + time.perf_counter() - t0
+                if key == "restore_s":
+                    self._t["restored_tokens"] = a[0].n_tokens
+                return out
+            return call
+
+        def first_eval(tokens: Any) -> Any:
+            if "prompt" not in self._t:  # the prompt's uncached rest, after the reused part
+                self._t.update(reused=llm.n_tokens, prompt=llm.n_tokens + len(tokens))
+            return evaluate(tokens)
+
+        llm.load_state = timed(load, "restore_s")
+        llm.save_state = timed(save, "park_s")
+        llm.eval = first_eval
+
+    def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
+        self._t = {}
+        r = super().turn(messages, session)
+        t = self._t
+        return {**r, "prompt": t.get("prompt", 0), "reused": t.get("reused", 0),
+                "restore_s": t.get("restore_s", 0.0), "park_s": t.get("park_s", 0.0),
+                "restored_tokens": t.get("restored_tokens", 0),
+                "restored_from": "ram" if "restore_s" in t else ""}
 
 
 class LimitRunner:
@@ -227,7 +279,8 @@ class RemoteRunner:
             r = res.record
             return {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "reused": r.reused_tokens,
                     "prefilled": r.prefilled_tokens, "server_prefill_s": r.prefill_s,
-                    "slot": r.slot, "verified": r.verified, "text": res.text}
+                    "slot": r.slot, "verified": r.verified, "restored_from": r.restored_from,
+                    "text": res.text}
         tokens = self.engine.tokenize_prompt(messages)
         body = {"prompt": tokens, "cache_prompt": True, "stream": True, "n_cache_reuse": 0,
                 "n_predict": self.max_tokens, "temperature": 0}

@@ -1,0 +1,186 @@
+"""More conversations than slots: parking against the alternatives (issue 23)."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from .conversations import TOPICS, mean, paragraph
+from .registry import scenario
+from .runners import MAX_TOKENS, LlamaCacheRunner, NbkvRunner, RemoteRunner
+
+NAMES = ["Ada", "Brook", "Cyd", "Dale", "Eve", "Finn"]
+
+
+def own_system(i: int, sentences: int) -> str:
+    """Session ``i``'s system prompt: its own text from the first sentence on (~25 tokens a
+    sentence), so that no two sessions share more than the template's opening."""
+    return (f"You are {NAMES[i]}, the assistant of the {TOPICS[(5 * i) % len(TOPICS)]} desk. "
+            + paragraph(100 + 13 * i, sentences))
+
+
+def _later(rs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    return rs[n:]
+
+
+def _figures(rs: list[dict[str, Any]], park_inside: bool) -> dict[str, Any]:
+    """Later-round figures of one variant: first-token time, reuse, restores and parks.
+
+    ``park_inside``: the record's ``restore_s`` includes parking the slot's conversation
+    (nbkv: ``park_s`` of it); the restore proper is the rest.
+    """
+    restores = [r for r in rs if r.get("restored_from") and "restore_s" in r]
+    took = [r["restore_s"] - (r["park_s"] if park_inside else 0.0) for r in restores]
+    per_1k = [1e6 * s / r["restored_tokens"] for s, r in zip(took, restores)
+              if r.get("restored_tokens")]
+    with_park = [1e6 * r["restore_s"] / r["restored_tokens"] for r in restores
+                 if r.get("restored_tokens")]
+    parks = [r["park_s"] for r in rs  # nbkv: when the evicted conversation was parked
+             if (r.get("evicted_parked") if "evicted_parked" in r else r.get("park_s"))]
+    return {
+        "mean_ttft_s": mean([r["ttft"] for r in rs]),
+        "reuse_pct": 100.0 * sum(r.get("reused", 0) for r in rs) / max(
+            sum(r.get("prompt", 0) for r in rs), 1),
+        "restores": sum(1 for r in rs if r.get("restored_from")),
+        "mean_restored_tokens": mean([r["restored_tokens"] for r in restores
+                                      if r.get("restored_tokens")]),
+        "restore_ms_per_1k_tokens": {"mean": mean(per_1k), "max": max(per_1k, default=0.0)},
+        # nbkv: the record's restore_s as it is, the park of the slot's conversation included
+        "restore_s_ms_per_1k_tokens": {"mean": mean(with_park),
+                                       "max": max(with_park, default=0.0)},
+        "mean_restore_ms": 1000 * mean(took),
+        "parks": len(parks),
+        "park_ms": {"mean": 1000 * mean(parks), "max": 1000 * max(parks, default=0.0)},
+    }
+
+
+def _server_cache_ms(log_path: str) -> list[float]:
+    """llama-server's own time for each prompt cache update (save the slot's prompt, load
+    the best cached one), from its trace log (``-lv 4``)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    return [float(m) for m in re.findall(r"prompt cache update took ([0-9.]+) ms", text)]
+
+
+@scenario("thrash")
+def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
+    """Six sessions with their own system prompts on two slots, round-robin.
+
+    Variants, played in lockstep (turn by turn, the order rotating, so that all see the
+    same machine): nbkv with parking (default), without (``park_ram=0``), with 6 slots (the
+    floor: nothing leaves a slot), llama-server with ``--cache-ram`` pinned by
+    ``nbkv.connect``, and llama-cpp-python's ``Llama`` with ``LlamaRAMCache``. Every variant
+    gets the same conversation (the parking engine's replies).
+    """
+    from ..parking import default_ram_budget
+    from ..server import LlamaServer, binary
+
+    rounds, sentences, max_tokens = (2, 5, 8) if quick else (3, 9, MAX_TOKENS)
+    n, n_ctx = len(NAMES), 2048
+    hist = {s: [{"role": "system", "content": own_system(i, sentences)}]
+            for i, s in enumerate(NAMES)}
+    turns = [(s, paragraph(1000 + r * n + i, 1)) for r in range(rounds)
+             for i, s in enumerate(NAMES)]
+    budget = default_ram_budget()
+    runners: dict[str, Any] = {}
+    server = None
+    out: dict[str, Any] = {"sessions": n, "slots": 2, "rounds": rounds,
+                           "max_tokens": max_tokens, "park_ram_budget": budget}
+    try:
+        runners["parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens)
+        runners["no-parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens,
+                                           park_ram=0)
+        runners["6-slots"] = NbkvRunner(path, "imc", n, n_ctx, max_tokens=max_tokens)
+        if binary() is not None:
+            server = LlamaServer(path, slots=2, ctx=n_ctx, threads=os.cpu_count(), batch=256,
+                                 ubatch=256, flash_attn="off", cache_ram=budget >> 20,
+                                 extra=("-lv", "4")).start()
+            assert server.argv[server.argv.index("--cache-ram") + 1] == str(budget >> 20)
+            runners["server-ram"] = RemoteRunner(server.url, True, max_tokens)
+        else:
+            out["server_skipped"] = "no llama-server binary: run `make llama-server`"
+        runners["llama-ram"] = LlamaCacheRunner(path, n_ctx, budget, max_tokens)
+        names = list(runners)
+        results: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
+        for i, (session, text) in enumerate(turns):
+            msgs = hist[session]
+            msgs.append({"role": "user", "content": text})
+            order = names[i % len(names):] + names[: i % len(names)]
+            for v in order:
+                r = runners[v].turn(msgs, session)
+                r.update(session=session, turn=i)
+                results[v].append(r)
+            msgs.append({"role": "assistant", "content": results["parking"][i]["text"]})
+        # after the run: what is parked, against llama.cpp's own KV per token
+        eng = runners["parking"].engine
+        parked = eng.parked()
+        verified = eng.verify()
+        kv_per_token = eng.plan.kv_bytes_per_token
+        states = runners["llama-ram"].cache.cache_state  # tokens -> LlamaState
+        llama_tokens = sum(len(k) for k in states)
+        llama_state_bytes = sum(s.llama_state_size for s in states.values())
+        # what the cache holds in RAM besides: each entry's copy of Llama's logits array
+        llama_bytes = llama_state_bytes + sum(s.scores.nbytes + s.input_ids.nbytes
+                                              for s in states.values())
+    finally:
+        for r in runners.values():
+            r.close()
+        if server is not None:
+            server.stop()
+    ref = [r["text"] for r in results["parking"]]
+    figures = {v: _figures(_later(rs, n), v != "llama-ram") for v, rs in results.items()}
+    if server is not None:
+        ms = _server_cache_ms(server.log_path)
+        figures["server-ram"]["server_cache_update_ms"] = {
+            "n": len(ms), "mean": mean(ms), "max": max(ms, default=0.0)}
+    parked_tokens = sum(p.n_tokens for p in parked)
+    parked_bytes = sum(p.nbytes for p in parked)
+    out.update({
+        "system_prompt_tokens": [results["parking"][i]["prompt"] for i in range(n)],
+        "final_prompt_tokens": [r["prompt"] for r in results["parking"][-n:]],
+        "mean_ttft_s_rounds_2_on": {v: f["mean_ttft_s"] for v, f in figures.items()},
+        "variants": figures,
+        "strategies_parking": [r["strategy"] for r in results["parking"]],
+        "restored_per_turn": {v: [r.get("restored_from", "") for r in rs]
+                              for v, rs in results.items()},
+        "reused_per_turn": {v: [r.get("reused", 0) for r in rs] for v, rs in results.items()},
+        "ttft_ms_per_turn": {v: [round(1000 * r["ttft"], 1) for r in rs]
+                             for v, rs in results.items()},
+        "replies_equal_parking": {v: [r["text"] for r in rs] == ref
+                                  for v, rs in results.items()},
+        "replies_differ_at_turns": {v: [i for i, r in enumerate(rs) if r["text"] != ref[i]]
+                                    for v, rs in results.items()},
+        "verify_parking_engine": [v.identical for v in verified],
+        "parked": {"entries": len(parked), "tokens": parked_tokens, "bytes": parked_bytes,
+                   "bytes_per_token": parked_bytes / max(parked_tokens, 1),
+                   "llama_cpp_kv_bytes_per_token": kv_per_token,
+                   "llama_ram_cache_state_bytes_per_token": llama_state_bytes / max(
+                       llama_tokens, 1),
+                   "llama_ram_cache_bytes_per_token": llama_bytes / max(llama_tokens, 1)},
+    })
+    f = figures
+    ratios = {
+        "parking_over_6_slots_ttft": f["parking"]["mean_ttft_s"] / f["6-slots"]["mean_ttft_s"],
+        "reuse_points_below_6_slots": f["6-slots"]["reuse_pct"] - f["parking"]["reuse_pct"],
+        "restore_ms_per_1k_tokens_max": f["parking"]["restore_ms_per_1k_tokens"]["max"],
+        "restore_ms_per_1k_tokens_mean": f["parking"]["restore_ms_per_1k_tokens"]["mean"],
+        "restore_s_with_park_ms_per_1k_tokens_mean":
+            f["parking"]["restore_s_ms_per_1k_tokens"]["mean"],
+        "no_parking_over_parking_ttft": f["no-parking"]["mean_ttft_s"]
+        / f["parking"]["mean_ttft_s"],
+        "llama_ram_over_parking_ttft": f["llama-ram"]["mean_ttft_s"]
+        / f["parking"]["mean_ttft_s"],
+        "parked_over_kv_bytes_per_token": out["parked"]["bytes_per_token"] / kv_per_token,
+    }
+    if "server-ram" in f:
+        ratios["server_ram_over_parking_ttft"] = (f["server-ram"]["mean_ttft_s"]
+                                                  / f["parking"]["mean_ttft_s"])
+        out["parking_faster_than_server_ram_turns"] = sum(
+            a["ttft"] < b["ttft"] for a, b in zip(results["parking"][n:],
+                                                 results["server-ram"][n:]))
+    out["ratios"] = ratios
+    return out
