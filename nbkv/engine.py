@@ -107,6 +107,12 @@ class Engine(TemplatedAPI, ChatAPI):
             (:mod:`nbkv.calibrate`, about a second; cached per model, build and settings)
             and prefills that way; ``"fresh"`` measures again. The result is
             ``engine.prefill_rule`` (``engine.model.exactness`` in words).
+        park_ram, park_dir, park_disk: parking (:mod:`nbkv.parking`, IMC only): the
+            conversation a request takes a slot from is kept, and restored when a prompt
+            starts with it. ``park_ram`` bytes of RAM (default the smaller of a quarter of
+            the free RAM and 4 GiB; least recently used leave first); ``park_dir`` an optional
+            disk tier they spill to, within ``park_disk`` bytes. ``park_ram=0`` without a
+            ``park_dir`` turns parking off.
     """
 
     last_save: Any = None  # the latest nbkv.persist.SaveReport
@@ -198,6 +204,19 @@ class Engine(TemplatedAPI, ChatAPI):
             log.info("speculative guesses are off: %s memory cannot drop a wrong guess",
                      self.memory.kind)
         self.n_ctx = self.ctx.n_ctx_seq
+        try:
+            self._start(max_checkpoints, history_size, spc_max_entries, park_ram, park_dir,
+                        park_disk)
+        except BaseException:
+            res.close()
+            raise
+        close_at_exit(self)
+        log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
+                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache)
+
+    def _start(self, max_checkpoints: int, history_size: int, spc_max_entries: int,
+               park_ram: int | None, park_dir: str | None, park_disk: int | None) -> None:
+        """The caches, the slot table and the scheduler thread over loaded resources."""
         self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
         self.events = EventBus(history_size)
         cv = threading.Condition()
@@ -207,16 +226,13 @@ class Engine(TemplatedAPI, ChatAPI):
         self.spc = SystemPromptStore(spc_max_entries)
         #: conversations that lost their slot, in RAM and on disk (None: parking is off)
         self.parking = None
-        if cache == "imc" and (park_ram != 0 or park_dir is not None):
+        if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
                                       {**self.identity(), "n_slots": self.n_slots},
                                       self.model.n_vocab)
-        self.scheduler = Scheduler(res, self.table, self.spc, self.events, ServeSettings(
-            cache, cache_min_tokens, exact, self.speculative), cv, self.parking)
+        self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
+            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking)
         self.scheduler.start(self)
-        close_at_exit(self)
-        log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
-                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache)
 
     # ------------------------------------------------------------------ public API
 
