@@ -110,6 +110,8 @@ def start(sched: Scheduler, job: Job) -> bool:
         kv.resync()
         with sched.cv:
             slot.pending = False
+        if entry is not None and lot is not None:  # taken from the lot: not lost
+            lot.park(entry)
         raise
     checkpoint_pos = kv.last_restore
     restore_s = time.perf_counter() - t0

@@ -222,7 +222,9 @@ def restored(record: Any) -> str:
         return ""
     who = getattr(record, "restored_session", None)
     whose = f"{who}'s " if who is not None else ""
-    took = f" in {record.restore_s * 1000:.0f} ms" if record.restore_s else ""  # (a server)
+    # the restore proper: restore_s also holds parking the slot's previous conversation
+    s = record.restore_s - getattr(record, "park_s", 0.0)
+    took = f" in {s * 1000:.0f} ms" if record.restore_s else ""  # (a server: no time)
     return (f"{EVENTS['restored'].words} {whose}{record.restored_tokens:,} tokens from "
             f"{tier_words(tier)}{took}")
 
