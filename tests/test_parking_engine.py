@@ -36,7 +36,8 @@ N_CTX = 512
 SYSTEMS = [f"You are a {who}. Answer in one short sentence."
            for who in ("pirate", "chef", "poet", "doctor", "judge", "robot")]
 QUESTIONS = ["What is a CPU?", "And memory?", "Why is a cache fast?"]
-SLOW_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid")
+# every memory class, and K-quant weights (Q4_K_M: grouped prefill, split generation steps)
+SLOW_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid", "smollm2-q4km", "lfm2-q4km")
 LOG = "nbkv.parking"
 
 
@@ -124,7 +125,12 @@ def family(request):
         engine.clear()
         yield "smollm2", engine, request.getfixturevalue("oracle")
         return
-    path = model_for(request.param)
+    if request.param == "smollm2-q4km":
+        from nbkv.fixtures import quantized
+
+        path = str(quantized(model_for("smollm2"), "Q4_K_M"))
+    else:
+        path = model_for(request.param)
     with Engine(path, n_slots=2, n_ctx=N_CTX, cache_min_tokens=20) as e, \
             Engine(path, n_slots=1, n_ctx=N_CTX, cache="off") as off:
         yield request.param, e, Oracle(off)

@@ -83,6 +83,23 @@ def test_sessions_evictions_copies_and_an_edit_are_exact(engine, path):
     assert_verified(engine)
 
 
+def test_a_probe_between_turns_leaves_the_slot_exact(engine, path):
+    """verify() puts a slot back by prefilling its tail again: from a canonical start.
+
+    Q4_K_M needs chunks of 8+ rows; a 30-token prompt probed at 24 once re-read rows 24-29
+    as a 6-row chunk, and the next turn, reusing them, was no longer exact.
+    """
+    engine.clear()
+    msgs = [{"role": "system", "content": "You are a pirate. Answer in one short sentence."},
+            user("What is a CPU?")]
+    for follow_up in ("And memory?", None):
+        res = engine.chat(msgs, session="p", max_tokens=1, temperature=0)
+        assert res.text == scratch(path, msgs, max_tokens=1)
+        assert_verified(engine)
+        if follow_up:
+            msgs += [{"role": "assistant", "content": "A CPU is a computer"}, user(follow_up)]
+
+
 def q4km(path):
     if "Q4_K_M" not in path:
         pytest.skip("Q4_K_M only")
