@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import vocabulary as vocab
 from .messages import preview
 from .palette import (
     BRANCH_COLOR,
@@ -184,13 +184,25 @@ def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[in
     )
 
 
+def _where(slots: Sequence[Any], parked: Sequence[Any], name: str) -> str:
+    """Where a session's conversation is: its slot, parked (RAM or disk), or nowhere."""
+    slot = _slot_of(slots, name)
+    if slot is not None:
+        return f"slot {slot.index}: {slot.n_tokens} tokens in KV"
+    entry = next((p for p in parked if p.session == name), None)
+    if entry is not None:
+        tier = vocab.tier_words(entry.tier)
+        place = f"on {tier}" if entry.tier == "disk" else f"in {tier}"
+        return f"parked {place}: {entry.n_tokens} tokens (its next turn restores them)"
+    return "not in KV now (its next turn rebuilds it)"
+
+
 def _session_html(s: Session, forks: dict[str, dict[int, list[Session]]],
-                  slots: Sequence[Any], shared_from: Session | None = None) -> str:
+                  slots: Sequence[Any], parked: Sequence[Any] = (),
+                  shared_from: Session | None = None) -> str:
     turns = s.turns
     stale = sum(1 for t in turns if not t.live)
-    slot = _slot_of(slots, s.name)
-    where = (f"slot {slot.index}: {slot.n_tokens} tokens in KV" if slot is not None
-             else "not in KV now (its next turn rebuilds it)")
+    where = _where(slots, parked, s.name)
     head = (f"<b>{html.escape(s.name)}</b> · {len(turns)} turn{'s' if len(turns) != 1 else ''}"
             + (f" ({stale} stale)" if stale else "") + f" · {html.escape(where)}")
     rows = []
@@ -206,10 +218,10 @@ def _session_html(s: Session, forks: dict[str, dict[int, list[Session]]],
             continue  # shown once, in the session it was forked from
         rows.append(_turn_html(s, i, t, branches))
         for kid in own_forks.get(i, []):
-            rows.append(_fork_html(s, i, kid, slots, forks))
+            rows.append(_fork_html(s, i, kid, slots, forks, parked))
     for k, kids in own_forks.items():  # forked after turn 0, or after turns since removed
         if not 1 <= k <= len(turns):
-            rows.extend(_fork_html(s, k, kid, slots, forks) for kid in kids)
+            rows.extend(_fork_html(s, k, kid, slots, forks, parked) for kid in kids)
     if not turns:
         rows.append(f'<div style="{_ROW};color:{FREE}">no turn yet</div>')
     return (f'<div class="nbkv-conversation" data-session="{html.escape(s.name, quote=True)}" '
@@ -218,7 +230,7 @@ def _session_html(s: Session, forks: dict[str, dict[int, list[Session]]],
 
 
 def _fork_html(parent: Session, at: int, kid: Session, slots: Sequence[Any],
-               forks: dict[str, dict[int, list[Session]]]) -> str:
+               forks: dict[str, dict[int, list[Session]]], parked: Sequence[Any] = ()) -> str:
     n = shared_kv(slots, parent.name, kid.name)
     kv = (f"; their slots hold the same first {n} tokens of KV (copied once, not recomputed)"
           if n else "")
@@ -232,17 +244,21 @@ def _fork_html(parent: Session, at: int, kid: Session, slots: Sequence[Any],
         what += (f"; its turn{'s' if copied - shared > 1 else ''} "
                  f"{shared + 1}{f'–{copied}' if copied - shared > 1 else ''} came from an "
                  f"earlier version of {parent.name}'s")
-    inner = _session_html(kid, forks, slots, shared_from=parent)
+    inner = _session_html(kid, forks, slots, parked, shared_from=parent)
     return (f'<div class="nbkv-fork" data-session="{html.escape(kid.name, quote=True)}" '
             f'style="margin-left:40px;padding-left:8px;border-left:2px solid {BRANCH_COLOR}">'
             f'<div style="color:{BRANCH_COLOR}">⎇ <b>{html.escape(kid.name)}</b> forked after '
             f"turn {at}: {html.escape(what + kv)}</div>{inner}</div>")
 
 
-def conversation_html(sessions: Iterable[Session], slots: Sequence[Any] = ()) -> str:
-    """Every session's conversation as HTML (forks under the turn they branched from)."""
+def conversation_html(sessions: Iterable[Session], slots: Sequence[Any] = (),
+                      parked: Sequence[Any] = ()) -> str:
+    """Every session's conversation as HTML (forks under the turn they branched from).
+
+    ``slots`` and ``parked`` (the engine's parked conversations) say where each one is.
+    """
     roots, forks = families(sessions)
-    body = "".join(_session_html(s, forks, slots) for s in roots) or (
+    body = "".join(_session_html(s, forks, slots, parked) for s in roots) or (
         f'<div style="color:{FREE}">no conversation yet</div>')
     return (f'<div class="nbkv-conversations" style="font:12px sans-serif;line-height:1.5">'
             f'<div style="font-size:14px;margin:4px 0 2px">conversations: one turn per '
@@ -253,12 +269,12 @@ def conversation_html(sessions: Iterable[Session], slots: Sequence[Any] = ()) ->
 
 # ---------------------------------------------------------------- text
 
-def conversation_text(sessions: Iterable[Session], slots: Sequence[Any] = ()) -> str:
+def conversation_text(sessions: Iterable[Session], slots: Sequence[Any] = (),
+                      parked: Sequence[Any] = ()) -> str:
     """Every session's conversation as plain text (terminals)."""
     lines: list[str] = []
     for s in sessions:
-        slot = _slot_of(slots, s.name)
-        where = f"slot {slot.index}, {slot.n_tokens} tokens" if slot is not None else "not in KV"
+        where = _where(slots, parked, s.name)
         origin = f", forked from {s.parent[0]} after turn {s.parent[1]}" if s.parent else ""
         lines.append(f"{s.name} ({len(s.turns)} turns, {where}{origin})")
         branches = _branches(s)
@@ -271,24 +287,3 @@ def conversation_text(sessions: Iterable[Session], slots: Sequence[Any] = ()) ->
             lines.append(f"  {count:>6} turn {i}{mark}{fork}: {preview(t.user or {}, 50)} → "
                          f"{preview({'content': t.reply}, 40)}{branch}")
     return "\n".join(lines) or "no conversation yet"
-
-
-@dataclass(frozen=True)
-class ConversationView:
-    """A displayable conversation view of some sessions (HTML in notebooks, text elsewhere)."""
-
-    sessions: tuple[Session, ...]
-    slots: tuple[Any, ...] = ()
-
-    def _repr_html_(self) -> str:
-        return conversation_html(self.sessions, self.slots)
-
-    def text(self) -> str:
-        """Plain text."""
-        return conversation_text(self.sessions, self.slots)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
-
-    def __str__(self) -> str:
-        return self.text()

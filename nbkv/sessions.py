@@ -319,8 +319,10 @@ class Session:
         from .conversation_view import conversation_html
 
         engine = self.store.engine if self.store is not None else None
-        return conversation_html([self, *self.forks()],
-                                 engine.slots() if engine is not None else ())
+        if engine is None:
+            return conversation_html([self, *self.forks()])
+        return conversation_html([self, *self.forks()], engine.slots(),
+                                 getattr(engine, "parked", tuple)())
 
     def __repr__(self) -> str:
         stale = sum(1 for t in self._turns if not t.live)

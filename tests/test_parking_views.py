@@ -121,3 +121,16 @@ def test_the_stats_table_counts_parking_only_when_there_is_some():
     assert rows["conversations parked"] == 4 and rows["spilled to disk"] == 1
     assert rows["parked bytes in RAM"] == "3.0 MiB"
     assert "parked conversations dropped (over the budgets)" not in rows
+
+
+def test_the_conversation_view_says_a_parked_conversation_comes_back():
+    from nbkv.conversation_view import conversation_html, conversation_text
+    from nbkv.parked import ParkedInfo
+    from nbkv.sessions import Session
+
+    s = Session("alice")
+    s.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    parked = (ParkedInfo("alice#1", "alice", tuple(range(40)), (), (), 3, 1 << 20, "disk"),)
+    for view in (conversation_html([s], (), parked), conversation_text([s], (), parked)):
+        assert "parked on disk: 40 tokens (its next turn restores them)" in view
+    assert "not in KV now (its next turn rebuilds it)" in conversation_html([s])

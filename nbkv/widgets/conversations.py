@@ -39,14 +39,19 @@ class Conversations(FeedView, W.VBox):
     def static_html(self) -> str:
         """The conversations as static HTML, as they are now (the saved notebook's view)."""
         closed = self.feed.snapshot().closed
-        return conversation_html(list(self.sessions), () if closed else self.engine.slots())
+        return conversation_html(list(self.sessions), *self._where(closed))
+
+    def _where(self, closed: bool) -> tuple[Any, Any]:
+        """The engine's slots and parked conversations (nothing once it is closed)."""
+        if closed:
+            return (), ()
+        return self.engine.slots(), getattr(self.engine, "parked", tuple)()
 
     def render(self, state: LiveState) -> None:
         """Redraw every session's conversation."""
         sessions = list(self.sessions)
-        slots = () if state.closed else self.engine.slots()
         with self.hold_sync():
-            self.view.value = conversation_html(sessions, slots)
+            self.view.value = conversation_html(sessions, *self._where(state.closed))
             self.turns = sum(len(s.turns) for s in sessions)
             self.stale = sum(1 for s in sessions for t in s.turns if not t.live)
 
