@@ -31,6 +31,7 @@ from .jobs import Job
 from .media_units import MediaUnit
 from .native import Resources
 from .parking import ParkingLot
+from .policy import PREFIX_SALVAGE
 from .prefill import prefill
 from .slot_kv import SlotKV
 from .slot_table import SlotInfo, SlotTable, TableSlot
@@ -327,7 +328,7 @@ class Scheduler:
                 slot.pending = False
             rec = finished_record(job, rec, reason, error, now, slot.segments)
             job.record = rec
-            if rec.strategy == "prefix-salvage":
+            if rec.strategy == PREFIX_SALVAGE:
                 log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
                           "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
             self.events.publish(RequestFinished(rec))
