@@ -108,9 +108,10 @@ def extension_logits(sched: Scheduler, s: EngineSlot, units: Sequence[Any], row:
             kv.put_back(snap)
         else:  # a state copy would keep only the window of sliding-window layers
             kv.resync()
-            # from where a canonical prefill of the slot's own tokens may begin: the cut made
-            # for ``units`` can leave too few rows of ``tokens`` for one canonical chunk
-            trim_valid(kv, tokens, len(kv), rule)
+            if len(kv) < len(tokens):
+                # from where a canonical prefill of the slot's own tokens may begin: the cut
+                # made for ``units`` can leave too few rows of ``tokens`` for one chunk
+                trim_valid(kv, tokens, len(kv), rule)
             for lo, hi in prefill_run(sched, tokens, len(kv), kv.seq_id, None):
                 kv.extend(tokens[lo:hi], settled=invariance.stable_end(tokens, hi, rule))
     assert out is not None
