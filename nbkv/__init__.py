@@ -15,22 +15,22 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .engine import ChatResult, ChatStream, Engine, SlotInfo
-    from .page import report
-    from .remote import connect
-    from .sessions import current_engine, session
+    from nbkv.engine.facade import ChatResult, ChatStream, Engine, SlotInfo
+    from nbkv.notebook.sessions import current_engine, session
+    from nbkv.remote.connect import connect
+    from nbkv.ui.page import report
 
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbkv``: register the ``%kvcache`` and ``%%chat`` magics."""
-    from .magics import load
+    from nbkv.notebook.magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext nbkv``: remove the magics and close the engine they loaded."""
-    from .magics import unload
+    from nbkv.notebook.magics import unload
 
     unload(ipython)
 
@@ -38,19 +38,19 @@ def unload_ipython_extension(ipython: Any) -> None:
 def __getattr__(name: str):
     # the engine pulls in llama_cpp; import it only when asked for
     if name in ("Engine", "ChatResult", "ChatStream", "SlotInfo"):
-        from . import engine
+        from nbkv.engine import facade as engine
 
         return getattr(engine, name)
     if name == "connect":
-        from .remote import connect
+        from nbkv.remote.connect import connect
 
         return connect
     if name == "report":
-        from .page import report
+        from nbkv.ui.page import report
 
         return report
     if name in ("session", "current_engine"):
-        from . import sessions
+        from nbkv.notebook import sessions
 
         return getattr(sessions, name)
     raise AttributeError(f"module 'nbkv' has no attribute {name!r}")

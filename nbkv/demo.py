@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine import Engine
+from nbkv.engine.facade import Engine
 
 SYSTEM = (
     "You are a concise assistant in a notebook tutorial about prompt caching. Answer in one "

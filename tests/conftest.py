@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nbkv.backend import Batch, Context
-from nbkv.embeddings import ImageEmbedding
-from nbkv.errors import ContextOverflowError, MediaError
-from nbkv.media_prompt import MediaPrompt
-from nbkv.models import default_model_path
-from nbkv.oracle import scratch_logits
-from nbkv.projector import Projector
+from nbkv.core.errors import ContextOverflowError, MediaError
+from nbkv.kv.oracle import scratch_logits
+from nbkv.llama.backend import Batch, Context
+from nbkv.llama.models import default_model_path
+from nbkv.media.embeddings import ImageEmbedding
+from nbkv.media.projector import Projector
+from nbkv.media.prompt import MediaPrompt
 
 # a system prompt of ~150 tokens, so that salvage thresholds (100 tokens) matter
 SYSTEM = (
@@ -107,7 +107,7 @@ def assert_consistent(engine):
 def fresh_probe(model, tokens, probe, **context):
     """Logits of ``probe`` after ``tokens``, decoded from scratch (never a lone-token batch).
 
-    ``context``: :class:`~nbkv.backend.Context` settings (KV types, flash attention).
+    ``context``: :class:`~nbkv.llama.backend.Context` settings (KV types, flash attention).
     """
     return scratch_logits(model, tokens, probe, **context)
 
@@ -125,7 +125,7 @@ def eval_prompt(
     """Reference evaluation: decode ``prompt.chunks[start:]`` into ``seq`` from ``pos``.
 
     Returns (next position, logits).
-    Text chunks go through a :class:`~nbkv.backend.Batch` of ``ctx.n_batch`` tokens,
+    Text chunks go through a :class:`~nbkv.llama.backend.Batch` of ``ctx.n_batch`` tokens,
     image chunks through ``Projector.decode_chunk``. The logits are those of the prompt's last
     token or embedding (a copy). On failure, ``seq`` is trimmed back to ``pos``.
     """

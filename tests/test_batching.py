@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nbkv.batching import Prefilling, StepPlan, plan_step
-from nbkv.slot_kv import CheckpointSet
+from nbkv.kv.batching import Prefilling, StepPlan, plan_step
+from nbkv.kv.slot_kv import CheckpointSet
 
 
 def test_shortest_prompt_first_and_last_chunk_alone():

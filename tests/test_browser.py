@@ -2,7 +2,7 @@
 
 Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
 cards, plotly figures and legend rendered, without JavaScript errors, and that every output
-names events in the words of ``nbkv.vocabulary``; then saves it, exports it with nbconvert
+names events in the words of ``nbkv.ui.vocabulary``; then saves it, exports it with nbconvert
 and opens the HTML with no kernel and no network: the static fallbacks show the KV map and
 the slot cards. Runs ``02_how_imc_works.ipynb`` and checks the legend, the divergence marker
 and an explain output, then edits a ``%%chat`` cell and runs it again, then a stale one
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from nbkv import vocabulary
+from nbkv.ui import vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("NBKV_CHROMIUM", "/usr/bin/chromium")
@@ -393,7 +393,7 @@ def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path
 
 
 def test_remote_engine_dashboard_renders_in_chromium(lab, tmp_path):
-    from nbkv.server import binary
+    from nbkv.remote.connect.server import binary
 
     if binary() is None and not os.environ.get("NBKV_REQUIRE_SERVER"):
         pytest.skip("no llama-server binary: run `make llama-server`")

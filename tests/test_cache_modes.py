@@ -7,8 +7,10 @@ import datetime
 import pytest
 
 from conftest import MAX_TOKENS, QUESTIONS, SYSTEM, assert_consistent, scratch_reply
-from nbkv import Engine, policy, templates
-from nbkv.errors import ModelLoadError, ModelNotFoundError
+from nbkv import Engine
+from nbkv.core.errors import ModelLoadError, ModelNotFoundError
+from nbkv.kv import policy
+from nbkv.prompt import templates
 
 TIMED = templates.CLOCK_CHATML  # renders the time: no two calls render alike
 
@@ -100,7 +102,7 @@ def test_missing_and_corrupt_model_files(tmp_path, model_path):
 
 
 def test_default_model_resolution(monkeypatch, tmp_path):
-    from nbkv import models
+    from nbkv.llama import models
 
     monkeypatch.setenv("NBKV_MODEL", str(tmp_path / "x.gguf"))
     assert models.default_model_path() == tmp_path / "x.gguf"

@@ -24,10 +24,10 @@ import pytest
 from IPython.core.error import UsageError
 
 from conftest import assert_consistent, fresh_probe, ipython_shell, scratch_reply
-from nbkv.conversation_view import conversation_html, conversation_text
-from nbkv.errors import InvalidRequestError
-from nbkv.events import RequestRecord, Segment
-from nbkv.sessions import STORE, CellRef, Session, SessionStore, TurnChange, cut_place
+from nbkv.core.errors import InvalidRequestError
+from nbkv.core.events import RequestRecord, Segment
+from nbkv.notebook.sessions import STORE, CellRef, Session, SessionStore, TurnChange, cut_place
+from nbkv.ui.conversation_view import conversation_html, conversation_text
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX = 8
@@ -414,7 +414,7 @@ def test_a_fork_copies_the_shared_turns_and_reads_only_its_new_message(engine):
 
 
 def test_save_and_restore_keep_turns_cells_and_states(engine, tmp_path):
-    from nbkv import persist
+    from nbkv.store import persist
 
     engine.clear()
     store = SessionStore()

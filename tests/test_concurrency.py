@@ -12,9 +12,9 @@ import pytest
 
 from conftest import SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine
-from nbkv.errors import SlotTimeoutError
-from nbkv.events import Progress, RequestFinished, RequestStarted
-from nbkv.streams import ChatStream
+from nbkv.core.errors import SlotTimeoutError
+from nbkv.core.events import Progress, RequestFinished, RequestStarted
+from nbkv.core.streams import ChatStream
 
 MAX = 10
 

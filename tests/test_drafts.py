@@ -1,7 +1,7 @@
 """Prompt-lookup drafter: pure logic, no model."""
 
-from nbkv.drafts import NgramDrafter
-from nbkv.media_units import MediaKey, MediaUnit
+from nbkv.engine.facade.drafts import NgramDrafter
+from nbkv.media.units import MediaKey, MediaUnit
 
 
 def test_no_guess_without_an_earlier_match():

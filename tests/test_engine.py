@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import MAX_TOKENS, QUESTIONS, SYSTEM, assert_consistent, scratch_reply
-from nbkv import Engine, policy
-from nbkv.errors import ContextOverflowError, InvalidRequestError, NbkvError, TemplateError
-from nbkv.events import GENERATED, PREFILLED, REUSED, Progress, RequestFinished
+from nbkv import Engine
+from nbkv.core.errors import ContextOverflowError, InvalidRequestError, NbkvError, TemplateError
+from nbkv.core.events import GENERATED, PREFILLED, REUSED, Progress, RequestFinished
+from nbkv.kv import policy
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +317,7 @@ def test_closed_engine_refuses_work(model_path):
 def test_a_turn_arriving_before_the_rewrite_reprefills_the_reply_and_stays_exact(
         engine, model_path):
     from conftest import fresh_probe
-    from nbkv.events import SlotRewritten
+    from nbkv.core.events import SlotRewritten
 
     engine.clear()
     msgs = [{"role": "system", "content": SYSTEM}, user(QUESTIONS[0])]

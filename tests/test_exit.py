@@ -2,7 +2,7 @@
 
 A script runs two sessions, saves, runs two more turns and ends without ``close()``: right
 after a reply (its rewrite pending), right after a save, or while an autosave runs. Without
-the ``atexit`` hook (nbkv.native) the scheduler thread could still be inside llama.cpp while
+the ``atexit`` hook (nbkv.engine.native) the scheduler thread could still be inside llama.cpp while
 Python tears down, and the process died with a segmentation fault after its last line (3
 runs of 4 ending after a 64-token reply, with the hook unregistered).
 """
@@ -19,7 +19,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import sys
     import nbkv
-    from nbkv.autosave import Autosaver
+    from nbkv.store.autosave import Autosaver
 
     mode, path = sys.argv[1], sys.argv[2]
     e = nbkv.Engine(n_slots=2, n_ctx=512, n_threads=1)

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from conftest import SYSTEM, assert_consistent, fresh_probe
-from nbkv import Engine, invariance, policy, templates
-from nbkv.events import Progress
-from nbkv.models import default_model_path
+from nbkv import Engine
+from nbkv.core.events import Progress
+from nbkv.kv import invariance, policy
+from nbkv.llama.models import default_model_path
+from nbkv.prompt import templates
 
 # "-q4km": the tiny model 256 wide (what K-quants need), re-quantized to Q4_K_M
 FAMILIES = ("smollm2", "gemma3", "lfm2", "mamba2", "granitehybrid",
@@ -247,8 +249,8 @@ def test_a_model_nbkv_cannot_serve_is_refused_with_the_reason():
     from pathlib import Path
     from types import SimpleNamespace
 
-    from nbkv.errors import ModelLoadError
-    from nbkv.slot_kv import classify
+    from nbkv.core.errors import ModelLoadError
+    from nbkv.kv.slot_kv import classify
 
     def fake(**kw):
         flags = dict(has_encoder=False, has_decoder=True, is_hybrid=False, is_recurrent=False,

@@ -8,8 +8,8 @@ import hashlib
 import pytest
 
 from nbkv import fixtures
-from nbkv.backend import Batch, Context, Model
-from nbkv.models import default_model_path
+from nbkv.llama.backend import Batch, Context, Model
+from nbkv.llama.models import default_model_path
 
 # (is_recurrent, is_hybrid, n_swa) as llama.cpp reports them
 EXPECTED = {

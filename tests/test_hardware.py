@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, scratch_reply
-from nbkv import Engine, memplan
-from nbkv.display import status_table
-from nbkv.errors import InsufficientMemoryError, InvalidRequestError
-from nbkv.hardware import HardwareOptions, devices, gpu_offload, kv_type_id
+from nbkv import Engine
+from nbkv.core.errors import InsufficientMemoryError, InvalidRequestError
+from nbkv.llama import memplan
+from nbkv.llama.hardware import HardwareOptions, devices, gpu_offload, kv_type_id
+from nbkv.ui.display import status_table
 
 MAX = 8
 Q8 = dict(type_k="q8_0", type_v="q8_0", flash_attn="on")
@@ -121,7 +122,7 @@ def test_a_plan_that_cannot_fit_is_refused_before_allocation(model_path, monkeyp
 
 def test_default_size_follows_the_plan():
     from conftest import default_model_path
-    from nbkv.gguf_header import read_metadata
+    from nbkv.llama.gguf_header import read_metadata
 
     meta = read_metadata(default_model_path())
     assert memplan.default_size(meta, 24 * 2**30) == (4, 4096)
@@ -133,8 +134,8 @@ def test_default_size_follows_the_plan():
 def test_kvcache_load_takes_hardware_options_and_picks_a_size(model_path, monkeypatch):
     from IPython.utils.capture import capture_output
 
-    from nbkv.magics import Nbkv
-    from nbkv.sessions import SessionStore
+    from nbkv.notebook.magics import Nbkv
+    from nbkv.notebook.sessions import SessionStore
 
     monkeypatch.setenv("NBKV_SAVE_DIR", "/nonexistent-nbkv-saves")
     store = SessionStore()
@@ -157,8 +158,8 @@ def test_kvcache_load_takes_hardware_options_and_picks_a_size(model_path, monkey
 
 
 def test_a_save_restores_only_into_the_same_kv_types(model_path, tmp_path):
-    from nbkv import persist
-    from nbkv.errors import RestoreError
+    from nbkv.core.errors import RestoreError
+    from nbkv.store import persist
 
     with Engine(model_path, n_slots=1, n_ctx=512) as e:
         e.chat([{"role": "user", "content": "Hi"}], "s", max_tokens=2)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from nbkv import invariance
-from nbkv.invariance import PrefillRule, chunks, derive, next_chunk, stable_end, valid_start
-from nbkv.media_units import MediaKey, MediaUnit
+from nbkv.kv import invariance
+from nbkv.kv.invariance import PrefillRule, chunks, derive, next_chunk, stable_end, valid_start
+from nbkv.media.units import MediaKey, MediaUnit
 
 # measured on this project's CI machine (AVX2/AVX512, llama-cpp-python 0.3.36, SmolLM2-135M
-# re-quantized): chunk size -> the chunks' rows equal one batch's (nbkv.calibrate)
+# re-quantized): chunk size -> the chunks' rows equal one batch's (nbkv.kv.calibrate)
 TABLES = {
     "Q4_K_M": ({1: False, 2: False, 4: False, 8: True, 9: False, 10: False, 12: True}, (8, 4)),
     "Q6_K": ({1: False, 2: False, 4: False, 8: True, 9: True}, (8, 1)),

@@ -107,5 +107,5 @@ def test_engine_code_imports_only_downwards() -> None:
         for m in g[f"nbkv.{name}"]:
             up = m.split(".")[1]
             assert up not in ABOVE or (name, up) in DELEGATES, f"nbkv.{name} imports {m}"
-    assert not g["nbkv.persist"] & {f"nbkv.{m}" for m in (*ENGINE_CORE[:1], "remote",
+    assert not g["nbkv.store.persist"] & {f"nbkv.{m}" for m in (*ENGINE_CORE[:1], "remote",
                                                           "sessions", "magics")}

@@ -17,7 +17,8 @@ import pytest
 from llama_cpp import Llama
 
 from conftest import SYSTEM
-from nbkv import Engine, policy
+from nbkv import Engine
+from nbkv.kv import policy
 
 N_BATCH = 256  # nbkv's default n_batch (= n_ubatch); Llama gets the same
 N_CTX = 2048  # per slot in nbkv; Llama's one sequence gets the same
@@ -62,7 +63,7 @@ QUESTIONS = {
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    threads = os.cpu_count() or 1  # nbkv.backend.Context: n_threads = n_threads_batch
+    threads = os.cpu_count() or 1  # nbkv.llama.backend.Context: n_threads = n_threads_batch
     model = Llama(
         model_path, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH,
         n_threads=threads, n_threads_batch=threads,

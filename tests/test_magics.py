@@ -13,10 +13,10 @@ from IPython.utils.capture import capture_output
 
 import nbkv
 from conftest import assert_consistent, ipython_shell
-from nbkv import vocabulary
-from nbkv.events import Progress
-from nbkv.figures import Figures
-from nbkv.sessions import STORE
+from nbkv.core.events import Progress
+from nbkv.notebook.sessions import STORE
+from nbkv.ui import vocabulary
+from nbkv.ui.figures import Figures
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
 
@@ -403,8 +403,8 @@ def test_reloading_says_so_and_the_memory_note_tells_the_truth(loaded, capsys):
 
 
 def test_images_through_the_magics(loaded, tmp_path):
-    from nbkv.display import slots_table
     from nbkv.fixtures import make_mmproj
+    from nbkv.ui.display import slots_table
 
     proj = make_mmproj(kind="tiny")
     img = _png(tmp_path / "pic.png")
@@ -423,7 +423,7 @@ def test_images_through_the_magics(loaded, tmp_path):
         images = [seg for seg in slot.segments if seg.kind == "image"]
         assert [(seg.length, seg.state) for seg in images] == [(16, "reused")]
         assert images[0].image_name == "pic.png"  # hover names the file, not a hash
-        from nbkv.views import thumbnail_html
+        from nbkv.ui.views import thumbnail_html
 
         thumb = thumbnail_html(s.messages[0]["content"][0])
         assert 'src="data:image/png;base64,' in thumb and "pic.png</figcaption>" in thumb
@@ -442,7 +442,7 @@ def test_images_through_the_magics(loaded, tmp_path):
 
 
 def test_figures_say_what_happened_in_plain_words():
-    from nbkv.events import RequestRecord
+    from nbkv.core.events import RequestRecord
 
     base = dict(id=1, session="s", strategy="hash-extend", slot=0, prompt_tokens=200,
                 reused_tokens=180, prefilled_tokens=20, trimmed_tokens=0)
@@ -477,10 +477,10 @@ def test_figures_say_what_happened_in_plain_words():
 def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
     from types import SimpleNamespace
 
-    from nbkv.display import slots_table
-    from nbkv.engine import SlotInfo
-    from nbkv.events import Segment
-    from nbkv.slot_kv import MemoryInfo
+    from nbkv.core.events import Segment
+    from nbkv.engine.facade.facade import SlotInfo
+    from nbkv.kv.slot_kv import MemoryInfo
+    from nbkv.ui.display import slots_table
 
     segs = (Segment(0, 40, 0, "system", "reused", "Be brief."),
             Segment(40, 60, 1, "user", "reused", "Hi"),

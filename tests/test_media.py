@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 
 from conftest import eval_prompt
-from nbkv.embeddings import EmbeddingCache
-from nbkv.errors import (
+from nbkv.core.errors import (
     ContextOverflowError,
     MediaError,
     ProjectorError,
 )
 from nbkv.fixtures import fixture_spec, make_mmproj
-from nbkv.images import Image, load_image
-from nbkv.media_messages import MARKER, contains_images, extract_images
-from nbkv.media_units import MediaKey, MediaUnit, position_units, snap_to_media_boundary
-from nbkv.policy import common_prefix
+from nbkv.kv.policy import common_prefix
+from nbkv.media.embeddings import EmbeddingCache
+from nbkv.media.images import Image, load_image
+from nbkv.media.messages import MARKER, contains_images, extract_images
+from nbkv.media.units import MediaKey, MediaUnit, position_units, snap_to_media_boundary
 
 PIL = pytest.importorskip("PIL.Image")
 gguf = pytest.importorskip("gguf")
@@ -184,7 +184,7 @@ def test_embedding_service_asks_once_and_counts_once():
     import threading
     from types import SimpleNamespace
 
-    from nbkv.embeddings import EmbeddingService, ImageEmbedding
+    from nbkv.media.embeddings import EmbeddingService, ImageEmbedding
 
     gate, calls = threading.Event(), []
 
@@ -272,7 +272,7 @@ TEXT = prompt_text(f"What is {MARKER}?")
 
 @pytest.fixture(scope="module")
 def model(model_path):
-    from nbkv.backend import Model
+    from nbkv.llama.backend import Model
 
     m = Model(model_path)
     yield m
@@ -286,7 +286,7 @@ def tiny_path():
 
 @pytest.fixture(scope="module")
 def projector(model, tiny_path):
-    from nbkv.projector import Projector
+    from nbkv.media.projector import Projector
 
     with Projector(tiny_path, model, n_threads=1) as p:
         yield p
@@ -294,7 +294,7 @@ def projector(model, tiny_path):
 
 @pytest.fixture(scope="module")
 def ctx(model):
-    from nbkv.backend import Context
+    from nbkv.llama.backend import Context
 
     c = Context(model, n_ctx=512, n_seq_max=2, n_batch=64, flash_attn=0, n_threads=1)
     yield c
@@ -386,7 +386,7 @@ def test_repeated_runs_are_bit_identical(projector, ctx, baseline):
 
 def test_cached_embeddings_skip_the_encoder_bit_for_bit(model, projector, tiny_path, ctx,
                                                          baseline):
-    from nbkv.projector import Projector
+    from nbkv.media.projector import Projector
 
     img, expected = baseline
     ctx.seq_rm(1)
@@ -423,7 +423,7 @@ def test_placeholder_chunk_reencodes_after_eviction(projector, ctx):
 
 
 def test_copied_sequence_continues_bit_for_bit(model, projector, ctx, baseline):
-    from nbkv.backend import Batch
+    from nbkv.llama.backend import Batch
 
     ctx.seq_rm(1)
     pos = ctx.seq_pos_max(0) + 1  # the baseline prompt is in sequence 0
@@ -445,7 +445,7 @@ def test_sub_batch_split_does_not_change_results(model, projector, ctx):
     # multi-row batches compute the same numbers whatever their size; a lone row does not
     # (README, Exactness), so an image is never split with a lone last embedding: 16 in
     # sub-batches of 15 decodes as 14 + 2
-    from nbkv.backend import Batch
+    from nbkv.llama.backend import Batch
 
     img = Image.from_rgb(picture(16))
     follow = model.tokenize(" ok")
@@ -473,8 +473,8 @@ def test_the_image_is_really_used(projector, ctx, baseline):
 
 
 def test_decode_errors_leave_the_sequence_alone(model, projector, ctx):
-    from nbkv.backend import Context
-    from nbkv.projector import Projector
+    from nbkv.llama.backend import Context
+    from nbkv.media.projector import Projector
 
     ctx.seq_rm(1)
     img = Image.from_rgb(picture(13))
@@ -537,7 +537,7 @@ def rewrite(src, dst, *, drop=(), keys=None, tensors=None):
 
 
 def test_wrong_projectors_are_refused_in_python(model, tiny_path, model_path, tmp_path):
-    from nbkv.projector_check import inspect_projector
+    from nbkv.media.projector_check import inspect_projector
 
     U32, I32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32
     pos = gguf.GGUFReader(tiny_path).get_tensor(2)
@@ -580,12 +580,12 @@ _SUBPROCESS = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from nbkv.backend import Context, Model
-    from nbkv.errors import ProjectorError
+    from nbkv.llama.backend import Context, Model
+    from nbkv.core.errors import ProjectorError
     from nbkv.fixtures import make_mmproj
-    from nbkv.images import Image
-    from nbkv.models import default_model_path
-    from nbkv.projector import Projector
+    from nbkv.media.images import Image
+    from nbkv.llama.models import default_model_path
+    from nbkv.media.projector import Projector
 
     model = Model(default_model_path())
     ctx = Context(model, n_ctx=256, n_seq_max=1, n_batch=64, flash_attn=0, n_threads=1)
@@ -649,7 +649,7 @@ def realistic_path():
 
 
 def test_realistic_projector_loads(model, realistic_path):
-    from nbkv.projector import Projector
+    from nbkv.media.projector import Projector
 
     with Projector(realistic_path, model) as p:
         info = p.info
@@ -662,7 +662,7 @@ def test_realistic_projector_loads(model, realistic_path):
 
 @pytest.mark.slow
 def test_realistic_projector_encodes(model, realistic_path):
-    from nbkv.projector import Projector
+    from nbkv.media.projector import Projector
 
     with Projector(realistic_path, model) as p:
         img = Image.from_rgb(picture(15, 480, 640))

@@ -8,13 +8,13 @@ import logging
 
 import pytest
 
-from nbkv import blobstore
-from nbkv.errors import InvalidRequestError, RestoreError
-from nbkv.events import Segment
-from nbkv.media_units import MediaKey, MediaUnit
-from nbkv.park_disk import ENTRIES, entry_file
-from nbkv.parking import DISK, RAM, ParkedEntry, ParkingLot, default_ram_budget, parking_stats
-from nbkv.slot_kv import CheckpointSet, KVSnapshot
+from nbkv.core.errors import InvalidRequestError, RestoreError
+from nbkv.core.events import Segment
+from nbkv.kv.slot_kv import CheckpointSet, KVSnapshot
+from nbkv.media.units import MediaKey, MediaUnit
+from nbkv.store import blobstore
+from nbkv.store.park_disk import ENTRIES, entry_file
+from nbkv.store.parking import DISK, RAM, ParkedEntry, ParkingLot, default_ram_budget, parking_stats
 
 IDENTITY = {"model": "f" * 16, "n_ctx": 512, "n_slots": 2, "memory": "plain",
             "kv": {"type_k": "f16", "type_v": "f16"}}
@@ -278,7 +278,7 @@ def test_parking_stats_for_the_stats_table():
 
 
 def test_the_policy_reads_the_lots_entries():
-    from nbkv import policy
+    from nbkv.kv import policy
 
     lot = ParkingLot(ram_bytes=10_000)
     key = lot.park(ParkedEntry("alice", tuple(range(300)), ("h1", "h2"), (150, 300),

@@ -22,14 +22,15 @@ import time
 import pytest
 from test_families import assert_kv_exact, model_for, user
 
-import nbkv.placement
+import nbkv.engine.facade.placement
 from conftest import assert_consistent, picture, run_py
-from nbkv import Engine, policy
-from nbkv.blobstore import BLOBS, manifest_text
-from nbkv.events import RequestStarted
-from nbkv.models import default_model_path
-from nbkv.park_disk import ENTRIES, entry_file
-from nbkv.reasons import EVICTED, RESTORED
+from nbkv import Engine
+from nbkv.core.events import RequestStarted
+from nbkv.kv import policy
+from nbkv.kv.reasons import EVICTED, RESTORED
+from nbkv.llama.models import default_model_path
+from nbkv.store.blobstore import BLOBS, manifest_text
+from nbkv.store.park_disk import ENTRIES, entry_file
 
 MAX = 5
 N_CTX = 512
@@ -38,7 +39,7 @@ SYSTEMS = [f"You are a {who}. Answer in one short sentence."
 QUESTIONS = ["What is a CPU?", "And memory?", "Why is a cache fast?"]
 # every memory class, and K-quant weights (Q4_K_M: grouped prefill, split generation steps)
 SLOW_FAMILIES = ("gemma3", "lfm2", "mamba2", "granitehybrid", "smollm2-q4km", "lfm2-q4km")
-LOG = "nbkv.parking"
+LOG = "nbkv.store.parking"
 
 
 def open_conversations(n):
@@ -406,7 +407,7 @@ def test_a_request_arriving_while_a_slot_is_parked(engine, oracle, monkeypatch):
     """Four sessions at once on two slots, then five: the fifth arrives while a slot is
     being parked (the copy is held back until it is queued)."""
     engine.clear()
-    real = nbkv.placement.park_slot
+    real = nbkv.engine.placement.park_slot
     convs = open_conversations(5)
     late = convs.pop("s4")
     late.append(user(QUESTIONS[0]))
@@ -421,7 +422,7 @@ def test_a_request_arriving_while_a_slot_is_parked(engine, oracle, monkeypatch):
             time.sleep(0.05)
         return real(sched, slot)
 
-    monkeypatch.setattr(nbkv.placement, "park_slot", slow_park)
+    monkeypatch.setattr(nbkv.engine.placement, "park_slot", slow_park)
     for q in QUESTIONS[:2]:
         for msgs in convs.values():
             msgs.append(user(q))
@@ -456,7 +457,7 @@ def test_an_interrupt_during_a_restore_leaves_the_engine_consistent(engine, orac
     msgs = convs["s0"]
     msgs.append(user(QUESTIONS[1]))
     holder, ready, restoring = [], threading.Event(), threading.Event()
-    real = nbkv.placement.restore_into
+    real = nbkv.engine.placement.restore_into
 
     def cancelled():
         return ready.wait(10) and holder[0]._job.cancel.is_set()
@@ -477,7 +478,7 @@ def test_an_interrupt_during_a_restore_leaves_the_engine_consistent(engine, orac
     if how == "started":
         unsubscribe = engine.subscribe(on_event)
     else:
-        monkeypatch.setattr(nbkv.placement, "restore_into", slow_restore)
+        monkeypatch.setattr(nbkv.engine.placement, "restore_into", slow_restore)
         unsubscribe = lambda: None  # noqa: E731
     try:
         stream = engine.chat(msgs, session="s0", stream=True, max_tokens=MAX, temperature=0)

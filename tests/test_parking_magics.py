@@ -7,10 +7,10 @@ import pytest
 from IPython.core.error import UsageError
 
 from conftest import ipython_shell
-from nbkv.commands import parse_bytes
-from nbkv.errors import InvalidRequestError
-from nbkv.magics import Nbkv
-from nbkv.sessions import SessionStore
+from nbkv.core.errors import InvalidRequestError
+from nbkv.notebook.commands import parse_bytes
+from nbkv.notebook.magics import Nbkv
+from nbkv.notebook.sessions import SessionStore
 
 
 class Parker:

@@ -9,13 +9,13 @@ import comm
 import pytest
 
 from conftest import QuietComm
-from nbkv import static, vocabulary
-from nbkv.display import stats_table
-from nbkv.engine import SlotInfo
-from nbkv.events import EventBus, RequestFinished, RequestRecord
-from nbkv.palette import PARKED_COLOR, RESTORED_COLOR
-from nbkv.parked import DISK, RAM, ParkedInfo
-from nbkv.widgets import Feed, SlotCards, Timeline
+from nbkv.core.events import EventBus, RequestFinished, RequestRecord
+from nbkv.engine.facade.facade import SlotInfo
+from nbkv.store.parked import DISK, RAM, ParkedInfo
+from nbkv.ui import static, vocabulary
+from nbkv.ui.display import stats_table
+from nbkv.ui.palette import PARKED_COLOR, RESTORED_COLOR
+from nbkv.ui.widgets import Feed, SlotCards, Timeline
 
 PARKED = (ParkedInfo("alice#3", "alice", tuple(range(1204)), ("h",), (1204,), 9, 3 << 20, RAM),
           ParkedInfo("bob#1", "bob", tuple(range(80)), ("h",), (80,), 2, 512 << 10, DISK))
@@ -124,9 +124,9 @@ def test_the_stats_table_counts_parking_only_when_there_is_some():
 
 
 def test_the_conversation_view_says_a_parked_conversation_comes_back():
-    from nbkv.conversation_view import conversation_html, conversation_text
-    from nbkv.parked import ParkedInfo
-    from nbkv.sessions import Session
+    from nbkv.notebook.sessions import Session
+    from nbkv.store.parked import ParkedInfo
+    from nbkv.ui.conversation_view import conversation_html, conversation_text
 
     s = Session("alice")
     s.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]

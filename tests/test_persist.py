@@ -1,4 +1,4 @@
-"""%kvcache save / restore (nbkv.persist) on the real model: continuity across a real restart,
+"""%kvcache save / restore (nbkv.store.persist) on the real model: continuity across a real restart,
 bad saves refused with the engine unchanged, atomicity under SIGKILL, hybrid checkpoints."""
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture, run_py
-from nbkv import Engine, autosave, blobstore, persist, policy
-from nbkv.engine_state import EngineBusy
-from nbkv.errors import RestoreError, SaveError
-from nbkv.oracle import scratch_logits
-from nbkv.sessions import SessionStore
+from nbkv import Engine
+from nbkv.core.errors import RestoreError, SaveError
+from nbkv.engine.facade.state import EngineBusy
+from nbkv.kv import policy
+from nbkv.kv.oracle import scratch_logits
+from nbkv.notebook.sessions import SessionStore
+from nbkv.store import autosave, blobstore, persist
 
 PIL = pytest.importorskip("PIL.Image")
 MAX = 8
@@ -86,10 +88,10 @@ RESTART = """
     import json, sys
     import numpy as np
     from nbkv import Engine
-    from nbkv.embeddings import EmbeddingCache
-    from nbkv.images import Image
-    from nbkv.projector import Projector
-    from nbkv.sessions import SessionStore
+    from nbkv.media.embeddings import EmbeddingCache
+    from nbkv.media.images import Image
+    from nbkv.media.projector import Projector
+    from nbkv.notebook.sessions import SessionStore
     from test_persist import CFG, MAX, NEXT_A, NEXT_B, PROBE, scratch_probe
 
     model_path, mmproj, save = sys.argv[1:4]
@@ -440,7 +442,7 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
 KILLED = """
     import json, sys, time
     from nbkv import Engine, blobstore, persist
-    from nbkv.sessions import SessionStore
+    from nbkv.notebook.sessions import SessionStore
 
     model_path, save, phase = sys.argv[1:4]
     store = SessionStore()
@@ -556,7 +558,7 @@ def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
     from IPython.core.error import UsageError
     from IPython.utils.capture import capture_output
 
-    from nbkv.magics import Nbkv
+    from nbkv.notebook.magics import Nbkv
 
     monkeypatch.setenv("NBKV_SAVE_DIR", str(tmp_path / "saves"))
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)

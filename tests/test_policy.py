@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from nbkv import policy
-from nbkv.messages import prefix_hashes
+from nbkv.core.messages import prefix_hashes
+from nbkv.kv import policy
 
 
 @dataclass

@@ -4,9 +4,9 @@ import inspect
 
 import pytest
 
-from nbkv.engine import Engine
-from nbkv.protocol import EngineLike
-from nbkv.remote import LlamaServerEngine, OpenAIEngine
+from nbkv.core.protocol import EngineLike
+from nbkv.engine.facade.facade import Engine
+from nbkv.remote.connect.connect import LlamaServerEngine, OpenAIEngine
 
 
 @pytest.mark.parametrize("cls", [Engine, LlamaServerEngine, OpenAIEngine])
@@ -30,7 +30,7 @@ def test_openai_messages_carry_images_as_png_data_urls():
     import numpy as np
     from PIL import Image
 
-    from nbkv.remote_openai import _openai_message
+    from nbkv.remote.connect.openai import _openai_message
 
     pixels = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
     msg = _openai_message({"role": "user", "content": [

@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import SYSTEM, assert_consistent, picture
-from nbkv import Engine, calibrate, invariance
+from nbkv import Engine
 from nbkv.fixtures import make_mmproj, quantized
-from nbkv.invariance import PrefillRule
-from nbkv.models import default_model_path
+from nbkv.kv import calibrate, invariance
+from nbkv.kv.invariance import PrefillRule
+from nbkv.llama.models import default_model_path
 
 MAX = 12
 TYPES = ("Q4_K_M", pytest.param("Q5_K_M", marks=pytest.mark.slow),
@@ -175,7 +176,7 @@ def test_without_a_proven_grouping_records_say_not_exact(monkeypatch):
         res = e.chat([user("Hi")], max_tokens=4, temperature=0)
         assert res.record.exact is False
         assert "not proven exact" in res.record.summary()
-        from nbkv.display import status_table
+        from nbkv.ui.display import status_table
 
         assert "faked: no grouping" in status_table(e).text()
     # the fake result was cached: measure the real one again for the other tests

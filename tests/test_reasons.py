@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import SYSTEM
-from nbkv import Engine, reasons, templates
-from nbkv.errors import ContextOverflowError, InvalidRequestError
-from nbkv.figures import ExplainReport, Figures
-from nbkv.policy import common_prefix
+from nbkv import Engine
+from nbkv.core.errors import ContextOverflowError, InvalidRequestError
+from nbkv.kv import reasons
+from nbkv.kv.policy import common_prefix
+from nbkv.prompt import templates
+from nbkv.ui.figures import ExplainReport, Figures
 
 MAX = 3
 
@@ -238,8 +240,8 @@ def test_a_parked_copy_that_was_gone_is_an_eviction():
 
 
 def test_the_figures_line_says_what_was_restored_from_where_and_how_fast():
-    from nbkv import vocabulary
-    from nbkv.events import RequestRecord
+    from nbkv.core.events import RequestRecord
+    from nbkv.ui import vocabulary
 
     rec = RequestRecord(9, "alice", "hash-extend", 0, 1210, 1204, 6, 0, reason=reasons.RESTORED,
                         reason_text="...", restored_from="ram", restored_tokens=1204,

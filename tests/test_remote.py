@@ -16,18 +16,18 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbkv
-import nbkv.protocol
+import nbkv.core.protocol
 from conftest import ipython_shell
 from nbkv import Engine
-from nbkv.errors import (
+from nbkv.core.errors import (
     ContextOverflowError,
     InvalidRequestError,
     RestoreError,
     ServerUnreachableError,
     ServerUnsupportedError,
 )
-from nbkv.server import LlamaServer, binary, free_port
-from nbkv.sessions import STORE, SessionStore
+from nbkv.notebook.sessions import STORE, SessionStore
+from nbkv.remote.connect.server import LlamaServer, binary, free_port
 
 if binary() is None:
     if os.environ.get("NBKV_REQUIRE_SERVER"):
@@ -40,7 +40,7 @@ SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTIONS = {"ann": ["What is a CPU?", "And memory?", "Why is a cache fast?"],
              "bob": ["Name a fruit.", "What colour is it?", "Is it sweet?"],
              "cat": ["Hi!", "What can you do?", "Tell me a joke."]}
-#: what makes llama-server compute like the in-kernel engine (see nbkv.server.LlamaServer)
+#: what makes llama-server compute like the in-kernel engine (see nbkv.remote.server.LlamaServer)
 SAME_ARITHMETIC = dict(threads=2, batch=256, ubatch=256, flash_attn="off")
 
 
@@ -88,7 +88,7 @@ def test_connect_detects_llama_server_and_checks_the_template(remote, srv):
     assert remote.kind == "llama-server"
     assert remote.n_slots == 2 and remote.n_ctx == CTX
     assert remote.total_slots == 2
-    assert isinstance(remote, nbkv.protocol.EngineLike)
+    assert isinstance(remote, nbkv.core.protocol.EngineLike)
     # the kernel's rendering equals the server's /apply-template (checked at connect)
     msgs = [{"role": "user", "content": "Hi"}]
     theirs = httpx.post(srv.url + "/apply-template", json={"messages": msgs}).json()["prompt"]
@@ -154,7 +154,7 @@ def test_another_client_on_a_pinned_slot_is_flagged_not_verified(remote, srv):
 
 def test_slot_cards_and_kv_map_follow_the_server(remote, srv):
     pytest.importorskip("ipywidgets")
-    from nbkv.widgets import CacheDashboard
+    from nbkv.ui.widgets import CacheDashboard
 
     dash = CacheDashboard(remote, live=False)
     try:
@@ -220,7 +220,7 @@ def test_server_killed_mid_request_then_restarted(tmp_path_factory):
 
 
 def test_named_errors(srv):
-    with pytest.raises(ServerUnreachableError, match="python -m nbkv.server"):
+    with pytest.raises(ServerUnreachableError, match="python -m nbkv.remote.server"):
         nbkv.connect(f"http://127.0.0.1:{free_port()}")
     with pytest.raises(ServerUnsupportedError, match="-np 3"):
         nbkv.connect(srv.url, slots=3)
@@ -229,7 +229,7 @@ def test_named_errors(srv):
         before = e.slots()
         with pytest.raises(ContextOverflowError, match="does not fit"):
             e.chat([{"role": "user", "content": "word " * 1200}], max_tokens=2)
-        # checked as the in-kernel engine checks them (nbkv.chat_api)
+        # checked as the in-kernel engine checks them (nbkv.core.api)
         with pytest.raises(InvalidRequestError, match="session must be a non-empty str"):
             e.chat([{"role": "user", "content": "hi"}], session=5)
         with pytest.raises(InvalidRequestError, match="timeout must be a number of seconds"):
@@ -427,7 +427,7 @@ def test_python_m_nbkv_server_runs_until_ctrl_c():
     import sys
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nbkv.server", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "nbkv.remote.server", "--port", str(port),
                              "--slots", "1", "--ctx", "512", "--threads", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -1,7 +1,7 @@
 """The in-kernel session store, on the real engine (the embedded SmolLM2-135M).
 
 Turns run real requests (greedy, at most 8 tokens). Interrupts are injected around a real
-:class:`~nbkv.engine.ChatStream` exactly as the stream itself reacts to a ``KeyboardInterrupt``
+:class:`~nbkv.ChatStream` exactly as the stream itself reacts to a ``KeyboardInterrupt``
 while it waits (it cancels the request, then re-raises). One case cannot be produced on
 demand by a real engine, a request interrupted before its first token, so it uses a scripted
 stream whose public interface is checked against the real class.
@@ -18,10 +18,10 @@ import pytest
 import nbkv
 from conftest import assert_consistent
 from nbkv import Engine
-from nbkv.errors import ContextOverflowError, SlotTimeoutError
-from nbkv.events import RequestRecord, RequestStarted
-from nbkv.sessions import STORE, Reply, SessionStore
-from nbkv.streams import ChatStream
+from nbkv.core.errors import ContextOverflowError, SlotTimeoutError
+from nbkv.core.events import RequestRecord, RequestStarted
+from nbkv.core.streams import ChatStream
+from nbkv.notebook.sessions import STORE, Reply, SessionStore
 
 MAX = 8
 

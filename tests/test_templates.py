@@ -4,10 +4,10 @@ import datetime
 
 import pytest
 
-from nbkv import templates
-from nbkv.errors import TemplateError
-from nbkv.messages import prefix_hashes
-from nbkv.templates import CHATML, CLOCK_CHATML, ChatTemplate
+from nbkv.core.errors import TemplateError
+from nbkv.core.messages import prefix_hashes
+from nbkv.prompt import templates
+from nbkv.prompt.builder.templates import CHATML, CLOCK_CHATML, ChatTemplate
 
 MSGS = [
     {"role": "system", "content": "S"},

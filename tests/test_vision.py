@@ -18,11 +18,13 @@ import time
 import pytest
 
 from conftest import assert_consistent, picture, talk
-from nbkv import Engine, fixtures, policy, templates
-from nbkv.errors import MediaError, ProjectorError
-from nbkv.events import RequestFinished
+from nbkv import Engine, fixtures
+from nbkv.core.errors import MediaError, ProjectorError
+from nbkv.core.events import RequestFinished
 from nbkv.fixtures import fixture_spec, make_mmproj
-from nbkv.images import load_image
+from nbkv.kv import policy
+from nbkv.media.images import load_image
+from nbkv.prompt import templates
 
 PIL = pytest.importorskip("PIL.Image")
 MAX = 8

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from conftest import assert_consistent, talk
-from nbkv import Engine, policy
-from nbkv.backend import Batch, Context
-from nbkv.errors import ProjectorError
+from nbkv import Engine
+from nbkv.core.errors import ProjectorError
 from nbkv.fixtures import make_mmproj, make_text_model
+from nbkv.kv import policy
+from nbkv.llama.backend import Batch, Context
 
 pytest.importorskip("PIL.Image")
 MAX = 6

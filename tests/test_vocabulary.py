@@ -1,4 +1,4 @@
-"""One word for each event: every surface names it from nbkv.vocabulary, and nothing else does.
+"""One word for each event: every surface names it from nbkv.ui.vocabulary, and nothing else does.
 
 A real conversation on the model goes through every event the notebooks show (new
 conversation, continued, copied prefix, took another's slot, rebuilt after eviction, edited
@@ -17,16 +17,17 @@ import comm
 import pytest
 
 from conftest import SYSTEM, QuietComm
-from nbkv import Engine, page, palette, static, vocabulary
-from nbkv.display import (
+from nbkv import Engine
+from nbkv.ui import page, palette, static, vocabulary
+from nbkv.ui.display import (
     history_table,
     legend_html,
     slots_table,
     stats_table,
     status_table,
 )
-from nbkv.figures import EXPLAIN_READ, EXPLAIN_TRIMMED, ExplainReport, Figures
-from nbkv.widgets import CacheDashboard, Feed
+from nbkv.ui.figures import EXPLAIN_READ, EXPLAIN_TRIMMED, ExplainReport, Figures
+from nbkv.ui.widgets import CacheDashboard, Feed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +154,7 @@ def test_explain_highlights_are_distinguishable():
 
 def test_a_widget_carries_its_static_fallback(engine, monkeypatch):
     monkeypatch.setattr(comm, "create_comm", lambda **kw: QuietComm())
-    from nbkv.widgets import KVMap, SlotCards, Timeline
+    from nbkv.ui.widgets import KVMap, SlotCards, Timeline
 
     feed = Feed(engine, live=False)
     for cls, marker in ((SlotCards, "nbkv-slot-cards-static"), (KVMap, "nbkv-kvmap-svg"),

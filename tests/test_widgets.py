@@ -21,19 +21,20 @@ import comm
 import pytest
 
 from conftest import picture
-from nbkv import Engine, vocabulary
-from nbkv.engine import SlotInfo
-from nbkv.events import (
+from nbkv import Engine
+from nbkv.core.events import (
     Progress,
     RequestFinished,
     RequestRecord,
     RequestStarted,
     SlotRewritten,
 )
+from nbkv.engine.facade.facade import SlotInfo
 from nbkv.fixtures import make_mmproj, make_text_model
-from nbkv.palette import COLORS
-from nbkv.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline
-from nbkv.widgets.kvmap import BARS
+from nbkv.ui import vocabulary
+from nbkv.ui.palette import COLORS
+from nbkv.ui.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline
+from nbkv.ui.widgets.kvmap import BARS
 
 CTX = 512
 WAIT = 30.0  # seconds: the bound of every wait (a failure, never a hang)
@@ -358,7 +359,7 @@ def test_timeline_plots_salvage_ttft_and_no_cache_estimate(engine, story):
 class ManualClock:
     """The feed's clock, moved only by the test: ``time.monotonic`` and timed event waits.
 
-    Installed as the ``time`` and ``threading.Event`` of :mod:`nbkv.widgets.feed`, so the
+    Installed as the ``time`` and ``threading.Event`` of :mod:`nbkv.ui.widgets.feed`, so the
     render thread's throttle (``interval`` seconds between redraws) runs on this clock.
     """
 
@@ -427,7 +428,7 @@ class ClockEvent:
 
 @pytest.fixture
 def clock(monkeypatch):
-    from nbkv.widgets import feed as feed_module
+    from nbkv.ui.widgets import feed as feed_module
 
     c = ManualClock()
 
@@ -671,8 +672,8 @@ def test_dashboard_follows_a_real_conversation(engine):
 
 
 def test_one_legend_for_the_dashboard_and_the_slot_strips(engine):
-    from nbkv.display import LEGEND_STATES, legend_html, stats_table
-    from nbkv.palette import ROLE_COLORS
+    from nbkv.ui.display import LEGEND_STATES, legend_html, stats_table
+    from nbkv.ui.palette import ROLE_COLORS
 
     html = legend_html()
     for key, label in LEGEND_STATES:  # each colour named once, by what it means
@@ -700,7 +701,7 @@ def test_one_legend_for_the_dashboard_and_the_slot_strips(engine):
 
 
 def test_conversations_follow_session_changes(engine, sent):
-    from nbkv.sessions import SessionStore
+    from nbkv.notebook.sessions import SessionStore
 
     store = SessionStore()
     view = Conversations(engine, Feed(engine, live=False), sessions=store)
@@ -747,7 +748,7 @@ def test_kv_map_marks_checkpoints_on_the_messages_row():
 
 
 def test_slot_cards_show_the_memory_class_and_checkpoints():
-    from nbkv.static import card, memory_text
+    from nbkv.ui.static import card, memory_text
 
     plain = SlotInfo(0, 0, 512, "a", (1, 2, 3), ("h",), (3,), 1, False)
     assert memory_text(plain) == "plain"

@@ -6,14 +6,14 @@ are imported below: a new family is a new module, imported there.
 """
 
 # isort: off
-from . import text, vision, subagents, decode, families, restore, kv_types, remote  # noqa: F401
-from . import thrash  # noqa: F401
-from . import quants, back_to_back, dashboard  # noqa: F401
+from nbkv.bench import text, vision, subagents, decode, families, restore, kv_types, remote  # noqa: F401
+from nbkv.bench import thrash  # noqa: F401
+from nbkv.bench import quants, back_to_back, dashboard  # noqa: F401
 # isort: on
 
-from .back_to_back import scenario_back_to_back
-from .cli import main
-from .conversations import (
+from nbkv.bench.back_to_back import scenario_back_to_back
+from nbkv.bench.cli import main
+from nbkv.bench.conversations import (
     QUESTIONS,
     TOPICS,
     baselines,
@@ -22,22 +22,22 @@ from .conversations import (
     run_conversations,
     system_prompt,
 )
-from .dashboard import HeadlessComm, scenario_dashboard
-from .decode import (
+from nbkv.bench.dashboard import HeadlessComm, scenario_dashboard
+from nbkv.bench.decode import (
     DECODE_FOLLOWUP,
     DECODE_PROMPTS,
     DECODE_VARIANTS,
     scenario_decode,
     scenario_speculative,
 )
-from .families import FAMILIES, family_model, scenario_families
-from .kv_types import scenario_kv_types
-from .quants import QUANTS, scenario_quants
-from .registry import SCENARIOS, Scenario, scenario
-from .remote import scenario_remote
-from .report import TARGETS, print_report, targets
-from .restore import scenario_restore
-from .runners import (
+from nbkv.bench.families import FAMILIES, family_model, scenario_families
+from nbkv.bench.kv_types import scenario_kv_types
+from nbkv.bench.quants import QUANTS, scenario_quants
+from nbkv.bench.registry import SCENARIOS, Scenario, scenario
+from nbkv.bench.remote import scenario_remote
+from nbkv.bench.report import TARGETS, print_report, targets
+from nbkv.bench.restore import scenario_restore
+from nbkv.bench.runners import (
     MAX_TOKENS,
     HandlerRunner,
     LimitRunner,
@@ -47,10 +47,15 @@ from .runners import (
     NbkvRunner,
     RemoteRunner,
 )
-from .subagents import batching_ceiling, scenario_subagents
-from .text import scenario_drift, scenario_interleaved, scenario_shared_system, scenario_single
-from .thrash import scenario_thrash
-from .vision import (
+from nbkv.bench.subagents import batching_ceiling, scenario_subagents
+from nbkv.bench.text import (
+    scenario_drift,
+    scenario_interleaved,
+    scenario_shared_system,
+    scenario_single,
+)
+from nbkv.bench.thrash import scenario_thrash
+from nbkv.bench.vision import (
     IMAGE_FOLLOWUPS,
     VISION_HANDLERS,
     VISION_PAIRS,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .conversations import mean, system_prompt
-from .registry import scenario
-from .runners import NbkvRunner
+from nbkv.bench.conversations import mean, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import NbkvRunner
 
 
 @scenario("back-to-back")

@@ -37,10 +37,10 @@ import sys
 import time
 from typing import Any
 
-from ..models import default_model_path
-from .registry import SCENARIOS
-from .report import print_report, targets
-from .runners import MAX_TOKENS
+from nbkv.bench.registry import SCENARIOS
+from nbkv.bench.report import print_report, targets
+from nbkv.bench.runners import MAX_TOKENS
+from nbkv.llama.models import default_model_path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .runners import LlamaCppRunner, NbkvRunner
+from nbkv.bench.runners import LlamaCppRunner, NbkvRunner
 
 QUESTIONS = [
     "Why is the sky blue?", "How does a refrigerator keep food cold?",

@@ -6,9 +6,9 @@ import json
 import time
 from typing import Any
 
-from ..engine import Engine
-from .conversations import QUESTIONS, mean, paragraph
-from .registry import scenario
+from nbkv.bench.conversations import QUESTIONS, mean, paragraph
+from nbkv.bench.registry import scenario
+from nbkv.engine.facade import Engine
 
 
 class HeadlessComm:
@@ -48,7 +48,7 @@ def scenario_dashboard(path: str, quick: bool) -> dict[str, Any]:
     """
     import comm
 
-    from ..widgets import CacheDashboard
+    from nbkv.ui.widgets import CacheDashboard
 
     per_block = 4 if quick else 8
     order = ["bare", "dashboard", "dashboard", "bare"] * (1 if quick else 2)

@@ -7,9 +7,9 @@ import statistics
 import time
 from typing import Any
 
-from .conversations import QUESTIONS, mean, paragraph, run_conversations, system_prompt
-from .registry import scenario
-from .runners import LlamaDecodeRunner, NbkvRunner
+from nbkv.bench.conversations import QUESTIONS, mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import LlamaDecodeRunner, NbkvRunner
 
 
 def _decode_rate(log: list[dict]) -> float:

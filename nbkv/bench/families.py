@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models import default_model_path
-from ..policy import common_prefix
-from .conversations import mean, paragraph, system_prompt
-from .registry import scenario
-from .runners import MAX_TOKENS, NbkvRunner
+from nbkv.bench.conversations import mean, paragraph, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import MAX_TOKENS, NbkvRunner
+from nbkv.kv.policy import common_prefix
+from nbkv.llama.models import default_model_path
 
 FAMILIES = {"smollm2": "plain", "gemma3": "sliding-window", "lfm2": "hybrid",
             "mamba2": "recurrent", "granitehybrid": "hybrid"}
@@ -19,7 +19,7 @@ def family_model(family: str) -> str:
     """The embedded SmolLM2, or a tiny generated model of ``family`` with its tokenizer."""
     if family == "smollm2":
         return str(default_model_path())
-    from ..fixtures import make_text_model
+    from nbkv.fixtures import make_text_model
 
     return str(make_text_model(family))
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .conversations import mean, paragraph, system_prompt
-from .registry import scenario
-from .runners import NbkvRunner
+from nbkv.bench.conversations import mean, paragraph, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import NbkvRunner
 
 
 @scenario("kv-types")
@@ -20,8 +20,8 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
     """
     import numpy as np
 
-    from ..hardware import kv_type_id
-    from ..oracle import scratch_logits
+    from nbkv.kv.oracle import scratch_logits
+    from nbkv.llama.hardware import kv_type_id
 
     n_turns = 6 if quick else 12
     variants = {"f16": dict(type_k="f16", type_v="f16", flash_attn="off"),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..engine import Engine
-from .conversations import mean
-from .decode import scenario_decode
-from .registry import scenario
-from .text import scenario_interleaved, scenario_single
+from nbkv.bench.conversations import mean
+from nbkv.bench.decode import scenario_decode
+from nbkv.bench.registry import scenario
+from nbkv.bench.text import scenario_interleaved, scenario_single
+from nbkv.engine.facade import Engine
 
 QUANTS = ("Q4_K_M", "Q6_K", "Q8_0")  # against the embedded Q4_1
 
@@ -19,12 +19,12 @@ def scenario_quants(path: str, quick: bool) -> dict[str, Any]:
     """The 12-turn chat, the 4-session interleaving and single-session decoding on SmolLM2
     re-quantized to K-quants and Q8_0, against the embedded Q4_1 in the same run.
 
-    Every weight type prefills in its own calibrated grouping (nbkv.invariance): the extra
+    Every weight type prefills in its own calibrated grouping (nbkv.kv.invariance): the extra
     tokens it costs per turn (prefilled over the minimum), first-token times against
     llama-cpp-python and the physical floor, and decode speed against ``Llama.generate``.
     Targets: each type's ratios within 5% of Q4_1's.
     """
-    from ..fixtures import quantized
+    from nbkv.fixtures import quantized
 
     models = {"Q4_1": path, **{q: str(quantized(path, q)) for q in QUANTS}}
     per: dict[str, dict[str, Any]] = {}

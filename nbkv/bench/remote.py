@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .conversations import mean, paragraph, run_conversations, system_prompt
-from .registry import scenario
-from .runners import NbkvRunner, RemoteRunner
+from nbkv.bench.conversations import mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import NbkvRunner, RemoteRunner
 
 
 @scenario("remote")
 def scenario_remote(path: str, quick: bool) -> dict[str, Any]:
     """Four sessions interleaved on llama-server with 2 and 4 slots: nbkv pinning its slots,
     the same client leaving the choice to the server, and the in-kernel engine."""
-    from ..server import LlamaServer, binary
+    from nbkv.remote.server import LlamaServer, binary
 
     if binary() is None:
         return {"skipped": "no llama-server binary: run `make llama-server`", "ratios": {}}

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .decode import DECODE_PROMPTS, DECODE_VARIANTS
-from .families import FAMILIES
-from .quants import QUANTS
-from .registry import SCENARIOS
-from .vision import VISION_PAIRS
+from nbkv.bench.decode import DECODE_PROMPTS, DECODE_VARIANTS
+from nbkv.bench.families import FAMILIES
+from nbkv.bench.quants import QUANTS
+from nbkv.bench.registry import SCENARIOS
+from nbkv.bench.vision import VISION_PAIRS
 
 #: (scenario, ratio, ">=" or "<=", wanted): the issue's targets, in the order the report
 #: prints them; a new scenario adds its own here

@@ -7,15 +7,15 @@ import os
 import sys
 from typing import Any
 
-from .conversations import mean, paragraph, system_prompt
-from .registry import scenario
-from .runners import MAX_TOKENS, NbkvRunner
+from nbkv.bench.conversations import mean, paragraph, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import MAX_TOKENS, NbkvRunner
 
 _RESTART = """
 import json, sys, time
 t0 = time.perf_counter()
 from nbkv import Engine
-from nbkv.sessions import SessionStore
+from nbkv.notebook.sessions import SessionStore
 path, save, mode, msgs_file, max_tokens = sys.argv[1:6]
 msgs = json.load(open(msgs_file))
 e = Engine(path, n_slots=1, n_ctx=4096)
@@ -53,7 +53,7 @@ def scenario_restore(path: str, quick: bool) -> dict[str, Any]:
     """
     import tempfile
 
-    from ..sessions import SessionStore
+    from nbkv.notebook.sessions import SessionStore
 
     n_turns = 6 if quick else 12
     hist = [{"role": "system", "content": system_prompt("Ada", 6)}]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..backend import Batch, Context, Model, default_threads
-from ..engine import Engine
-from ..events import SlotRewritten
-from ..policy import common_prefix
+from nbkv.core.events import SlotRewritten
+from nbkv.engine.facade import Engine
+from nbkv.kv.policy import common_prefix
+from nbkv.llama.backend import Batch, Context, Model, default_threads
 
 MAX_TOKENS = 16
 
@@ -265,7 +265,7 @@ class RemoteRunner:
     """
 
     def __init__(self, url: str, pin: bool, max_tokens: int = MAX_TOKENS) -> None:
-        from ..remote import connect
+        from nbkv.remote.connect import connect
 
         self.engine = connect(url)
         self.engine.clear()

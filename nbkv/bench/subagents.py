@@ -6,10 +6,10 @@ import statistics
 import time
 from typing import Any
 
-from ..backend import Batch, Context, Model
-from .conversations import mean, paragraph, run_conversations, system_prompt
-from .registry import scenario
-from .runners import LlamaCppRunner, NbkvRunner
+from nbkv.bench.conversations import mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import LlamaCppRunner, NbkvRunner
+from nbkv.llama.backend import Batch, Context, Model
 
 
 def batching_ceiling(path: str, n_streams: int, depth: int, reps: int = 9) -> dict[str, float]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from .. import templates
-from ..engine import Engine
-from ..policy import common_prefix
-from .conversations import baselines, mean, paragraph, run_conversations, system_prompt
-from .registry import scenario
-from .runners import LimitRunner, LlamaCppRunner, NbkvRunner
+from nbkv.bench.conversations import baselines, mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import LimitRunner, LlamaCppRunner, NbkvRunner
+from nbkv.engine.facade import Engine
+from nbkv.kv.policy import common_prefix
+from nbkv.prompt import templates
 
 
 @scenario("single")

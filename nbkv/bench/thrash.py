@@ -6,9 +6,9 @@ import os
 import re
 from typing import Any
 
-from .conversations import TOPICS, mean, paragraph
-from .registry import scenario
-from .runners import MAX_TOKENS, LlamaCacheRunner, NbkvRunner, RemoteRunner
+from nbkv.bench.conversations import TOPICS, mean, paragraph
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import MAX_TOKENS, LlamaCacheRunner, NbkvRunner, RemoteRunner
 
 NAMES = ["Ada", "Brook", "Cyd", "Dale", "Eve", "Finn"]
 
@@ -76,8 +76,8 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
     ``nbkv.connect``, and llama-cpp-python's ``Llama`` with ``LlamaRAMCache``. Every variant
     gets the same conversation (the parking engine's replies).
     """
-    from ..parking import default_ram_budget
-    from ..server import LlamaServer, binary
+    from nbkv.remote.server import LlamaServer, binary
+    from nbkv.store.parking import default_ram_budget
 
     rounds, sentences, max_tokens = (2, 5, 8) if quick else (3, 9, MAX_TOKENS)
     n, n_ctx = len(NAMES), 2048

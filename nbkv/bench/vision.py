@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .conversations import mean
-from .registry import scenario
-from .runners import HandlerRunner, NbkvRunner
+from nbkv.bench.conversations import mean
+from nbkv.bench.registry import scenario
+from nbkv.bench.runners import HandlerRunner, NbkvRunner
 
 
 def _png_data_uri(seed: int, size: int) -> str:
@@ -30,7 +30,7 @@ IMAGE_FOLLOWUPS = ["Describe its colours.", "Is it a photo?", "What is two plus 
 def _vision_runner(variant: str, path: str, mmproj: str) -> Any:
     """nbkv (``"imc"``, or ``"off"`` with its embedding cache off too), else the
     llama-cpp-python chat handler of that name."""
-    from ..embeddings import EmbeddingCache
+    from nbkv.media.embeddings import EmbeddingCache
 
     if variant not in ("imc", "off"):
         return HandlerRunner(path, mmproj, variant, 4096)
@@ -61,7 +61,7 @@ def _image_chat(runner: Any, kind: str, n_turns: int) -> list[dict[str, Any]]:
 @scenario("vision")
 def scenario_vision(path: str, quick: bool, kind: str = "tiny") -> dict[str, Any]:
     """An image conversation of 6 turns: nbkv IMC vs. llama-cpp's Llava15ChatHandler vs. off."""
-    from ..fixtures import make_mmproj
+    from nbkv.fixtures import make_mmproj
 
     projector = "mlp" if kind == "tiny" else "gemma3"
     mmproj = str(make_mmproj(kind=kind, projector=projector))
@@ -109,7 +109,7 @@ def scenario_vision_families(path: str, quick: bool, kind: str = "tiny") -> dict
     ``"realistic"`` (SigLIP-B-sized, 512-px images: seconds per encode) the speed-up a user
     sees. ``path`` is unused (each pair brings its own text model).
     """
-    from ..fixtures import make_mmproj, make_text_model
+    from nbkv.fixtures import make_mmproj, make_text_model
 
     n_turns = 3 if quick else 6
     out: dict[str, Any] = {"turns": n_turns, "projectors": kind, "pairs": {}, "ratios": {}}

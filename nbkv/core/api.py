@@ -1,0 +1,185 @@
+"""What every engine offers on top of its own ``chat``: many at once, asyncio, events, totals.
+
+:class:`ChatAPI` is shared by the in-kernel :class:`~nbkv.Engine` and the remote
+engines (:mod:`nbkv.remote.connect`); a subclass provides ``chat(messages, session, stream=...)``
+returning a :class:`~nbkv.core.streams.ChatStream` when streaming, and an ``events`` bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from nbkv.core import validate
+from nbkv.core.errors import InvalidRequestError
+from nbkv.core.events import EventBus, RequestRecord, Subscriber
+from nbkv.core.streams import AsyncChatStream, ChatResult, ChatStream
+from nbkv.kv.policy import MISS
+
+
+class ChatAPI:
+    """``chat_many``, ``achat``, ``subscribe``, ``history`` and request totals, from ``chat``."""
+
+    events: EventBus
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: bool = False, **sampling: Any) -> Any:
+        """Reply to ``messages``: a ChatResult, or a ChatStream with ``stream=True``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _check_request(session: Any, timeout: Any) -> None:
+        """Refuse a ``session`` that is not a name, a ``timeout`` that is not seconds > 0.
+
+        Every engine's ``chat`` starts here, before anything is queued or sent.
+        """
+        validate.session_name(session)
+        validate.seconds("timeout", timeout, optional=True)
+
+    def chat_many(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        sessions: Sequence[str | None] | None = None,
+        *,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> list[ChatResult] | list[ChatStream]:
+        """Reply to several conversations at once (their work overlaps).
+
+        Returns results in order, or with ``stream=True`` one :class:`ChatStream` per
+        conversation (each may be consumed from its own thread).
+        """
+        sessions = list(sessions) if sessions is not None else [None] * len(conversations)
+        if len(sessions) != len(conversations):
+            raise InvalidRequestError("sessions must have one entry per conversation")
+        for sess in sessions:  # all of them before any request is sent
+            self._check_request(sess, sampling.get("timeout"))
+        streams: list[ChatStream] = []
+        try:
+            for conv, sess in zip(conversations, sessions):
+                streams.append(self.chat(conv, sess, stream=True, **sampling))
+            if stream:
+                return streams
+            return [s.result() for s in streams]
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+
+    async def achat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        session: str | None = None,
+        *,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> ChatResult | AsyncChatStream:
+        """:meth:`chat` for asyncio: await a :class:`ChatResult`, or ``async for`` the deltas.
+
+        Many ``achat`` calls in flight at once are served together, like :meth:`chat_many`.
+        """
+        loop = asyncio.get_running_loop()
+        s = self.chat(messages, session, stream=True, **sampling)
+        astream = AsyncChatStream(s, loop)
+        return astream if stream else await astream.result()
+
+    def carry_over(self, sessions: Iterable[str]) -> None:
+        """Sessions another engine cached before this one replaced it (``%kvcache load``).
+
+        Their next request here says the engine was reloaded, not that the conversation is
+        new. Engines that keep no slot table ignore it.
+        """
+        table = getattr(self, "table", None)
+        if table is not None:
+            table.carry_over(sessions)
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Receive every event (see :mod:`nbkv.core.events`); returns an unsubscribe function."""
+        return self.events.subscribe(callback)
+
+    @property
+    def history(self) -> list[RequestRecord]:
+        """Records of the most recent requests, oldest first."""
+        return list(self.events.history)
+
+
+class TemplatedAPI:
+    """``render`` and ``tokenize_prompt``, for engines that render the template themselves.
+
+    A subclass has a ``template`` (:class:`~nbkv.prompt.templates.ChatTemplate`) and a
+    ``_prepare(messages, overflow, max_tokens)`` returning a :class:`~nbkv.prompt.builder.Prompt`.
+    """
+
+    template: Any
+
+    def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str,
+                 max_tokens: int) -> Any:
+        raise NotImplementedError
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+               ) -> str:
+        """The prompt text the template makes of ``messages``."""
+        from nbkv.core.messages import normalize
+
+        return self.template.render(normalize(messages), add_generation_prompt)
+
+    def tokenize_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The exact prompt tokens a request with ``messages`` feeds the model."""
+        return list(self._prepare(messages, "error", 1).tokens)
+
+
+def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Totals over records: requests by strategy and event, tokens, restores of parked ones."""
+    from nbkv.ui.vocabulary import counts
+
+    prompt = sum(r.prompt_tokens for r in history)
+    reused = sum(r.reused_tokens for r in history)
+    by: dict[str, int] = {}
+    for r in history:
+        by[r.strategy] = by.get(r.strategy, 0) + 1
+    ttfts = [r.ttft_s for r in history if r.ttft_s > 0]
+    return {
+        "requests": len(history),
+        "strategies": by,
+        "events": counts(history),
+        "prompt_tokens": prompt,
+        "reused_tokens": reused,
+        "prefilled_tokens": sum(r.prefilled_tokens for r in history),
+        "generated_tokens": sum(r.generated_tokens for r in history),
+        "salvage_pct": 100.0 * reused / prompt if prompt else 0.0,
+        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        "restored_requests": sum(1 for r in history if r.restored_from),
+        "restored_tokens": sum(r.restored_tokens for r in history),
+    }
+
+
+def thrashing(history: Sequence[RequestRecord], n_slots: int, window: int = 24
+              ) -> dict[str, Any]:
+    """Detect cache thrashing: sessions that keep coming back to find their slot evicted.
+
+    Looks at the last ``window`` requests: a *returning miss* is a request of a session whose
+    conversation an earlier request evicted, and that then had to rebuild (strategy ``miss``).
+    """
+    recent = list(history)[-window:]
+    evicted: set[str] = set()
+    returning = 0
+    for r in recent:
+        if r.session is not None and r.session in evicted and r.strategy == MISS:
+            returning += 1
+        if r.session is not None:
+            evicted.discard(r.session)
+        if r.evicted_session is not None:
+            evicted.add(r.evicted_session)
+    active = len({r.session for r in recent if r.session is not None})
+    flagged = returning >= 3 and returning >= 0.25 * len(recent)
+    return {
+        "returning_misses": returning,
+        "active_sessions": active,
+        "thrashing": flagged,
+        "advice": (
+            f"cache thrashing: {active} sessions take turns on {n_slots} slots, so each "
+            f"returning session finds its conversation evicted and rebuilds it from scratch; "
+            f"load the engine with at least {active} slots"
+        ) if flagged else "",
+    }

@@ -1,0 +1,304 @@
+"""What the engine reports: one record per request, progress while it runs, and a subscriber list.
+
+User interfaces (the notebook widgets, the demo, the benchmark) are built only on these.
+Subscribers are called on the engine's scheduler thread; they must be quick, and an
+exception in one is logged, never raised into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Union
+
+from nbkv.kv.reasons import RESTORED, Divergence
+from nbkv.ui import vocabulary as vocab
+
+log = logging.getLogger("nbkv.core.events")
+
+REUSED, PREFILLED, GENERATED = "reused", "prefilled", "generated"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of KV positions ``[start, end)`` that belong to one message and share one state."""
+
+    start: int
+    end: int
+    message: int  # index into the request's messages; len(messages) is the reply
+    role: str
+    state: str  # REUSED, PREFILLED or GENERATED (this request)
+    preview: str = ""
+    kind: str = "text"  # "text", or "image" for the positions an image's embeddings occupy
+    image_hash: str | None = None
+    image_name: str = ""  # the image's file name, when it came from a file
+    #: image segments: embeddings the image fed the model; with M-RoPE (Qwen-VL) more than
+    #: the KV positions it occupies (``length``)
+    embeddings: int = 0
+
+    @property
+    def length(self) -> int:
+        """Number of KV positions in the segment."""
+        return self.end - self.start
+
+    @property
+    def is_media(self) -> bool:
+        """True for the positions of an image (or other media) chunk."""
+        return self.kind != "text"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """Everything measured about one request."""
+
+    id: int
+    session: str | None
+    strategy: str  # how the slot was found (policy): hash-hit, hash-extend, prefix-salvage,
+    # miss, spc, off; what people read is the event (``reason``, nbkv.ui.vocabulary)
+    slot: int
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    trimmed_tokens: int
+    generated_tokens: int = 0
+    donor_slot: int | None = None  # slot the reused prefix was copied from
+    donor_session: str | None = None  # ... and whose conversation it held
+    evicted_session: str | None = None
+    evicted_tokens: int = 0
+    matched_messages: int = 0
+    reply_tokens_cached: int = 0  # tokens of the previous reply held in the slot
+    reply_tokens_reused: int = 0  # ... of which re-tokenized identically and were reused
+    dropped_messages: int = 0  # oldest messages dropped by overflow='slide'
+    media_chunks: int = 0  # image chunks in the prompt
+    media_reused: int = 0  # ... of which were already in the slot's KV
+    encoder_runs: int = 0  # images sent through the vision encoder by this request
+    embedding_cache_hits: int = 0  # images decoded from cached embeddings instead
+    draft_tokens: int = 0  # guessed next tokens decoded alongside (speculative, exact mode)
+    draft_accepted: int = 0  # ... that the model confirmed: two tokens from one decode
+    checkpoint_pos: int | None = None  # the checkpoint restored (hybrid/recurrent models)
+    reprefilled_tokens: int = 0  # matched positions re-prefilled: the KV could not be cut there
+    rewrite_absorbed: int = 0  # previous reply positions re-prefilled before their rewrite ran
+    #: the reply is proven bit-identical to a from-scratch one (exact mode, and a prefill
+    #: grouping calibrated as batch-invariant on this model and build)
+    exact: bool = True
+    capacity: int = 0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    restore_s: float = 0.0  # SPC restore, prefix copy, or restore of a parked conversation
+    # the first-token time in parts (ttft_parts): wait + restore + prefill_s
+    wait_s: float = 0.0  # before reading began: template, tokens, a free slot, the step running
+    rewrite_absorbed_s: float = 0.0  # of prefill_s: re-reading the previous reply's positions
+    first_decode_s: float = 0.0  # of prefill_s: sampling the first token from the last logits
+    finish_reason: str = ""  # stop, length, cancelled, error
+    error: str | None = None
+    segments: tuple[Segment, ...] = ()
+    started_at: float = 0.0  # time.time() when the request was admitted
+    reason: str = ""  # why it reused what it reused (a code of nbkv.kv.reasons)
+    reason_text: str = ""  # ... in plain words
+    divergence: Divergence | None = None  # where the prompt left the cached conversation
+    #: False when a remote server's figures disagree with what nbkv expected of the slot
+    verified: bool = True
+    note: str = ""  # ... and why (or another remark of a remote engine)
+    #: "ram" or "disk" when a parked conversation (nbkv.store.parking) was restored into the slot
+    #: first (its time is in ``restore_s``), else ""
+    restored_from: str = ""
+    restored_tokens: int = 0  # ... tokens of it the request reused
+    restored_session: str | None = None  # ... whose conversation it was
+    evicted_parked: str = ""  # "ram" or "disk": the evicted conversation was parked, not lost
+    park_s: float = 0.0  # ... the time that took (copying its state out), within restore_s
+
+    @property
+    def salvage_pct(self) -> float:
+        """Share of the prompt served from cache, in percent."""
+        return 100.0 * self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        """Prefill throughput (tokens/s); 0 when nothing was prefilled."""
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Generation throughput (tokens/s) after the first token."""
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def read_s(self) -> float:
+        """Of the first-token time: reading this prompt's own new tokens (prefill)."""
+        return max(self.prefill_s - self.rewrite_absorbed_s - self.first_decode_s, 0.0)
+
+    def ttft_parts(self) -> list[tuple[str, float]]:
+        """The first-token time in parts that add up to it, in plain words."""
+        # what a request waits for is a free slot, or the scheduler's step in progress: with
+        # no pause between cells, the rewrite of the previous reply (README, Exactness)
+        waited = ("waited (for a free slot, or the step in progress: e.g. the rewrite of the "
+                  "previous reply)" if self.wait_s >= 0.02 else "waited")
+        parts = [(waited, self.wait_s), ("restored", self.restore_s)]
+        if self.rewrite_absorbed:
+            parts.append((f"re-read the previous reply ({self.rewrite_absorbed} tokens, "
+                          "its rewrite had not run yet)", self.rewrite_absorbed_s))
+        n = self.prefilled_tokens - self.rewrite_absorbed
+        parts += [(f"read the prompt ({n} new tokens)", self.read_s),
+                  ("first token", self.first_decode_s)]
+        rest = self.ttft_s - sum(s for _, s in parts)  # a remote engine times less of it
+        if rest > 0.0005:
+            parts.append(("elsewhere (a server's queue, HTTP)", rest))
+        return parts
+
+    def ttft_text(self) -> str:
+        """``first token 95 ms = waited 2 ms + restored 0 ms + read ... + first token 1 ms``."""
+        split = " + ".join(f"{what} {s * 1000:.0f} ms" for what, s in self.ttft_parts())
+        return (f"time from the request to the first reply token: {self.ttft_s * 1000:.0f} ms"
+                f" = {split}")
+
+    def actions(self) -> list[tuple[str, str]]:
+        """What happened, as ``(text, explanation)`` pairs in plain words (the figures line).
+
+        The words come from :mod:`nbkv.ui.vocabulary`, as on every other surface.
+        """
+        r = self
+        out: list[tuple[str, str]] = []
+        event = vocab.event(r)
+        what = event.words
+        copied = vocab.EVENTS["copied"].words
+        donor = ""
+        if r.donor_slot is not None:
+            who = f"{r.donor_session}'s" if r.donor_session else f"slot {r.donor_slot}'s"
+            donor = f"{copied} from {who} slot"
+            if r.reason == "copied":
+                what, donor = donor, ""
+        restored = vocab.restored(r)
+        if restored and r.reason == RESTORED:
+            what, restored = restored, ""
+        out.append((f"slot {r.slot}: {what}", vocab.reason_line(r)))
+        if restored:
+            out.append((restored, vocab.EVENTS[RESTORED].tip))
+        if donor:
+            out.append((donor, vocab.EVENTS["copied"].tip))
+        took = vocab.took(r)
+        if took:
+            out.append((took, f"{r.evicted_session}'s cached conversation was "
+                              + ("parked to make room (it is restored when it comes back)"
+                                 if r.evicted_parked else "dropped to make room")))
+        out.append((f"reused {r.reused_tokens}/{r.prompt_tokens} ({r.salvage_pct:.0f}%)",
+                    "prompt tokens whose KV was already in the slot: not computed again"))
+        out.append((f"read {r.prefilled_tokens} new", vocab.STATES["prefilled"].tip))
+        if r.encoder_runs:
+            out.append(("image encoded" if r.encoder_runs == 1
+                        else f"{r.encoder_runs} images encoded",
+                        "the vision encoder ran on a picture it had not seen"))
+        elif r.embedding_cache_hits:
+            out.append(("image from cache",
+                        "the picture's embeddings were cached: no encoder run"))
+        if r.reprefilled_tokens and r.reason != "checkpoint":
+            out.append((f"re-read {r.reprefilled_tokens}",
+                        "matched tokens read again: prompt tokens are read in groups that "
+                        "give the same numbers as a fresh start, or the memory cannot be cut "
+                        "exactly there"))
+        out.append((f"first token {r.ttft_s * 1000:.0f} ms", r.ttft_text()))
+        if r.generated_tokens > 1:
+            out.append((f"{r.decode_tps:.0f} tok/s", "reply tokens per second"))
+        if r.draft_tokens:
+            out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
+                        "speculative guesses of the next token that proved right"))
+        if not r.verified:
+            out.append(("not verified", r.note or "the server's figures differ from nbkv's"))
+        if not r.exact:
+            out.append(("not proven exact", "nbkv could not prove on this model and build that "
+                        "a reply from cache equals one computed from scratch "
+                        "(%kvcache status says why)"))
+        ending = vocab.ending(r)
+        if ending:
+            out.append((ending, r.error or vocab.ENDINGS[r.finish_reason].tip))
+        return out
+
+    def summary(self) -> str:
+        """The one-line figures shown after a reply (the notebook view and the terminal)."""
+        return " · ".join(text for text, _ in self.actions())
+
+
+@dataclass(frozen=True)
+class RequestStarted:
+    """A request was given a slot; ``record`` holds the plan (timings still zero)."""
+
+    record: RequestRecord
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Work done so far on a request: prefill (``phase`` rebuild/extend) or generation."""
+
+    request_id: int
+    slot: int
+    phase: str  # "rebuild", "extend" or "generate"
+    done: int
+    total: int  # tokens to prefill, or max_tokens when generating
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    """A request ended (normally, cancelled or failed); ``record`` is final."""
+
+    record: RequestRecord
+
+
+@dataclass(frozen=True)
+class SlotRewritten:
+    """A finished reply's KV was rewritten as a batched prefill (exact mode, idle time)."""
+
+    slot: int
+    request_id: int | None  # the request whose reply it was
+    tokens: int  # positions rewritten
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SlotsChanged:
+    """Slots changed outside a request (cleared, restored from a save, engine closed)."""
+
+    reason: str
+
+
+Event = Union[RequestStarted, Progress, RequestFinished, SlotRewritten, SlotsChanged]
+Subscriber = Callable[[Event], None]
+
+
+@dataclass
+class EventBus:
+    """A subscriber list plus a bounded history of finished requests."""
+
+    history_size: int = 1000
+    _subs: list[Subscriber] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.history: deque[RequestRecord] = deque(maxlen=self.history_size)
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call ``callback(event)`` for every event; returns a function that unsubscribes."""
+        with self._lock:
+            self._subs.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subs:
+                    self._subs.remove(callback)
+
+        return unsubscribe
+
+    def publish(self, event: Event) -> None:
+        """Deliver ``event`` to every subscriber; record finished requests."""
+        if isinstance(event, RequestFinished):
+            self.history.append(event.record)
+        with self._lock:
+            subs = list(self._subs)
+        for cb in subs:
+            try:
+                cb(event)
+            except Exception:
+                log.exception("nbkv event subscriber %r failed", cb)

@@ -1,0 +1,77 @@
+"""Chat messages: validation and the cumulative prefix hashes the cache matches on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nbkv.core.errors import InvalidRequestError
+
+Message = dict[str, Any]
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+def normalize(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
+    """Validate ``messages`` and return plain-dict copies (callers' objects are never mutated)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    if not messages:
+        raise InvalidRequestError("messages is empty: a request needs at least one message")
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidRequestError(f"messages[{i}] is {type(m).__name__}, expected a dict")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}] has role {role!r}; expected one of {sorted(ROLES)}"
+            )
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
+            what = "has no 'content'" if "content" not in m else "has content None"
+            raise InvalidRequestError(
+                f"messages[{i}] ({role}) {what}: expected a string or a list of content parts"
+            )
+        if content is not None and not isinstance(content, (str, list, tuple)):
+            raise InvalidRequestError(
+                f"messages[{i}] ({role}) content is {type(content).__name__}: expected a "
+                "string or a list of content parts"
+            )
+        out.append(dict(m))
+    return out
+
+
+def _canonical(message: Mapping[str, Any]) -> bytes:
+    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=repr).encode()
+
+
+def prefix_hashes(messages: Sequence[Mapping[str, Any]], start: Sequence[str] = ()) -> list[str]:
+    """Return ``h`` with ``h[k]`` the hash of ``messages[:k + 1]`` (role and content included).
+
+    Each hash chains the previous one, so two conversations share ``h[k]`` exactly when
+    their first ``k + 1`` messages are equal. ``start`` continues an existing chain.
+    """
+    out = list(start)
+    prev = out[-1] if out else ""
+    for m in messages[len(out) :]:
+        prev = hashlib.sha256(prev.encode() + b"\0" + _canonical(m)).hexdigest()[:32]
+        out.append(prev)
+    return out
+
+
+def preview(message: Mapping[str, Any], width: int = 60) -> str:
+    """A one-line text preview of a message's content."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, Mapping) and p.get("type") == "text":
+                parts.append(str(p.get("text", "")))
+            else:
+                parts.append("[" + str(p.get("type", "?") if isinstance(p, Mapping) else "?") + "]")
+        content = " ".join(parts)
+    text = " ".join(str(content or "").split())
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -1,0 +1,490 @@
+"""The engine: one llama.cpp context, N slots (= sequences), and a scheduler thread.
+
+A facade: the public API over the pieces that do the work. :mod:`nbkv.engine.native` owns the
+model, context, batch and projector; :mod:`nbkv.kv.slot_table` knows which conversation sits
+in which slot; :mod:`nbkv.engine.scheduler` is the thread that alone touches the KV (placement,
+prefill, generation, the idle reply rewrite); :mod:`nbkv.kv.spc` keeps system prompts;
+:mod:`nbkv.engine.state` turns the caches into data for :mod:`nbkv.store.persist`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
+from nbkv.core.config import DEFAULTS, EngineConfig, check_engine_args
+from nbkv.core.errors import EngineClosedError, InvalidRequestError
+from nbkv.core.events import EventBus, SlotsChanged
+from nbkv.core.streams import ChatResult, ChatStream
+from nbkv.engine import state as engine_state
+from nbkv.engine import verify
+from nbkv.engine.drafts import NgramDrafter
+from nbkv.engine.jobs import Job
+from nbkv.engine.native import Resources, close_at_exit
+from nbkv.engine.rewrite import settle_all
+from nbkv.engine.scheduler import EngineSlot, Scheduler, ServeSettings
+from nbkv.engine.slot_parking import park_sessions, unpark_sessions
+from nbkv.kv import reasons
+from nbkv.kv.oracle import Verification
+from nbkv.kv.slot_kv import SlotKV
+from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable
+from nbkv.kv.spc import SavedPrompt, SystemPromptStore
+from nbkv.llama.hardware import HardwareOptions
+from nbkv.llama.sampling import SamplingParams
+from nbkv.media.embeddings import EmbeddingCache
+from nbkv.media.units import MediaUnit
+from nbkv.prompt.builder import Prompt, PromptBuilder
+from nbkv.prompt.textstream import TextStream
+from nbkv.store.parking import ParkedInfo, ParkingLot, parking_stats
+
+log = logging.getLogger("nbkv")
+
+IMAGES_KEPT = 16  # pictures of recent prompts kept for verify()
+
+__all__ = ["Engine", "SlotInfo", "thrashing"]
+
+
+class Engine(TemplatedAPI, ChatAPI):
+    """A persistent multi-slot chat engine with Incremental Message and System Prompt Caches.
+
+    Args:
+        model_path: GGUF file; ``None`` uses ``$NBKV_MODEL`` or the embedded SmolLM2-135M.
+        n_slots: conversations kept in KV at once (one llama.cpp sequence each).
+        n_ctx: context budget of each slot, in tokens (rounded up to a multiple of 256).
+            ``None`` for either: picked from the memory plan (4 x 4096 when the KV takes at
+            most a quarter of the free memory, else smaller), said in ``engine.sized``; a
+            slot longer than the model's trained context is warned about.
+        cache: ``"imc"`` (whole conversations), ``"spc"`` (system prompt only) or ``"off"``.
+        cache_min_tokens: IMC: shortest token prefix worth salvaging from another
+            conversation's slot; SPC: shortest system prompt worth caching.
+        n_batch: tokens per ``llama_decode`` call (prefill chunk size).
+        template: a Jinja2 chat template overriding the model's own.
+        overflow: ``"error"`` raises :class:`ContextOverflowError` when a prompt does not fit
+            its slot; ``"slide"`` drops the oldest turns (keeping the system prompt) instead.
+        wait_timeout: seconds a request may wait for a free slot.
+        system_prompt_cache: ``True`` is another way to say ``cache="spc"``.
+        on_load_progress: called with the fraction of the model loaded, 0.0 to 1.0.
+        flash_attn: ``"off"`` (default), ``"on"`` or ``"auto"`` (``True``/``False`` too). With
+            f16 KV, llama.cpp's CPU flash-attention kernel tiles batches of 64+ tokens, so a
+            prompt prefilled in pieces (what a cache hit does) gets logits up to ~0.7 away
+            from the same prompt prefilled at once: ``exact=True`` refuses it. With quantized
+            K and V the kernel is per-token and exactness holds.
+        type_k, type_v: KV cache types: ``"f16"`` (default), ``"q8_0"`` (about half the
+            memory), ``"q4_0"``, ... (:data:`nbkv.llama.hardware.KV_TYPES`); a quantized V cache
+            needs ``flash_attn="on"``.
+        n_gpu_layers: layers offloaded to a GPU: ``None`` (default) is all of them when the
+            llama.cpp build has a GPU backend, else 0; with ``main_gpu``, ``split_mode``
+            (``"layer"``, ``"row"``, ``"none"``) and ``tensor_split`` as in llama.cpp.
+        use_mmap, use_mlock: how the weights are loaded (memory-mapped; locked in RAM).
+        check_memory: plan the KV bytes from the GGUF metadata and refuse, with the figures,
+            a configuration that cannot fit the free memory, before llama.cpp allocates.
+        exact: keep cached KV bit-identical to a from-scratch prefill. Replies are generated
+            one token per step, as plain llama.cpp does; a one-token decode rounds slightly
+            differently from a batched prefill, so once a reply has streamed its KV is
+            rewritten as a batch in the scheduler's idle time (or by the next request that
+            reuses it). ``False`` keeps the token-by-token KV: no rewrite, and a cached reply
+            may then differ from a from-scratch one at near-ties.
+        speculative: decode a prompt-lookup guess of the next token beside each generated
+            one (:mod:`nbkv.engine.drafts`); a right guess yields two tokens from one decode. The
+            guess is checked against the token sampled the ordinary way. Off by default: a
+            two-row decode costs ~1.6 rows' time on a CPU, and rounds differently from a
+            one-row decode (so replies equal plain llama.cpp's only without guesses).
+            Ignored on hybrid and recurrent models, whose state cannot drop a wrong guess.
+        max_checkpoints: per slot, on models whose KV cannot be trimmed (hybrid, recurrent):
+            partial states kept at message boundaries (the newest kept, older ones thinned).
+        mmproj: a vision projector GGUF matching the model: messages may then carry images
+            (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
+            It is checked before llama.cpp sees it; a mismatch raises
+            :class:`~nbkv.core.errors.ProjectorError`.
+        embedding_cache: where image embeddings are kept by content hash (share one between
+            engines if you like); default a private 256 MiB LRU.
+        trust_projector: accept projector types nbkv cannot validate ahead of time.
+        calibration: ``"cached"`` (default) or ``"fresh"``: at load, nbkv measures how this
+            model and build must group prompt rows for cached KV to equal a fresh prefill
+            (:mod:`nbkv.kv.calibrate`, about a second; cached per model, build and settings)
+            and prefills that way; ``"fresh"`` measures again. The result is
+            ``engine.prefill_rule`` (``engine.model.exactness`` in words).
+        park_ram, park_dir, park_disk: parking (:mod:`nbkv.store.parking`, IMC only): the
+            conversation a request takes a slot from is kept, and restored when a prompt
+            starts with it. ``park_ram`` bytes of RAM (default the smaller of a quarter of
+            the free RAM and 4 GiB; least recently used leave first); ``park_dir`` an optional
+            disk tier they spill to, within ``park_disk`` bytes. ``park_ram=0`` without a
+            ``park_dir`` turns parking off.
+    """
+
+    last_save: Any = None  # the latest nbkv.store.persist.SaveReport
+    last_restore: Any = None  # ... and RestoreReport
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        n_slots: int | None = DEFAULTS.n_slots,
+        n_ctx: int | None = DEFAULTS.n_ctx,
+        cache: str = DEFAULTS.cache,
+        cache_min_tokens: int = DEFAULTS.cache_min_tokens,
+        n_batch: int = 256,
+        n_threads: int | None = None,
+        template: str | None = None,
+        overflow: str = DEFAULTS.overflow,
+        spc_max_entries: int = 4,
+        history_size: int = 1000,
+        wait_timeout: float = 300.0,
+        system_prompt_cache: bool | None = None,
+        on_load_progress: Callable[[float], object] | None = None,
+        flash_attn: bool | str = False,
+        exact: bool = True,
+        speculative: bool = False,
+        max_checkpoints: int = 8,
+        mmproj: str | None = None,
+        embedding_cache: EmbeddingCache | None = None,
+        trust_projector: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
+        n_gpu_layers: int | None = None,
+        main_gpu: int = 0,
+        split_mode: str = "layer",
+        tensor_split: Sequence[float] | None = None,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        check_memory: bool = True,
+        calibration: str = "cached",
+        park_ram: int | None = None,
+        park_dir: str | None = None,
+        park_disk: int | None = None,
+    ) -> None:
+        check_engine_args(n_slots=n_slots, n_ctx=n_ctx, cache_min_tokens=cache_min_tokens,
+                          n_batch=n_batch, n_threads=n_threads, spc_max_entries=spc_max_entries,
+                          max_checkpoints=max_checkpoints, wait_timeout=wait_timeout,
+                          history_size=history_size, park_ram=park_ram, park_disk=park_disk)
+        if system_prompt_cache and cache == "imc":
+            raise InvalidRequestError(
+                "the System Prompt Cache and the Incremental Message Cache are mutually "
+                "exclusive (IMC already caches the system prompt): pick cache='imc' or 'spc'"
+            )
+        if system_prompt_cache:
+            cache = "spc"
+        if calibration not in ("cached", "fresh"):
+            raise InvalidRequestError(
+                f"calibration must be 'cached' or 'fresh', not {calibration!r}")
+        # validated now; a size left to the memory plan (None) is filled in after the load
+        config = EngineConfig(DEFAULTS.n_slots if n_slots is None else n_slots,
+                              DEFAULTS.n_ctx if n_ctx is None else n_ctx, cache,
+                              cache_min_tokens, overflow)
+        hw = HardwareOptions(n_gpu_layers, main_gpu, split_mode,
+                             tuple(tensor_split) if tensor_split else None, flash_attn,
+                             type_k, type_v, use_mmap, use_mlock)
+        hw.check_exact(exact)
+        for warning in hw.warnings:
+            log.warning("%s", warning)
+            warnings.warn(warning, stacklevel=2)
+        self.hardware = hw
+        self.flash_attn = hw.resolved_flash_attn(exact)
+        self.exact = exact
+        self.cache = cache
+        self.cache_min_tokens = cache_min_tokens
+        self.overflow = overflow
+        self.wait_timeout = wait_timeout
+        self.spc_max_entries = spc_max_entries
+        self.res = res = Resources(
+            model_path, config, sized=(n_slots is not None, n_ctx is not None), hw=hw,
+            flash_attn=self.flash_attn, n_batch=n_batch, n_threads=n_threads,
+            template=template, check_memory=check_memory, calibration=calibration,
+            mmproj=mmproj, embedding_cache=embedding_cache, trust_projector=trust_projector,
+            on_load_progress=on_load_progress)
+        self.config, self.sized, self.plan = res.config, res.sized, res.plan
+        self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
+                                                             res.projector)
+        self.template, self.prefill_rule = res.template, res.rule
+        self.speculative = speculative and self.memory.can_trim
+        if speculative and not self.speculative:
+            log.info("speculative guesses are off: %s memory cannot drop a wrong guess",
+                     self.memory.kind)
+        self.n_ctx = self.ctx.n_ctx_seq
+        try:
+            self._start(max_checkpoints, history_size, spc_max_entries, park_ram, park_dir,
+                        park_disk)
+        except BaseException:
+            res.close()
+            raise
+        close_at_exit(self)
+        log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
+                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache)
+
+    def _start(self, max_checkpoints: int, history_size: int, spc_max_entries: int,
+               park_ram: int | None, park_dir: str | None, park_disk: int | None) -> None:
+        """The caches, the slot table and the scheduler thread over loaded resources."""
+        self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
+        self.events = EventBus(history_size)
+        cv = threading.Condition()
+        self.table: SlotTable[EngineSlot] = SlotTable(
+            [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints))
+             for i in range(self.config.n_slots)], cv)
+        self.spc = SystemPromptStore(spc_max_entries)
+        #: conversations that lost their slot, in RAM and on disk (None: parking is off)
+        self.parking = None
+        if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
+            self.parking = ParkingLot(park_ram, park_dir, park_disk,
+                                      {**self.identity(), "n_slots": self.n_slots},
+                                      self.model.n_vocab)
+        self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
+            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking)
+        self.scheduler.start(self)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def n_slots(self) -> int:
+        """Number of slots."""
+        return len(self.table)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        session: str | None = None,
+        *,
+        stream: bool = False,
+        overflow: str | None = None,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> ChatResult | ChatStream:
+        """Reply to ``messages`` (the whole conversation so far, ending with the user's turn).
+
+        ``session`` names the conversation for slot ownership and the event records.
+        Sampling keywords: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_p``,
+        ``repeat_penalty``, ``repeat_last_n``, ``seed``, ``max_tokens``, ``stop``.
+        With ``stream=True`` returns a :class:`ChatStream` of text deltas, else a
+        :class:`ChatResult`.
+        """
+        self._check_request(session, timeout)
+        t0 = time.perf_counter()
+        params = SamplingParams.from_kwargs(**sampling)
+        prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
+        job = Job(prompt, session, params, self.wait_timeout if timeout is None else timeout,
+                  TextStream(params.stop))
+        if self.speculative:
+            job.drafter = NgramDrafter(prompt.tokens)
+        job.t_submit = t0
+        self.scheduler.submit(job)
+        s = ChatStream(self, job)
+        return s if stream else s.result()
+
+    def slots(self) -> tuple[SlotInfo, ...]:
+        """An immutable snapshot of every slot."""
+        return self.table.snapshots()
+
+    def parked(self) -> tuple[ParkedInfo, ...]:
+        """The parked conversations, most recently used first (see :mod:`nbkv.store.parking`)."""
+        return self.parking.entries() if self.parking is not None else ()
+
+    def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
+        """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
+        self._parking_lot()
+        text = self.scheduler.call(lambda: park_sessions(self.scheduler, session, all))
+        self.events.publish(SlotsChanged("parked"))
+        return text
+
+    def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
+        """Bring parked conversations back into slots now (an empty slot, else the LRU's)."""
+        self._parking_lot()
+        text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, session, all))
+        self.events.publish(SlotsChanged("unparked"))
+        return text
+
+    def _parking_lot(self) -> ParkingLot:
+        if self.parking is None:
+            raise InvalidRequestError("parking is off for this engine (cache mode "
+                                      f"{self.cache!r}, or park_ram=0 without park_dir)")
+        return self.parking
+
+    def identity(self) -> dict[str, Any]:
+        """What a saved or parked state depends on: model, projector, build, n_ctx, KV."""
+        return self.res.identity(self.n_ctx, self.hardware.type_k, self.hardware.type_v,
+                                 self.flash_attn)
+
+    def clear(self, slot: int | None = None) -> None:
+        """Empty one slot (or all, and the system prompt cache). A busy slot can't be cleared."""
+        if slot is not None:
+            self.table.index(slot)
+
+        def do() -> None:
+            with self.table.lock:
+                targets = self.table.clear_targets(slot)
+                self.table.cleared(targets)
+                for s in targets:
+                    s.reset()
+            if slot is None:
+                self.spc.clear()
+                if self.parking is not None:
+                    self.parking.clear()
+        self.scheduler.call(do)
+        self.events.publish(SlotsChanged("cleared"))
+
+    def probe(self, slot: int, token: int) -> list[float]:
+        """Logits the model gives ``token`` appended to ``slot``'s cached tokens (KV unchanged).
+
+        Computed as a request extending the slot would: its settled KV is kept, the rest and
+        the probe (twice: never a lone row) are prefilled canonically, then the slot is put
+        back as it was. They must equal a from-scratch decode of the slot's tokens plus the
+        probe (:func:`nbkv.kv.oracle.scratch_logits`); :meth:`verify` compares them.
+        """
+        index = self.table.index(slot)
+        return self.scheduler.call(lambda: verify.probe(self.scheduler, index, token))
+
+    def verify(self, slot: int | None = None, *, request: int | None = None,
+               probe: int = 42) -> list[Verification]:
+        """Recompute slots from scratch and compare: is the cached KV bit-identical.
+
+        ``slot``: one slot (default: every slot that holds something); ``request``: the slot
+        that served request N, if it still holds it. Each slot's probe logits (:meth:`probe`)
+        are compared with a from-scratch decode of its tokens in a temporary context; where
+        they differ, the first differing position is narrowed down (memory that can be cut).
+        Pending reply rewrites run first: what is checked is the KV as it will be served.
+        """
+        if request is not None:
+            rec = next((r for r in self.history if r.id == request), None)
+            if rec is None:
+                raise InvalidRequestError(f"no request #{request} in the history")
+            if self.table[rec.slot].last_request != request:
+                raise InvalidRequestError(
+                    f"slot {rec.slot} no longer holds request #{request}'s conversation")
+            slot = rec.slot
+        targets = [self.table.index(slot)] if slot is not None else [
+            s.index for s in self.slots() if not s.empty]
+        return [verify.verify_slot(self.scheduler, i, probe) for i in targets]
+
+    def explain(self, request: int | None = None) -> reasons.Explanation:
+        """The full story of request ``request`` (default: the latest).
+
+        Its reason, and the cached and new renderings split at the divergence point (kept
+        for the last 32 requests).
+        """
+        return self.table.explain(self.history, self._text_of, request)
+
+    def _text_of(self, units: Sequence[Any]) -> str:
+        """Text of KV units: tokens detokenized, each image as ``[image]``."""
+        out, run = [], []
+        for u in units:
+            if isinstance(u, MediaUnit):
+                if run:
+                    out.append(self.model.detokenize(run))
+                    run = []
+                if u.offset == 0:
+                    out.append("[image]")
+            else:
+                run.append(u)
+        if run:
+            out.append(self.model.detokenize(run))
+        return "".join(out)
+
+    def settle(self) -> None:
+        """Rewrite every finished reply's KV now instead of in idle time (exact mode).
+
+        Afterwards every idle slot's KV equals a batched prefill of its tokens. The engine
+        does this on its own when it has nothing else to do; call it to measure, or before
+        reading the KV directly.
+        """
+        self.scheduler.call(lambda: settle_all(self.scheduler))
+
+    def export_state(self, only_if_idle: bool = False) -> engine_state.EngineState:
+        """Every idle slot's KV and bookkeeping, and the system prompt cache, as data.
+
+        Finished replies are rewritten first (exact mode), so what is exported is proven KV.
+        ``only_if_idle``: raise :class:`~nbkv.engine.state.EngineBusy` instead of waiting
+        for requests in flight.
+        """
+        return self.scheduler.call(lambda: engine_state.export_state(self.scheduler,
+                                                                     only_if_idle))
+
+    def import_state(self, placed: Sequence[tuple[int, SlotState]],
+                     spc: Sequence[tuple[str, SavedPrompt]] = ()) -> None:
+        """Replace every slot with ``placed`` (slot index, state) and the SPC with ``spc``.
+
+        All or nothing: on failure the slots are as they were and
+        :class:`~nbkv.core.errors.RestoreError` says why.
+        """
+        self.scheduler.call(lambda: engine_state.import_state(self.scheduler, placed, spc))
+
+    def save(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Save the slots, system prompts, image embeddings and sessions to disk.
+
+        ``path``: a directory (default: one per notebook under the user's cache dir).
+        Replies still decoding are not saved; finished replies are rewritten first (exact
+        mode), so the saved KV is what a from-scratch prefill computes. Atomic: a crash
+        mid-save leaves the previous save. See :mod:`nbkv.store.persist`; returns a report.
+        """
+        from nbkv.store.persist import save
+
+        return save(self, path, sessions)
+
+    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Replace the slots and caches with a save (from this or an earlier process).
+
+        Checks everything first: a save from another model, projector, llama.cpp build or
+        ``n_ctx``, or a corrupt one, raises :class:`~nbkv.core.errors.RestoreError` and leaves
+        the engine unchanged. With fewer slots than saved, the most recently used are kept.
+        """
+        from nbkv.store.persist import restore
+
+        return restore(self, path, sessions)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over the request history."""
+        h = self.history
+        drafted = sum(r.draft_tokens for r in h)
+        accepted = sum(r.draft_accepted for r in h)
+        return {
+            **request_totals(h),
+            "draft_tokens": drafted,
+            "draft_accepted": accepted,
+            "draft_acceptance_pct": 100.0 * accepted / drafted if drafted else 0.0,
+            "evictions": sum(1 for r in h if r.evicted_session is not None or r.evicted_tokens),
+            "spc_entries": len(self.spc),
+            **parking_stats(self.parking),
+            **thrashing(h, self.n_slots),
+        }
+
+    def close(self) -> None:
+        """Cancel running requests, stop the scheduler and free the model and context.
+
+        Optional: an engine nobody references is closed by garbage collection, and one
+        still open at interpreter exit by an ``atexit`` hook.
+        """
+        if self.scheduler.closed:
+            return
+        self.scheduler.stop()
+        self.spc.clear()
+        self.events.publish(SlotsChanged("closed"))
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self.scheduler.closed
+
+    def wake(self) -> None:
+        """Let the scheduler look at its requests now (a stream was cancelled)."""
+        self.scheduler.wake()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str, max_tokens: int
+                 ) -> Prompt:
+        if self.scheduler.closed:
+            raise EngineClosedError("this engine is closed")
+        prompt = self._prompts.prepare(messages, overflow, max_tokens)
+        images = self.scheduler.images
+        for im in prompt.media.images if prompt.media is not None else ():
+            images[im.hash] = im
+            images.move_to_end(im.hash)
+            while len(images) > IMAGES_KEPT:
+                images.popitem(last=False)
+        return prompt

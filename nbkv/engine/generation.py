@@ -1,0 +1,69 @@
+"""Generation decodes: one row per generating request, with an optional guess beside it.
+
+Exactly what plain llama.cpp does, so replies equal its replies. With speculative decoding
+a guess of the following token rides along (:mod:`nbkv.engine.drafts`): if the model then samples
+that very token, its KV and logits are already there; if not, the guess's position is
+removed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nbkv.engine.jobs import Job
+    from nbkv.engine.scheduler import Scheduler
+
+
+def generate(sched: Scheduler, jobs: list[Job]) -> None:
+    """Decode the next token of every generating request."""
+    if not jobs:
+        return
+    jobs.sort(key=lambda j: j.slot.seq_id)  # one micro-batch (see nbkv.kv.batching)
+    # more rows than the calibration proved would take another kernel: split the step
+    limit = sched.res.rule.gen_rows
+    size = max(limit // (2 if sched.settings.speculative else 1), 1) if limit else len(jobs)
+    for i in range(0, len(jobs), size):
+        _generate_rows(sched, jobs[i:i + size])
+
+
+def _generate_rows(sched: Scheduler, jobs: list[Job]) -> None:
+    """One generation decode for ``jobs`` (see :func:`generate`)."""
+    batch = sched.res.batch
+    batch.clear()
+    plan = []
+    for job in jobs:
+        tok, job.next_token = job.next_token, None
+        kv = job.slot.kv
+        idx = batch.add(tok, len(kv), kv.seq_id, True)
+        guess = extra = None
+        if job.drafter is not None and len(kv) + 2 < job.slot.capacity:
+            guess = job.drafter.draft()
+            if guess is not None:
+                extra = batch.add(guess, len(kv) + 1, kv.seq_id, True)
+        plan.append((job, tok, idx, guess, extra))
+    try:
+        sched.res.ctx.decode(batch)
+    except BaseException as e:  # noqa: BLE001 - every request in the batch fails cleanly
+        for job, *_ in plan:
+            sched.fail(job, e, "error")
+        return
+    single = sched.res.rule.single_row  # then a one-row decode is a canonical row
+    for job, tok, *_ in plan:
+        kv = job.slot.kv
+        kv.extend([tok], exact=single, settled=len(kv) + 1 if single else None)
+    for job, _, idx, guess, extra in plan:
+        kv = job.slot.kv
+        try:
+            sched.on_logits(job, idx)
+            if guess is not None:
+                job.drafted += 1
+            if guess is not None and not job.done.is_set() and job.next_token == guess:
+                job.accepted += 1
+                job.next_token = None
+                kv.extend([guess], exact=False)
+                sched.on_logits(job, extra)
+            elif guess is not None and not job.done.is_set():
+                kv.resync()  # drop the wrong guess's position
+        except BaseException as e:  # noqa: BLE001
+            sched.fail(job, e, "error")

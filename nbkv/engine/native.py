@@ -1,0 +1,216 @@
+"""The native objects an engine owns, set up in order and freed in reverse, once.
+
+:class:`Resources` loads the model, sizes the KV (:mod:`nbkv.llama.memplan`), creates the context
+and batch, probes the memory class, calibrates the prefill grouping (:mod:`nbkv.kv.calibrate`)
+and opens the vision projector. Whatever fails, everything created before it is freed by the
+one :meth:`Resources.close`, which is also what the scheduler thread calls when it ends.
+
+At interpreter exit, engines nobody closed are closed by an ``atexit`` hook *before* module
+teardown: a scheduler thread still inside llama.cpp while Python tears itself down crashes the
+process (a segmentation fault after the script's last line).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+from nbkv.core.config import EngineConfig
+from nbkv.core.errors import NbkvError
+from nbkv.kv import calibrate
+from nbkv.kv.invariance import PrefillRule
+from nbkv.kv.slot_kv import MemoryInfo, probe_memory
+from nbkv.llama import memplan
+from nbkv.llama.backend import Batch, Context, Model, default_threads
+from nbkv.llama.gguf_header import gguf_fingerprint, read_metadata
+from nbkv.llama.hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, kv_type_id
+from nbkv.llama.models import resolve_model_path
+from nbkv.prompt.templates import CHATML, ChatTemplate
+
+log = logging.getLogger("nbkv")
+
+
+class Resources:
+    """Model, context, batch, memory class, prefill rule and projector of one engine."""
+
+    model: Model
+    ctx: Context
+    batch: Batch
+    memory: MemoryInfo
+    rule: PrefillRule
+    projector: Any = None
+
+    def __init__(self, model_path: str | None, config: EngineConfig, *, sized: tuple[bool, bool],
+                 hw: HardwareOptions, flash_attn: str, n_batch: int, n_threads: int | None,
+                 template: str | None, check_memory: bool, calibration: str,
+                 mmproj: str | None, embedding_cache: Any, trust_projector: bool,
+                 on_load_progress: Callable[[float], object] | None) -> None:
+        self._closers: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self.config = config
+        self.sized = ""
+        try:
+            self._open(model_path, sized, hw, flash_attn, n_batch, n_threads, template,
+                       check_memory, calibration, mmproj, embedding_cache, trust_projector,
+                       on_load_progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def _own(self, obj: Any, close: Callable[[], None] | None = None) -> Any:
+        """Keep ``obj``, freed (in reverse order of creation) by :meth:`close`."""
+        self._closers.append(close or obj.close)
+        return obj
+
+    def _open(self, model_path: str | None, sized: tuple[bool, bool], hw: HardwareOptions,
+              flash_attn: str, n_batch: int, n_threads: int | None, template: str | None,
+              check_memory: bool, calibration: str, mmproj: str | None, embedding_cache: Any,
+              trust_projector: bool, on_load_progress: Callable[[float], object] | None
+              ) -> None:
+        path = resolve_model_path(model_path)
+        self.model = self._own(Model(
+            path, hw.gpu_layers, on_load_progress, main_gpu=hw.main_gpu,
+            split_mode=SPLIT_MODES[hw.split_mode], tensor_split=hw.tensor_split,
+            use_mmap=hw.use_mmap, use_mlock=hw.use_mlock))
+        source = template or self.model.chat_template or CHATML
+        self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
+        n_slots, n_ctx = self._size(path, sized, hw, check_memory)
+        slot_ctx = -(-max(n_ctx, 256) // 256) * 256
+        if mmproj is not None:  # a non-causal image must fit one micro-batch
+            from nbkv.media.projector_check import batch_for_projector
+
+            n_batch = batch_for_projector(mmproj, n_batch)
+        past = memplan.context_warning(slot_ctx, self.model.n_ctx_train)
+        if past:
+            log.warning("%s", past)
+            warnings.warn(past, stacklevel=4)
+        self.ctx = self._own(Context(
+            self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
+            flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
+            type_v=kv_type_id(hw.type_v)))
+        self.batch = self._own(Batch(self.ctx.n_batch))
+        self.memory = probe_memory(self.model, self.ctx, self.batch)
+        #: the context settings a temporary context must share to compute the same logits
+        self.settings = {"n_threads": n_threads or default_threads(),
+                         "flash_attn": FLASH_ATTN[flash_attn],
+                         "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v)}
+        self.rule = self._calibrate(calibration)
+        self.model.prefill_rule = self.rule
+        if mmproj is not None:
+            from nbkv.media.projector import Projector
+
+            self.projector = self._own(Projector(
+                mmproj, self.model, cache=embedding_cache, n_threads=n_threads,
+                trust_projector=trust_projector, flash_attn=FLASH_ATTN[flash_attn]))
+
+    def _size(self, path: Any, sized: tuple[bool, bool], hw: HardwareOptions,
+              check_memory: bool) -> tuple[int, int]:
+        """Slots and tokens per slot: given, or picked by the memory plan (said in ``sized``)."""
+        meta = read_metadata(path)
+        free, where = memplan.kv_memory(self.model.params.n_gpu_layers)
+        n_slots, n_ctx = self.config.n_slots, self.config.n_ctx
+        picked = " and ".join(w for w, given in zip(("slots", "tokens per slot"), sized)
+                              if not given)
+        if picked:
+            auto_slots, auto_ctx = memplan.default_size(
+                meta, free, type_k=hw.type_k, type_v=hw.type_v,
+                recurrent=self.model.is_recurrent, hybrid=self.model.is_hybrid,
+                n_ctx_train=self.model.n_ctx_train)
+            n_slots = n_slots if sized[0] else auto_slots
+            n_ctx = n_ctx if sized[1] else auto_ctx
+        self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
+        slot_ctx = -(-max(n_ctx, 256) // 256) * 256
+        self.plan = memplan.plan(meta, n_slots, slot_ctx, hw.type_k, hw.type_v,
+                                 self.model.is_recurrent, self.model.is_hybrid)
+        if check_memory:
+            memplan.check_fits(self.plan, free, where)
+        #: what the memory plan picked, in words ("" when the caller gave both sizes)
+        self.sized = memplan.fit_sentence(self.plan, free, where, picked) if picked else ""
+        if self.sized:
+            log.info("%s", self.sized)
+        return n_slots, n_ctx
+
+    def _calibrate(self, mode: str) -> PrefillRule:
+        """The model's prefill rule (:mod:`nbkv.kv.calibrate`), checked against ``n_batch``."""
+        try:
+            rule = calibrate.calibrate(self.model, n_seq=self.config.n_slots,
+                                       can_trim=self.memory.can_trim, settings=self.settings,
+                                       cache=mode == "cached")
+        except (NbkvError, RuntimeError) as e:  # e.g. no room for the temporary context
+            rule = PrefillRule(2, 1, exact=False, reason=f"the calibration failed: {e}")
+        # next_chunk can then always leave the last chunk threshold rows
+        need = max(2 * rule.threshold + rule.align - 2, rule.min_chunk)
+        if rule.exact and self.batch.capacity < need:
+            rule = replace(rule, exact=False, reason=(
+                f"n_batch {self.batch.capacity} is too small: this model needs prompt chunks "
+                f"of {rule.min_chunk}+ rows, so n_batch >= {need}"))
+        if not rule.exact:
+            msg = (f"nbkv cannot prove cached replies exact on {self.model.path.name}: "
+                   f"{rule.reason}; it serves from cache anyway and marks records exact=False")
+            log.warning("%s", msg)
+            warnings.warn(msg, stacklevel=5)
+        return rule
+
+    def identity(self, n_ctx: int, type_k: str, type_v: str, flash_attn: str
+                 ) -> dict[str, Any]:
+        """The facts a saved or parked state depends on (compared field by field)."""
+        import llama_cpp
+
+        proj = self.projector
+        return {
+            "model": {"name": self.model.path.name,
+                      "fingerprint": gguf_fingerprint(self.model.path)},
+            "projector": None if proj is None else {"name": proj.path.name,
+                                                    "fingerprint": proj.identity},
+            "llama_cpp_python": llama_cpp.__version__,
+            "n_ctx": n_ctx,
+            "memory": self.memory.kind,
+            "kv": {
+                "type_k": type_k,
+                "type_v": type_v,
+                "kv_unified": bool(self.ctx.params.kv_unified),
+                "swa_full": bool(self.ctx.params.swa_full),
+                "flash_attn": flash_attn,
+            },
+        }
+
+    def close(self) -> None:
+        """Free everything, newest first (the projector points into the model); once."""
+        with self._lock:
+            closers, self._closers = self._closers, []
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - free the rest anyway
+                log.exception("freeing a native object failed")
+
+
+
+class Closable(Protocol):
+    """Anything with a ``close()``."""
+
+    def close(self) -> None:
+        """Release what it holds."""
+
+
+_open_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def close_at_exit(engine: Closable) -> None:
+    """Close ``engine`` at interpreter exit if nobody has by then (see the module doc)."""
+    _open_engines.add(engine)
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            log.debug("closing an engine at exit failed", exc_info=True)

@@ -1,0 +1,197 @@
+"""Admitting a request: pick its slot, make the slot hold exactly the reusable prefix.
+
+Runs on the scheduler thread. The slot table decides (:mod:`nbkv.kv.slot_table`, through
+:mod:`nbkv.kv.policy`); here the decision is carried out on the KV: a donor's prefix copied,
+the system prompt's state restored (SPC), the slot trimmed back to where a canonical prefill
+of the prompt may begin (:mod:`nbkv.kv.invariance`), or to a checkpoint on memory that cannot be
+cut. Then the request's record is started.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from nbkv.core.events import RequestStarted, Segment
+from nbkv.engine.slot_parking import park_slot, restore_into
+from nbkv.kv import invariance, policy, reasons
+from nbkv.kv.segments import prompt_segments
+from nbkv.kv.slot_kv import SlotKV, trim_valid
+from nbkv.llama.sampling import Sampler
+
+if TYPE_CHECKING:
+    from nbkv.engine.jobs import Job
+    from nbkv.engine.scheduler import EngineSlot, Scheduler
+
+log = logging.getLogger("nbkv")
+
+CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
+REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
+
+
+def servable(sched: Scheduler, kv: SlotKV) -> int:
+    """Leading positions of ``kv`` a request may keep: its settled KV in exact mode."""
+    return kv.settled if sched.settings.exact else len(kv)
+
+
+def start(sched: Scheduler, job: Job) -> bool:
+    """Pick a slot and prepare its KV; False when no slot is free yet."""
+    p, cfg, table, rule = job.prompt, sched.settings, sched.table, sched.res.rule
+    snaps = table.snapshots()
+    lot = sched.parking if cfg.cache == "imc" else None
+    parked = list(lot.entries()) if lot is not None else []
+    while True:
+        plan = table.place(snaps, p, job.session, cache=cfg.cache,
+                           min_tokens=cfg.cache_min_tokens, parked=parked)
+        if plan is None:
+            return False
+        t0 = time.perf_counter()
+        entry = lot.take(plan.parked) if plan.parked is not None else None
+        if plan.parked is None or entry is not None:
+            break
+        parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
+    own = table.own(snaps, job.session)
+    slot, donor, strategy = table[plan.slot], plan.donor, plan.strategy
+    kv = slot.kv
+    source_slot = table[donor] if donor is not None else slot
+    source = source_slot.kv
+    prev_len = len(source) + len(source_slot.redo)
+    prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends and donor is None else prev_len
+    if entry is not None:  # what is reused is the parked conversation, not the slot's
+        prev_len = prev_prompt_len = 0
+    wanted = reuse = plan.reuse  # ... if every cached position were servable as it is
+    absorbed = 0
+    if cfg.exact and entry is None:  # a reply decoded one token at a time is not servable
+        absorbed = max(min(wanted, prev_len) - source.exact_len, 0)
+        reuse = min(reuse, source.settled)
+    # where a canonical prefill of this prompt may begin (nbkv.kv.invariance)
+    reuse = invariance.valid_start(p.tokens, min(reuse, policy.reuse_limit(len(p.tokens))),
+                                   rule)
+    target = reuse  # ... on memory that can be cut anywhere
+    kv.last_restore = None
+    with sched.cv:
+        slot.pending = True
+    parked_to = ""
+    park_s = 0.0
+    restored = None
+    try:
+        if plan.evicted is not None and plan.evicted != job.session:
+            t_park = time.perf_counter()
+            parked_to = park_slot(sched, slot)  # before the slot is cut, copied over or reused
+            park_s = time.perf_counter() - t_park
+        with sched.cv:
+            slot.redo.clear()
+        if entry is not None:
+            kv.clear()
+            held = restore_into(slot, entry)
+            restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
+                tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
+            reuse = target = invariance.valid_start(p.tokens, min(
+                plan.reuse, kv.settled if cfg.exact else held, policy.reuse_limit(len(p.tokens))),
+                rule)
+        if donor is not None:
+            reuse = kv.copy_from(source, reuse)
+            log.debug("imc-copy-prefix: slot[%d] -> slot[%d], %d tokens",
+                      donor, slot.index, reuse)
+        if cfg.cache == "spc":
+            reuse = _spc_restore(sched, job, slot)
+            strategy = "spc" if reuse else policy.MISS
+        elif cfg.cache == "off":
+            kv.clear()
+            reuse = 0
+        trimmed = len(kv) - reuse if cfg.cache == "imc" else 0
+        if cfg.cache == "imc" and trimmed > 0:
+            log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",
+                      slot.index, len(kv), reuse)
+        reuse = trim_valid(kv, p.tokens, reuse, rule)
+    except BaseException:
+        kv.resync()
+        with sched.cv:
+            slot.pending = False
+        if entry is not None and lot is not None:  # taken from the lot: not lost
+            lot.park(entry)
+        raise
+    checkpoint_pos = kv.last_restore
+    restore_s = time.perf_counter() - t0
+    # the previous reply, as generated, against its re-tokenization in this prompt
+    reply_cached = max(prev_len - prev_prompt_len, 0) if donor is None else 0
+    reply_reused = min(max(reuse - prev_prompt_len, 0), reply_cached)
+    donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
+    why = table.reason(job.id, p, job.session, own, table[donor].tokens if donor is not None
+                       else (), reuse=reuse, wanted=target, donor_session=donor_session,
+                       can_trim=sched.res.memory.can_trim, cache=cfg.cache, restored=restored)
+    table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to))
+    job.slot = slot
+    job.reuse = reuse
+    job.todo = list(p.tokens[reuse:])
+    if sched.res.memory.checkpoints:
+        # checkpoints at message boundaries, a few positions before the prompt's end, the
+        # end, and every CHECKPOINT_INTERVAL positions (what a template drift inside a
+        # long message can still salvage); each where a canonical chunk can end
+        n = len(p.tokens)
+        every = range(CHECKPOINT_INTERVAL, n, CHECKPOINT_INTERVAL)
+        job.stops = tuple(e for e in invariance.checkpoint_stops(
+            p.tokens, (*p.ends, *every, n - REPLY_TAIL, n), rule) if e > reuse)
+    job.sampler = Sampler(job.params, sched.res.model.n_vocab,
+                          [t for t in p.tokens if isinstance(t, int)])
+    imc = cfg.cache == "imc"
+    job.record = table.record(
+        job.id, job.session, p, slot, replace(plan, strategy=strategy), reuse, why,
+        prefilled_tokens=len(job.todo), trimmed_tokens=max(trimmed, 0) if imc else 0,
+        donor_slot=donor, donor_session=table[donor].session if donor is not None else None,
+        reply_tokens_cached=reply_cached, reply_tokens_reused=reply_reused,
+        restore_s=restore_s, segments=segments(sched, job, len(p.tokens)),
+        media_chunks=p.image_chunks, checkpoint_pos=checkpoint_pos,
+        restored_from=entry.tier if entry is not None and reuse else "",
+        restored_tokens=reuse if entry is not None else 0,
+        restored_session=entry.session if entry is not None and reuse else None,
+        evicted_parked=parked_to, park_s=park_s,
+        reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
+        rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact)
+    if reply_cached and reply_reused < reply_cached:
+        log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
+                  slot.index, reply_reused, reply_cached)
+    log.debug("%s: slot[%d] prompt=%d reused=%d prefill=%d", strategy, slot.index,
+              len(p.tokens), reuse, len(job.todo))
+    sched.events.publish(RequestStarted(job.record))
+    return True
+
+
+def segments(sched: Scheduler, job: Job, n: int) -> tuple[Segment, ...]:
+    """KV map of ``job``'s slot: message spans split by reused / prefilled / generated."""
+    proj = sched.res.projector
+    return prompt_segments(job.prompt, job.reuse, n, job.text.text,
+                           proj.marker if proj is not None else "\0")
+
+
+def _spc_restore(sched: Scheduler, job: Job, slot: EngineSlot) -> int:
+    """SPC: put the system prompt's saved KV into ``slot``; returns the tokens restored.
+
+    On the first request with a given system prompt nothing is restored: the prompt is
+    prefilled as usual and the slot's state is saved when the prefill passes its end.
+    """
+    p, min_tokens, rule = job.prompt, sched.settings.cache_min_tokens, sched.res.rule
+    slot.kv.clear()
+    if p.messages[0]["role"] != "system" or p.ends[0] < min_tokens:
+        return 0
+    key = p.hashes[0]
+    entry = sched.spc.get(key, p.tokens)
+    if entry is None:
+        # saved where a canonical chunk ends at or before the system prompt's end
+        at = invariance.valid_start(p.tokens, p.ends[0], rule)
+        if at >= max(min_tokens, rule.min_chunk):
+            job.capture_at, job.spc_key = at, key
+        return 0
+    slot.kv.load_state(entry.state, entry.tokens)
+    return len(slot.kv)
+
+
+def spc_capture(sched: Scheduler, job: Job) -> None:
+    """SPC: save the slot's state now that its prefill has reached the system prompt's end."""
+    assert job.slot is not None and job.spc_key is not None
+    kv = job.slot.kv
+    sched.spc.put(job.spc_key, kv.save_state(), kv.tokens)
+    job.capture_at = None
+    log.debug("spc: saved system prompt state, %d tokens", len(kv))

@@ -1,0 +1,118 @@
+"""Prompt positions into the KV, in the canonical chunks of :mod:`nbkv.kv.invariance`.
+
+:func:`prefill` decodes a request's next chunk (scheduler step); :func:`prefill_run` decodes
+a run of text outside a request (the reply rewrite, the probe); :func:`extension_logits`
+computes what a request extending a slot would see, then puts the slot back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from nbkv.core.errors import NbkvError
+from nbkv.engine.placement import servable, spc_capture
+from nbkv.kv import invariance
+from nbkv.kv.slot_kv import trim_valid
+
+if TYPE_CHECKING:
+    from nbkv.engine.jobs import Job
+    from nbkv.engine.scheduler import EngineSlot, Scheduler
+
+
+def prefill(sched: Scheduler, job: Job, take: int) -> None:
+    """Decode the next ``take`` prompt positions of ``job`` as one batch."""
+    kv = job.slot.kv
+    toks = job.todo[:take]
+    batch = sched.res.batch
+    batch.clear()
+    done = take >= len(job.todo)
+    last = batch.add_run(toks, len(kv), kv.seq_id, done)
+    t0 = time.perf_counter()
+    try:
+        sched.res.ctx.decode(batch)
+    except BaseException as e:  # noqa: BLE001
+        sched.fail(job, e, "error")
+        return
+    rec = job.record
+    # the positions re-read first: settled ones the grouping needs, then the previous
+    # reply's (absorbed: its rewrite had not run); time the absorbed share of this chunk
+    read = rec.prefilled_tokens - len(job.todo)
+    lo, hi = rec.reprefilled_tokens, rec.reprefilled_tokens + rec.rewrite_absorbed
+    overlap = min(hi, read + take) - max(lo, read)
+    if overlap > 0:
+        job.record = replace(rec, rewrite_absorbed_s=rec.rewrite_absorbed_s
+                             + overlap / take * (time.perf_counter() - t0))
+    end = len(kv) + take  # only now are these positions really in the KV
+    kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, sched.res.rule))
+    del job.todo[:take]
+    try:
+        if end in job.stops and kv.settled == end:
+            kv.checkpoint()
+        if job.capture_at is not None and end >= job.capture_at:
+            if end == job.capture_at and kv.settled == end:
+                spc_capture(sched, job)
+            job.capture_at = None
+        if done:
+            sched.on_logits(job, last)
+        else:
+            sched.progress(job)
+    except BaseException as e:  # noqa: BLE001
+        sched.fail(job, e, "error")
+
+
+def prefill_run(sched: Scheduler, units: Sequence[Any], pos: int, seq: int, row: int | None
+                ) -> Iterator[tuple[int, int]]:
+    """Prefill ``units[pos:]`` (text) into ``seq`` in canonical chunks.
+
+    Yields each decoded chunk's ``(from, to)``; ``row`` is the one position whose logits
+    are computed.
+    """
+    b = sched.res.batch
+    while pos < len(units):
+        if not isinstance(units[pos], int):
+            raise NbkvError("an image after a slot's settled KV cannot be re-read here")
+        n = invariance.next_chunk(units, pos, sched.res.rule, b.capacity)
+        b.clear()
+        for k in range(pos, pos + n):
+            b.add(units[k], k, seq, k == row)
+        sched.res.ctx.decode(b)
+        yield pos, pos + n
+        pos += n
+
+
+def extension_logits(sched: Scheduler, s: EngineSlot, units: Sequence[Any], row: int
+                     ) -> np.ndarray:
+    """The logits of ``units[row]`` prefilled over ``s``'s KV, as a request would.
+
+    ``units`` are prefilled canonically on top of what ``s`` holds of them (its settled
+    KV, or all of it without exact mode); then ``s`` holds its tokens again: memory that
+    can be cut is cut and its tail prefilled again (canonically), other memory gets its
+    whole state back (scheduler thread).
+    """
+    kv, rule = s.kv, sched.res.rule
+    tokens = list(kv.tokens)
+    snap = kv.snapshot() if kv.memory.checkpoints else None
+    out = None
+    try:
+        pos = trim_valid(kv, units, min(servable(sched, kv), row), rule)
+        for lo, hi in prefill_run(sched, units, pos, kv.seq_id, row):
+            if lo <= row < hi:
+                out = np.array(sched.res.ctx.logits(row - lo))
+    finally:
+        if snap is not None:
+            kv.put_back(snap)
+        else:  # a state copy would keep only the window of sliding-window layers
+            kv.resync()
+            if len(kv) < len(tokens):
+                # from where a canonical prefill of the slot's own tokens may begin: the cut
+                # made for ``units`` can leave too few rows of ``tokens`` for one chunk
+                trim_valid(kv, tokens, len(kv), rule)
+            for lo, hi in prefill_run(sched, tokens, len(kv), kv.seq_id, None):
+                kv.extend(tokens[lo:hi], settled=invariance.stable_end(tokens, hi, rule))
+    assert out is not None
+    return out

@@ -1,0 +1,402 @@
+"""The scheduler thread: the only code that touches the KV cache.
+
+Requests are prepared in the caller's thread (template, tokens, message hashes) and queued
+here. Each iteration runs the control calls (``Engine.probe``, saves, ...), admits queued
+requests into slots (:mod:`nbkv.engine.placement`), then advances the active ones by one step
+(:func:`nbkv.kv.batching.plan_step`): one prefill chunk (:mod:`nbkv.engine.prefill`) or image piece
+(:mod:`nbkv.engine.vision_decode`) and one generation decode for every generating request
+(:mod:`nbkv.engine.generation`). With nothing to do it rewrites finished replies' KV
+(:mod:`nbkv.engine.rewrite`). A slot's ``tokens`` list is the truth about its KV: it is extended
+only after a successful decode, and on any failure the KV is trimmed back to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
+from nbkv.core.events import EventBus, Progress, RequestFinished
+from nbkv.engine import generation, placement, rewrite, vision_decode
+from nbkv.engine.jobs import Job
+from nbkv.engine.native import Resources
+from nbkv.engine.prefill import prefill
+from nbkv.kv.batching import Prefilling, plan_step
+from nbkv.kv.invariance import next_chunk
+from nbkv.kv.policy import PREFIX_SALVAGE
+from nbkv.kv.slot_kv import SlotKV
+from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
+from nbkv.kv.spc import SystemPromptStore
+from nbkv.media.units import MediaUnit
+from nbkv.store.parking import ParkingLot
+
+log = logging.getLogger("nbkv")
+
+
+@dataclass
+class EngineSlot(TableSlot):
+    """A slot of the in-kernel engine: its KV (the one owner of tokens == KV) and rewrite."""
+
+    kv: SlotKV = None  # type: ignore[assignment]
+    redo: list[Any] = field(default_factory=list)  # positions being rewritten (settling)
+    rewrite_n: int = 0  # positions the current rewrite covers
+    rewrite_s: float = 0.0  # ... and the time it has taken so far
+
+    @property
+    def seq_id(self) -> int:
+        """The llama.cpp sequence of this slot."""
+        return self.kv.seq_id
+
+    @property
+    def tokens(self) -> list[Any]:
+        """What the KV holds, one unit per position."""
+        return self.kv.tokens
+
+    def snapshot(self) -> SlotInfo:
+        """An immutable copy for the caller's thread."""
+        kv = self.kv  # a reply being rewritten is still this slot's (see nbkv.engine.rewrite)
+        return SlotInfo(
+            self.index, kv.seq_id, self.capacity, self.session, (*kv.tokens, *self.redo),
+            tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
+            self.segments, self.last_request, kv.settled, kv.checkpoints.positions,
+            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo),
+        )
+
+    def reset(self) -> None:
+        """Forget everything (the KV too)."""
+        self.kv.clear()
+        self.redo.clear()
+        self.forget_messages()
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How the scheduler serves requests (the engine's cache settings)."""
+
+    cache: str
+    cache_min_tokens: int
+    exact: bool
+    speculative: bool
+
+
+class Scheduler:
+    """Queue, admission, decode steps and idle rewrites of one engine, on its own thread."""
+
+    def __init__(self, res: Resources, table: SlotTable[EngineSlot], spc: SystemPromptStore,
+                 events: EventBus, settings: ServeSettings, cv: threading.Condition,
+                 parking: ParkingLot | None = None) -> None:
+        self.res = res
+        self.table = table
+        self.spc = spc
+        self.parking = parking  # conversations that lost their slot (None: parking off)
+        self.events = events
+        self.settings = settings
+        self.cv = cv
+        self.queue: list[Job] = []
+        self.active: list[Job] = []
+        self.control: list[tuple[Callable[[], Any], Future]] = []
+        self.closed = False
+        #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
+        self.images: OrderedDict[str, Any] = OrderedDict()
+        self.thread: threading.Thread | None = None
+
+    def start(self, owner: Any) -> None:
+        """Run on a thread that holds ``owner`` (the engine) only weakly."""
+        self.thread = threading.Thread(
+            target=_schedule, args=(weakref.ref(owner), self.cv, self.res),
+            name="nbkv-scheduler", daemon=True)
+        weakref.finalize(owner, _notify, self.cv)
+        self.thread.start()
+
+    # ------------------------------------------------------------ caller threads
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` for admission."""
+        with self.cv:
+            if self.closed:
+                raise EngineClosedError("this engine is closed")
+            self.queue.append(job)
+            self.cv.notify_all()
+
+    def wake(self) -> None:
+        """Have the thread look at its requests now."""
+        with self.cv:
+            self.cv.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the scheduler thread between decode steps; return its result."""
+        fut: Future = Future()
+        with self.cv:
+            if self.closed:
+                raise EngineClosedError("this engine is closed")
+            self.control.append((fn, fut))
+            self.cv.notify_all()
+        return fut.result()
+
+    def stop(self) -> None:
+        """Cancel every request and end the thread (it then frees the native objects)."""
+        with self.cv:
+            if self.closed:
+                return
+            self.closed = True
+            for j in self.queue + self.active:
+                j.cancel.set()
+            self.cv.notify_all()
+        if self.thread is not None and threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def busy(self) -> bool:
+        """Requests queued or running, or a reply's KV still to rewrite (scheduler thread)."""
+        return bool(self.queue or self.active or rewrite.settling_slot(self) is not None)
+
+    # --------------------------------------------------------------- the thread
+
+    def has_work(self) -> bool:
+        """Anything for the scheduler to do (call with ``cv`` held)."""
+        return bool(self.queue or self.active or self.control or self.closed
+                    or rewrite.settling_slot(self) is not None)
+
+    def run_once(self) -> bool:
+        """One scheduler iteration; False once the engine is closed (the thread then ends)."""
+        with self.cv:
+            closed = self.closed
+            if closed:
+                jobs, self.queue = self.queue + self.active, []
+                self.active = []
+                for _, fut in self.control:
+                    fut.set_exception(EngineClosedError("this engine is closed"))
+                self.control.clear()
+            else:
+                jobs = []
+                control, self.control = self.control, []
+        if closed:
+            for j in jobs:
+                self.finish(j, "cancelled")
+            return False
+        for fn, fut in control:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+        self._admit()
+        if self.active:
+            if not self._step():  # every active request waits for the vision encoder
+                with self.cv:
+                    self.cv.wait(0.05)
+        elif self.queue:
+            with self.cv:  # every slot busy: wait for a change, or a deadline
+                self.cv.wait(0.05)
+        else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact)
+            slot = rewrite.settling_slot(self)
+            if slot is not None:
+                rewrite.settle(self, slot)
+        return True
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        for job in list(self.queue):
+            if job.cancel.is_set():
+                self.queue.remove(job)
+                self.fail(job, None, "cancelled")
+                continue
+            try:
+                started = placement.start(self, job)
+            except BaseException as e:  # noqa: BLE001 - reported to the requester
+                self.queue.remove(job)
+                self.fail(job, e, "error")
+                continue
+            if started:
+                self.queue.remove(job)
+                self.active.append(job)
+            elif now > job.deadline:
+                self.queue.remove(job)
+                self.fail(job, SlotTimeoutError(
+                    f"no slot became free within the wait limit ({len(self.table)} slots, "
+                    f"all busy)"), "error")
+
+    def _step(self) -> bool:
+        """Advance the active requests by one step (:func:`nbkv.kv.batching.plan_step`).
+
+        False if nothing could run (every active request waits for the vision encoder).
+        """
+        for job in list(self.active):
+            if job.cancel.is_set():
+                if job.image_piece:  # drop the part of an image decoded so far
+                    job.image_piece = 0
+                    job.slot.kv.resync()
+                self.finish(job, "cancelled")
+        by_id = {j.id: j for j in self.active}
+        generating = [j for j in self.active if j.next_token is not None]
+        prefilling = []
+        for j in self.active:
+            if not j.todo:
+                continue
+            image = isinstance(j.todo[0], MediaUnit)
+            stops = j.stops if j.capture_at is None else (*j.stops, j.capture_at)
+            take = 0 if image else next_chunk(
+                j.prompt.tokens, len(j.slot.kv), self.res.rule, self.res.batch.capacity, stops)
+            prefilling.append(Prefilling(j.id, len(j.todo), j.encoding is None or
+                                         j.encoding.done(), image, take))
+        plan = plan_step(prefilling, len(generating))
+        if plan.prefill is not None:
+            job = by_id[plan.prefill]
+            if not job.t_prefill:
+                job.t_prefill = time.perf_counter()
+        if plan.image:
+            ran = vision_decode.decode_image(self, by_id[plan.prefill])
+        elif plan.prefill is not None:
+            prefill(self, by_id[plan.prefill], plan.take)
+            ran = True
+        else:
+            ran = False
+        if plan.generate:
+            generation.generate(self, [j for j in generating if not j.done.is_set()])
+            ran = True
+        return ran
+
+    # --------------------------------------------------------------- a request's life
+
+    def progress(self, job: Job) -> None:
+        """Publish how far ``job``'s prefill is."""
+        done = job.record.prefilled_tokens - len(job.todo)
+        phase = "extend" if job.reuse else "rebuild"
+        self.events.publish(Progress(job.id, job.slot.index, phase, done,
+                                     job.record.prefilled_tokens))
+
+    def on_logits(self, job: Job, idx: int) -> None:
+        """Sample ``job``'s next token from batch row ``idx``; stream it, or finish."""
+        now = time.perf_counter()
+        model = self.res.model
+        token = job.sampler.sample(self.res.ctx.ptr, idx)
+        if not job.t_first:  # the first token counts once it is sampled
+            job.t_first = time.perf_counter()
+            job.record = replace(job.record, first_decode_s=job.t_first - now)
+        if model.is_eog(token):
+            return self.finish(job, "stop")
+        job.generated.append(token)
+        if job.drafter is not None:
+            job.drafter.append(token)
+        delta = job.text.push(model.text_piece(token))
+        if delta:
+            job.out.put(("delta", delta))
+        if job.text.stopped is not None:
+            return self.finish(job, "stop")
+        full = len(job.slot.kv) + 1 > job.slot.capacity
+        if len(job.generated) >= job.params.max_tokens or full:
+            return self.finish(job, "length")
+        job.next_token = token
+        if now - job.t_last_progress > 0.25:
+            job.t_last_progress = now
+            self.events.publish(Progress(job.id, job.slot.index, "generate",
+                                         len(job.generated), job.params.max_tokens))
+        return None
+
+    def finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
+        if job.done.is_set():
+            return
+        if job in self.active:
+            self.active.remove(job)
+        if job.sampler is not None:
+            job.sampler.close()
+        tail = job.text.flush()
+        if tail:
+            job.out.put(("delta", tail))
+        now = time.perf_counter()
+        slot = job.slot
+        rec = job.record
+        if slot is not None and self.res.ctx.ptr:  # a guessed position may follow
+            try:
+                slot.kv.resync()
+            except BaseException:  # noqa: BLE001 - the request must still end
+                log.exception("slot[%d]: could not trim past its tokens", slot.index)
+                slot.reset()
+        if slot is not None and rec is not None:
+            n = len(slot.tokens)
+            with self.cv:
+                self.table.replied(slot, job.prompt, job.text.text, n)
+                slot.segments = tuple(s for s in (
+                    replace(s, end=min(s.end, n)) for s in placement.segments(self, job, n))
+                    if s.length > 0)
+                slot.pending = False
+            rec = finished_record(job, rec, reason, error, now, slot.segments)
+            job.record = rec
+            if rec.strategy == PREFIX_SALVAGE:
+                log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
+                          "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
+            self.events.publish(RequestFinished(rec))
+        if error is not None:
+            job.out.put(("error", error))
+        elif rec is not None:
+            job.out.put(("done", rec))
+        else:
+            job.out.put(("error", NbkvError("request cancelled before it started")))
+        job.done.set()
+        with self.cv:
+            self.cv.notify_all()
+
+    def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
+        """End ``job`` with ``error``, its slot trimmed back to what it really holds."""
+        if job.slot is not None:
+            job.slot.kv.resync()
+        self.finish(job, reason, error)
+
+
+def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None, now: float,
+                    segments: Any) -> Any:
+    """``rec`` completed with what the request did: tokens, timings, encoder and guesses."""
+    t_first = job.t_first or now
+    return replace(
+        rec,
+        generated_tokens=len(job.generated),
+        prefilled_tokens=rec.prefilled_tokens - len(job.todo),
+        ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,
+        prefill_s=(t_first - job.t_prefill) if job.t_prefill and job.t_first else 0.0,
+        wait_s=max(job.t_prefill - job.t_submit - rec.restore_s, 0.0) if job.t_prefill
+        else 0.0,
+        decode_s=(now - t_first) if job.t_first else 0.0,
+        finish_reason=reason,
+        encoder_runs=job.encoder_runs,
+        embedding_cache_hits=job.embedding_hits,
+        draft_tokens=job.drafted,
+        draft_accepted=job.accepted,
+        error=None if error is None else f"{type(error).__name__}: {error}",
+        segments=segments,
+    )
+
+
+def _schedule(ref: weakref.ref[Any], cv: threading.Condition, res: Resources) -> None:
+    """The scheduler thread: run the engine while it is open and referenced, then free it.
+
+    Holds the engine strongly only while it works; waits with just the weak reference, so
+    dropping the last reference elsewhere collects the engine (its finalizer wakes us).
+    """
+    try:
+        while True:
+            engine = ref()
+            if engine is None:
+                break
+            sched = engine.scheduler
+            with cv:
+                if not sched.has_work():
+                    del engine, sched
+                    cv.wait()
+                    continue
+            go = sched.run_once()
+            del engine, sched
+            if not go:
+                break
+    finally:
+        res.close()
+
+
+def _notify(cv: threading.Condition) -> None:
+    with cv:
+        cv.notify_all()

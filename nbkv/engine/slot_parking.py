@@ -1,0 +1,114 @@
+"""Parking a slot's conversation, and restoring a parked one into a slot (scheduler thread).
+
+The engine side of :mod:`nbkv.store.parking`: what leaves a slot is its proven KV only (a reply
+whose batched rewrite has not run is cut back to the settled prefix first: cheaper than
+rewriting it, and what a returning request would keep anyway), with the message hashes and
+boundaries that still lie inside it. A restore puts the whole state back (checkpoints too)
+and checks that the memory holds exactly the parked positions; otherwise the slot is
+emptied and the request rebuilds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from nbkv.core.errors import InvalidRequestError
+from nbkv.kv.slot_kv import KVSnapshot, trim_valid
+from nbkv.kv.slot_table import SlotState
+from nbkv.store.parked import ParkedEntry
+
+if TYPE_CHECKING:
+    from nbkv.engine.scheduler import EngineSlot, Scheduler
+
+log = logging.getLogger("nbkv")
+
+
+def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
+    """Park what ``slot`` holds and empty it; returns the tier ("ram", "disk") or ""."""
+    lot, kv = sched.parking, slot.kv
+    if lot is None or not (kv.tokens or slot.redo):
+        return ""
+    t0 = time.perf_counter()
+    with sched.cv:
+        if slot.redo or (sched.settings.exact and kv.needs_rewrite):
+            slot.redo.clear()  # the rewrite is abandoned: park the proven prefix
+            trim_valid(kv, list(kv.tokens), kv.settled, sched.res.rule)
+    n = len(kv)
+    if not n or not kv.verify():
+        return ""
+    k = sum(1 for e in slot.msg_ends if e <= n)
+    segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
+    info = lot.park(ParkedEntry.from_snapshot(
+        kv.snapshot(), session=slot.session, hashes=slot.hashes[:k], msg_ends=slot.msg_ends[:k],
+        segments=segments, last_request=slot.last_request, last_used=slot.last_used))
+    log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
+              info.tier if info else "nowhere (over budget)", 1000 * (time.perf_counter() - t0))
+    return info.tier if info is not None else ""
+
+
+def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:
+    """Put ``entry``'s state into ``slot``'s KV; returns the positions it now holds (0: failed)."""
+    kv = slot.kv
+    kv.put_back(KVSnapshot.of(entry.state, entry.tokens, entry.settled or 0,
+                              entry.exact_len or 0, entry.checkpoints))
+    if len(kv) != len(entry.tokens):
+        log.warning("slot[%d]: the parked state of %s did not restore; rebuilding", slot.index,
+                    entry.session)
+        kv.clear()
+        return 0
+    return len(kv)
+
+
+def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+    """Park ``session``'s idle slot (every idle slot that holds something with ``every``)."""
+    done = []
+    for s in sched.table:
+        if s.pending or not s.tokens or not (every or s.session == session):
+            continue
+        who, n = s.session, len(s.tokens)
+        tier = park_slot(sched, s)
+        with sched.cv:
+            s.reset()
+        done.append(f"{who or f'slot {s.index}'}: {n:,} tokens to {tier or 'nowhere'}")
+    if not done:
+        raise InvalidRequestError("no idle slot holds a conversation" if every
+                                  else f"no idle slot holds session {session!r}")
+    st = sched.parking.stats()
+    return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
+            f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
+
+
+def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+    """Restore ``session``'s parked conversation (all, with ``every``) into slots.
+
+    Each goes into an empty slot, else the least recently used one (whose conversation is
+    parked in turn); at most one per slot.
+    """
+    lot, table = sched.parking, sched.table
+    wanted = [i for i in lot.entries() if every or i.session == session][: len(table)]
+    if not wanted:
+        raise InvalidRequestError("nothing is parked" if every
+                                  else f"session {session!r} is not parked")
+    done = []
+    for info in wanted:
+        free = [s for s in table if not s.pending]
+        if not free:
+            break
+        slot = next((s for s in free if not s.tokens), None) or min(
+            free, key=lambda s: (s.last_used, s.index))
+        entry = lot.take(info.key)
+        if entry is None:
+            continue
+        park_slot(sched, slot)
+        with sched.cv:
+            slot.reset()
+        n = restore_into(slot, entry)
+        if n:
+            table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
+                                        tuple(entry.msg_ends), tuple(entry.segments), 0,
+                                        entry.last_request, None))
+        done.append(f"{entry.session}: {n:,} tokens from {entry.tier} into slot {slot.index}")
+    return "unparked " + ("; ".join(done) or "nothing")

@@ -1,0 +1,107 @@
+"""An engine's caches as plain data: what a save writes and a restore (or a park) brings back.
+
+:func:`export_state` and :func:`import_state` run on the scheduler thread (through
+``Engine.export_state`` / ``Engine.import_state``); :mod:`nbkv.store.persist` uses only them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nbkv.core.errors import NbkvError, RestoreError
+from nbkv.engine.rewrite import settle_all, settling_slot
+from nbkv.kv.slot_kv import KVSnapshot
+from nbkv.kv.slot_table import SlotState
+from nbkv.kv.spc import SavedPrompt
+
+if TYPE_CHECKING:
+    from nbkv.engine.scheduler import EngineSlot, Scheduler
+
+log = logging.getLogger("nbkv")
+
+
+class EngineBusy(NbkvError):
+    """An opportunistic export (autosave) found the engine serving or rewriting."""
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Every idle slot (``SlotState.kv`` a :class:`KVSnapshot`), busy slots, SPC entries."""
+
+    slots: tuple[SlotState, ...]
+    busy: tuple[int, ...]
+    spc: tuple[tuple[str, SavedPrompt], ...]
+
+
+def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
+    """Copy every idle slot's state and bookkeeping (only proven KV: rewrites run first)."""
+    if only_if_idle and (sched.queue or sched.active or settling_slot(sched) is not None):
+        raise EngineBusy("the engine is busy")
+    settle_all(sched)
+    slots, busy = [], []
+    for s in sched.table:
+        if s.pending or s.redo:
+            busy.append(s.index)
+            continue
+        if not s.tokens:
+            continue
+        if not s.kv.verify():
+            log.warning("slot[%d]: KV does not match its tokens; not saved", s.index)
+            continue
+        slots.append(sched.table.state_of(s, s.kv.snapshot()))
+    return EngineState(tuple(slots), tuple(busy), tuple(sched.spc.items()))
+
+
+def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
+                 spc: Sequence[tuple[str, SavedPrompt]]) -> None:
+    """Replace every slot's content: ``placed`` gives each state its slot; all or nothing.
+
+    States go in oldest first, so that the LRU clock orders them as they were. On any
+    failure every slot is put back as it was and :class:`RestoreError` says why.
+    """
+    if sched.active or any(s.pending for s in sched.table):
+        raise RestoreError("the engine is serving requests: restore when it is idle")
+    backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))
+              for s in sched.table]
+    try:
+        for s in sched.table:
+            s.reset()
+        for i, state in sorted(placed, key=lambda p: p[1].last_used):
+            slot = sched.table[i]
+            snap: KVSnapshot = state.kv
+            slot.kv.put_back(snap)
+            if len(slot.kv) != len(snap.tokens):
+                raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
+                                   f"{len(snap.tokens)} positions")
+            sched.table.adopt(slot, state)
+    except BaseException as e:
+        for s, snap, state in backup:
+            _roll_back(sched, s, snap, state)
+        if isinstance(e, RestoreError):
+            raise
+        raise RestoreError(f"llama.cpp refused a saved state ({e}); the engine is unchanged"
+                           ) from e
+    sched.spc.clear()
+    for key, entry in spc:
+        sched.spc.put(key, entry.state, entry.tokens)
+
+
+def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
+               state: SlotState) -> None:
+    s.reset()
+    if snap is None:
+        return
+    try:
+        s.kv.put_back(snap)
+    except NbkvError:
+        log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
+        return
+    if s.kv.tokens:
+        with sched.cv:
+            s.session, s.hashes, s.msg_ends = state.session, list(state.hashes), list(
+                state.msg_ends)
+            s.segments, s.last_used, s.last_request = (state.segments, state.last_used,
+                                                       state.last_request)

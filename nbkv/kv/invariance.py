@@ -1,0 +1,222 @@
+"""Batch invariance: how prompt rows must be grouped for cached KV to equal a fresh prefill.
+
+llama.cpp's CPU kernels compute a row of a matrix product differently depending on how many
+rows its batch holds and where the row sits in it: a one-row decode takes a vector kernel,
+K-quant weights take a tiled kernel from 8 rows on, repacked Q4_K weights compute rows in
+blocks of 4 counted from the batch's first row and the rows left over one by one, ...
+(:mod:`nbkv.kv.calibrate` measures the rule of *this* model and build). A cached slot and a
+from-scratch decode give the same KV only if every row is computed by the same kernel in
+both, so every prefill follows one *canonical* grouping, a pure function of the positions:
+
+- a *text run* is the text between two images (or the prompt's start and end);
+- inside a run, chunks start at a multiple of ``align`` rows from the run's start, every
+  chunk but the run's last holds a multiple of ``align`` rows, and every chunk holds at least
+  ``threshold`` rows (a run shorter than that is one chunk);
+- an image is decoded as the projector decodes it, the same way everywhere.
+
+Under such a rule a row's kernel depends only on whether it lies before the run's last
+multiple of ``align`` (a *block* row) or after it (a *remainder* row). Block rows never
+change class when the run grows: they are *settled*. Remainder rows are exact for this very
+prompt, but the next turn computes them again (at most ``align - 1`` rows, plus enough
+settled rows to give the new chunk ``threshold`` rows). Generated tokens are one-row
+decodes: exact when :attr:`PrefillRule.single_row` holds, else rewritten (see the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PrefillRule:
+    """The grouping that keeps prefill rows batch-invariant on one model and build."""
+
+    threshold: int = 2  # fewest rows a prompt chunk may hold
+    align: int = 1  # chunks start this many rows apart (counted from their text run's start)
+    exact: bool = True  # the rule was proven on this model and build
+    single_row: bool = False  # a one-row decode computes a row as a batched prefill does
+    gen_rows: int = 0  # most sequences one generation decode may hold (0: no limit found)
+    reason: str = ""  # why not exact, in plain words
+    table: tuple[tuple[int, bool], ...] = field(default=(), compare=False)  # rows -> equal
+    seconds: float = field(default=0.0, compare=False)  # how long the calibration took
+
+    @property
+    def min_chunk(self) -> int:
+        """The smallest chunk that keeps every row canonical: ``threshold`` rounded up."""
+        return -(-self.threshold // self.align) * self.align
+
+    def describe(self) -> str:
+        """One line for status tables, e.g. ``exact: yes, prefill in 4-aligned chunks of 8+``."""
+        if not self.exact:
+            return f"exact: no ({self.reason})"
+        if self.align > 1:
+            how = f"prefill in {self.align}-aligned chunks of {self.threshold}+ rows"
+        else:
+            how = f"prefill in chunks of {self.threshold}+ rows"
+        reply = ("replies need no rewrite" if self.single_row
+                 else "replies rewritten as a batch")
+        return f"exact: yes, {how}; {reply}"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (for the calibration cache)."""
+        d = asdict(self)
+        d["table"] = [list(t) for t in self.table]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PrefillRule:
+        """The inverse of :meth:`to_json`."""
+        d = dict(d)
+        d["table"] = tuple((int(k), bool(v)) for k, v in d.get("table", ()))
+        return cls(**d)
+
+
+def derive(table: Mapping[int, bool]) -> tuple[int, int] | None:
+    """The ``(threshold, align)`` rule explaining a measured table, or None.
+
+    A chunk of k rows is exact iff ``k >= threshold`` and ``k % align == 0``, consistent
+    with every measured ``k -> equal`` of ``table``. The smallest alignment wins; the
+    threshold is the smallest size measured equal (never a size that was not measured).
+    """
+    trues = sorted(k for k, ok in table.items() if ok)
+    if not trues:
+        return None
+    align = 1
+    while align <= max(table):
+        if all(k % align == 0 for k in trues):
+            threshold = trues[0]
+            if all(not (k >= threshold and k % align == 0) for k, ok in table.items() if not ok):
+                return threshold, align
+        align *= 2
+    return None
+
+
+# -- canonical chunking: pure functions of the positions ------------------------------------
+
+
+def _text(u: Any) -> bool:
+    return isinstance(u, int)
+
+
+def run_start(units: Sequence[Any], pos: int) -> int:
+    """First position of the text run holding ``pos`` (just after the previous image)."""
+    i = pos
+    while i > 0 and _text(units[i - 1]):
+        i -= 1
+    return i
+
+
+def run_end(units: Sequence[Any], pos: int) -> int:
+    """End of the text run from ``pos``: the next image position at or after it, or the end."""
+    i, n = pos, len(units)
+    while i < n and _text(units[i]):
+        i += 1
+    return i
+
+
+def valid_start(units: Sequence[Any], want: int, rule: PrefillRule) -> int:
+    """The largest position ``<= want`` where a canonical prefill of ``units`` may begin.
+
+    A run's start (the prompt's start, just after an image) always qualifies; inside a run,
+    a multiple of ``align`` from its start that leaves the run ``threshold`` rows or more.
+    An image is kept or dropped whole.
+    """
+    n = len(units)
+    want = max(0, min(want, n))
+    if want < n and not _text(units[want]):
+        want -= units[want].offset  # an image's first position
+    if want == 0 or not _text(units[want - 1]):
+        return want  # the start, or just after an image
+    start = run_start(units, want - 1)
+    end = run_end(units, want)
+    a = rule.align
+    r = start + (want - start) // a * a
+    while r > start and end - r < rule.threshold:
+        r -= a
+    return max(r, start)
+
+
+def stable_end(units: Sequence[Any], end: int, rule: PrefillRule) -> int:
+    """Positions before ``end`` whose KV stays exact whatever follows (its *settled* prefix).
+
+    ``units[:end]`` must have been prefilled canonically: every chunk's block rows are
+    settled; the remainder rows of the last run are not (the run may still grow).
+    """
+    if end <= 0:
+        return 0
+    if not _text(units[end - 1]):
+        return end
+    start = run_start(units, end - 1)
+    if end - start < rule.threshold:
+        return start
+    return start + (end - start) // rule.align * rule.align
+
+
+def next_chunk(units: Sequence[Any], pos: int, rule: PrefillRule, cap: int,
+               stops: Iterable[int] = ()) -> int:
+    """Rows the next canonical prefill chunk of ``units`` takes from ``pos``.
+
+    ``pos`` is a valid start (:func:`valid_start`) or where a previous chunk ended, and
+    ``units[pos]`` is text. ``cap``: the batch size. ``stops``: positions where a chunk
+    should end (checkpoints, the system-prompt capture); honoured where the grouping allows
+    (a multiple of ``align`` from the run's start, ``threshold`` rows on both sides).
+    """
+    a, t = rule.align, rule.threshold
+    start = run_start(units, pos)
+    end = run_end(units, pos)
+    left = end - pos
+    if left <= cap:
+        n = left
+    else:
+        n = max(cap // a * a, a)
+        if left - n < t:  # leave the run's last chunk threshold rows
+            n = max((left - t) // a * a, a)
+    for s in sorted(stops):
+        if pos < s < pos + n and s - pos >= t and end - s >= t and (s - start) % a == 0:
+            n = s - pos
+            break
+    return n
+
+
+def chunks(units: Sequence[Any], start: int, end: int, rule: PrefillRule, cap: int
+           ) -> list[tuple[int, int]]:
+    """The canonical text chunks ``(from, to)`` of ``units[start:end]`` (images skipped).
+
+    ``start`` must be a valid start; ``end`` the end of ``units`` or an image's start. This
+    is how the oracle decodes from scratch; the engine reaches the same chunks one step at a
+    time with :func:`next_chunk`.
+    """
+    out = []
+    pos = start
+    while pos < end:
+        if not _text(units[pos]):
+            pos += units[pos].key.n_pos - units[pos].offset
+            continue
+        n = min(next_chunk(units, pos, rule, cap), end - pos)
+        out.append((pos, pos + n))
+        pos += n
+    return out
+
+
+def checkpoint_stops(units: Sequence[Any], wanted: Iterable[int], rule: PrefillRule
+                     ) -> tuple[int, ...]:
+    """Where checkpoints can go near ``wanted`` positions (deduplicated, ascending).
+
+    Each is moved down to a settled position; if a chunk cannot end there (too few rows
+    would follow it in ``units``), the nearest position below where one can is added too.
+    A checkpoint at the end of ``units`` serves a longer prompt, which may resume there.
+    """
+    out = set()
+    n = len(units)
+    for w in wanted:
+        if 0 < w <= n:
+            s = stable_end(units, w, rule)
+            if s > 0:
+                out.add(s)
+            if s < n and run_end(units, s) - s < rule.threshold:
+                v = valid_start(units, s, rule)
+                if v > 0 and stable_end(units, v, rule) == v:
+                    out.add(v)
+    return tuple(sorted(out))

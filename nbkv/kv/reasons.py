@@ -1,0 +1,305 @@
+"""Why a request reused what it reused: a reason code, plain words, and the divergence point.
+
+Pure logic, computed when the engine places a request, from what the policy already knows:
+the session's own slot (if it still holds the conversation), what happened to that slot since
+(evicted by whom, cleared), the prompt's tokens, message hashes and boundaries. Token text is
+detokenized only when someone asks (:meth:`Divergence.excerpts`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nbkv.kv.policy import common_prefix
+from nbkv.ui.vocabulary import tier_words
+
+FIRST = "first"  # the session's first request: nothing of it was cached
+CONTINUED = "continued"  # the conversation grew: everything cached was reused
+COPIED = "copied"  # a prefix was copied from another conversation's slot
+RELOADED = "reloaded"  # the engine was loaded again since the session's last request
+EVICTED = "evicted"  # another session's request took this session's slot
+CLEARED = "cleared"  # the user cleared the slot
+EDITED = "edited"  # an earlier message changed
+SYSTEM_CHANGED = "system-changed"  # the system prompt changed
+TEMPLATE_DRIFT = "template-drift"  # the same messages rendered to different tokens
+IMAGE_CHANGED = "image-changed"  # a different image at the same place
+OVERFLOW = "overflow"  # the oldest messages were dropped to fit the slot
+CHECKPOINT = "checkpoint"  # memory that cannot be cut: restored a checkpoint before the cut
+UNCACHED = "uncached"  # cache mode spc/off: conversations are not kept
+RESTORED = "restored"  # a parked conversation was put back into a slot
+
+#: the codes of ``record.reason``; their words are in :data:`nbkv.ui.vocabulary.EVENTS`
+REASONS = (FIRST, CONTINUED, COPIED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
+           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED, RESTORED)
+#: a :class:`Whereabouts` fate (not a reason): the slot was taken and its conversation parked
+PARKED = "parked"
+WINDOW = 12  # units kept on each side of a divergence, for its excerpts
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where the new prompt first differs from the best cached candidate.
+
+    ``position`` is the first KV position that differs; ``message`` the index (and ``role``)
+    of the new prompt's message holding it; ``cached`` and ``new`` are the units around it
+    (``WINDOW`` before it, up to ``WINDOW`` from it), token ids or image units.
+    """
+
+    position: int
+    message: int
+    role: str
+    cached: tuple[Any, ...]
+    new: tuple[Any, ...]
+    start: int  # position of cached[0] and new[0]
+
+    def excerpts(self, detokenize: Callable[[Sequence[Any]], str]) -> tuple[str, str]:
+        """``("…Tuesday 21 Nov…", "…Wednesday 22 Nov…")``: both sides, as text."""
+        k = self.position - self.start
+
+        def side(units: tuple[Any, ...]) -> str:
+            before, after = detokenize(units[:k]), detokenize(units[k:])
+            return "…" + " ".join(before.split())[-40:] + "⟨" + " ".join(after.split())[:40] + "…"
+
+        return side(self.cached), side(self.new)
+
+    def describe(self, detokenize: Callable[[Sequence[Any]], str]) -> str:
+        """``message 0 (system), token 41: cached "…" → new "…"``."""
+        old, new = self.excerpts(detokenize)
+        return (f"message {self.message} ({self.role}), token {self.position}: "
+                f"cached {old!r} → new {new!r}")
+
+
+@dataclass(frozen=True)
+class Reason:
+    """A request's reason code, the details in plain words, and the divergence point if any.
+
+    ``text`` reads after the code's words (:func:`nbkv.ui.vocabulary.reason_line`).
+    """
+
+    code: str
+    text: str
+    divergence: Divergence | None = None
+
+
+@dataclass
+class Whereabouts:
+    """What the engine remembers of a session: its last request, and its slot's fate since."""
+
+    request: int
+    #: EVICTED, CLEARED or RELOADED once the conversation was lost; PARKED when the request
+    #: that took its slot parked it (:mod:`nbkv.store.parking`)
+    fate: str | None = None
+    by_session: str | None = None
+    by_request: int | None = None
+    slot: int | None = None  # the slot that was taken
+
+
+@dataclass(frozen=True)
+class Cached:
+    """The session's own slot as it was when the request arrived."""
+
+    tokens: Sequence[Any]
+    hashes: Sequence[str]
+    msg_ends: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The parked conversation a request restored into its slot (:mod:`nbkv.store.parking`)."""
+
+    session: str | None  # whose conversation it was
+    tier: str  # where it was parked: "ram" or "disk"
+    cached: Cached  # what it held
+
+
+def _unit_is_media(u: Any) -> bool:
+    return not isinstance(u, int)
+
+
+def find_divergence(cached: Sequence[Any], new: Sequence[Any], ends: Sequence[int],
+                    roles: Sequence[str]) -> Divergence | None:
+    """The first position where ``new`` differs from ``cached`` (None if it extends it)."""
+    n = common_prefix(cached, new)
+    if n >= len(cached) or n >= len(new):
+        return None
+    message = min(bisect.bisect_right(ends, n), len(roles) - 1)  # ends are exclusive
+    lo = max(n - WINDOW, 0)
+    return Divergence(n, message, roles[message] if roles else "?",
+                      tuple(cached[lo : n + WINDOW]), tuple(new[lo : n + WINDOW]), lo)
+
+
+def explain(
+    *,
+    session: str | None,
+    trace: Whereabouts | None,
+    own: Cached | None,
+    tokens: Sequence[Any],
+    hashes: Sequence[str],
+    ends: Sequence[int],
+    roles: Sequence[str],
+    reuse: int,
+    wanted: int,
+    donor_session: str | None,
+    dropped: int,
+    can_trim: bool,
+    cache: str = "imc",
+    restored: Restored | None = None,
+) -> Reason:
+    """The reason for a request placed with ``reuse`` tokens of KV kept.
+
+    ``own`` is the session's slot if it still holds the conversation; ``trace`` what
+    happened to that slot; ``wanted`` what the placement would have kept on memory that can
+    be cut anywhere (``reuse`` is less when a checkpoint had to be restored further back).
+    ``restored`` is the parked conversation put back into the slot first, if any.
+    """
+    who = f"session {session}" if session is not None else "this request"
+    if cache != "imc":
+        return Reason(UNCACHED, f"cache mode {cache}: conversations are not kept between "
+                                "requests")
+    copied = (f"; its first {reuse} tokens were copied from {donor_session}'s slot"
+              if donor_session is not None and reuse else "")
+    if dropped:
+        div = find_divergence(own.tokens, tokens, ends, roles) if own is not None else None
+        return Reason(OVERFLOW, f"the conversation outgrew its slot: the {dropped} oldest "
+                                f"message(s) were dropped, so the cache matched only up to "
+                                f"where they were{copied}", div)
+    if restored is not None:
+        return _restored(who, session, trace, restored, tokens, ends, roles, reuse, wanted,
+                         can_trim)
+    if trace is not None and trace.fate in (EVICTED, PARKED):
+        gone = (" and its conversation parked, but the parked copy was gone (over the "
+                "parking budget, or unreadable)" if trace.fate == PARKED else "")
+        return Reason(EVICTED, f"{who}'s slot was taken by {trace.by_session}'s request "
+                               f"#{trace.by_request}{gone}, so its conversation was read "
+                               f"again{copied}")
+    if trace is not None and trace.fate == CLEARED:
+        return Reason(CLEARED, f"{who}'s slot was cleared by the user, so its conversation "
+                               f"was read again{copied}")
+    if own is None and trace is not None and trace.fate == RELOADED:
+        return Reason(RELOADED, f"the engine was loaded again since {who}'s last turn: its "
+                                f"cache started empty, so the conversation was read again"
+                                f"{copied}")
+    if own is None:
+        if donor_session is not None:
+            return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
+                                  f"shared start) were copied from {donor_session}'s slot")
+        extra = (f"; the slot it got began with the same {reuse} tokens (e.g. the chat "
+                 "template's opening), so those were kept" if reuse else "")
+        return Reason(FIRST, f"nothing of {who} was cached{extra}")
+    div = _branch(own, tokens, ends, roles)
+    if div is None:
+        code, text = CONTINUED, f"everything cached for {who} was reused"
+    else:
+        k = div.message
+        same_messages = k < len(own.hashes) and k < len(hashes) and own.hashes[k] == hashes[k]
+        if same_messages or k >= len(own.hashes):
+            code = TEMPLATE_DRIFT
+            text = (f"the same messages rendered to different tokens in message {k} "
+                    f"({div.role}), token {div.position}")
+        elif _unit_is_media(div.new[div.position - div.start]) or (
+                div.position - div.start < len(div.cached)
+                and _unit_is_media(div.cached[div.position - div.start])):
+            code = IMAGE_CHANGED
+            text = f"a different image in message {k} ({div.role}), token {div.position}"
+        elif k == 0 and div.role == "system":
+            code, text = SYSTEM_CHANGED, f"the system prompt changed at token {div.position}"
+        else:
+            code = EDITED
+            text = (f"kept {k} message(s), re-read from message {k} ({div.role}, edited) at "
+                    f"token {div.position}")
+    if not can_trim and reuse < wanted:
+        return Reason(CHECKPOINT, text + _checkpoint_note(reuse, wanted), div)
+    return Reason(code, text, div)
+
+
+def _checkpoint_note(reuse: int, wanted: int) -> str:
+    return (f"; this model's memory cannot be cut there, so a checkpoint {wanted - reuse} "
+            "tokens earlier was restored")
+
+
+def _branch(cached: Cached, tokens: Sequence[Any], ends: Sequence[int],
+            roles: Sequence[str]) -> Divergence | None:
+    """Where the prompt leaves ``cached``; None where it only extends it."""
+    div = find_divergence(cached.tokens, tokens, ends, roles)
+    tail = max(len(cached.tokens) - cached.msg_ends[-1], 0) if cached.msg_ends else 0
+    if div is not None and div.position >= len(cached.tokens) - tail:
+        return None  # the previous reply re-tokenized differently: not a branch
+    return div
+
+
+def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Restored,
+              tokens: Sequence[Any], ends: Sequence[int], roles: Sequence[str], reuse: int,
+              wanted: int, can_trim: bool) -> Reason:
+    """``alice's conversation was parked when bob's request #5 took slot 0; restored ...``."""
+    where = tier_words(r.tier)
+    if session is None or r.session != session:
+        owner = f"{r.session}'s" if r.session is not None else "a"
+        return Reason(RESTORED, f"{who} was not cached; {reuse:,} tokens of {owner} parked "
+                                f"conversation were restored from {where}")
+    total = len(r.cached.tokens)
+    amount = f"its {reuse:,} tokens" if reuse == total else f"{reuse:,} of its {total:,} tokens"
+    when = ""
+    if trace is not None and trace.fate == PARKED:
+        slot = f"slot {trace.slot}" if trace.slot is not None else "its slot"
+        when = f" when {trace.by_session}'s request #{trace.by_request} took {slot}"
+    text = f"{who}'s conversation was parked{when}; restored {amount} from {where}"
+    if not reuse:
+        text = (f"{who}'s conversation was parked{when}, but its state from {where} could not "
+                f"be cut back to where this prompt leaves it (a sliding-window cache keeps "
+                f"only its window), so it was read again")
+    div = _branch(r.cached, tokens, ends, roles)
+    if div is not None:
+        text += f", then read on from message {div.message} ({div.role}), token {div.position}"
+    if not can_trim and reuse < wanted:
+        text += _checkpoint_note(reuse, wanted)
+    return Reason(RESTORED, text, div)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :meth:`nbkv.Engine.explain` returns: a record and both renderings.
+
+    ``cached_head`` equals ``new_head`` (the shared part); ``cached_tail`` and ``new_tail``
+    are where they part.
+    """
+
+    record: Any  # nbkv.core.events.RequestRecord
+    cached_head: str
+    cached_tail: str
+    new_head: str
+    new_tail: str
+
+
+#: requests whose cached and new units are kept for :func:`explain_request`
+EXPLAINED = 32
+
+
+def explain_request(records: Sequence[Any], compared: Mapping[int, tuple[Sequence[Any],
+                    Sequence[Any]]], text_of: Callable[[Sequence[Any]], str],
+                    request: int | None = None) -> Explanation:
+    """The story of request ``request`` (default: the latest) from the engine's history.
+
+    ``compared`` maps a request id to (the cached units it was compared with, its prompt);
+    ``text_of`` renders units as text. Raises ``InvalidRequestError`` when there is nothing
+    to explain.
+    """
+    from nbkv.core.errors import InvalidRequestError
+
+    if not records:
+        raise InvalidRequestError("no request yet: nothing to explain")
+    rec = records[-1] if request is None else next(
+        (r for r in records if r.id == request), None)
+    if rec is None:
+        raise InvalidRequestError(f"no request #{request} in the history")
+    pair = compared.get(rec.id)
+    if pair is None:
+        raise InvalidRequestError(
+            f"request #{rec.id} is too old to explain (the last {EXPLAINED} are kept)")
+    cached, new = pair
+    cut = rec.divergence.position if rec.divergence is not None else min(
+        common_prefix(cached, new), len(cached))
+    return Explanation(rec, text_of(cached[:cut]), text_of(cached[cut:]), text_of(new[:cut]),
+                       text_of(new[cut:]))

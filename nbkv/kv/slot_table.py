@@ -1,0 +1,320 @@
+"""Which conversation sits in which slot, and the trail that explains it: shared by engines.
+
+The in-kernel :class:`~nbkv.Engine` and :class:`~nbkv.remote.LlamaServerEngine` keep
+the same bookkeeping per slot (session, message hashes, where each message ends, LRU clock)
+and make the same decisions with it: placement through :mod:`nbkv.kv.policy`, the own-slot
+choice, the eviction and clear trail that :mod:`nbkv.kv.reasons` reads, the comparisons kept
+for ``explain``, the hashes a slot holds after a reply, and the fields every request record
+starts with. They differ only in what holds the KV (a llama.cpp sequence, or a server slot),
+which their slot subclasses add.
+
+Every method that changes a slot takes the table's lock (the engine's condition variable),
+so :meth:`SlotTable.snapshots` never sees half an update.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.core.events import RequestRecord, Segment
+from nbkv.core.messages import prefix_hashes
+from nbkv.kv import policy, reasons
+from nbkv.media.units import MediaUnit
+from nbkv.prompt.builder import Prompt
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """An immutable snapshot of one slot."""
+
+    index: int
+    seq_id: int
+    capacity: int
+    session: str | None
+    tokens: tuple[int, ...]
+    hashes: tuple[str, ...]
+    msg_ends: tuple[int, ...]
+    last_used: int
+    pending: bool
+    segments: tuple[Segment, ...] = ()
+    last_request: int | None = None
+    settled: int = 0  # leading positions whose KV equals a batched prefill of the tokens
+    checkpoints: tuple[int, ...] = ()  # positions with a checkpoint (hybrid/recurrent models)
+    checkpoint_bytes: int = 0
+    memory: str = "plain"  # the model's memory class (nbkv.kv.slot_kv)
+    rewriting: int = 0  # trailing positions out of the KV while a reply's KV is rewritten
+    #: remote engines: False when the server's slot differs from what nbkv expects
+    verified: bool = True
+    note: str = ""  # ... and why
+
+    @property
+    def n_tokens(self) -> int:
+        """KV positions in use."""
+        return len(self.tokens)
+
+    @property
+    def n_messages(self) -> int:
+        """Messages cached (the model's last reply included)."""
+        return len(self.hashes)
+
+    @property
+    def empty(self) -> bool:
+        """True when the slot holds nothing."""
+        return not self.tokens
+
+    @property
+    def n_media(self) -> int:
+        """Image chunks held in the slot's KV."""
+        return sum(1 for u in self.tokens if isinstance(u, MediaUnit) and u.offset == 0)
+
+
+@dataclass
+class TableSlot:
+    """What the cache knows of one slot; subclasses add what holds its KV."""
+
+    index: int
+    capacity: int
+    session: str | None = None
+    hashes: list[str] = field(default_factory=list)
+    msg_ends: list[int] = field(default_factory=list)
+    last_used: int = 0
+    pending: bool = False
+    segments: tuple[Segment, ...] = ()
+    last_request: int | None = None
+
+    @property
+    def tokens(self) -> Sequence[Any]:
+        """What the slot's KV holds, one unit per position."""
+        raise NotImplementedError
+
+    def snapshot(self) -> SlotInfo:
+        """An immutable copy for the caller's thread."""
+        raise NotImplementedError
+
+    def forget_messages(self) -> None:
+        """Drop the message bookkeeping (the holder of the KV empties itself)."""
+        self.session = None
+        self.hashes = []
+        self.msg_ends = []
+        self.segments = ()
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One slot's conversation as a save, a park or a restore carries it.
+
+    ``kv`` is what holds its KV (a :class:`~nbkv.kv.slot_kv.KVSnapshot` in the kernel; the
+    token list for a server slot, whose KV the server saves itself).
+    """
+
+    index: int
+    session: str | None
+    hashes: tuple[str, ...]
+    msg_ends: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    last_used: int
+    last_request: int | None
+    kv: Any
+
+
+S = TypeVar("S", bound=TableSlot)
+
+
+class SlotTable(Generic[S]):
+    """The slots of one engine and the bookkeeping both engines share."""
+
+    def __init__(self, slots: Sequence[S], lock: threading.Condition) -> None:
+        self.slots: list[S] = list(slots)
+        self.lock = lock
+        self.clock = itertools.count(1)
+        #: per session: where its conversation went (for reasons)
+        self.whereabouts: dict[str, reasons.Whereabouts] = {}
+        #: request id -> (cached units, prompt units), for explain()
+        self.compared: OrderedDict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(self.slots)
+
+    def __getitem__(self, index: int) -> S:
+        return self.slots[index]
+
+    def index(self, slot: Any) -> int:
+        """``slot`` if it names a slot, else :class:`InvalidRequestError`."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not (
+                0 <= slot < len(self.slots)):
+            raise InvalidRequestError(f"no slot {slot!r}: slots are 0..{len(self.slots) - 1}")
+        return slot
+
+    def snapshots(self) -> tuple[SlotInfo, ...]:
+        """An immutable snapshot of every slot."""
+        with self.lock:
+            return tuple(s.snapshot() for s in self.slots)
+
+    def tick(self) -> int:
+        """The next value of the LRU clock."""
+        return next(self.clock)
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, snaps: Sequence[SlotInfo], prompt: Prompt, session: str | None, *,
+              cache: str, min_tokens: int, copies: bool = True,
+              parked: Sequence[policy.ParkedLike] = ()) -> policy.Plan | None:
+        """Where ``prompt`` goes and what of the slot's KV it keeps; None when all are busy.
+
+        ``cache="imc"`` asks :func:`nbkv.kv.policy.select`; other modes take a free slot and
+        reuse nothing of it. ``copies=False`` (a server cannot copy a prefix between slots)
+        turns a donor copy into a rebuild in the target slot, keeping what it shares.
+        ``parked`` conversations are candidates too (:mod:`nbkv.store.parking`).
+        """
+        if cache != "imc":
+            target = policy.pick_free(snaps, session)
+            if target is None:
+                return None
+            taken = bool(target.tokens) and target.session != session
+            return policy.Plan(cache, target.index, 0,
+                               evicted=target.session if taken else None,
+                               evicted_tokens=len(target.tokens) if taken else 0)
+        plan = policy.select(snaps, prompt.tokens, prompt.hashes, session, min_tokens,
+                             parked=parked)
+        if plan is not None and plan.donor is not None and not copies:
+            t = snaps[plan.slot]
+            reuse = min(policy.common_prefix(t.tokens, prompt.tokens),
+                        policy.reuse_limit(len(prompt.tokens)))
+            plan = policy.Plan(policy.MISS, t.index, reuse,
+                               evicted=t.session if t.tokens else None,
+                               evicted_tokens=len(t.tokens) - reuse if t.tokens else 0)
+        return plan
+
+    @staticmethod
+    def own(snaps: Iterable[SlotInfo], session: str | None) -> SlotInfo | None:
+        """The slot that last served ``session``'s conversation, if it still holds any."""
+        if session is None:
+            return None
+        return max((s for s in snaps if s.session == session and s.tokens),
+                   key=lambda s: s.last_used, default=None)
+
+    def reason(self, request: int, prompt: Prompt, session: str | None,
+               own: SlotInfo | None, source: Sequence[Any], *, reuse: int, wanted: int,
+               donor_session: str | None = None, can_trim: bool = True,
+               cache: str = "imc", restored: reasons.Restored | None = None
+               ) -> reasons.Reason:
+        """Why ``request`` reuses ``reuse`` positions; keeps the comparison for explain()."""
+        cached = (reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None
+                  else None)
+        why = reasons.explain(
+            session=session, trace=self.whereabouts.get(session) if session is not None
+            else None, own=cached, tokens=prompt.tokens, hashes=prompt.hashes,
+            ends=prompt.ends, roles=[m["role"] for m in prompt.messages], reuse=reuse,
+            wanted=wanted, donor_session=donor_session, dropped=prompt.dropped,
+            can_trim=can_trim, cache=cache, restored=restored)
+        if restored is not None:
+            source = restored.cached.tokens
+        self.compared[request] = (tuple(own.tokens if own is not None else source),
+                                  tuple(prompt.tokens))
+        while len(self.compared) > reasons.EXPLAINED:
+            self.compared.popitem(last=False)
+        return why
+
+    def explain(self, history: Sequence[RequestRecord], text_of: Callable[[Sequence[Any]], str],
+                request: int | None) -> reasons.Explanation:
+        """The full story of ``request`` (default: the latest)."""
+        return reasons.explain_request(history, self.compared, text_of, request)
+
+    def claim(self, slot: S, request: int, session: str | None, prompt: Prompt, reuse: int,
+              evicted: str | None, parked: bool = False) -> None:
+        """``slot`` now serves ``request``: its kept messages, the clock and the trail.
+
+        ``parked``: the conversation ``evicted`` from the slot was parked, not lost.
+        """
+        with self.lock:
+            if evicted is not None and evicted != session:
+                self.whereabouts[evicted] = reasons.Whereabouts(
+                    self.whereabouts.get(evicted, reasons.Whereabouts(0)).request,
+                    reasons.PARKED if parked else reasons.EVICTED, session, request,
+                    slot.index)
+            if session is not None:
+                self.whereabouts[session] = reasons.Whereabouts(request)
+            slot.session = session
+            slot.hashes = [h for h, e in zip(prompt.hashes, prompt.ends) if e <= reuse]
+            slot.msg_ends = list(prompt.ends[: len(slot.hashes)])
+            slot.last_used = self.tick()
+            slot.last_request = request
+
+    def replied(self, slot: S, prompt: Prompt, reply: str, n: int) -> None:
+        """``slot`` holds ``n`` positions of ``prompt`` and its reply: its messages then.
+
+        Once the prompt is in the KV, so is the reply's start: its hash counts (a reply that
+        re-tokenizes differently next turn is what :func:`nbkv.kv.policy.select` allows for).
+        """
+        full = [h for h, e in zip(prompt.hashes, prompt.ends) if e <= n]
+        if n >= len(prompt.tokens):
+            slot.hashes = prefix_hashes(
+                [*prompt.messages, {"role": "assistant", "content": reply}], full)
+            slot.msg_ends = [*prompt.ends, len(prompt.tokens)]
+        else:
+            slot.hashes, slot.msg_ends = full, list(prompt.ends[: len(full)])
+        slot.last_used = self.tick()
+
+    def cleared(self, slots: Iterable[S]) -> None:
+        """Note that the conversations in ``slots`` were cleared by the user (lock held)."""
+        for s in slots:
+            if s.session is not None and s.tokens:
+                self.whereabouts[s.session] = reasons.Whereabouts(s.last_request or 0,
+                                                                  reasons.CLEARED)
+
+    def clear_targets(self, slot: int | None) -> list[S]:
+        """The slots ``clear(slot)`` empties (lock held): one named slot must be idle."""
+        if slot is not None:
+            s = self.slots[self.index(slot)]
+            if s.pending:
+                raise NbkvError(f"slot {slot} is serving a request; cancel it first")
+            return [s]
+        return [s for s in self.slots if not s.pending]
+
+    def carry_over(self, sessions: Iterable[str]) -> None:
+        """Sessions another engine held before this one replaced it."""
+        for name in sessions:
+            self.whereabouts.setdefault(name, reasons.Whereabouts(0, reasons.RELOADED))
+
+    # ------------------------------------------------------------------ state
+
+    def state_of(self, slot: S, kv: Any) -> SlotState:
+        """``slot``'s bookkeeping with ``kv``, for a save or a park."""
+        return SlotState(slot.index, slot.session, tuple(slot.hashes), tuple(slot.msg_ends),
+                         slot.segments, slot.last_used, slot.last_request, kv)
+
+    def adopt(self, slot: S, state: SlotState) -> None:
+        """Give ``slot`` the bookkeeping of ``state`` (its KV is already in place)."""
+        with self.lock:
+            slot.session = state.session
+            slot.hashes = list(state.hashes)
+            slot.msg_ends = list(state.msg_ends)
+            slot.segments = tuple(state.segments)
+            slot.last_used = self.tick()
+            slot.last_request = None
+
+    # ------------------------------------------------------------------ records
+
+    def record(self, request: int, session: str | None, prompt: Prompt, slot: S,
+               plan: policy.Plan, reuse: int, why: reasons.Reason, **fields: Any
+               ) -> RequestRecord:
+        """A request's record as it starts: what every engine says of it."""
+        return RequestRecord(
+            id=request, session=session, strategy=plan.strategy, slot=slot.index,
+            prompt_tokens=len(prompt.tokens), reused_tokens=reuse,
+            evicted_session=plan.evicted, evicted_tokens=plan.evicted_tokens,
+            matched_messages=plan.matched_messages, dropped_messages=prompt.dropped,
+            capacity=slot.capacity, started_at=time.time(),
+            media_reused=sum(1 for u in prompt.tokens[:reuse]
+                             if isinstance(u, MediaUnit) and u.offset == 0),
+            reason=why.code, reason_text=why.text, divergence=why.divergence, **fields)

@@ -1,0 +1,333 @@
+"""What each ``%kvcache`` command does; :mod:`nbkv.notebook.magics` parses the line and dispatches.
+
+Nothing here imports IPython. A command takes the :class:`Workspace` (the session store, the
+``Nbkv`` settings, where output goes) and the parsed arguments, and returns something
+displayable (:mod:`nbkv.ui.display`). Mistakes raise nbkv errors, which the magics show as one
+line without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nbkv.core.config import check_engine_args
+from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.ui import display as disp
+from nbkv.ui.figures import ExplainReport
+from nbkv.ui.views import LoadProgress
+
+if TYPE_CHECKING:
+    from nbkv.core.protocol import EngineLike
+    from nbkv.engine.facade import Engine
+    from nbkv.notebook.sessions import SessionStore
+    from nbkv.notebook.settings import Settings
+
+
+@dataclass
+class Workspace:
+    """What the commands work on: the conversations and engine, the defaults, the frontend."""
+
+    store: SessionStore
+    settings: Settings
+    notebook: bool  # output goes to a notebook (else a terminal)
+    user_ns: dict[str, Any]  # the kernel's namespace (it may name the notebook)
+
+    def engine(self) -> EngineLike:
+        """The loaded engine, or an error that says how to load one."""
+        if self.store.engine is None:
+            raise InvalidRequestError(
+                "no model loaded: run %kvcache load to load the embedded SmolLM2-135M "
+                "(or %kvcache load PATH.gguf), or set %config Nbkv.autoload = True")
+        return self.store.engine
+
+    def save_path(self, target: str | None = None) -> Path:
+        """``target``, or this notebook's own directory for saves in the user cache."""
+        from nbkv.store import persist
+
+        if target:
+            return Path(target).expanduser()
+        ns = self.user_ns
+        notebook = (os.environ.get("JPY_SESSION_NAME") or ns.get("__vsc_ipynb_file__")
+                    or ns.get("__session__") or None)
+        return persist.default_path(notebook)
+
+    def sync_autosave(self) -> None:
+        """Autosave exactly while ``Nbkv.autosave`` is on and an engine is loaded."""
+        s = self.settings
+        self.store.autosave(self.save_path() if s.autosave else None, s.autosave_interval)
+
+
+def _number(text: str | None, what: str) -> int | None:
+    """``text`` as an int (``#3`` works too), None when absent."""
+    if text is None:
+        return None
+    try:
+        return int(text.lstrip("#"))
+    except ValueError:
+        raise InvalidRequestError(f"%kvcache {what}, not {text!r}") from None
+
+
+def _file(path: str, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InvalidRequestError(f"no {what} file at {path}")
+    return p
+
+
+def status(ws: Workspace, args: Any) -> Any:
+    """The engine: model, memory, slots, cache mode, totals."""
+    return disp.status_table(ws.store.engine, ws.store)
+
+
+#: the flags that count something: how the user gets the default (never by writing 0)
+_COUNTS = {"slots": ("--slots", "leave --slots out to size it from the memory plan"),
+           "ctx": ("--ctx", "leave --ctx out to size it from the memory plan"),
+           "last": ("-n", "leave -n out for the last 20")}
+
+
+def _at_least_one(args: Any, *flags: str) -> None:
+    """Refuse ``--slots 0``, ``-n -3`` and the like: 0 is not "the default"."""
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            name, default = _COUNTS[flag]
+            raise InvalidRequestError(f"{name} must be at least 1, not {value} ({default})")
+
+
+def load(ws: Workspace, args: Any) -> Any:
+    """Close the engine, load a new one (the model and options given, else the settings).
+
+    Every argument is checked first: a mistake leaves the current engine as it was.
+    """
+    _at_least_one(args, "slots", "ctx")
+    kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
+                                       min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
+                                       kv_type=args.kv_type, flash_attn=args.flash_attn,
+                                       **_parking_options(args))
+    check_engine_args(**kwargs)
+    if args.mmproj:
+        kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
+    if args.template:
+        try:
+            kwargs["template"] = Path(args.template).expanduser().read_text()
+        except OSError as e:
+            raise InvalidRequestError(f"--template: cannot read {args.template}: {e}") from e
+    path = args.target or ws.settings.model or None
+    if path:  # checked before the old engine is closed
+        path = str(_file(path, "model"))
+    carried = [s.name for s in ws.store if s.records]  # their next turn: "engine reloaded"
+    ws.store.close_engine()  # first, so that the free memory counts what it held
+    progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
+                            ws.notebook)
+    with warnings.catch_warnings(record=True) as said:  # shown under the summary instead
+        warnings.simplefilter("always")
+        engine = ws.store.load(path, on_load_progress=progress, **kwargs)
+    engine.carry_over(carried)
+    ws.sync_autosave()
+    summary = disp.status_table(engine, ws.store)
+    notes = [engine.sized or None, *(str(w.message) for w in said),
+             _offer_restore(ws, engine, args.restore)]
+    progress.done(summary, note="\n".join(n for n in notes if n) or None)
+    return None if ws.notebook else summary
+
+
+def connect(ws: Workspace, args: Any) -> Any:
+    """Drive a serving engine instead of the in-kernel one (``%kvcache connect URL``)."""
+    if not args.target:
+        raise InvalidRequestError("%kvcache connect: give the server's URL, e.g. "
+                                  "%kvcache connect http://127.0.0.1:8080 (python -m "
+                                  "nbkv.remote.server starts one)")
+    key = None
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            raise InvalidRequestError(f"--api-key-env: ${args.api_key_env} is not set")
+    _at_least_one(args, "slots")
+    carried = [s.name for s in ws.store if s.records]
+    engine = ws.store.connect(args.target, slots=args.slots, api_key=key,
+                              min_tokens=ws.settings.min_tokens)
+    engine.carry_over(carried)
+    ws.sync_autosave()
+    return disp.status_table(engine, ws.store)
+
+
+def _offer_restore(ws: Workspace, engine: Engine, restore: bool) -> str | None:
+    """After a load: restore the notebook's save (``--restore``), or say that one fits."""
+    from nbkv.store import persist
+
+    if not restore:
+        return persist.offer(engine, ws.save_path())
+    try:
+        return str(engine.restore(ws.save_path(), ws.store))
+    except NbkvError as e:
+        return f"--restore: nothing restored: {e}"
+
+
+def slots(ws: Workspace, args: Any) -> Any:
+    """One row per slot, with its KV strip."""
+    return disp.slots_table(ws.engine())
+
+
+def stats(ws: Workspace, args: Any) -> Any:
+    """Cache statistics over the history."""
+    return disp.stats_table(ws.engine())
+
+
+def history(ws: Workspace, args: Any) -> Any:
+    """The last requests, one row each, with the notebook cell that sent each."""
+    _at_least_one(args, "last")
+    return disp.history_table(ws.engine().history, 20 if args.last is None else args.last,
+                              cell_of=ws.store.cell_of)
+
+
+def explain(ws: Workspace, args: Any) -> Any:
+    """Why request N (default: the latest) reused what it did, both renderings shown."""
+    request = _number(args.target, "explain: give a request number")
+    return ExplainReport(ws.engine().explain(request))
+
+
+def verify(ws: Workspace, args: Any) -> Any:
+    """Recompute the slots (or request N's slot) from scratch: is the cached KV exact."""
+    engine = ws.engine()
+    if not hasattr(engine, "verify"):
+        raise InvalidRequestError("%kvcache verify needs the in-kernel engine: a server's "
+                                  "KV cannot be read back")
+    request = _number(args.target, "verify: give a request number")
+    results = engine.verify(request=request)
+    if not results:
+        return disp.Message("nothing to verify: every slot is empty")
+    return disp.Table("verify: cached KV against a from-scratch decode", ("", ""),
+                      tuple((f"slot {v.slot}", v.finding()) for v in results),
+                      note=engine.model.exactness)
+
+
+def clear(ws: Workspace, args: Any) -> Any:
+    """Empty one slot, or (``--all``) every slot and the system prompt cache."""
+    engine = ws.engine()
+    if args.target is not None and args.all:
+        raise InvalidRequestError("%kvcache clear: give a slot or --all, not both")
+    if args.target is None and not args.all:  # too much to lose to a bare command
+        raise InvalidRequestError("%kvcache clear: name a slot (%kvcache clear 0) or clear "
+                                  "every slot with %kvcache clear --all")
+    slot = _number(args.target, "clear: slot must be a number")
+    engine.clear(slot)
+    return disp.Message(f"cleared slot {slot}" if slot is not None else
+                        "cleared every slot (sessions keep their messages)")
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``2G``, ``512MiB``, ``1.5 GB``, ``0``: a byte count (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.I)
+    if m is None:
+        raise InvalidRequestError(f"{flag}: {text!r} is not a size (e.g. 2G, 512M, 0)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _parking_options(args: Any) -> dict[str, Any]:
+    """``--park-ram`` and ``--park-dir`` as :meth:`Settings.engine_kwargs` arguments."""
+    ram = getattr(args, "park_ram", None)
+    return {"park_ram": None if ram is None else parse_bytes(ram, "--park-ram"),
+            "park_dir": getattr(args, "park_dir", None)}
+
+
+def _parking(ws: Workspace, args: Any, verb: str) -> Any:
+    """``%kvcache park|unpark [SESSION|--all]``: call ``engine.park``/``unpark``."""
+    engine = ws.engine()
+    if not hasattr(engine, verb):
+        raise InvalidRequestError(f"%kvcache {verb} needs the in-kernel engine: a server "
+                                  "keeps its slots to itself")
+    if args.target is not None and args.all:
+        raise InvalidRequestError(f"%kvcache {verb}: give a session or --all, not both")
+    if args.target is None and not args.all:
+        raise InvalidRequestError(f"%kvcache {verb}: name a session (%kvcache {verb} alice) "
+                                  "or give --all")
+    return disp.Message(str(getattr(engine, verb)(session=args.target, all=args.all)))
+
+
+def park(ws: Workspace, args: Any) -> Any:
+    """Take a session's conversation (or every one) out of its slot into the parking lot."""
+    return _parking(ws, args, "park")
+
+
+def unpark(ws: Workspace, args: Any) -> Any:
+    """Bring a parked conversation (or every one that fits) back into a slot."""
+    return _parking(ws, args, "unpark")
+
+
+def widget(ws: Workspace, args: Any) -> Any:
+    """The live dashboard."""
+    from nbkv.ui.widgets import CacheDashboard
+
+    return CacheDashboard(ws.engine(), sessions=ws.store)
+
+
+def report(ws: Workspace, args: Any) -> Any:
+    """The cache on one self-contained page: written to FILE, else shown here."""
+    from nbkv.ui.page import report as make
+
+    page = make(ws.engine())
+    if not args.target:
+        return page
+    path = page.to_html(args.target)
+    return disp.Message(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB): the dashboard, "
+                        "the requests and the latest ones explained, on one page that opens "
+                        "offline")
+
+
+def unload(ws: Workspace, args: Any) -> Any:
+    """Close the engine and free its memory."""
+    if ws.store.engine is None:
+        return disp.Message("no engine loaded")
+    ws.store.close_engine()
+    return disp.Message("engine closed and its memory freed")
+
+
+def save(ws: Workspace, args: Any) -> Any:
+    """Save slots, media and sessions (``%kvcache save [DIR]``)."""
+    return disp.Message(str(ws.engine().save(ws.save_path(args.target), ws.store)))
+
+
+def restore(ws: Workspace, args: Any) -> Any:
+    """Restore a save into the loaded engine (``%kvcache restore [DIR]``)."""
+    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store)))
+
+
+def config(ws: Workspace, args: Any) -> Any:
+    """The ``Nbkv`` settings and their current values."""
+    s = ws.settings
+    rows = tuple((f"Nbkv.{name}", repr(getattr(s, name)), t.help)
+                 for name, t in sorted(s.traits(config=True).items()))
+    return disp.Table("configuration (change with %config Nbkv.NAME = VALUE)",
+                      ("trait", "value", "help"), rows)
+
+
+#: command name -> (function, the options it accepts, whether it takes an argument)
+COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
+    "status": (status, frozenset(), False),
+    "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
+                              "restore", "gpu_layers", "kv_type", "flash_attn", "park_ram",
+                              "park_dir"}), True),
+    "connect": (connect, frozenset({"slots", "api_key_env"}), True),
+    "slots": (slots, frozenset(), False),
+    "stats": (stats, frozenset(), False),
+    "history": (history, frozenset({"last"}), False),
+    "explain": (explain, frozenset(), True),
+    "verify": (verify, frozenset(), True),
+    "clear": (clear, frozenset({"all"}), True),
+    "park": (park, frozenset({"all"}), True),
+    "unpark": (unpark, frozenset({"all"}), True),
+    "widget": (widget, frozenset(), False),
+    "report": (report, frozenset(), True),
+    "unload": (unload, frozenset(), False),
+    "config": (config, frozenset(), False),
+    "save": (save, frozenset(), True),
+    "restore": (restore, frozenset(), True),
+}

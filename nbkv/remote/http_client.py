@@ -1,0 +1,178 @@
+"""HTTP to a serving engine (llama-server, vLLM, SGLang): JSON calls and server-sent events.
+
+Every failure becomes a named nbkv error: nothing answering (:class:`ServerUnreachableError`),
+no answer in time (:class:`ServerTimeoutError`), an endpoint the server does not have
+(:class:`ServerUnsupportedError`), a context overflow the server reports
+(:class:`ContextOverflowError`), any other 4xx/5xx with the server's own message
+(:class:`ServerError`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from nbkv.core.errors import (
+    ContextOverflowError,
+    ServerError,
+    ServerTimeoutError,
+    ServerUnreachableError,
+    ServerUnsupportedError,
+)
+
+#: seconds: connecting, and waiting for the next bytes of an answer (a prefill may be long)
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 600.0
+
+
+class ServerClient:
+    """One server's base URL, its API key, and a pooled connection."""
+
+    def __init__(self, url: str, api_key: str | None = None, *,
+                 read_timeout: float = READ_TIMEOUT) -> None:
+        url = url.rstrip("/")
+        if not re.match(r"^https?://", url):
+            url = "http://" + url
+        self.url = url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # idle connections are dropped before the server's own keep-alive limit (llama-server:
+        # 5 s) closes them under a request
+        self._http = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(
+            read_timeout, connect=CONNECT_TIMEOUT), limits=httpx.Limits(keepalive_expiry=2.0))
+
+    def get(self, path: str, timeout: float | None = None, **params: Any) -> Any:
+        """``GET path``: the decoded JSON (or text, for ``/metrics``)."""
+        return self._call("GET", path, None, timeout, params)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float | None = None,
+             **params: Any) -> Any:
+        """``POST path`` with a JSON body (and query ``params``): the decoded JSON answer."""
+        return self._call("POST", path, body, timeout, params)
+
+    def stream(self, path: str, body: dict[str, Any]) -> EventStream:
+        """``POST path`` and read the answer as server-sent events (``data: {...}``)."""
+        try:
+            resp = self._again(lambda: self._http.send(
+                self._http.build_request("POST", path, json=body), stream=True))
+        except httpx.HTTPError as e:
+            raise self._transport_error(e, path) from e
+        if resp.status_code >= 400:
+            try:
+                resp.read()
+            finally:
+                resp.close()
+            raise self._status_error(resp, path)
+        return EventStream(resp, self, path)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def _call(self, method: str, path: str, body: Any, timeout: float | None,
+              params: dict[str, Any] | None) -> Any:
+        kw: dict[str, Any] = {"params": params or None}
+        if body is not None:
+            kw["json"] = body
+        if timeout is not None:
+            kw["timeout"] = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
+        try:
+            resp = self._again(lambda: self._http.request(method, path, **kw))
+        except httpx.HTTPError as e:
+            raise self._transport_error(e, path) from e
+        if resp.status_code >= 400:
+            raise self._status_error(resp, path)
+        if "json" in resp.headers.get("content-type", ""):
+            return resp.json()
+        return resp.text
+
+    @staticmethod
+    def _again(send: Any) -> httpx.Response:
+        """``send()``, once more if the server closed a pooled connection before answering.
+
+        Safe to repeat: the server had not read the request (no response byte came back).
+        """
+        try:
+            return send()
+        except httpx.RemoteProtocolError:
+            return send()
+
+    def _transport_error(self, e: httpx.HTTPError, path: str) -> ServerError:
+        if isinstance(e, httpx.TimeoutException):
+            return ServerTimeoutError(f"{self.url}{path}: no answer in time ({e})")
+        if isinstance(e, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
+            return ServerUnreachableError(
+                f"{self.url}: no server answers ({e}); is it running? Start one with "
+                f"python -m nbkv.remote.server")
+        return ServerError(f"{self.url}{path}: {type(e).__name__}: {e}")
+
+    def _status_error(self, resp: httpx.Response, path: str) -> ServerError | Exception:
+        message, info = resp.text.strip(), {}
+        try:
+            data = resp.json()
+            info = data.get("error", data) if isinstance(data, dict) else {}
+            if isinstance(info, dict):
+                message = str(info.get("message") or message)
+            else:
+                message, info = str(info), {}
+        except ValueError:
+            pass
+        code = resp.status_code
+        if info.get("type") == "exceed_context_size_error" or "context" in message.lower() and (
+                "exceed" in message.lower() or "too long" in message.lower()):
+            n = info.get("n_prompt_tokens")
+            cap = info.get("n_ctx")
+            if isinstance(n, int) and isinstance(cap, int):
+                return ContextOverflowError(n, cap)
+            return ServerError(f"the server refused a prompt that does not fit its context: "
+                               f"{message}", code)
+        if code in (404, 405, 501):
+            return ServerUnsupportedError(
+                f"{self.url}{path}: the server has no such endpoint (HTTP {code}): {message}",
+                code)
+        if code == 401 or code == 403:
+            return ServerError(f"{self.url}{path}: not authorized (HTTP {code}): {message}; "
+                               f"pass the key with --api-key-env VAR", code)
+        return ServerError(f"{self.url}{path}: HTTP {code}: {message}", code)
+
+
+class EventStream:
+    """The decoded events of a streamed answer; ``close()`` (any thread) stops reading."""
+
+    def __init__(self, resp: httpx.Response, client: ServerClient, path: str) -> None:
+        self._resp = resp
+        self._client = client
+        self._path = path
+        self.closed = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            for line in self._resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                event = json.loads(data)
+                if isinstance(event, dict) and "error" in event:
+                    err = event["error"]
+                    msg = err.get("message", err) if isinstance(err, dict) else err
+                    raise ServerError(f"{self._client.url}{self._path}: {msg}")
+                yield event
+        except httpx.HTTPError as e:
+            if self.closed:
+                return
+            raise self._client._transport_error(e, self._path) from e
+        except (AttributeError, RuntimeError, ValueError) as e:
+            if self.closed:  # closed from another thread while reading
+                return
+            raise ServerError(f"{self._client.url}{self._path}: broken event stream: {e}"
+                              ) from e
+
+    def close(self) -> None:
+        """Stop the answer: the server sees the connection close and cancels the task."""
+        self.closed = True
+        self._resp.close()

@@ -1,0 +1,240 @@
+"""Run llama-server with the flags nbkv needs: ``python -m nbkv.remote.server [MODEL] [--port N]``.
+
+The binary is the one ``make llama-server`` builds from the llama.cpp sources inside the
+installed llama-cpp-python's sdist (cached as ``.venv/llama-server-<version>/``), or
+``$NBKV_LLAMA_SERVER``, or ``llama-server`` on ``PATH``.
+
+The flags that keep nbkv's slot pinning exact (``SERVER_FLAGS``):
+
+- ``-np N``: N slots, one per conversation nbkv keeps;
+- ``--no-kv-unified``: each slot has its own KV; with a unified KV buffer llama-server clears
+  idle slots to make room (``try_clear_idle_slots``) and, with ``--cache-idle-slots``, when
+  any new task starts, so a pinned conversation would vanish between turns;
+- ``--cache-ram MIB``: llama-server's host-memory prompt cache, the server's parking lot
+  (:mod:`nbkv.store.parking`): a prompt leaving a slot is copied to RAM, and one that comes back
+  is restored from there into whichever slot nbkv pins it to. ``python -m nbkv.remote.server``
+  sizes it from the budget the in-kernel engine parks in (``default_ram_budget()``; its
+  ``--cache-ram MIB`` overrides, 0 = off); the records say when the server restored more
+  than the pinned slot held (``restored_from="server-ram"``). :class:`LlamaServer` leaves
+  it off unless asked (``cache_ram``): tests and benchmarks pin what the server holds;
+- ``--metrics`` and the ``/slots`` endpoint (on by default): the server's own figures;
+- ``--slot-save-path DIR``: slot save, restore and erase (``%kvcache save`` / ``clear``).
+
+:class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
+waits; the tests, the benchmark and the remote-engine notebook use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib.metadata
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from nbkv.core.errors import NbkvError, ServerError
+
+SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
+
+
+def binary() -> Path | None:
+    """The llama-server binary to run, or None when there is none."""
+    env = os.environ.get("NBKV_LLAMA_SERVER")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    try:
+        ver = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        ver = ""
+    here = Path(sys.prefix) / f"llama-server-{ver}" / "llama-server"
+    if ver and here.is_file():
+        return here
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A llama-server child process on 127.0.0.1, stopped by its PID (``with`` or ``stop()``).
+
+    ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``). For replies
+    equal to the in-kernel engine's, pin what changes the arithmetic to its values:
+    ``batch`` and ``ubatch`` (``-b``, ``-ub``: the pieces a prefill is computed in; nbkv's
+    default is 256) and ``flash_attn="off"`` (llama-server's ``auto`` turns flash attention
+    on where the in-kernel engine keeps it off for exactness). ``cache_ram``: MiB of
+    llama-server's host-memory prompt cache (``--cache-ram``; 0 = off).
+    """
+
+    def __init__(self, model: str | None = None, *, port: int | None = None, slots: int = 2,
+                 ctx: int = 2048, threads: int | None = None, batch: int | None = None,
+                 ubatch: int | None = None, flash_attn: str | None = None,
+                 slot_save_path: str | None = None, cache_ram: int = 0,
+                 extra: tuple[str, ...] = (), log_path: str | None = None) -> None:
+        exe = binary()
+        if exe is None:
+            raise NbkvError("no llama-server binary: build it with `make llama-server` (from "
+                            "the installed llama-cpp-python's sources), or set "
+                            "$NBKV_LLAMA_SERVER to one")
+        if model is None:
+            from nbkv.llama.models import default_model_path
+
+            model = str(default_model_path())
+        self.model = model
+        self.port = port or free_port()
+        self.slots = slots
+        self.ctx = ctx
+        self.cache_ram = int(cache_ram)
+        self.argv = [str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
+                     "-np", str(slots), "-c", str(slots * ctx), *SERVER_FLAGS,
+                     "--cache-ram", str(int(cache_ram))]
+        if threads:
+            self.argv += ["-t", str(threads), "-tb", str(threads)]
+        if batch:
+            self.argv += ["-b", str(batch)]
+        if ubatch:
+            self.argv += ["-ub", str(ubatch)]
+        if flash_attn:
+            self.argv += ["-fa", flash_attn]
+        # also what lets /slots/N?action=erase work (%kvcache clear)
+        self.slot_save_path = slot_save_path or tempfile.mkdtemp(prefix="nbkv-slots-")
+        Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)
+        self.argv += ["--slot-save-path", self.slot_save_path]
+        self.argv += list(extra)
+        self.log_path = log_path or tempfile.mktemp(prefix="nbkv-llama-server-", suffix=".log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Where the server listens."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The child's PID while it runs."""
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self, timeout: float = 120.0) -> LlamaServer:
+        """Start the process and wait (at most ``timeout`` s) until ``/health`` says ok."""
+        with open(self.log_path, "ab") as log:
+            # in the caller's process group: whoever stops the kernel (or the terminal's
+            # Ctrl-C) stops the server too; and stopped by PID at exit, at the latest
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        atexit.register(self.stop)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Poll ``/health`` until the model is loaded; raise if the process dies or stalls."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise ServerError(f"llama-server exited during start-up: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise ServerError(f"llama-server did not become ready in {timeout:.0f} s: {self.tail()}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process by its PID, SIGKILL it after ``timeout`` s; idempotent."""
+        proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL it now (a crash, for tests); the object can be started again."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10.0)
+        self.proc = None
+
+    def tail(self, n: int = 15) -> str:
+        """The last lines of the server's log."""
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> LlamaServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nbkv.remote.server``: run llama-server in the foreground until Ctrl-C."""
+    ap = argparse.ArgumentParser(prog="python -m nbkv.remote.server", description=__doc__.split(
+        "\n")[0])
+    ap.add_argument("model", nargs="?", help="GGUF model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--slots", type=int, default=4, help="slots (llama-server -np)")
+    ap.add_argument("--ctx", type=int, default=4096, help="tokens per slot")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cache-ram", type=int, default=None, metavar="MIB",
+                    help="llama-server's host-memory prompt cache, where prompts leaving a "
+                         "slot are parked (default: the in-kernel engine's parking budget, "
+                         "min(1/4 of free RAM, 4 GiB); 0 = off)")
+    args, extra = ap.parse_known_args(argv)
+    if args.cache_ram is None:
+        from nbkv.store.parking import default_ram_budget
+
+        args.cache_ram = default_ram_budget() >> 20
+    try:
+        server = LlamaServer(args.model, port=args.port, slots=args.slots, ctx=args.ctx,
+                             threads=args.threads, cache_ram=args.cache_ram,
+                             extra=tuple(extra))
+    except NbkvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(" ".join(server.argv), flush=True)
+    try:
+        server.start()
+        print(f"llama-server ready: connect with  %kvcache connect {server.url}  "
+              f"(Ctrl-C stops it; log: {server.log_path})", flush=True)
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(0.5)
+        print(f"llama-server exited: {server.tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping llama-server", flush=True)
+        return 0
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

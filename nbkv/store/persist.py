@@ -1,0 +1,503 @@
+"""Slots that survive a kernel restart: save and restore an engine's caches on disk.
+
+A save is a directory::
+
+    manifest.json          what was saved, for which model and settings, and a checksum
+                           of every blob (the manifest carries its own checksum too)
+    blobs/<sha256>.bin     raw bytes, named by their SHA-256: sequence states,
+                           checkpoints, system-prompt states, image embeddings, pictures
+
+Nothing is pickled: the manifest is JSON and the blobs are raw bytes whose names are
+checked against ``[0-9a-f]{64}.bin`` before any path is built from them, so a save from
+someone else can neither run code nor make nbkv read outside its directory.
+
+A save is atomic: every blob is written to a temporary file, fsynced and renamed to its
+content name; then the manifest is written the same way and renamed over the old one; only
+then are blobs that no manifest names any more deleted. A crash at any point leaves the
+previous manifest and every blob it names in place.
+
+Restore reads the manifest, checks it against the engine (model and projector fingerprints,
+llama.cpp build, per-slot context, KV layout, memory class) and reads and checksums every
+blob *before* touching the engine; any mismatch raises :class:`~nbkv.core.errors.RestoreError`
+naming what differs, and the engine stays as it was. The states are then loaded on the
+scheduler thread (no request interleaves), each slot is verified, and on any failure the
+slots are put back as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from nbkv.core.errors import NbkvError, RestoreError, SaveError
+from nbkv.core.events import SlotsChanged
+from nbkv.kv.slot_kv import KVSnapshot
+from nbkv.kv.slot_table import SlotState
+from nbkv.kv.spc import SavedPrompt
+from nbkv.media.images import Image, image_hash, load_image
+from nbkv.media.units import MediaUnit
+from nbkv.store.blobstore import (
+    BLOBS,
+    Blobs,
+    Reader,
+    decode_units,
+    encode_units,
+    fsync_dir,
+    manifest_text,
+    segment_from_json,
+    segment_json,
+    sweep,
+    write_blobs,
+    write_file,
+)
+from nbkv.store.parked import ParkedEntry
+from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    compare,
+    compatible,
+    default_path,
+    describe_engine,
+    offer,
+    read_manifest,
+    restream,
+    uses_media,
+)
+
+if TYPE_CHECKING:
+    from nbkv.engine.facade import Engine
+    from nbkv.notebook.sessions import SessionStore
+
+log = logging.getLogger("nbkv")
+
+_IMAGE_TAG = "$nbkv_image"
+
+
+# -- reports ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotSave:
+    """One slot as saved or restored."""
+
+    index: int  # in the engine (restore: the slot it went into)
+    session: str | None
+    tokens: int
+    nbytes: int  # its state plus its checkpoints
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What a save wrote."""
+
+    path: Path
+    slots: tuple[SlotSave, ...]
+    busy: tuple[int, ...]  # slots serving a request, not saved
+    spc_entries: int
+    embeddings: int
+    sessions: tuple[str, ...]
+    nbytes: int  # bytes the manifest names (shared blobs counted once)
+    written: int  # bytes actually written (blobs already on disk are kept)
+    seconds: float
+    created: float
+
+    def __str__(self) -> str:
+        per = ", ".join(f"slot {s.index} ({s.session or '-'}): {s.tokens} tokens, "
+                        f"{_mb(s.nbytes)}" for s in self.slots) or "no slot in use"
+        busy = f"; busy, not saved: {list(self.busy)}" if self.busy else ""
+        return (f"saved {len(self.slots)} slot(s) to {self.path} in {self.seconds:.2f} s, "
+                f"{_mb(self.nbytes)} ({per}; {self.spc_entries} system prompt(s), "
+                f"{self.embeddings} image embedding(s), sessions: "
+                f"{', '.join(self.sessions) or 'none'}){busy}")
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a restore loaded, and what did not fit."""
+
+    path: Path
+    slots: tuple[SlotSave, ...]
+    dropped: tuple[str, ...]  # sessions whose slot did not fit (fewer slots than saved)
+    spc_entries: int
+    embeddings: int
+    sessions: tuple[str, ...]
+    nbytes: int
+    seconds: float
+    saved_at: float
+    parked: tuple[str, ...] = ()  # conversations parked: saved parked, or without a slot
+
+    def __str__(self) -> str:
+        per = ", ".join(f"slot {s.index} ({s.session or '-'}): {s.tokens} tokens"
+                        for s in self.slots) or "no slot"
+        drop = (f"; not enough slots, dropped the least recently used: "
+                f"{', '.join(self.dropped)}" if self.dropped else "")
+        drop += (f"; parked: {', '.join(self.parked)}" if self.parked else "")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.saved_at))
+        return (f"restored the save of {when} from {self.path} in {self.seconds:.2f} s: "
+                f"{per}; {self.spc_entries} system prompt(s), {self.embeddings} image "
+                f"embedding(s), sessions: {', '.join(self.sessions) or 'none'}{drop}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# -- what describes an engine ----------------------------------------------------------------
+
+
+def _require_local(engine: Any, what: str) -> None:
+    """Only an engine with the state API (:meth:`nbkv.Engine.export_state`) saves here."""
+    if not hasattr(engine, "export_state"):
+        err = SaveError if what == "save" else RestoreError
+        raise err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
+                  "nbkv.Engine or a llama-server engine can save and restore its slots; an "
+                  "OpenAI-compatible server keeps its cache to itself")
+
+
+def kernel_sessions(sessions: Any) -> Any:
+    """``sessions``, or by default the kernel's store when nbkv's sessions are in use.
+
+    Looked up, not imported: the session store sits above persistence (it loads engines).
+    """
+    if sessions is not None:
+        return sessions
+    mod = sys.modules.get("nbkv.notebook.sessions")
+    return mod.STORE if mod is not None else ()
+
+
+def check_session_state(sessions: Any, name: str, state: Any) -> None:
+    """Raise :class:`RestoreError` if ``state`` would not load into a session called ``name``."""
+    check = getattr(sessions, "check_state", None)
+    if check is None:
+        return
+    try:
+        check(name, state)
+    except ValueError as e:
+        raise RestoreError(str(e)) from e
+    except (KeyError, TypeError) as e:
+        raise RestoreError(f"a saved session is malformed: {e}") from e
+
+
+# -- encoding --------------------------------------------------------------------------------
+
+
+def _jsonable(value: Any, blobs: Blobs, where: str) -> Any:
+    """A message value as JSON; pictures (PIL, arrays, bytes, Image) become image blobs."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise SaveError(f"{where}: a message has non-string keys")
+        return {k: _jsonable(v, blobs, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, blobs, f"{where}[{i}]") for i, v in enumerate(value)]
+    try:
+        img = load_image(value)
+    except NbkvError as e:
+        raise SaveError(f"{where}: a {type(value).__name__} in a message cannot be saved "
+                        f"({e})") from e
+    return {_IMAGE_TAG: {"blob": blobs.add(img.data), "width": img.width,
+                         "height": img.height, "hash": img.hash}}
+
+
+def _unjson(value: Any, read: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_IMAGE_TAG}:
+            d = value[_IMAGE_TAG]
+            try:
+                data = bytes(read(d["blob"]))
+                w, h, hsh = int(d["width"]), int(d["height"]), str(d["hash"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise RestoreError(f"malformed image in a session: {d!r}") from e
+            if len(data) != w * h * 3 or image_hash(w, h, data) != hsh:
+                raise RestoreError(f"a session's picture {hsh[:12]} does not match its pixels")
+            return Image(w, h, data, hsh, "restored")
+        return {k: _unjson(v, read) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unjson(v, read) for v in value]
+    return value
+
+
+# -- capture (scheduler thread) --------------------------------------------------------------
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+def save(engine: Engine, path: str | os.PathLike | None = None,
+         sessions: SessionStore | None = None, *, only_if_idle: bool = False) -> SaveReport:
+    """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
+
+    Saved: each idle slot's state (and checkpoints), the system-prompt cache, the image
+    embeddings the slots use, and the message histories of ``sessions`` (default: the
+    kernel's store). Raises :class:`SaveError` when the directory cannot be written; the
+    previous save there is then untouched.
+    """
+    _require_local(engine, "save")
+    store = kernel_sessions(sessions)
+    root = Path(path).expanduser() if path is not None else default_path()
+    t0 = time.perf_counter()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / BLOBS).mkdir(exist_ok=True)
+    except OSError as e:
+        raise SaveError(f"cannot create the save directory {root}: {e}") from e
+    if not os.access(root, os.W_OK) or not os.access(root / BLOBS, os.W_OK):
+        raise SaveError(f"the save directory {root} is not writable")
+    cap = engine.export_state(only_if_idle)
+    blobs = Blobs()
+    slots_json, reports = [], []
+    media: set[str] = set()
+    for s in cap.slots:
+        kv = s.kv
+        cps = [{"pos": c.pos, "blob": blobs.add(c.data)} for c in kv.checkpoints.items]
+        media.update(u.key.image_hash for u in kv.tokens if isinstance(u, MediaUnit))
+        slots_json.append({
+            "index": s.index, "session": s.session, "tokens": encode_units(kv.tokens),
+            "n_tokens": len(kv.tokens), "settled": kv.settled,
+            "exact_len": kv.exact_len, "hashes": list(s.hashes),
+            "msg_ends": list(s.msg_ends), "last_used": s.last_used,
+            "state": blobs.add(kv.state), "checkpoints": cps,
+            "segments": [segment_json(g) for g in s.segments], "nbytes": kv.nbytes,
+        })
+        reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
+    parked_json = engine.parking.export(blobs) if engine.parking is not None else []
+    for e in parked_json:
+        media.update(u["image"] for u in e["tokens"] if isinstance(u, dict))
+    spc_json = []
+    for key, entry in cap.spc:
+        media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
+        spc_json.append({"key": key, "tokens": encode_units(entry.tokens),
+                         "state": blobs.add(entry.state)})
+    emb_json = []
+    proj = engine.projector
+    if proj is not None:
+        for h in sorted(media):
+            emb = proj.cache.peek(proj.cache_key(h))
+            if emb is None:
+                continue  # evicted: the slot's KV holds the image; a rebuild re-encodes it
+            arrays = []
+            for a in emb.arrays:
+                a = np.ascontiguousarray(a, dtype=np.float32)
+                arrays.append({"blob": blobs.add(a.tobytes()), "shape": list(a.shape),
+                               "dtype": "float32"})
+            emb_json.append({"image": h, "arrays": arrays})
+    sess_json = [_jsonable(s.state_dict(), blobs, f"session {s.name}") for s in store]
+    created = time.time()
+    body = {
+        "format": FORMAT, "version": VERSION, "created": created,
+        "engine": describe_engine(engine),
+        "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
+        "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
+        "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
+        "parked": parked_json,
+        "blobs": blobs.table(),
+    }
+    with _locked(root, exclusive=True):
+        written = _write(root, body, blobs)
+    rep = SaveReport(root, tuple(reports), tuple(cap.busy), len(spc_json), len(emb_json),
+                     tuple(s["name"] for s in sess_json),
+                     sum(len(mv) for mv in blobs.data.values()), written,
+                     time.perf_counter() - t0, created)
+    engine.last_save = rep
+    log.info("%s", rep)
+    return rep
+
+
+@contextlib.contextmanager
+def _locked(root: Path, exclusive: bool) -> Any:
+    """Hold ``root``'s lock file: one writer, or readers, at a time (across processes too).
+
+    Without it, a save's clean-up could delete blobs that another save's new manifest (or a
+    restore reading the old one) still needs.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock between processes
+        yield
+        return
+    try:
+        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only save can still be restored
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write(root: Path, body: dict[str, Any], blobs: Blobs) -> int:
+    try:
+        written = write_blobs(root, blobs)
+        written += write_file(root / MANIFEST, [manifest_text(body).encode()])
+        fsync_dir(root)
+    except OSError as e:
+        raise SaveError(f"could not write the save to {root}: {e} (the previous save there, "
+                        "if any, is intact)") from e
+    # only now may blobs the new manifest does not name go: no manifest names them any more
+    sweep(root, set(blobs.data))
+    return written
+
+
+# -- restore ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    slots: list[SlotState] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    spc: list[tuple[str, SavedPrompt]] = field(default_factory=list)
+    embeddings: list[tuple[str, list[np.ndarray]]] = field(default_factory=list)
+    sessions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # state_dict()s
+    parked: list[ParkedEntry] = field(default_factory=list)  # for the engine's parking lot
+    nbytes: int = 0
+
+
+def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _Plan:
+    """Read and check every blob and record of a save; touches nothing in the engine."""
+    table = body.get("blobs")
+    if not isinstance(table, dict):
+        raise RestoreError("the manifest has no blob table")
+    plan = _Plan()
+    read = Reader(root, table)
+
+    n_vocab = engine.model.n_vocab
+    n_saved = body.get("n_slots")
+
+    def state(name: Any) -> Any:
+        buf = read(name)
+        if n_saved == engine.n_slots:
+            return buf
+        data = restream(bytes(buf), int(n_saved), engine.n_slots)
+        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+
+    try:
+        saved = sorted(body.get("slots", []), key=lambda s: -int(s["last_used"]))
+        lot = engine.parking
+        for i, s in enumerate(saved):
+            if i >= engine.n_slots and lot is None:
+                plan.dropped.append(s.get("session") or f"slot {s['index']}")
+                continue
+            tokens = decode_units(s["tokens"], n_vocab)
+            n = len(tokens)
+            ends, hashes = [int(e) for e in s["msg_ends"]], [str(h) for h in s["hashes"]]
+            settled = int(s["settled"])
+            exact_len = int(s.get("exact_len", n))  # saves before nbkv 0.1 rewrote all
+            if n != s["n_tokens"] or n > engine.n_ctx or not 0 <= settled <= exact_len <= n \
+                    or len(ends) != len(hashes) or any(not 0 < e <= n for e in ends):
+                raise RestoreError(f"slot {s['index']}: inconsistent record in the manifest")
+            cps = []
+            for c in s["checkpoints"]:
+                pos = int(c["pos"])
+                if not 0 < pos <= n:
+                    raise RestoreError(f"slot {s['index']}: checkpoint at {pos} is outside it")
+                cps.append((pos, read(c["blob"])))
+            segments = tuple(segment_from_json(g) for g in s["segments"])
+            if i >= engine.n_slots:  # more slots saved than there are: park the rest
+                plan.parked.append(ParkedEntry(
+                    s["session"], tokens, hashes, ends, state(s["state"]), cps, segments,
+                    settled, exact_len, None, int(s["last_used"])))
+                continue
+            plan.slots.append(SlotState(
+                int(s["index"]), s["session"], tuple(hashes), tuple(ends), segments,
+                int(s["last_used"]), None,
+                KVSnapshot.of(state(s["state"]), tokens, settled, exact_len, cps)))
+        if lot is not None:
+            plan.parked[:0] = lot.decode(body.get("parked", []), read, state)
+        for e in body.get("spc", []):
+            plan.spc.append((str(e["key"]), SavedPrompt(
+                state(e["state"]), tuple(decode_units(e["tokens"], n_vocab)))))
+        for e in body.get("embeddings", []):
+            arrays = []
+            for a in e["arrays"]:
+                shape = tuple(int(x) for x in a["shape"])
+                if a.get("dtype") != "float32" or len(shape) != 2:
+                    raise RestoreError(f"image {e['image'][:12]}: unsupported embedding array")
+                buf = read(a["blob"])
+                if ctypes.sizeof(buf) != 4 * shape[0] * shape[1]:
+                    raise RestoreError(f"image {e['image'][:12]}: embedding size mismatch")
+                arr = np.frombuffer(buf, dtype=np.float32).reshape(shape).copy()
+                arr.setflags(write=False)
+                arrays.append(arr)
+            plan.embeddings.append((str(e["image"]), arrays))
+        for s in body.get("sessions", []):
+            state = _unjson(s, read)
+            # checked on a scratch session: the store changes only once all is read
+            check_session_state(sessions, str(s["name"]), state)
+            plan.sessions.append((str(s["name"]), state))
+    except RestoreError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise RestoreError(f"malformed manifest in {root}: {type(e).__name__}: {e}") from e
+    plan.nbytes = read.nbytes
+    return plan
+
+
+def restore(engine: Engine, path: str | os.PathLike | None = None,
+            sessions: SessionStore | None = None) -> RestoreReport:
+    """Replace ``engine``'s slots and caches with the save at ``path``.
+
+    The saved sessions' messages go back into ``sessions`` (default: the kernel's store).
+    Everything is checked before the engine is touched; on any mismatch or corruption
+    :class:`RestoreError` says what, and the engine and sessions are unchanged.
+    """
+    _require_local(engine, "restore")
+    store = kernel_sessions(sessions)
+    t0 = time.perf_counter()
+    root = Path(path).expanduser() if path is not None else default_path()
+    with _locked(root, exclusive=False) if root.is_dir() else contextlib.nullcontext():
+        root, body = read_manifest(root)
+        diffs = compare(engine, body)
+        if diffs:
+            raise RestoreError(f"the save at {root} does not fit this engine: "
+                               + "; ".join(diffs))
+        plan = _load(engine, root, body, store)
+    if uses_media(body) and engine.projector is None:
+        raise RestoreError("the save holds images: load the engine with its vision projector")
+    where = _placement(plan.slots, engine.n_slots)
+    engine.import_state(list(zip(where, plan.slots)), plan.spc)
+    if engine.parking is not None:
+        engine.parking.import_(sorted(plan.parked, key=lambda e: e.last_used))
+    placed = sorted((SlotSave(i, st.session, len(st.kv.tokens), st.kv.nbytes)
+                     for i, st in zip(where, plan.slots)), key=lambda p: p.index)
+    proj = engine.projector
+    if proj is not None:
+        from nbkv.media.embeddings import ImageEmbedding
+
+        for h, arrays in plan.embeddings:
+            proj.cache.put(proj.cache_key(h), ImageEmbedding(h, proj.identity, tuple(arrays)))
+    for name, state in plan.sessions:
+        store.get(name).load_state(state)  # turns with their cells and states
+    rep = RestoreReport(root, tuple(placed), tuple(plan.dropped), len(plan.spc),
+                        len(plan.embeddings), tuple(n for n, _ in plan.sessions), plan.nbytes,
+                        time.perf_counter() - t0, float(body.get("created", 0.0)),
+                        tuple(e.session or "-" for e in plan.parked))
+    engine.last_restore = rep
+    engine.events.publish(SlotsChanged("restored"))
+    log.info("%s", rep)
+    return rep
+
+
+def _placement(slots: list[SlotState], n: int) -> list[int]:
+    """The engine slot of each saved slot: its old index when free, else the first free."""
+    out: list[int | None] = [None] * len(slots)
+    used: set[int] = set()
+    for j, rec in enumerate(slots):
+        if rec.index < n and rec.index not in used:
+            out[j] = rec.index
+            used.add(rec.index)
+    free = iter(i for i in range(n) if i not in used)
+    return [o if o is not None else next(free) for o in out]

@@ -1,0 +1,172 @@
+"""Reading a save's manifest and checking it against an engine before anything changes.
+
+:func:`read_manifest` checks the manifest's own checksum and format; :func:`compare` names
+every fact of the engine that differs from the save's (model, projector, build, ``n_ctx``,
+KV layout, memory class); :func:`restream` converts whole-sequence states between engines
+with different numbers of slots; :func:`offer` says after a load whether a save fits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nbkv.core.errors import RestoreError
+from nbkv.store.blobstore import (
+    body_checksum,
+)
+
+if TYPE_CHECKING:
+    from nbkv.engine.facade import Engine
+
+log = logging.getLogger("nbkv")
+
+FORMAT = "nbkv-kvcache"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+# -- paths -----------------------------------------------------------------------------------
+
+
+def default_path(notebook: str | None = None) -> Path:
+    """Where saves go by default: one directory per notebook under the user's cache dir.
+
+    ``notebook`` is the notebook's path (Jupyter tells kernels in ``$JPY_SESSION_NAME``);
+    without one, a directory called ``default``.
+    """
+    import platformdirs
+
+    base = Path(os.environ.get("NBKV_SAVE_DIR") or
+                Path(platformdirs.user_cache_dir("nbkv")) / "saves")
+    nb = notebook or os.environ.get("JPY_SESSION_NAME")
+    if not nb:
+        return base / "default"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(nb).stem)[:60] or "notebook"
+    digest = hashlib.sha256(str(Path(nb).expanduser().absolute()).encode()).hexdigest()[:10]
+    return base / f"{stem}-{digest}"
+
+
+def describe_engine(engine: Engine) -> dict[str, Any]:
+    """The facts a saved state depends on (compared field by field on restore)."""
+    return engine.identity()
+
+
+
+
+
+def read_manifest(path: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
+    """The checked manifest of the save at ``path``: ``(directory, body)``."""
+    root = Path(path).expanduser() if path is not None else default_path()
+    f = root / MANIFEST
+    if not f.is_file():
+        raise RestoreError(f"no save at {root} (no {MANIFEST})")
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RestoreError(f"the manifest {f} is unreadable (truncated or corrupt: {e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
+        raise RestoreError(f"{f} is not an nbkv save manifest")
+    body = doc["body"]
+    if body.get("format") != FORMAT:
+        raise RestoreError(f"{f} is not an nbkv save manifest (format {body.get('format')!r})")
+    version = body.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise RestoreError(f"the save at {root} has format version {version!r}, newer than this "
+                           f"nbkv reads ({VERSION}): upgrade nbkv to restore it")
+    if body_checksum(body) != doc.get("checksum"):
+        raise RestoreError(f"the manifest {f} fails its checksum (corrupt or edited)")
+    return root, body
+
+
+def compare(engine: Engine, body: dict[str, Any]) -> list[str]:
+    """What differs between the engine and a save's manifest (empty: compatible)."""
+    mine, theirs = describe_engine(engine), body.get("engine") or {}
+    diffs = []
+    labels = {"model": "model", "projector": "vision projector",
+              "llama_cpp_python": "llama-cpp-python (llama.cpp build)",
+              "n_ctx": "tokens per slot (n_ctx)", "memory": "memory class", "kv": "KV layout"}
+    for k, label in labels.items():
+        a, b = theirs.get(k), mine.get(k)
+        if k in ("model", "projector"):
+            a = a and a.get("fingerprint")
+            b = b and b.get("fingerprint")
+        if a != b:
+            if k == "projector" and a is None and not uses_media(body):
+                continue  # a text-only save restores into a vision engine
+            was = (theirs.get(k) or {}).get("name", a) if k in ("model", "projector") else a
+            now = (mine.get(k) or {}).get("name", b) if k in ("model", "projector") else b
+            diffs.append(f"{label}: saved with {was}, this engine has {now}")
+    n_saved = body.get("n_slots")
+    if n_saved != engine.n_slots and engine.memory.kind != "plain":
+        diffs.append(f"slots: saved with {n_saved}, this engine has {engine.n_slots} (only "
+                     "plain-attention saves restore into another number of slots)")
+    return diffs
+
+
+def uses_media(body: dict[str, Any]) -> bool:
+    """True when a saved slot, system prompt or parked conversation holds an image."""
+    return any(isinstance(t, dict) for s in (*body.get("slots", []), *body.get("spc", []),
+                                             *body.get("parked", []))
+               for t in s.get("tokens", []))
+
+
+def compatible(engine: Engine, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The manifest of a save at ``path`` that ``engine`` can restore, else None (no raise)."""
+    try:
+        _, body = read_manifest(path)
+    except RestoreError:
+        return None
+    return None if compare(engine, body) else body
+
+
+_STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")
+
+
+def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
+    """A plain-attention sequence state re-addressed from ``n_saved`` KV streams to ``n_now``.
+
+    With ``kv_unified=False`` every slot has its own KV stream, and llama.cpp writes a
+    sequence's state as the stream count followed by one section per stream, all empty (a
+    zero cell count) but the sequence's own; it refuses a state whose stream count differs
+    from the context's. On plain memory the state is just that, so the one non-empty section
+    is kept and the empty ones are rewritten for the new count (a reader loads the non-empty
+    section into the target sequence's stream, wherever it sits).
+    """
+    u32 = 4
+    # llama.cpp's header: a magic number and the sequence it was read from (ignored on load)
+    pre = 2 * u32 if state[:u32] == _STATE_MAGIC else 0
+    body = state[pre:]
+    n = int.from_bytes(body[:u32], "little")
+    stream = 0  # the first non-empty section is the sequence's
+    while stream < n_saved and len(body) >= u32 * (stream + 2) \
+            and not any(body[u32 * (stream + 1):u32 * (stream + 2)]):
+        stream += 1
+    head = u32 * (1 + stream)
+    tail = u32 * (n_saved - stream - 1)
+    if n != n_saved or stream >= n_saved or len(body) < head + u32 + tail \
+            or (tail and any(body[-tail:])):
+        raise RestoreError("a saved state does not have the layout of one KV stream per slot")
+    section = body[head:len(body) - tail]
+    zero = bytes(u32)
+    return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
+
+
+def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
+    """A line offering the save at ``path`` if ``engine`` can restore it, else None."""
+    body = compatible(engine, path)
+    if body is None:
+        return None
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(body["created"])))
+        sessions = ", ".join(str(s["name"]) for s in body["sessions"]) or "no session"
+        n = len(body["slots"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (f"a save of this notebook from {when} fits this engine ({n} slot(s); "
+            f"{sessions}): %kvcache restore brings it back (or %kvcache load --restore)")

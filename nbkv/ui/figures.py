@@ -1,0 +1,174 @@
+"""What a request did, in plain words: the figures line under a reply, and ``explain``.
+
+Every phrase comes from :mod:`nbkv.ui.vocabulary` (keyed by :mod:`nbkv.kv.reasons`' codes), as
+on the other surfaces; colours from :mod:`nbkv.ui.palette`.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nbkv.kv.reasons import CONTINUED
+from nbkv.ui import vocabulary as vocab
+from nbkv.ui.display import swatch
+from nbkv.ui.palette import (
+    COLORS,
+    FAINT,
+    INK,
+    NEUTRAL,
+    PAPER,
+    PREFILLED_TINT,
+    RULE,
+    TEXT,
+    TRACK,
+    TRIMMED_TINT,
+)
+
+if TYPE_CHECKING:
+    from nbkv.core.events import RequestRecord
+    from nbkv.kv.reasons import Explanation
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a request did, in plain words, shown under its reply.
+
+    One line: where it went and what it reused, read, and cost. When the reuse is less than
+    continuing the conversation would give, a second line says why (the record's reason).
+    In HTML every field explains itself in a tooltip, and a bar shows reused (green) against
+    newly read (orange) prompt tokens.
+    """
+
+    record: RequestRecord
+
+    def text(self) -> str:
+        """The figures line, and the reason line when there is one to give."""
+        why = self.why()
+        return self.record.summary() + (f"\n  why: {why}" if why else "")
+
+    def why(self) -> str:
+        """The reason in plain words, unless the request simply continued its conversation."""
+        r = self.record
+        return r.reason_text if r.reason and r.reason != CONTINUED else ""
+
+    def _repr_html_(self) -> str:
+        r = self.record
+        total = max(r.prompt_tokens, 1)
+        bar = "".join(
+            f'<span style="display:inline-block;height:8px;width:{80 * n / total:.1f}px;'
+            f'background:{COLORS[k]}"></span>'
+            for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n
+        )
+        # each field stays whole (nowrap); a long line wraps only at the separators
+        fields = " · ".join(
+            f'<span class="nbkv-field" title="{html.escape(tip)}" '
+            f'style="cursor:help;white-space:nowrap">{html.escape(text)}</span>'
+            for text, tip in r.actions())
+        why = self.why()
+        reused, read = vocab.STATES["reused"].words, vocab.STATES["prefilled"].words
+        # the bar on the left, the fields and the why line in a column beside it
+        return (f'<div class="nbkv-figures" style="font:12px monospace;color:{NEUTRAL};'
+                f'display:flex;align-items:flex-start">'
+                f'<span title="prompt tokens: {reused} (green), {read} (orange)" '
+                f'style="flex:none;display:inline-block;width:80px;background:{TRACK};'
+                f'margin:4px 6px 0 0;line-height:0">{bar}</span><div style="min-width:0">'
+                f"{fields}"
+                + (f'<div class="nbkv-why">why: {html.escape(why)}</div>' if why else "")
+                + "</div></div>")
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+
+#: ``%kvcache explain`` highlights: the cached side's tail is trimmed (hatched red, struck
+#: through), the new side's is read new (solid yellow-orange): never alike (test_vocabulary)
+EXPLAIN_TRIMMED = (f"background:repeating-linear-gradient(135deg,{TRIMMED_TINT} 0 5px,{PAPER} 5px "
+                   f"7px);text-decoration:line-through {COLORS['trimmed']};")
+EXPLAIN_READ = f"background:{PREFILLED_TINT};"
+
+
+@dataclass(frozen=True)
+class ExplainReport:
+    """``%kvcache explain``: a request's reason and both renderings, side by side.
+
+    The cached and the new rendering are split where they part: the shared part greyed, the
+    differing parts highlighted.
+    """
+
+    explanation: Explanation
+    width: int = 600  # characters shown on each side of the divergence
+
+    def _parts(self) -> tuple[str, str, str, str]:
+        x, w = self.explanation, self.width
+        clip = lambda s: ("…" + s[-w:]) if len(s) > w else s  # noqa: E731
+        cut = lambda s: (s[:w] + "…") if len(s) > w else s  # noqa: E731
+        return clip(x.cached_head), cut(x.cached_tail), clip(x.new_head), cut(x.new_tail)
+
+    def header(self) -> list[str]:
+        """The reason, the figures, and where the prompt diverged, one line each."""
+        r = self.explanation.record
+        lines = [f"request #{r.id} ({r.session or 'no session'}): {vocab.reason_line(r)}",
+                 f"reused {r.reused_tokens} of {r.prompt_tokens} prompt tokens, read "
+                 f"{r.prefilled_tokens} new"]
+        if vocab.took(r):
+            lines.append(vocab.took(r))
+        if r.divergence is not None:
+            d = r.divergence
+            lines.append(f"the prompt left the cached conversation in message {d.message} "
+                         f"({d.role}) at token {d.position}")
+        return lines
+
+    def text(self) -> str:
+        """Plain text for terminals: both renderings, the divergence marked with ⟦ ⟧."""
+        ch, ct, nh, nt = self._parts()
+        return "\n".join([*self.header(), "", f"cached: {ch}⟦{ct}⟧", "",
+                          f"new:    {nh}⟦{nt}⟧"])
+
+    def _repr_html_(self) -> str:
+        ch, ct, nh, nt = self._parts()
+        esc = html.escape
+        cell = ("vertical-align:top;width:50%;padding:4px 8px;white-space:pre-wrap;text-align:left;"
+                f"font:11px monospace;border:1px solid {RULE}")
+
+        def side(head: str, tail: str, style: str, label: str) -> str:
+            return (f'<td style="{cell}"><b>{label}</b><br><span style="color:{FAINT}">'
+                    f'{esc(head)}</span><span class="nbkv-divergence" title="'
+                    f'{esc(vocab.MARKS["divergence"].words)}" '
+                    f'style="border-left:3px solid {INK};margin:0 1px"></span>'
+                    f'<span style="{style}">{esc(tail)}</span></td>')
+
+        trimmed, read = vocab.STATES["trimmed"], vocab.STATES["prefilled"]
+        key = (swatch(TRIMMED_TINT, trimmed, EXPLAIN_TRIMMED)
+               + swatch(PREFILLED_TINT, read, EXPLAIN_READ)
+               + f'<span style="border-left:3px solid {INK};margin-right:4px"></span>'
+               + esc(vocab.MARKS["divergence"].words))
+        head = "".join(f"<div>{esc(line)}</div>" for line in self.header())
+        return (f'<div class="nbkv-explain" style="font:12px sans-serif">{head}'
+                f'<div style="font:11px sans-serif;color:{TEXT};margin-top:4px">{key}</div>'
+                f'<table style="border-collapse:collapse;width:100%;margin-top:6px"><tr>'
+                + side(ch, ct, EXPLAIN_TRIMMED, "cached (in the slot)")
+                + side(nh, nt, EXPLAIN_READ, "new prompt")
+                + "</tr></table></div>")
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+@dataclass(frozen=True)
+class TurnFigures(Figures):
+    """The figures line of a ``%%chat`` cell that re-ran a turn.
+
+    Its why line first says what the run did to the session's turns (``re-ran cell [3]:
+    replaced turn 2 of alice · ... · turn 3 is now stale``), then the request's own reason.
+    """
+
+    note: str = ""
+
+    def why(self) -> str:
+        """The turn note, then the reason (unless the request simply continued)."""
+        return " · ".join(x for x in (self.note, super().why()) if x)
