@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config, items):
     """
     import os
 
-    from nbkv.remote.connect.server import binary
+    from nbkv.remote.server import binary
 
     if binary() is None and not os.environ.get("NBKV_REQUIRE_SERVER"):
         skip = pytest.mark.skip(reason="05_remote_engine.ipynb needs llama-server: run "

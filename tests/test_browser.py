@@ -393,7 +393,7 @@ def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path
 
 
 def test_remote_engine_dashboard_renders_in_chromium(lab, tmp_path):
-    from nbkv.remote.connect.server import binary
+    from nbkv.remote.server import binary
 
     if binary() is None and not os.environ.get("NBKV_REQUIRE_SERVER"):
         pytest.skip("no llama-server binary: run `make llama-server`")

@@ -1,6 +1,6 @@
 """Prompt-lookup drafter: pure logic, no model."""
 
-from nbkv.engine.facade.drafts import NgramDrafter
+from nbkv.engine.drafts import NgramDrafter
 from nbkv.media.units import MediaKey, MediaUnit
 
 

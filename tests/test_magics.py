@@ -478,7 +478,7 @@ def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
     from types import SimpleNamespace
 
     from nbkv.core.events import Segment
-    from nbkv.engine.facade.facade import SlotInfo
+    from nbkv.engine.facade import SlotInfo
     from nbkv.kv.slot_kv import MemoryInfo
     from nbkv.ui.display import slots_table
 

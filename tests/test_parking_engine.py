@@ -22,7 +22,7 @@ import time
 import pytest
 from test_families import assert_kv_exact, model_for, user
 
-import nbkv.engine.facade.placement
+import nbkv.engine.placement
 from conftest import assert_consistent, picture, run_py
 from nbkv import Engine
 from nbkv.core.events import RequestStarted

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import QuietComm
 from nbkv.core.events import EventBus, RequestFinished, RequestRecord
-from nbkv.engine.facade.facade import SlotInfo
+from nbkv.engine.facade import SlotInfo
 from nbkv.store.parked import DISK, RAM, ParkedInfo
 from nbkv.ui import static, vocabulary
 from nbkv.ui.display import stats_table

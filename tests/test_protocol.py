@@ -5,8 +5,8 @@ import inspect
 import pytest
 
 from nbkv.core.protocol import EngineLike
-from nbkv.engine.facade.facade import Engine
-from nbkv.remote.connect.connect import LlamaServerEngine, OpenAIEngine
+from nbkv.engine.facade import Engine
+from nbkv.remote.connect import LlamaServerEngine, OpenAIEngine
 
 
 @pytest.mark.parametrize("cls", [Engine, LlamaServerEngine, OpenAIEngine])
@@ -30,7 +30,7 @@ def test_openai_messages_carry_images_as_png_data_urls():
     import numpy as np
     from PIL import Image
 
-    from nbkv.remote.connect.openai import _openai_message
+    from nbkv.remote.openai import _openai_message
 
     pixels = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
     msg = _openai_message({"role": "user", "content": [

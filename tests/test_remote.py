@@ -27,7 +27,7 @@ from nbkv.core.errors import (
     ServerUnsupportedError,
 )
 from nbkv.notebook.sessions import STORE, SessionStore
-from nbkv.remote.connect.server import LlamaServer, binary, free_port
+from nbkv.remote.server import LlamaServer, binary, free_port
 
 if binary() is None:
     if os.environ.get("NBKV_REQUIRE_SERVER"):

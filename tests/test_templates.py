@@ -7,7 +7,7 @@ import pytest
 from nbkv.core.errors import TemplateError
 from nbkv.core.messages import prefix_hashes
 from nbkv.prompt import templates
-from nbkv.prompt.builder.templates import CHATML, CLOCK_CHATML, ChatTemplate
+from nbkv.prompt.templates import CHATML, CLOCK_CHATML, ChatTemplate
 
 MSGS = [
     {"role": "system", "content": "S"},

@@ -1,6 +1,6 @@
 """UTF-8 reassembly and stop strings, without a model."""
 
-from nbkv.prompt.builder.textstream import TextStream
+from nbkv.prompt.textstream import TextStream
 
 
 def feed(stream, pieces):

@@ -29,7 +29,7 @@ from nbkv.core.events import (
     RequestStarted,
     SlotRewritten,
 )
-from nbkv.engine.facade.facade import SlotInfo
+from nbkv.engine.facade import SlotInfo
 from nbkv.fixtures import make_mmproj, make_text_model
 from nbkv.ui import vocabulary
 from nbkv.ui.palette import COLORS
