@@ -69,6 +69,10 @@ class ProjectorError(ModelLoadError):
     """
 
 
+class EngineBusy(NbkvError):
+    """An opportunistic export (autosave) found the engine serving or rewriting."""
+
+
 class SaveError(NbkvError, OSError):
     """A save could not be written (the directory is not writable, the disk is full...).
 

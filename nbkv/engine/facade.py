@@ -17,9 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
-from nbkv.core.config import DEFAULTS, EngineConfig, check_engine_args
+from nbkv.core.config import DEFAULTS, EngineConfig, HardwareOptions, check_engine_args
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
 from nbkv.core.events import EventBus, SlotsChanged
+from nbkv.core.requests import SamplingParams
 from nbkv.core.streams import ChatResult, ChatStream
 from nbkv.engine import state as engine_state
 from nbkv.engine import verify
@@ -34,8 +35,7 @@ from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable
 from nbkv.kv.spc import SavedPrompt, SystemPromptStore
-from nbkv.llama.hardware import HardwareOptions
-from nbkv.llama.sampling import SamplingParams
+from nbkv.llama.hardware import offload_warnings
 from nbkv.media.embeddings import EmbeddingCache
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt, PromptBuilder
@@ -75,7 +75,7 @@ class Engine(TemplatedAPI, ChatAPI):
             from the same prompt prefilled at once: ``exact=True`` refuses it. With quantized
             K and V the kernel is per-token and exactness holds.
         type_k, type_v: KV cache types: ``"f16"`` (default), ``"q8_0"`` (about half the
-            memory), ``"q4_0"``, ... (:data:`nbkv.llama.hardware.KV_TYPES`); a quantized V cache
+            memory), ``"q4_0"``, ... (:data:`nbkv.core.config.KV_TYPE_SIZES`); a quantized V cache
             needs ``flash_attn="on"``.
         n_gpu_layers: layers offloaded to a GPU: ``None`` (default) is all of them when the
             llama.cpp build has a GPU backend, else 0; with ``main_gpu``, ``split_mode``
@@ -180,7 +180,7 @@ class Engine(TemplatedAPI, ChatAPI):
                              tuple(tensor_split) if tensor_split else None, flash_attn,
                              type_k, type_v, use_mmap, use_mlock)
         hw.check_exact(exact)
-        for warning in hw.warnings:
+        for warning in offload_warnings(hw):
             log.warning("%s", warning)
             warnings.warn(warning, stacklevel=2)
         self.hardware = hw

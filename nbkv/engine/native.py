@@ -21,15 +21,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from nbkv.core.config import EngineConfig
+from nbkv.core.config import EngineConfig, HardwareOptions
 from nbkv.core.errors import NbkvError
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import MemoryInfo, probe_memory
 from nbkv.llama import memplan
-from nbkv.llama.backend import Batch, Context, Model, default_threads
+from nbkv.llama.backend import Batch, Context, Model, default_threads, llama_cpp_version
 from nbkv.llama.gguf_header import gguf_fingerprint, read_metadata
-from nbkv.llama.hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, kv_type_id
+from nbkv.llama.hardware import FLASH_ATTN, SPLIT_MODES, gpu_layers, kv_type_id
 from nbkv.llama.models import resolve_model_path
 from nbkv.prompt.templates import CHATML, ChatTemplate
 
@@ -75,7 +75,7 @@ class Resources:
               ) -> None:
         path = resolve_model_path(model_path)
         self.model = self._own(Model(
-            path, hw.gpu_layers, on_load_progress, main_gpu=hw.main_gpu,
+            path, gpu_layers(hw), on_load_progress, main_gpu=hw.main_gpu,
             split_mode=SPLIT_MODES[hw.split_mode], tensor_split=hw.tensor_split,
             use_mmap=hw.use_mmap, use_mlock=hw.use_mlock))
         source = template or self.model.chat_template or CHATML
@@ -160,15 +160,13 @@ class Resources:
     def identity(self, n_ctx: int, type_k: str, type_v: str, flash_attn: str
                  ) -> dict[str, Any]:
         """The facts a saved or parked state depends on (compared field by field)."""
-        import llama_cpp
-
         proj = self.projector
         return {
             "model": {"name": self.model.path.name,
                       "fingerprint": gguf_fingerprint(self.model.path)},
             "projector": None if proj is None else {"name": proj.path.name,
                                                     "fingerprint": proj.identity},
-            "llama_cpp_python": llama_cpp.__version__,
+            "llama_cpp_python": llama_cpp_version(),
             "n_ctx": n_ctx,
             "memory": self.memory.kind,
             "kv": {

@@ -8,32 +8,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nbkv.core.errors import NbkvError, RestoreError
+from nbkv.core.errors import EngineBusy, NbkvError, RestoreError
 from nbkv.engine.rewrite import settle_all, settling_slot
 from nbkv.kv.slot_kv import KVSnapshot
-from nbkv.kv.slot_table import SlotState
+from nbkv.kv.slot_table import EngineState, SlotState
 from nbkv.kv.spc import SavedPrompt
 
 if TYPE_CHECKING:
     from nbkv.engine.scheduler import EngineSlot, Scheduler
 
 log = logging.getLogger("nbkv")
-
-
-class EngineBusy(NbkvError):
-    """An opportunistic export (autosave) found the engine serving or rewriting."""
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """Every idle slot (``SlotState.kv`` a :class:`KVSnapshot`), busy slots, SPC entries."""
-
-    slots: tuple[SlotState, ...]
-    busy: tuple[int, ...]
-    spc: tuple[tuple[str, SavedPrompt], ...]
 
 
 def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:

@@ -12,12 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nbkv.core.codes import HASH_EXTEND, HASH_HIT, MISS, PREFIX_SALVAGE, common_prefix
+
 log = logging.getLogger("nbkv.kv.policy")
 
-HASH_HIT = "hash-hit"
-HASH_EXTEND = "hash-extend"
-PREFIX_SALVAGE = "prefix-salvage"
-MISS = "miss"
+__all__ = ["HASH_EXTEND", "HASH_HIT", "MISS", "PREFIX_SALVAGE", "common_prefix"]
 
 
 class SlotLike(Protocol):
@@ -50,26 +49,6 @@ class Plan:
     evicted_tokens: int = 0
     common_prefix: dict[int, int] = field(default_factory=dict)  # slot -> shared tokens
     parked: str | None = None  # key of the parked conversation restored into ``slot`` first
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two sequences (C-speed slice compares).
-
-    The one such function: token lists, hash lists and strings (template renderings) alike.
-    """
-    if not (isinstance(a, (str, tuple)) and type(a) is type(b)):
-        a, b = tuple(a), tuple(b)
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def reuse_limit(n_tokens: int) -> int:

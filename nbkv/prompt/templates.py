@@ -16,8 +16,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from nbkv.core.codes import common_prefix
 from nbkv.core.errors import TemplateError
-from nbkv.kv.policy import common_prefix
 
 #: Used only when a model ships no template at all.
 CHATML = (

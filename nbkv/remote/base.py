@@ -19,10 +19,9 @@ from nbkv.core.events import (
     RequestRecord,
     SlotsChanged,
 )
+from nbkv.core.requests import Request, SamplingParams
 from nbkv.core.streams import ChatStream
-from nbkv.engine.jobs import Request
 from nbkv.kv import reasons
-from nbkv.llama.sampling import SamplingParams
 from nbkv.remote.http_client import EventStream, ServerClient
 
 log = logging.getLogger("nbkv.remote.connect")

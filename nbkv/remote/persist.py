@@ -16,8 +16,9 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nbkv.core.errors import RestoreError, SaveError, ServerError
 from nbkv.kv.slot_table import SlotState
@@ -32,8 +33,33 @@ from nbkv.store.persist import (
 )
 
 if TYPE_CHECKING:
-    from nbkv.notebook.sessions import SessionStore
-    from nbkv.remote.connect import LlamaServerEngine
+    from nbkv.store.protocols import SessionStoreLike
+
+
+class LlamaServerEngine(Protocol):
+    """What a save needs of a llama-server engine (:class:`nbkv.remote.LlamaServerEngine`)."""
+
+    url: str
+    model_path: str
+    build_info: str
+    n_ctx: int
+    n_slots: int
+    client: Any
+    events: Any
+    last_save: Any
+    last_restore: Any
+
+    def export_slots(self) -> tuple[tuple[int, ...], list[SlotState]]:
+        """The busy slots, and each idle slot's bookkeeping."""
+
+    def import_slots(self, states: Sequence[SlotState]) -> None:
+        """Replace the slots' bookkeeping."""
+
+    def busy_slots(self) -> list[int]:
+        """Slots serving a request now."""
+
+    def forget_slot(self, index: int, note: str) -> None:
+        """Forget what ``index`` holds (``note`` says why)."""
 
 FORMAT = "nbkv-remote-save"
 VERSION = 1
@@ -47,7 +73,7 @@ def _identity(engine: LlamaServerEngine) -> dict[str, Any]:
 
 
 def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
-         sessions: SessionStore | None = None) -> SaveReport:
+         sessions: SessionStoreLike | None = None) -> SaveReport:
     """Have the server save each idle slot, and write nbkv's table next to the notebook."""
     store = kernel_sessions(sessions)
     root = Path(path).expanduser() if path is not None else default_path()
@@ -102,7 +128,7 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
 
 
 def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
-            sessions: SessionStore | None = None) -> RestoreReport:
+            sessions: SessionStoreLike | None = None) -> RestoreReport:
     """Load a remote save back into the server's slots and nbkv's table (checked first)."""
     from nbkv.core.events import SlotsChanged
 

@@ -31,11 +31,10 @@ import ctypes
 import hashlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +60,7 @@ from nbkv.store.blobstore import (
     write_file,
 )
 from nbkv.store.parked import ParkedEntry
+from nbkv.store.protocols import Persistable, SessionStoreLike, default_sessions
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
     FORMAT,
     MANIFEST,
@@ -74,10 +74,6 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
     restream,
     uses_media,
 )
-
-if TYPE_CHECKING:
-    from nbkv.engine.facade import Engine
-    from nbkv.notebook.sessions import SessionStore
 
 log = logging.getLogger("nbkv")
 
@@ -168,12 +164,10 @@ def _require_local(engine: Any, what: str) -> None:
 def kernel_sessions(sessions: Any) -> Any:
     """``sessions``, or by default the kernel's store when nbkv's sessions are in use.
 
-    Looked up, not imported: the session store sits above persistence (it loads engines).
+    The session store sits above persistence (it loads engines): it registers itself
+    (:func:`nbkv.store.protocols.use_default_sessions`).
     """
-    if sessions is not None:
-        return sessions
-    mod = sys.modules.get("nbkv.notebook.sessions")
-    return mod.STORE if mod is not None else ()
+    return sessions if sessions is not None else default_sessions()
 
 
 def check_session_state(sessions: Any, name: str, state: Any) -> None:
@@ -235,8 +229,8 @@ def _unjson(value: Any, read: Any) -> Any:
 # -- save ------------------------------------------------------------------------------------
 
 
-def save(engine: Engine, path: str | os.PathLike | None = None,
-         sessions: SessionStore | None = None, *, only_if_idle: bool = False) -> SaveReport:
+def save(engine: Persistable, path: str | os.PathLike | None = None,
+         sessions: SessionStoreLike | None = None, *, only_if_idle: bool = False) -> SaveReport:
     """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
 
     Saved: each idle slot's state (and checkpoints), the system-prompt cache, the image
@@ -366,7 +360,7 @@ class _Plan:
     nbytes: int = 0
 
 
-def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _Plan:
+def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any) -> _Plan:
     """Read and check every blob and record of a save; touches nothing in the engine."""
     table = body.get("blobs")
     if not isinstance(table, dict):
@@ -446,8 +440,8 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
     return plan
 
 
-def restore(engine: Engine, path: str | os.PathLike | None = None,
-            sessions: SessionStore | None = None) -> RestoreReport:
+def restore(engine: Persistable, path: str | os.PathLike | None = None,
+            sessions: SessionStoreLike | None = None) -> RestoreReport:
     """Replace ``engine``'s slots and caches with the save at ``path``.
 
     The saved sessions' messages go back into ``sessions`` (default: the kernel's store).

@@ -23,7 +23,7 @@ from nbkv.store.blobstore import (
 )
 
 if TYPE_CHECKING:
-    from nbkv.engine.facade import Engine
+    from nbkv.store.protocols import Persistable
 
 log = logging.getLogger("nbkv")
 
@@ -52,7 +52,7 @@ def default_path(notebook: str | None = None) -> Path:
     return base / f"{stem}-{digest}"
 
 
-def describe_engine(engine: Engine) -> dict[str, Any]:
+def describe_engine(engine: Persistable) -> dict[str, Any]:
     """The facts a saved state depends on (compared field by field on restore)."""
     return engine.identity()
 
@@ -84,7 +84,7 @@ def read_manifest(path: str | os.PathLike | None = None) -> tuple[Path, dict[str
     return root, body
 
 
-def compare(engine: Engine, body: dict[str, Any]) -> list[str]:
+def compare(engine: Persistable, body: dict[str, Any]) -> list[str]:
     """What differs between the engine and a save's manifest (empty: compatible)."""
     mine, theirs = describe_engine(engine), body.get("engine") or {}
     diffs = []
@@ -116,7 +116,7 @@ def uses_media(body: dict[str, Any]) -> bool:
                for t in s.get("tokens", []))
 
 
-def compatible(engine: Engine, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+def compatible(engine: Persistable, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
     """The manifest of a save at ``path`` that ``engine`` can restore, else None (no raise)."""
     try:
         _, body = read_manifest(path)
@@ -157,7 +157,7 @@ def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
     return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
 
 
-def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
+def offer(engine: Persistable, path: str | os.PathLike | None = None) -> str | None:
     """A line offering the save at ``path`` if ``engine`` can restore it, else None."""
     body = compatible(engine, path)
     if body is None:

@@ -452,6 +452,8 @@ def stats_table(engine: Engine) -> Table:
     # the parking rows when there is something to say (an engine that parks nothing: none)
     s = {k: size_text(v) if k.endswith("_bytes") and k in PARKING_STATS else v
          for k, v in s.items() if not (k in PARKING_STATS and not v)}
+    if isinstance(s.get("events"), dict):  # by reason code: in words
+        s["events"] = vocab.counts(s["events"])
     rows = tuple((labels.get(k, k), fmt(s[k])) for k in main if k in s)
     # "strategies" are how the policy found the slot: the events above say it in words
     hidden = {"advice", "thrashing", "returning_misses", "active_sessions", "strategies"}
