@@ -122,7 +122,7 @@ class TemplatedAPI:
         """The prompt text the template makes of ``messages``."""
         from nbkv.core.messages import normalize
 
-        return self.template.render(normalize(messages), add_generation_prompt)
+        return str(self.template.render(normalize(messages), add_generation_prompt))
 
     def tokenize_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The exact prompt tokens a request with ``messages`` feeds the model."""

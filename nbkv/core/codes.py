@@ -8,6 +8,7 @@ Also :func:`common_prefix`, the one longest-common-prefix function every layer m
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 # how the policy found the slot (``record.strategy``)
 HASH_HIT = "hash-hit"
@@ -47,7 +48,7 @@ def tier_words(tier: str) -> str:
     return TIERS.get(tier, tier)
 
 
-def common_prefix(a: Sequence, b: Sequence) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the longest common prefix of two sequences (C-speed slice compares).
 
     The one such function: token lists, hash lists and strings (template renderings) alike.

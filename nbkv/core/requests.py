@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import RequestRecord
@@ -81,7 +82,7 @@ class Request:
         self.session = session
         self.params = params
         self.deadline = time.monotonic() + timeout
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.cancel = threading.Event()
         self.done = threading.Event()
         self.record: RequestRecord | None = None

@@ -29,7 +29,7 @@ def seconds(name: str, value: Any, optional: bool = False) -> Any:
     """``value`` if it is a number of seconds ``> 0`` (or None when ``optional``), else an error."""
     if value is None and optional:
         return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         none = " or None" if optional else ""
         raise InvalidRequestError(f"{name} must be a number of seconds > 0{none}, not "
                                   f"{value!r}")

@@ -20,15 +20,27 @@ __all__ = ["HASH_EXTEND", "HASH_HIT", "MISS", "PREFIX_SALVAGE", "common_prefix"]
 
 
 class SlotLike(Protocol):
-    """What the policy reads from a slot."""
+    """What the policy reads from a slot (read-only: snapshots are frozen)."""
 
-    index: int
-    tokens: Sequence[int]  # token ids held in KV positions 0..len-1
-    hashes: Sequence[str]  # cumulative hashes of the cached messages (see messages.prefix_hashes)
-    msg_ends: Sequence[int]  # tokens that must match for hashes[k] to count as verified
-    session: str | None
-    last_used: int  # logical clock, larger = more recent
-    pending: bool  # a request is building or generating in this slot
+    @property
+    def index(self) -> int: ...
+    @property
+    def tokens(self) -> Sequence[Any]:
+        """Token ids (or media units) held in KV positions 0..len-1."""
+    @property
+    def hashes(self) -> Sequence[str]:
+        """Cumulative hashes of the cached messages (see ``messages.prefix_hashes``)."""
+    @property
+    def msg_ends(self) -> Sequence[int]:
+        """Tokens that must match for ``hashes[k]`` to count as verified."""
+    @property
+    def session(self) -> str | None: ...
+    @property
+    def last_used(self) -> int:
+        """Logical clock, larger = more recent."""
+    @property
+    def pending(self) -> bool:
+        """A request is building or generating in this slot."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +171,7 @@ def _match(cands: Sequence[Any], shared: dict[Any, int], ident: Callable[[Any], 
 
     ``shared[ident(c)]`` is candidate ``c``'s common token prefix with the prompt.
     """
-    best: tuple | None = None
+    best: tuple[Any, ...] | None = None
     for c in cands:
         if not c.hashes:
             continue
@@ -186,7 +198,7 @@ def _match(cands: Sequence[Any], shared: dict[Any, int], ident: Callable[[Any], 
     return c, 0
 
 
-def _from_slots(free: Sequence[SlotLike], tokens: tuple, hashes: Sequence[str],
+def _from_slots(free: Sequence[SlotLike], tokens: tuple[Any, ...], hashes: Sequence[str],
                 session: str | None, min_tokens: int, limit: int, shared: dict[int, int]
                 ) -> Plan:
     """The best plan among the slots alone (:func:`select`'s steps 1 to 3)."""

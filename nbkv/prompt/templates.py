@@ -107,7 +107,7 @@ class ChatTemplate:
         only its new messages instead of every prefix again. A remembered rendering is used
         only if ``full`` still starts with it, so time-dependent templates stay correct.
         """
-        out = []
+        out: list[Any] = []
         for k in range(1, len(messages) + 1):
             n = None
             key = keys[k - 1] if keys is not None else None

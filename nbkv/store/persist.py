@@ -34,7 +34,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -267,8 +267,8 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
         })
         reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
     parked_json = engine.parking.export(blobs) if engine.parking is not None else []
-    for e in parked_json:
-        media.update(u["image"] for u in e["tokens"] if isinstance(u, dict))
+    for parked in parked_json:
+        media.update(u["image"] for u in parked["tokens"] if isinstance(u, dict))
     spc_json = []
     for key, entry in cap.spc:
         media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
@@ -375,7 +375,7 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any) 
         buf = read(name)
         if n_saved == engine.n_slots:
             return buf
-        data = restream(bytes(buf), int(n_saved), engine.n_slots)
+        data = restream(bytes(buf), int(cast(int, n_saved)), engine.n_slots)
         return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
     try:
@@ -428,10 +428,10 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any) 
                 arrays.append(arr)
             plan.embeddings.append((str(e["image"]), arrays))
         for s in body.get("sessions", []):
-            state = _unjson(s, read)
+            session_state: dict[str, Any] = _unjson(s, read)
             # checked on a scratch session: the store changes only once all is read
-            check_session_state(sessions, str(s["name"]), state)
-            plan.sessions.append((str(s["name"]), state))
+            check_session_state(sessions, str(s["name"]), session_state)
+            plan.sessions.append((str(s["name"]), session_state))
     except RestoreError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:

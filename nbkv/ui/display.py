@@ -486,7 +486,7 @@ def history_table(records: Sequence[RequestRecord], last: int = 20,
                     words)
 
     def took(r: RequestRecord) -> str:
-        return r.evicted_session if vocab.took(r) else ""
+        return (r.evicted_session or "") if vocab.took(r) else ""
 
     rows = tuple(
         (r.id, r.session or "-", *cell(r), event(r), r.slot, r.prompt_tokens,
