@@ -6,7 +6,7 @@ One place for each choice and its default, so ``%kvcache load``, ``%config Nbkv`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from nbkv.core import validate
@@ -21,21 +21,6 @@ FLASH_ATTN_MODES = ("auto", "on", "off")
 SPLIT_MODE_NAMES = ("none", "layer", "row")
 CACHE_MODES = ("imc", "spc", "off")  # whole conversations, system prompt only, nothing
 OVERFLOW_POLICIES = ("error", "slide")  # raise, or drop the oldest turns
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Cache settings of an engine (see :class:`~nbkv.Engine` for each one)."""
-
-    n_slots: int = 4
-    n_ctx: int = 4096
-    cache: str = "imc"
-    cache_min_tokens: int = 100
-    overflow: str = "error"
-
-    def __post_init__(self) -> None:
-        check_engine_args(n_slots=self.n_slots, n_ctx=self.n_ctx, cache=self.cache,
-                          cache_min_tokens=self.cache_min_tokens, overflow=self.overflow)
 
 
 def check_overflow(overflow: str) -> str:
@@ -161,4 +146,68 @@ class HardwareOptions:
         return "on" if quantized(self.type_k) and quantized(self.type_v) else "off"
 
 
-DEFAULTS = EngineConfig()
+CALIBRATIONS = ("cached", "fresh")  # the stored answer for this model and build, or anew
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Every setting of an engine, checked here, in one place, before a model is loaded.
+
+    :class:`nbkv.Engine` takes these as keyword arguments (its docstring says what each one
+    does); ``%kvcache load`` and ``%config Nbkv`` build the same object, so they cannot
+    disagree. ``n_slots``/``n_ctx`` ``None`` leave the size to the memory plan. An engine
+    keeps what it was asked for as ``engine.settings`` (two loads asking for equal settings
+    ask for the same engine).
+    """
+
+    model_path: str | None = None
+    n_slots: int | None = 4
+    n_ctx: int | None = 4096
+    cache: str = "imc"
+    cache_min_tokens: int = 100
+    overflow: str = "error"
+    n_batch: int = 256
+    n_threads: int | None = None
+    template: str | None = None
+    spc_max_entries: int = 4
+    history_size: int = 1000
+    wait_timeout: float = 300.0
+    exact: bool = True
+    speculative: bool = False
+    max_checkpoints: int = 8
+    mmproj: str | None = None
+    trust_projector: bool = False
+    check_memory: bool = True
+    calibration: str = "cached"
+    park_ram: int | None = None
+    park_dir: str | None = None
+    park_disk: int | None = None
+    hardware: HardwareOptions = field(default_factory=HardwareOptions)
+
+    def __post_init__(self) -> None:
+        check_engine_args(**{f.name: getattr(self, f.name) for f in fields(self)
+                             if f.name in WHOLE_ARGS or f.name in ("cache", "overflow",
+                                                                   "wait_timeout")})
+        if self.calibration not in CALIBRATIONS:
+            raise InvalidRequestError(
+                f"calibration must be 'cached' or 'fresh', not {self.calibration!r}")
+        self.hardware.check_exact(self.exact)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineSettings:
+        """From :class:`nbkv.Engine`'s keyword arguments (the hardware ones included)."""
+        hw = {k: kwargs.pop(k) for k in HARDWARE_ARGS if k in kwargs}
+        if hw.get("tensor_split") is not None:
+            hw["tensor_split"] = tuple(hw["tensor_split"])
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)} - {"hardware"})
+        if unknown:
+            raise InvalidRequestError(f"unknown engine setting(s) {unknown}")
+        return cls(**kwargs, hardware=HardwareOptions(**hw))
+
+    @property
+    def flash_attn(self) -> str:
+        """Flash attention as it will run (``auto`` made concrete for an exact engine)."""
+        return self.hardware.resolved_flash_attn(self.exact)
+
+
+DEFAULTS = EngineSettings()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
-from nbkv.core.config import DEFAULTS, EngineConfig, HardwareOptions, check_engine_args
+from nbkv.core.config import DEFAULTS, EngineSettings
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
 from nbkv.core.events import EventBus, SlotsChanged
 from nbkv.core.requests import SamplingParams
@@ -158,10 +158,6 @@ class Engine(TemplatedAPI, ChatAPI):
         park_dir: str | None = None,
         park_disk: int | None = None,
     ) -> None:
-        check_engine_args(n_slots=n_slots, n_ctx=n_ctx, cache_min_tokens=cache_min_tokens,
-                          n_batch=n_batch, n_threads=n_threads, spc_max_entries=spc_max_entries,
-                          max_checkpoints=max_checkpoints, wait_timeout=wait_timeout,
-                          history_size=history_size, park_ram=park_ram, park_disk=park_disk)
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
                 "the System Prompt Cache and the Incremental Message Cache are mutually "
@@ -169,34 +165,32 @@ class Engine(TemplatedAPI, ChatAPI):
             )
         if system_prompt_cache:
             cache = "spc"
-        if calibration not in ("cached", "fresh"):
-            raise InvalidRequestError(
-                f"calibration must be 'cached' or 'fresh', not {calibration!r}")
-        # validated now; a size left to the memory plan (None) is filled in after the load
-        config = EngineConfig(DEFAULTS.n_slots if n_slots is None else n_slots,
-                              DEFAULTS.n_ctx if n_ctx is None else n_ctx, cache,
-                              cache_min_tokens, overflow)
-        hw = HardwareOptions(n_gpu_layers, main_gpu, split_mode,
-                             tuple(tensor_split) if tensor_split else None, flash_attn,
-                             type_k, type_v, use_mmap, use_mlock)
-        hw.check_exact(exact)
+        # every setting checked at once, before anything loads (nbkv.core.config)
+        self.settings = settings = EngineSettings.from_kwargs(
+            model_path=model_path, n_slots=n_slots, n_ctx=n_ctx, cache=cache,
+            cache_min_tokens=cache_min_tokens, overflow=overflow, n_batch=n_batch,
+            n_threads=n_threads, template=template, spc_max_entries=spc_max_entries,
+            history_size=history_size, wait_timeout=wait_timeout, exact=exact,
+            speculative=speculative, max_checkpoints=max_checkpoints, mmproj=mmproj,
+            trust_projector=trust_projector, check_memory=check_memory,
+            calibration=calibration, park_ram=park_ram, park_dir=park_dir, park_disk=park_disk,
+            n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, split_mode=split_mode,
+            tensor_split=tensor_split, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+            use_mmap=use_mmap, use_mlock=use_mlock)
+        hw = settings.hardware
         for warning in offload_warnings(hw):
             log.warning("%s", warning)
             warnings.warn(warning, stacklevel=2)
         self.hardware = hw
-        self.flash_attn = hw.resolved_flash_attn(exact)
+        self.flash_attn = settings.flash_attn
         self.exact = exact
         self.cache = cache
         self.cache_min_tokens = cache_min_tokens
         self.overflow = overflow
         self.wait_timeout = wait_timeout
         self.spc_max_entries = spc_max_entries
-        self.res = res = Resources(
-            model_path, config, sized=(n_slots is not None, n_ctx is not None), hw=hw,
-            flash_attn=self.flash_attn, n_batch=n_batch, n_threads=n_threads,
-            template=template, check_memory=check_memory, calibration=calibration,
-            mmproj=mmproj, embedding_cache=embedding_cache, trust_projector=trust_projector,
-            on_load_progress=on_load_progress)
+        self.res = res = Resources(settings, embedding_cache=embedding_cache,
+                                   on_load_progress=on_load_progress)
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)

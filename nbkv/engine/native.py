@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from nbkv.core.config import EngineConfig, HardwareOptions
+from nbkv.core.config import DEFAULTS, EngineSettings, HardwareOptions
 from nbkv.core.errors import NbkvError
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
@@ -46,18 +46,19 @@ class Resources:
     rule: PrefillRule
     projector: Any = None
 
-    def __init__(self, model_path: str | None, config: EngineConfig, *, sized: tuple[bool, bool],
-                 hw: HardwareOptions, flash_attn: str, n_batch: int, n_threads: int | None,
-                 template: str | None, check_memory: bool, calibration: str,
-                 mmproj: str | None, embedding_cache: Any, trust_projector: bool,
+    def __init__(self, settings: EngineSettings, *, embedding_cache: Any,
                  on_load_progress: Callable[[float], object] | None) -> None:
         self._closers: list[Callable[[], None]] = []
         self._lock = threading.Lock()
-        self.config = config
+        s = settings
+        # sizes left to the memory plan (None) start from the defaults, then are fitted
+        self.config = replace(s, n_slots=s.n_slots or DEFAULTS.n_slots,
+                              n_ctx=s.n_ctx or DEFAULTS.n_ctx)
         self.sized = ""
         try:
-            self._open(model_path, sized, hw, flash_attn, n_batch, n_threads, template,
-                       check_memory, calibration, mmproj, embedding_cache, trust_projector,
+            self._open(s.model_path, (s.n_slots is not None, s.n_ctx is not None), s.hardware,
+                       s.flash_attn, s.n_batch, s.n_threads, s.template, s.check_memory,
+                       s.calibration, s.mmproj, embedding_cache, s.trust_projector,
                        on_load_progress)
         except BaseException:
             self.close()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.config import check_engine_args
+from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.ui import display as disp
 from nbkv.ui.figures import ExplainReport
@@ -109,7 +109,7 @@ def load(ws: Workspace, args: Any) -> Any:
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
                                        kv_type=args.kv_type, flash_attn=args.flash_attn,
                                        **_parking_options(args))
-    check_engine_args(**kwargs)
+    EngineSettings.from_kwargs(**kwargs)  # every setting checked before anything closes
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:
