@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.core.protocol import Parks, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui.figures import ExplainReport
 from nbkv.ui.views import LoadProgress
@@ -194,7 +195,7 @@ def explain(ws: Workspace, args: Any) -> Any:
 def verify(ws: Workspace, args: Any) -> Any:
     """Recompute the slots (or request N's slot) from scratch: is the cached KV exact."""
     engine = ws.engine()
-    if not hasattr(engine, "verify"):
+    if not isinstance(engine, Verifiable):
         raise InvalidRequestError("%kvcache verify needs the in-kernel engine: a server's "
                                   "KV cannot be read back")
     request = _number(args.target, "verify: give a request number")
@@ -241,7 +242,7 @@ def _parking_options(args: Any) -> dict[str, Any]:
 def _parking(ws: Workspace, args: Any, verb: str) -> Any:
     """``%kvcache park|unpark [SESSION|--all]``: call ``engine.park``/``unpark``."""
     engine = ws.engine()
-    if not hasattr(engine, verb):
+    if not isinstance(engine, Parks):
         raise InvalidRequestError(f"%kvcache {verb} needs the in-kernel engine: a server "
                                   "keeps its slots to itself")
     if args.target is not None and args.all:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import EventBus
+from nbkv.core.protocol import Exportable
 from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     LIVE,
     STALE,
@@ -516,7 +517,7 @@ class SessionStore:
             saver.stop()
             self.autosaver = saver = None
         if saver is None and path is not None and engine is not None \
-                and hasattr(engine, "export_state"):  # an in-kernel engine
+                and isinstance(engine, Exportable):
             self.autosaver = Autosaver(engine, path, self, interval=interval)
 
     def close_engine(self) -> None:

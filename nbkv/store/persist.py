@@ -40,6 +40,7 @@ import numpy as np
 
 from nbkv.core.errors import NbkvError, RestoreError, SaveError
 from nbkv.core.events import SlotsChanged
+from nbkv.core.protocol import Exportable
 from nbkv.kv.slot_kv import KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.kv.spc import SavedPrompt
@@ -154,7 +155,7 @@ def _mb(n: int) -> str:
 
 def _require_local(engine: Any, what: str) -> None:
     """Only an engine with the state API (:meth:`nbkv.Engine.export_state`) saves here."""
-    if not hasattr(engine, "export_state"):
+    if not isinstance(engine, Exportable):
         err = SaveError if what == "save" else RestoreError
         raise err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
                   "nbkv.Engine or a llama-server engine can save and restore its slots; an "

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.protocol import ServerBacked
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.palette import (
     COLORS,
@@ -268,7 +269,7 @@ def checkpoints_text(slot: SlotInfo, used: bool) -> str:
 
 def engine_label(engine: Any) -> str:
     """What the engine runs: the model's name, and the server for a remote engine."""
-    if hasattr(engine, "describe"):
+    if isinstance(engine, ServerBacked):
         return f"{engine.kind} {engine.model_name} at {engine.url}"
     return engine.model.name
 
@@ -287,7 +288,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
                        "or %kvcache load PATH.gguf")
     s = engine.stats()
     names = [x.name for x in sessions]
-    if hasattr(engine, "describe"):  # a remote engine (nbkv.remote.connect)
+    if isinstance(engine, ServerBacked):
         unverified = s.get("not_verified")
         return Table("nbkv remote engine", ("", ""), (
             *engine.describe(),

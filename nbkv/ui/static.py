@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from nbkv.core.events import GENERATED, PREFILLED, REUSED, RequestRecord, Segment
+from nbkv.core.protocol import Parks
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import engine_label, legend_html, size_text, slots_label
 from nbkv.ui.figures import ttft_text
@@ -220,8 +221,7 @@ def cards_html(slots: Sequence[Any], last_by_slot: Mapping[int, RequestRecord],
 
 def parked_of(engine: Any) -> tuple[Any, ...]:
     """The engine's parked conversations (``engine.parked()``); none if it parks nothing."""
-    get = getattr(engine, "parked", None)
-    return tuple(get()) if callable(get) else ()
+    return tuple(engine.parked()) if isinstance(engine, Parks) else ()
 
 
 def shelf_html(parked: Sequence[Any]) -> str:
