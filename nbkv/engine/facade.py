@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nbkv.core import validate
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from nbkv.core.config import DEFAULTS, EngineConfig, check_engine_args
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
@@ -161,7 +162,9 @@ class Engine(TemplatedAPI, ChatAPI):
         check_engine_args(n_slots=n_slots, n_ctx=n_ctx, cache_min_tokens=cache_min_tokens,
                           n_batch=n_batch, n_threads=n_threads, spc_max_entries=spc_max_entries,
                           max_checkpoints=max_checkpoints, wait_timeout=wait_timeout,
-                          history_size=history_size, park_ram=park_ram, park_disk=park_disk)
+                          history_size=history_size, park_ram=park_ram, park_disk=park_disk,
+                          model_path=model_path, mmproj=mmproj, park_dir=park_dir,
+                          template=template)
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
                 "the System Prompt Cache and the Incremental Message Cache are mutually "
@@ -334,6 +337,7 @@ class Engine(TemplatedAPI, ChatAPI):
         probe (:func:`nbkv.kv.oracle.scratch_logits`); :meth:`verify` compares them.
         """
         index = self.table.index(slot)
+        token = validate.token("token", token, self.model.n_vocab)
         return self.scheduler.call(lambda: verify.probe(self.scheduler, index, token))
 
     def verify(self, slot: int | None = None, *, request: int | None = None,
@@ -354,6 +358,7 @@ class Engine(TemplatedAPI, ChatAPI):
                 raise InvalidRequestError(
                     f"slot {rec.slot} no longer holds request #{request}'s conversation")
             slot = rec.slot
+        probe = validate.token("probe", probe, self.model.n_vocab)
         targets = [self.table.index(slot)] if slot is not None else [
             s.index for s in self.slots() if not s.empty]
         return [verify.verify_slot(self.scheduler, i, probe) for i in targets]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -42,6 +43,8 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{f.name} must be {'a number' if want is float else 'an integer'}, "
                     f"not {v!r}")
+            if want is float and not math.isfinite(v):  # inf passes ">= 0"; nan fails all
+                raise InvalidRequestError(f"{f.name} must be a finite number, not {v!r}")
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
