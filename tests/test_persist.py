@@ -441,7 +441,8 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
 
 KILLED = """
     import json, sys, time
-    from nbkv import Engine, blobstore, persist
+    from nbkv import Engine
+    from nbkv.store import blobstore, persist
     from nbkv.notebook.sessions import SessionStore
 
     model_path, save, phase = sys.argv[1:4]

@@ -89,7 +89,7 @@ def directory(name: str, value: Any, optional: bool = True) -> Any:
 def token(name: str, value: Any, n_vocab: int) -> int:
     """``value`` if it is a token id of a vocabulary of ``n_vocab`` tokens, else an error."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or not 0 <= value < n_vocab:
+            or not 0 <= int(value) < n_vocab:
         raise InvalidRequestError(f"{name} must be a token id in 0..{n_vocab - 1}, not "
                                   f"{value!r}")
     return int(value)
