@@ -15,7 +15,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from nbkv.engine.facade import ChatResult, ChatStream, Engine, SlotInfo
+    from nbkv.core.streams import ChatResult, ChatStream
+    from nbkv.engine.facade import Engine
+    from nbkv.kv.slot_table import SlotInfo
     from nbkv.notebook.sessions import current_engine, session
     from nbkv.remote.connect import connect
 

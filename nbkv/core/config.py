@@ -45,6 +45,8 @@ WHOLE_ARGS: dict[str, tuple[int, bool, str]] = {
     "park_ram": (0, True, "None: a quarter of the free RAM, at most 4 GiB; 0: no RAM tier"),
     "park_disk": (0, True, "None: a quarter of the free disk, at most 16 GiB"),
 }
+#: the engine's file arguments: a path or None (``park_dir`` must also be a usable directory)
+PATH_ARGS = ("model_path", "mmproj")
 #: :class:`HardwareOptions` fields
 HARDWARE_ARGS = ("n_gpu_layers", "main_gpu", "split_mode", "tensor_split", "flash_attn",
                  "type_k", "type_v", "use_mmap", "use_mlock")
@@ -53,8 +55,9 @@ HARDWARE_ARGS = ("n_gpu_layers", "main_gpu", "split_mode", "tensor_split", "flas
 def check_engine_args(**args: Any) -> None:
     """Refuse, before a model is loaded, :class:`~nbkv.Engine` arguments that are wrong.
 
-    Checks the arguments named here (a wrong type or range, an unknown cache mode...);
-    other names are left to the engine. :class:`InvalidRequestError` names the argument.
+    Checks the arguments named here (a wrong type or range, an unknown cache mode, a path
+    that is not one, a ``park_dir`` that is a file or lies under one...); other names are
+    left to the engine. :class:`InvalidRequestError` names the argument.
     """
     for name, value in args.items():
         if name in WHOLE_ARGS:
@@ -62,6 +65,14 @@ def check_engine_args(**args: Any) -> None:
             validate.whole(name, value, least, optional, hint)
     if "wait_timeout" in args:
         validate.seconds("wait_timeout", args["wait_timeout"])
+    for name in PATH_ARGS:
+        if name in args:
+            validate.path(name, args[name])
+    if "park_dir" in args:  # found wrong after the model loaded, else
+        validate.directory("park_dir", args["park_dir"])
+    if args.get("template") is not None and not isinstance(args["template"], str):
+        raise InvalidRequestError(f"template must be a Jinja2 chat template (a str) or None, "
+                                  f"not {type(args['template']).__name__}")
     if "cache" in args and args["cache"] not in CACHE_MODES:
         raise InvalidRequestError(f"cache must be one of {CACHE_MODES}, not {args['cache']!r}")
     if "overflow" in args:
@@ -185,9 +196,10 @@ class EngineSettings:
     hardware: HardwareOptions = field(default_factory=HardwareOptions)
 
     def __post_init__(self) -> None:
+        checked = {*WHOLE_ARGS, *PATH_ARGS, "park_dir", "template", "cache", "overflow",
+                   "wait_timeout"}
         check_engine_args(**{f.name: getattr(self, f.name) for f in fields(self)
-                             if f.name in WHOLE_ARGS or f.name in ("cache", "overflow",
-                                                                   "wait_timeout")})
+                             if f.name in checked})
         if self.calibration not in CALIBRATIONS:
             raise InvalidRequestError(
                 f"calibration must be 'cached' or 'fresh', not {self.calibration!r}")

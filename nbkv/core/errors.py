@@ -88,6 +88,15 @@ class RestoreError(NbkvError):
     """
 
 
+class UntrustedSaveError(RestoreError):
+    """A save (or parked entry) is not signed by this user's key; nothing was restored.
+
+    It was written by someone else, by an nbkv that did not sign saves yet, or edited since
+    it was signed. ``engine.restore(path, trust=True)`` (``%kvcache restore --trust``)
+    restores it anyway, recomputing every slot from its tokens before serving it.
+    """
+
+
 class ServerError(NbkvError):
     """A remote engine's server failed a request (the message says what it answered)."""
 

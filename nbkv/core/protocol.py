@@ -105,5 +105,6 @@ class Exportable(Protocol):
     def export_state(self, only_if_idle: bool = False) -> Any:
         """Every idle slot's proven KV and bookkeeping, as data."""
 
-    def import_state(self, placed: Sequence[tuple[int, Any]], spc: Sequence[Any] = ()) -> None:
+    def import_state(self, placed: Sequence[tuple[int, Any]], spc: Sequence[Any] = (),
+                     recompute: bool = False) -> Any:
         """Replace every slot with ``placed``; all or nothing."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 import queue
 import threading
@@ -45,6 +46,8 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{f.name} must be {'a number' if want is float else 'an integer'}, "
                     f"not {v!r}")
+            if want is float and not math.isfinite(v):  # inf passes ">= 0"; nan fails all
+                raise InvalidRequestError(f"{f.name} must be a finite number, not {v!r}")
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nbkv.core import validate
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from nbkv.core.config import DEFAULTS, EngineSettings
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
@@ -328,6 +329,7 @@ class Engine(TemplatedAPI, ChatAPI):
         probe (:func:`nbkv.kv.oracle.scratch_logits`); :meth:`verify` compares them.
         """
         index = self.table.index(slot)
+        token = validate.token("token", token, self.model.n_vocab)
         return self.scheduler.call(lambda: verify.probe(self.scheduler, index, token))
 
     def verify(self, slot: int | None = None, *, request: int | None = None,
@@ -348,6 +350,7 @@ class Engine(TemplatedAPI, ChatAPI):
                 raise InvalidRequestError(
                     f"slot {rec.slot} no longer holds request #{request}'s conversation")
             slot = rec.slot
+        probe = validate.token("probe", probe, self.model.n_vocab)
         targets = [self.table.index(slot)] if slot is not None else [
             s.index for s in self.slots() if not s.empty]
         return [verify.verify_slot(self.scheduler, i, probe) for i in targets]
@@ -396,13 +399,17 @@ class Engine(TemplatedAPI, ChatAPI):
                                                                      only_if_idle))
 
     def import_state(self, placed: Sequence[tuple[int, SlotState]],
-                     spc: Sequence[tuple[str, SavedPrompt]] = ()) -> None:
+                     spc: Sequence[tuple[str, SavedPrompt]] = (), recompute: bool = False
+                     ) -> list[Any]:
         """Replace every slot with ``placed`` (slot index, state) and the SPC with ``spc``.
 
         All or nothing: on failure the slots are as they were and
-        :class:`~nbkv.core.errors.RestoreError` says why.
+        :class:`~nbkv.core.errors.RestoreError` says why. ``recompute``: then replace each
+        placed slot's KV by a full prefill of its tokens before any request can use it (an
+        untrusted save); returns a :class:`~nbkv.engine.recompute.Recomputation` per slot.
         """
-        self.scheduler.call(lambda: engine_state.import_state(self.scheduler, placed, spc))
+        return self.scheduler.call(lambda: engine_state.import_state(
+            self.scheduler, placed, spc, recompute))
 
     def save(self, path: str | None = None, sessions: Any = None) -> Any:
         """Save the slots, system prompts, image embeddings and sessions to disk.
@@ -416,16 +423,19 @@ class Engine(TemplatedAPI, ChatAPI):
 
         return save(self, path, sessions)
 
-    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+    def restore(self, path: str | None = None, sessions: Any = None, *,
+                trust: bool = False) -> Any:
         """Replace the slots and caches with a save (from this or an earlier process).
 
         Checks everything first: a save from another model, projector, llama.cpp build or
         ``n_ctx``, or a corrupt one, raises :class:`~nbkv.core.errors.RestoreError` and leaves
         the engine unchanged. With fewer slots than saved, the most recently used are kept.
+        A save not signed by your key raises :class:`~nbkv.core.errors.UntrustedSaveError`;
+        ``trust=True`` restores it, recomputing every slot by a full prefill first.
         """
         from nbkv.store.persist import restore
 
-        return restore(self, path, sessions)
+        return restore(self, path, sessions, trust=trust)
 
     def stats(self) -> dict[str, Any]:
         """Totals over the request history."""

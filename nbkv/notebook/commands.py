@@ -106,6 +106,9 @@ def load(ws: Workspace, args: Any) -> Any:
     Every argument is checked first: a mistake leaves the current engine as it was.
     """
     _at_least_one(args, "slots", "ctx")
+    if args.trust and not args.restore:
+        raise InvalidRequestError("%kvcache load: --trust goes with --restore (it trusts the "
+                                  "save that --restore brings back)")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
                                        kv_type=args.kv_type, flash_attn=args.flash_attn,
@@ -132,7 +135,7 @@ def load(ws: Workspace, args: Any) -> Any:
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)
     notes = [engine.sized or None, *(str(w.message) for w in said),
-             _offer_restore(ws, engine, args.restore)]
+             _offer_restore(ws, engine, args.restore, args.trust)]
     progress.done(summary, note="\n".join(n for n in notes if n) or None)
     return None if ws.notebook else summary
 
@@ -157,14 +160,15 @@ def connect(ws: Workspace, args: Any) -> Any:
     return disp.status_table(engine, ws.store)
 
 
-def _offer_restore(ws: Workspace, engine: Engine, restore: bool) -> str | None:
+def _offer_restore(ws: Workspace, engine: Engine, restore: bool, trust: bool = False
+                   ) -> str | None:
     """After a load: restore the notebook's save (``--restore``), or say that one fits."""
     from nbkv.store import persist
 
     if not restore:
         return persist.offer(engine, ws.save_path())
     try:
-        return str(engine.restore(ws.save_path(), ws.store))
+        return str(engine.restore(ws.save_path(), ws.store, trust=trust))
     except NbkvError as e:
         return f"--restore: nothing restored: {e}"
 
@@ -297,8 +301,9 @@ def save(ws: Workspace, args: Any) -> Any:
 
 
 def restore(ws: Workspace, args: Any) -> Any:
-    """Restore a save into the loaded engine (``%kvcache restore [DIR]``)."""
-    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store)))
+    """Restore a save into the loaded engine (``%kvcache restore [DIR] [--trust]``)."""
+    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store,
+                                                trust=args.trust)))
 
 
 def config(ws: Workspace, args: Any) -> Any:
@@ -314,8 +319,8 @@ def config(ws: Workspace, args: Any) -> Any:
 COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "status": (status, frozenset(), False),
     "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
-                              "restore", "gpu_layers", "kv_type", "flash_attn", "park_ram",
-                              "park_dir"}), True),
+                              "restore", "trust", "gpu_layers", "kv_type", "flash_attn",
+                              "park_ram", "park_dir"}), True),
     "connect": (connect, frozenset({"slots", "api_key_env"}), True),
     "slots": (slots, frozenset(), False),
     "stats": (stats, frozenset(), False),
@@ -330,5 +335,5 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "unload": (unload, frozenset(), False),
     "config": (config, frozenset(), False),
     "save": (save, frozenset(), True),
-    "restore": (restore, frozenset(), True),
+    "restore": (restore, frozenset({"trust"}), True),
 }

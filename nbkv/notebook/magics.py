@@ -181,6 +181,9 @@ class Nbkv(Magics, Settings):
     @argument("--flash-attn", choices=FLASH_ATTN_MODES, help="load: flash attention")
     @argument("--restore", action="store_true",
               help="load: then restore this notebook's latest compatible save")
+    @argument("--trust", action="store_true",
+              help="restore, load --restore: restore a save not signed by your key, "
+                   "recomputing every slot by a full prefill before it is served")
     @argument("--park-ram", metavar="BYTES",
               help="load: RAM for parked conversations, e.g. 2G (Nbkv.park_ram)")
     @argument("--park-dir", metavar="DIR",
@@ -196,12 +199,12 @@ class Nbkv(Magics, Settings):
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
-                        [--min-tokens N] [--template F] [--restore] [--gpu-layers N]
+                        [--min-tokens N] [--template F] [--restore [--trust]] [--gpu-layers N]
                         [--kv-type T] [--flash-attn auto|on|off] [--park-ram BYTES]
                         [--park-dir DIR]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
-          %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR]
+          %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR] [--trust]
           %kvcache park [SESSION | --all] | unpark [SESSION | --all]
           %kvcache widget | report [FILE] | unload | config
         """

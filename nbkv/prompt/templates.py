@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nbkv.core.codes import common_prefix
 from nbkv.core.errors import TemplateError
+from nbkv.core.messages import for_template
 
 #: Used only when a model ships no template at all.
 CHATML = (
@@ -81,10 +82,16 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
-        """Render ``messages``; ``extra`` variables (e.g. ``tools``) are passed to the template."""
+        """Render ``messages``; ``extra`` variables (e.g. ``tools``) are passed to the template.
+
+        A content list of text parts is rendered as its text
+        (:func:`~nbkv.core.messages.for_template`); a malformed part raises
+        :class:`~nbkv.core.errors.InvalidRequestError` first.
+        """
+        msgs = for_template(messages)
         try:
             return self._template.render(
-                messages=list(messages),
+                messages=msgs,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

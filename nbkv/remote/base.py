@@ -163,11 +163,12 @@ class RemoteBase(ChatAPI):
 
         return save(self, path, sessions)  # refused: no state API
 
-    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+    def restore(self, path: str | None = None, sessions: Any = None, *,
+                trust: bool = False) -> Any:
         """Not for this kind of server: it keeps its cache to itself."""
         from nbkv.store.persist import restore
 
-        return restore(self, path, sessions)  # refused: no state API
+        return restore(self, path, sessions, trust=trust)  # refused: no state API
 
 
     def explain(self, request: int | None = None) -> reasons.Explanation:

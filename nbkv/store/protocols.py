@@ -38,8 +38,13 @@ class Persistable(Protocol):
         """Every idle slot's proven KV and bookkeeping, and the SPC, as data."""
 
     def import_state(self, placed: Sequence[tuple[int, SlotState]],
-                     spc: Sequence[tuple[str, SavedPrompt]] = ()) -> None:
-        """Replace every slot with ``placed``; all or nothing."""
+                     spc: Sequence[tuple[str, SavedPrompt]] = (), recompute: bool = False
+                     ) -> list[Any]:
+        """Replace every slot with ``placed``; all or nothing.
+
+        ``recompute``: each placed slot's KV is then recomputed by a full prefill before
+        any request can use it (an untrusted save); one report per slot is returned.
+        """
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback`` on each event; returns the unsubscribe function."""
