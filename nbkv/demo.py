@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             for delta in stream:
                 print(delta, end="", flush=True)
             msgs.append({"role": "assistant", "content": stream.text})
-            print(f"\n    -> {summary(stream.record)}\n")
+            print(f"\n    -> {summary(stream.result().record)}\n")
         s = engine.stats()
         print(f"{s['requests']} requests: {s['reused_tokens']}/{s['prompt_tokens']} prompt "
               f"tokens served from cache ({s['salvage_pct']:.0f}%), "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from nbkv.core import validate
 from nbkv.core.codes import FIRST, MISS
@@ -23,8 +23,16 @@ class ChatAPI:
 
     events: EventBus
 
+    @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: bool = False, **sampling: Any) -> Any:
+             stream: Literal[False] = False, **sampling: Any) -> ChatResult: ...
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[True], **sampling: Any) -> ChatStream: ...
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: bool = False, **sampling: Any) -> ChatResult | ChatStream:
         """Reply to ``messages``: a ChatResult, or a ChatStream with ``stream=True``."""
         raise NotImplementedError
 

@@ -75,8 +75,9 @@ class ChatStream:
             self.close()
             raise
         if kind == "delta":
-            self.text += value
-            return value
+            delta: str = value
+            self.text += delta
+            return delta
         if kind == "error":
             self.record = self._job.record
             raise value
@@ -133,7 +134,7 @@ class AsyncChatStream:
 
     def __init__(self, stream: ChatStream, loop: asyncio.AbstractEventLoop) -> None:
         self.stream = stream
-        self._q: asyncio.Queue = asyncio.Queue()
+        self._q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._loop = loop
         threading.Thread(target=self._pump, name="nbkv-astream", daemon=True).start()
 
@@ -160,7 +161,8 @@ class AsyncChatStream:
             self.stream._engine.wake()
             raise
         if kind == "delta":
-            return value
+            delta: str = value
+            return delta
         if kind == "error":
             raise value
         raise StopAsyncIteration

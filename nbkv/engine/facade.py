@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from nbkv.core import validate
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
@@ -237,6 +237,16 @@ class Engine(TemplatedAPI, ChatAPI):
     def n_slots(self) -> int:
         """Number of slots."""
         return len(self.table)
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[False] = False, overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatResult: ...
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[True], overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatStream: ...
 
     def chat(
         self,

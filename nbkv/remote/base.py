@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from nbkv.core.api import ChatAPI
 from nbkv.core.errors import (
@@ -20,7 +20,7 @@ from nbkv.core.events import (
     SlotsChanged,
 )
 from nbkv.core.requests import Request, SamplingParams
-from nbkv.core.streams import ChatStream
+from nbkv.core.streams import ChatResult, ChatStream
 from nbkv.kv import reasons
 from nbkv.remote.http_client import EventStream, ServerClient
 
@@ -61,9 +61,19 @@ class RemoteBase(ChatAPI):
         self.last_save: Any = None  # reports of %kvcache save / restore (llama-server)
         self.last_restore: Any = None
 
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[False] = False, overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatResult: ...
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[True], overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatStream: ...
+
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
              stream: bool = False, overflow: str | None = None, timeout: float | None = None,
-             **sampling: Any) -> Any:
+             **sampling: Any) -> ChatResult | ChatStream:
         """Reply to ``messages``, like :meth:`nbkv.Engine.chat`, on the server."""
         self._check_request(session, timeout)
         if self.closed:
