@@ -20,6 +20,8 @@ from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from nbkv.core.config import DEFAULTS, EngineConfig, check_engine_args
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
 from nbkv.core.events import EventBus, SlotsChanged
+from nbkv.core.progress import Reporter
+from nbkv.core.progress import resolve as resolve_progress
 from nbkv.core.streams import ChatResult, ChatStream
 from nbkv.engine import state as engine_state
 from nbkv.engine import verify
@@ -63,12 +65,20 @@ class Engine(TemplatedAPI, ChatAPI):
         cache_min_tokens: IMC: shortest token prefix worth salvaging from another
             conversation's slot; SPC: shortest system prompt worth caching.
         n_batch: tokens per ``llama_decode`` call (prefill chunk size).
+        n_threads: llama.cpp's threads; default what this process may really use: the CPU
+            affinity mask and the cgroup's CPU quota (a container sees every core of its
+            node but may run on a fraction of one), whichever is smaller
+            (:mod:`nbkv.llama.cpus`). ``engine.n_threads`` says what it runs with.
         template: a Jinja2 chat template overriding the model's own.
         overflow: ``"error"`` raises :class:`ContextOverflowError` when a prompt does not fit
             its slot; ``"slide"`` drops the oldest turns (keeping the system prompt) instead.
         wait_timeout: seconds a request may wait for a free slot.
         system_prompt_cache: ``True`` is another way to say ``cache="spc"``.
         on_load_progress: called with the fraction of the model loaded, 0.0 to 1.0.
+        progress: where the load's long steps are shown (the model, the calibration, the
+            projector: :mod:`nbkv.core.progress`): a reporter, ``False`` for nowhere, or
+            ``None`` (default): a bar in the notebook's cell (with ``%load_ext nbkv``), a
+            line on stderr in a terminal, else only the ``nbkv`` logger.
         flash_attn: ``"off"`` (default), ``"on"`` or ``"auto"`` (``True``/``False`` too). With
             f16 KV, llama.cpp's CPU flash-attention kernel tiles batches of 64+ tokens, so a
             prompt prefilled in pieces (what a cache hit does) gets logits up to ~0.7 away
@@ -137,6 +147,7 @@ class Engine(TemplatedAPI, ChatAPI):
         wait_timeout: float = 300.0,
         system_prompt_cache: bool | None = None,
         on_load_progress: Callable[[float], object] | None = None,
+        progress: Reporter | bool | None = None,
         flash_attn: bool | str = False,
         exact: bool = True,
         speculative: bool = False,
@@ -196,11 +207,12 @@ class Engine(TemplatedAPI, ChatAPI):
             flash_attn=self.flash_attn, n_batch=n_batch, n_threads=n_threads,
             template=template, check_memory=check_memory, calibration=calibration,
             mmproj=mmproj, embedding_cache=embedding_cache, trust_projector=trust_projector,
-            on_load_progress=on_load_progress)
+            on_load_progress=on_load_progress, progress=resolve_progress(progress))
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
         self.template, self.prefill_rule = res.template, res.rule
+        self.n_threads = res.n_threads
         self.speculative = speculative and self.memory.can_trim
         if speculative and not self.speculative:
             log.info("speculative guesses are off: %s memory cannot drop a wrong guess",
@@ -213,8 +225,9 @@ class Engine(TemplatedAPI, ChatAPI):
             res.close()
             raise
         close_at_exit(self)
-        log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
-                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache)
+        log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s, %s threads",
+                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache,
+                 self.n_threads)
 
     def _start(self, max_checkpoints: int, history_size: int, spc_max_entries: int,
                park_ram: int | None, park_dir: str | None, park_disk: int | None) -> None:

@@ -91,8 +91,15 @@ def system_info() -> str:
 
 
 def default_threads() -> int:
-    """Threads llama.cpp and libmtmd use when none are given: every core."""
-    return max(os.cpu_count() or 1, 1)
+    """Threads llama.cpp and libmtmd use when none are given: the CPUs this process has.
+
+    The affinity mask and the cgroup's CPU quota, whichever is smaller
+    (:func:`nbkv.llama.cpus.cpu_budget`): in a container, every core of the node is visible
+    but only the quota's share can run.
+    """
+    from nbkv.llama.cpus import cpu_budget
+
+    return cpu_budget().threads
 
 
 def init_backend() -> None:

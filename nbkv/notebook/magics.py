@@ -336,11 +336,19 @@ def _fork_spec(text: str) -> tuple[str, int | None]:
 
 
 def load(ipython: Any) -> None:
-    """Register the magics with ``ipython`` and follow its cells."""
+    """Register the magics with ``ipython`` and follow its cells.
+
+    Long work started in this kernel without a reporter of its own (an ``Engine(...)`` made
+    in a cell, ``LlamaServer.start()``) then shows its progress in the running cell.
+    """
+    from nbkv.core import progress
+    from nbkv.ui.progress import ProgressBar
+
     magics = Nbkv(shell=ipython)
     ipython.register_magics(magics)
     if magics.cells is not None:
         magics.cells.register()
+    progress.set_default(lambda: ProgressBar(magics._notebook()))
 
 
 def unload(ipython: Any) -> None:
@@ -359,3 +367,6 @@ def unload(ipython: Any) -> None:
         if inst in ipython.configurables:
             ipython.configurables.remove(inst)
         inst.store.close_engine()
+    from nbkv.core import progress
+
+    progress.set_default(None)
