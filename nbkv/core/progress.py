@@ -100,6 +100,35 @@ class TerminalLine:
             self.out.flush()
 
 
+class PlainLines:
+    """Steps as whole lines, for logs (a CI job, a Binder build).
+
+    A line when the work starts or changes, then at most every ``every`` seconds, and one
+    when it ends.
+    """
+
+    def __init__(self, out: TextIO | None = None, every: float = 15.0) -> None:
+        self.out = out or sys.stderr
+        self.every = every
+        self._last = 0.0
+        self._what = ""
+        self._lock = threading.Lock()
+
+    def __call__(self, step: Step) -> None:
+        """Write a line if one is due."""
+        with self._lock:
+            now = time.monotonic()
+            if step.final:
+                line = f"{step.what}: done in {step.elapsed:.0f} s"
+            elif step.what != self._what or now - self._last >= self.every:
+                line = step.text()
+            else:
+                return
+            self._what, self._last = step.what, now
+            self.out.write(line + "\n")
+            self.out.flush()
+
+
 _default: Callable[[], Reporter] | None = None
 
 

@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     size or the number of sequences changes any logit (see :func:`key_settings`).
     """
     import argparse
+    import sys
 
-    from nbkv.core.progress import default_reporter
+    from nbkv.core.progress import PlainLines, default_reporter
     from nbkv.llama.backend import default_threads
     from nbkv.llama.models import resolve_model_path
 
@@ -462,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                         "type_k": kv_type_id("f16"), "type_v": kv_type_id("f16")}
             t0 = time.perf_counter()
             rule = calibrate(model, n_seq=args.slots, can_trim=can_trim, settings=settings,
-                             cache=not args.fresh, progress=default_reporter())
+                             cache=not args.fresh, progress=default_reporter()
+                             if sys.stderr.isatty() else PlainLines(sys.stderr, every=5.0))
             print(f"{model.path.name}: {rule.describe()} ({time.perf_counter() - t0:.1f} s; "
                   f"cached in {cache_dir() / FILE})")
         finally:

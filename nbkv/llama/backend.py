@@ -22,6 +22,10 @@ from nbkv.core.errors import DecodeError, ModelLoadError, ModelNotFoundError
 from nbkv.llama.models import display_name
 
 log = logging.getLogger("nbkv.llama")
+# llama.cpp's and libmtmd's own log reach the user only through logging: without a handler
+# of its own, a WARNING would go to logging's last resort, stderr, which a notebook shows
+# in every cell (libmtmd's "Qwen-VL models require at minimum 1024 image tokens ...")
+log.addHandler(logging.NullHandler())
 
 STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
