@@ -52,7 +52,8 @@ BASE = ("jupyterlab==4.4.10", "notebook==7.4.7", "jupyter_server==2.17.0",
         "jupyterlab-myst==2.4.2")
 LLAMA_LOG = re.compile(r"load_hparams|llama_|ggml_|clip_|mtmd_|print_info|load_tensors")
 
-pytestmark = [pytest.mark.binder, pytest.mark.slow]
+# a build takes minutes on quiet cores, hours on a crowded machine
+pytestmark = [pytest.mark.binder, pytest.mark.slow, pytest.mark.timeout(6 * 3600)]
 
 
 def _env(image: Path) -> dict[str, str]:

@@ -17,7 +17,9 @@ from nbkv import Engine
 from nbkv.core.progress import PlainLines, Step, Task, TerminalLine, resolve, silent
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
+from nbkv.llama.cpus import cpu_budget
 from nbkv.llama.hardware import FLASH_ATTN
+from nbkv.ui.display import status_table
 
 
 class Recorder:
@@ -38,7 +40,9 @@ def cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("NBKV_CACHE_DIR", str(d))
     rec = Recorder()
-    with Engine(n_slots=2, n_ctx=512, progress=rec) as e:
+    # one thread: the others reuse it with theirs (threads are not in the key), and on a
+    # crowded machine 2 spinning threads per engine make a calibration many times slower
+    with Engine(n_slots=2, n_ctx=512, n_threads=1, progress=rec) as e:
         rule = e.prefill_rule
     yield d, rec, rule
     mp.undo()
@@ -74,9 +78,14 @@ def test_a_launch_loads_what_postbuild_calibrated(cache, monkeypatch, capsys):
 
     monkeypatch.setattr(calibrate, "measure", no)
     rec = Recorder()
-    for slots, ctx, threads in ((2, 2048, None), (1, 1024, 1), (2, 256, 2)):
+    for slots, ctx, threads in ((2, 2048, None), (1, 1024, 1), (2, 256, 3)):
         with Engine(n_slots=slots, n_ctx=ctx, n_threads=threads, progress=rec) as e:
             assert e.prefill_rule.exact and e.prefill_rule.gen_rows == 0
+            row = dict(r[:2] for r in status_table(e).rows)["threads"]
+            budget = cpu_budget()
+            assert e.n_threads == (threads or budget.threads)
+            assert row == (budget.describe() if e.n_threads == budget.threads else
+                           f"{threads} (n_threads; this process may use {budget.describe()})")
     assert not [s for s in rec.steps if s.what == calibrate.WHAT]
 
 
@@ -86,7 +95,7 @@ def test_more_slots_than_calibrated_measure_the_generation_test_only(cache, monk
 
     monkeypatch.setattr(calibrate, "_grouping", no)
     rec = Recorder()
-    with Engine(n_slots=3, n_ctx=256, progress=rec) as e:
+    with Engine(n_slots=3, n_ctx=256, n_threads=1, progress=rec) as e:
         assert e.prefill_rule.exact
     checks = [s for s in rec.steps if s.what == calibrate.WHAT]
     assert checks and checks[0].total == calibrate.steps(3) - calibrate.steps(1)
@@ -177,3 +186,26 @@ def test_llama_cpp_warnings_go_to_the_logger_not_to_stderr():
                        timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stderr.strip() == "LOG seen once logging is set up"
+
+
+def test_a_big_save_and_restore_show_their_bytes(cache, tmp_path, monkeypatch):
+    from nbkv.notebook.sessions import SessionStore
+    from nbkv.store import persist
+
+    monkeypatch.setattr(persist, "SHOWN", 1)  # every save counts as big here
+    with Engine(n_slots=1, n_ctx=512, n_threads=1, progress=False) as e:
+        e.chat([{"role": "user", "content": "Hi"}], session="a", max_tokens=2)
+        rec = Recorder()
+        e.save(tmp_path / "s", SessionStore(), progress=rec)
+        saving = [s for s in rec.steps if s.what.startswith("saving to ")]
+        assert saving[0].unit == "MiB" and saving[-1].final
+        assert saving[-1].done == pytest.approx(saving[0].total)
+        rec = Recorder()
+        e.restore(tmp_path / "s", SessionStore(), progress=rec)
+        reading = [s for s in rec.steps if s.what.startswith("reading and checking the save")]
+        assert reading and reading[-1].final and reading[-1].done == pytest.approx(
+            reading[0].total)
+        monkeypatch.setattr(persist, "SHOWN", 1 << 40)  # a small save shows nothing
+        rec = Recorder()
+        e.save(tmp_path / "s", SessionStore(), progress=rec)
+        assert not rec.steps

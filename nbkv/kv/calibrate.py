@@ -12,8 +12,11 @@ matters and what the rule means):
 4. one-row decodes of several sequences in one batch against each decoded alone: how many
    generating sequences one decode may hold.
 
-The result is cached by model fingerprint, llama.cpp build, CPU features and context
-settings (``$NBKV_CACHE_DIR``, default ``~/.cache/nbkv``, ``calibration.json``).
+The result is cached by model fingerprint, llama.cpp build, CPU features and the settings
+that select other kernels (:func:`key_settings`), not by ``n_ctx``, threads or slot count
+(``$NBKV_CACHE_DIR``, default ``~/.cache/nbkv``, ``calibration.json``). It costs 8-10
+CPU-seconds on SmolLM2 (1 or 2 slots; 14 for any number), once: ``python -m nbkv.kv.calibrate``
+does it ahead of time (Binder's postBuild).
 """
 
 from __future__ import annotations
