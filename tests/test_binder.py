@@ -21,8 +21,9 @@ JupyterLab and in Notebook 7 and runs it.
 
 Slow (two C++ builds: llama-cpp-python and llama-server, ~10 minutes on 2 quiet cores), so
 not part of ``make test``: ``make binder-test``. ``NBKV_BINDER_IMAGE=DIR`` builds into DIR
-and reuses a complete build found there (to iterate on the notebooks). Figures are printed
-and written to ``DIR/figures.json``.
+and reuses a complete build found there (to iterate on the notebooks), or goes on from
+postBuild when the requirements step had finished. Figures are printed and written to
+``DIR/figures.json``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _run(argv, cwd: Path, env: dict[str, str], log: Path, timeout: float = 7200)
     """Run ``argv``, its output appended to ``log``; seconds it took (it must succeed)."""
     t0 = time.monotonic()
     with log.open("a") as f:
-        f.write(f"\n$ {' '.join(map(str, argv))}\n")
+        f.write(f"\n[{time.strftime('%H:%M:%S')}] $ {' '.join(map(str, argv))}\n")
         f.flush()
         p = subprocess.run(list(map(str, argv)), cwd=cwd, env=env, stdout=f,
                            stderr=subprocess.STDOUT, timeout=timeout)
@@ -95,24 +96,32 @@ def image(tmp_path_factory):
     """The built image: ``repo`` (the clone), ``env`` (the venv), ``home``; and its figures."""
     given = os.environ.get("NBKV_BINDER_IMAGE")
     image = Path(given) if given else tmp_path_factory.mktemp("binder-image")
-    done = image / "built.json"
+    done, half = image / "built.json", image / "requirements.json"
     if done.is_file():
         return image, json.loads(done.read_text())
-    shutil.rmtree(image, ignore_errors=True)
-    for d in ("repo", "home", "out"):
-        (image / d).mkdir(parents=True)
-    _clone(image / "repo")
     env, log = _env(image), image / "build.log"
-    _run([sys.executable, "-m", "venv", image / "env"], image, env, log)
     pip = [image / "env" / "bin" / "python", "-m", "pip"]
-    _run([*pip, "install", "--quiet", "--upgrade", "pip"], image, env, log)
-    base = _run([*pip, "install", "--quiet", *BASE], image, env, log)
-    req = _run([*pip, "install", "--no-cache-dir", "-r", "binder/requirements.txt"],
-               image / "repo", env, log)
+    if half.is_file():  # an earlier run got this far: postBuild again, in a fresh clone/home
+        steps = json.loads(half.read_text())
+        for d in ("repo", "home"):
+            shutil.rmtree(image / d, ignore_errors=True)
+            (image / d).mkdir()
+        _clone(image / "repo")
+    else:
+        shutil.rmtree(image, ignore_errors=True)
+        for d in ("repo", "home", "out"):
+            (image / d).mkdir(parents=True)
+        _clone(image / "repo")
+        _run([sys.executable, "-m", "venv", image / "env"], image, env, log)
+        _run([*pip, "install", "--quiet", "--upgrade", "pip"], image, env, log)
+        base = _run([*pip, "install", "--quiet", *BASE], image, env, log)
+        req = _run([*pip, "install", "--no-cache-dir", "-r", "binder/requirements.txt"],
+                   image / "repo", env, log)
+        steps = {"base_env_s": round(base), "requirements_s": round(req)}
+        half.write_text(json.dumps(steps))
     post = _run(["bash", "binder/postBuild"], image / "repo", env, log)
     text = log.read_text()
-    figures = {"base_env_s": round(base), "requirements_s": round(req),
-               "postbuild_s": round(post),
+    figures = {**steps, "postbuild_s": round(post),
                "postbuild_steps_s": {m[0]: int(m[1]) for m in re.findall(
                    r"^postBuild: (.+) in (\d+) s$", text, re.M)},
                "pip_check": subprocess.run([*map(str, pip), "check"], env=env,
