@@ -209,3 +209,35 @@ def test_a_big_save_and_restore_show_their_bytes(cache, tmp_path, monkeypatch):
         rec = Recorder()
         e.save(tmp_path / "s", SessionStore(), progress=rec)
         assert not rec.steps
+
+
+def test_the_llama_server_build_reports_the_compile_percentage(tmp_path):
+    from nbkv.core.errors import ServerError
+    from nbkv.remote import build
+
+    seen = []
+    script = ("print('-- Configuring'); print('[ 10%] Building C object a.o'); "
+              "print('[3/6] Building CXX object b.o'); print('[100%] Linking llama-server')")
+    build._run([sys.executable, "-c", script], tmp_path / "log", seen.append)
+    assert seen == [10, 50, 100] and "Linking" in (tmp_path / "log").read_text()
+    with pytest.raises(ServerError, match=r"(?s)failed \(exit 3\).*the end of its output"):
+        build._run([sys.executable, "-c", "print('the end of its output'); exit(3)"],
+                   tmp_path / "log")
+
+
+def test_a_built_llama_server_is_found_and_not_built_again(tmp_path, monkeypatch):
+    from nbkv.remote import build, server
+
+    target = build.target(tmp_path)
+    assert target == tmp_path / f"llama-server-{build.version()}" / "llama-server"
+    target.parent.mkdir()
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    assert build.build(tmp_path) == target  # there already: nothing downloaded or built
+    monkeypatch.delenv("NBKV_LLAMA_SERVER", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))  # where postBuild puts it on Binder
+    assert server.binary() == target
+    monkeypatch.setenv("NBKV_LLAMA_SERVER", str(tmp_path / "missing"))
+    assert server.binary() is None
+    with pytest.raises(Exception, match="python -m nbkv.remote.build"):
+        server.LlamaServer()

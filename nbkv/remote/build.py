@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. sys.prefix is not writable
+        print(f"error: {e} (choose another place with --prefix DIR, then set "
+              f"$NBKV_LLAMA_SERVER to DIR/llama-server-{version()}/llama-server)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
