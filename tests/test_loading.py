@@ -241,3 +241,23 @@ def test_a_built_llama_server_is_found_and_not_built_again(tmp_path, monkeypatch
     assert server.binary() is None
     with pytest.raises(Exception, match="python -m nbkv.remote.build"):
         server.LlamaServer()
+
+
+@pytest.mark.slow
+def test_in_a_kernel_an_engine_made_in_a_cell_draws_its_bar_in_that_cell(tmp_path, monkeypatch):
+    """What 02 and 04 do (``Engine(...)`` in a cell after ``%load_ext nbkv``): the load and
+    a fresh calibration update one output of that cell (text too, for saved notebooks)."""
+    from test_cells import Kernel
+
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(tmp_path))
+    k = Kernel()
+    try:
+        k.run("%load_ext nbkv")
+        _, out = k.run("from nbkv import Engine\n"
+                       "e = Engine(n_slots=1, n_ctx=256, n_threads=1)\ne.close()")
+    finally:
+        k.close()
+    assert "loading SmolLM2-135M-Instruct (94 MiB)" in out
+    lines = [s for s in out.splitlines() if s.startswith(calibrate.WHAT)]
+    assert f"(once per model, llama.cpp build and CPU): 0 of {calibrate.steps(1)}" in lines[0]
+    assert any(f": {calibrate.steps(1)} of {calibrate.steps(1)}" in s for s in lines)
