@@ -56,6 +56,8 @@ class ProgressBar:
             return
         with self._lock:
             now = time.monotonic()
+            if self._last == float("inf"):  # done(): the summary stays
+                return
             if not step.final and step.fraction != 1.0 and now - self._last < self.interval:
                 return
             self._last = now
@@ -70,7 +72,7 @@ class ProgressBar:
         if self._handle is not None:
             with self._lock:
                 self._handle.update(summary)
-                self._last = float("inf")  # a late step from a helper thread draws nothing
+                self._last = float("inf")  # a late step (a helper thread's) draws nothing
             if note:
                 from IPython.display import display
 
