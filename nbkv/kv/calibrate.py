@@ -74,7 +74,7 @@ class _Probe:
         ctx, b, seq = self.ctx, self.batch, self.seq
         if keep is not None and not ctx.try_seq_rm(seq, keep if keep else -1, -1):
             raise RuntimeError("calibration: could not trim the sequence")
-        rows = []
+        rows: list[Any] = []
         for lo, hi in chunks:
             b.clear()
             for p in range(lo, hi):
@@ -434,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true",
                     help="check that threads, slot size and sequences change no logit")
     args = ap.parse_args(argv)
-    from nbkv.llama.hardware import FLASH_ATTN, HardwareOptions, kv_type_id
+    from nbkv.core.config import HardwareOptions
+    from nbkv.llama.hardware import FLASH_ATTN, gpu_layers, kv_type_id
 
     status = 0
     for name in args.models or [None]:
-        model = Model(resolve_model_path(name), HardwareOptions().gpu_layers)
+        model = Model(resolve_model_path(name), gpu_layers(HardwareOptions()))
         try:
             if args.compare:
                 variants = [(t, 256, 1) for t in (1, 2, 4, 8)] + [(1, 2048, 1), (1, 256, 2),
