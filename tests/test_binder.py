@@ -19,11 +19,11 @@ about the sum of the private memory plus the largest shared part (the model's pa
 libraries) once. ``test_front_ends_in_chromium`` then opens the quickstart in the image's
 JupyterLab and in Notebook 7 and runs it.
 
-Slow (two C++ builds: llama-cpp-python and llama-server, ~10 minutes on 2 quiet cores), so
-not part of ``make test``: ``make binder-test``. ``NBKV_BINDER_IMAGE=DIR`` builds into DIR
-and reuses a complete build found there (to iterate on the notebooks), or goes on from
-postBuild when the requirements step had finished. Figures are printed and written to
-``DIR/figures.json``.
+Slow (two C++ builds: llama-cpp-python and llama-server, tens of minutes on 2 cores, over
+an hour when they are shared), so not part of ``make test``: ``make binder-test``.
+``NBKV_BINDER_IMAGE=DIR`` builds into DIR and reuses a complete build found there (to iterate
+on the notebooks), or goes on from postBuild when the requirements step had finished. Figures
+are printed and written to ``DIR/figures.json``.
 """
 
 from __future__ import annotations
