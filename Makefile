@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml binder/requirements.txt | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-fast bench lint clean browser llama-server
+.PHONY: demo test test-fast bench lint clean browser llama-server binder-test
 
 $(STAMP): pyproject.toml binder/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,8 @@ browser:
 # notebook need llama-server, so it is built first (cached) and required
 test: $(STAMP) browser llama-server
 	$(PY) -m ruff check nbkv tests
-	NBKV_REQUIRE_SERVER=1 $(PY) -m pytest --nbval-lax --nbval-current-env tests notebooks
+	NBKV_REQUIRE_SERVER=1 $(PY) -m pytest --nbval-lax --nbval-current-env -m "not binder" \
+	  tests notebooks
 
 # the house's rules: style (ruff), layers (import-linter's contracts in pyproject.toml), types (mypy)
 lint: $(STAMP)
@@ -40,7 +41,12 @@ lint: $(STAMP)
 	$(PY) -m mypy nbkv
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not binder"
+
+# binder/ built as mybinder.org builds it, then every notebook run in it (tests/test_binder.py:
+# two C++ builds, so not in `make test`); NBKV_BINDER_IMAGE=DIR keeps the build to reuse
+binder-test: $(STAMP) browser
+	$(PY) -m pytest -s -m binder tests/test_binder.py
 
 bench: $(STAMP)
 	$(PY) -m nbkv.bench

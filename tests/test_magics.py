@@ -69,7 +69,7 @@ def test_autoload_loads_the_configured_default(ip, capsys):
     assert rec.generated_tokens <= 4 and e.history[-1] == rec
     out = capsys.readouterr().out
     # the loading progress, then the reply and its figures line
-    assert "loading default model: 100%" in out
+    assert "loading SmolLM2-135M-Instruct (94 MiB)" in out and ": 100%" in out
     # how it ended is said once, on the figures line
     assert out.endswith(reply + "\n" + Figures(rec).text() + "\n")
 
@@ -357,7 +357,7 @@ def test_loading_again_replaces_the_engine(loaded, capsys):
     chat(loaded, "alice --no-stats --max-tokens 4", "One more?")  # sessions outlive engines
     assert nbkv.session("alice").records[-1].strategy in ("miss", "spc")
     out = capsys.readouterr().out
-    assert "loading default model: 100%" in out
+    assert "loading SmolLM2-135M-Instruct (94 MiB)" in out and ": 100%" in out
     assert len(nbkv.session("alice").records[-1].segments) > 0
 
 

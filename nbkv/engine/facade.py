@@ -21,6 +21,8 @@ from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from nbkv.core.config import DEFAULTS, EngineSettings
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
 from nbkv.core.events import EventBus, SlotsChanged
+from nbkv.core.progress import Reporter
+from nbkv.core.progress import resolve as resolve_progress
 from nbkv.core.requests import SamplingParams
 from nbkv.core.streams import ChatResult, ChatStream
 from nbkv.engine import state as engine_state
@@ -64,12 +66,20 @@ class Engine(TemplatedAPI, ChatAPI):
         cache_min_tokens: IMC: shortest token prefix worth salvaging from another
             conversation's slot; SPC: shortest system prompt worth caching.
         n_batch: tokens per ``llama_decode`` call (prefill chunk size).
+        n_threads: llama.cpp's threads; default what this process may really use: the CPU
+            affinity mask and the cgroup's CPU quota (a container sees every core of its
+            node but may run on a fraction of one), whichever is smaller
+            (:mod:`nbkv.llama.cpus`). ``engine.n_threads`` says what it runs with.
         template: a Jinja2 chat template overriding the model's own.
         overflow: ``"error"`` raises :class:`ContextOverflowError` when a prompt does not fit
             its slot; ``"slide"`` drops the oldest turns (keeping the system prompt) instead.
         wait_timeout: seconds a request may wait for a free slot.
         system_prompt_cache: ``True`` is another way to say ``cache="spc"``.
         on_load_progress: called with the fraction of the model loaded, 0.0 to 1.0.
+        progress: where the load's long steps are shown (the model, the calibration, the
+            projector: :mod:`nbkv.core.progress`): a reporter, ``False`` for nowhere, or
+            ``None`` (default): a bar in the notebook's cell (with ``%load_ext nbkv``), a
+            line on stderr in a terminal, else only the ``nbkv`` logger.
         flash_attn: ``"off"`` (default), ``"on"`` or ``"auto"`` (``True``/``False`` too). With
             f16 KV, llama.cpp's CPU flash-attention kernel tiles batches of 64+ tokens, so a
             prompt prefilled in pieces (what a cache hit does) gets logits up to ~0.7 away
@@ -107,7 +117,8 @@ class Engine(TemplatedAPI, ChatAPI):
         trust_projector: accept projector types nbkv cannot validate ahead of time.
         calibration: ``"cached"`` (default) or ``"fresh"``: at load, nbkv measures how this
             model and build must group prompt rows for cached KV to equal a fresh prefill
-            (:mod:`nbkv.kv.calibrate`, about a second; cached per model, build and settings)
+            (:mod:`nbkv.kv.calibrate`: 8-10 CPU-seconds for SmolLM2 with 1 or 2 slots, 3.3 s
+            on 2 quiet cores, with a progress bar; once per model, llama.cpp build and CPU)
             and prefills that way; ``"fresh"`` measures again. The result is
             ``engine.prefill_rule`` (``engine.model.exactness`` in words).
         park_ram, park_dir, park_disk: parking (:mod:`nbkv.store.parking`, IMC only): the
@@ -138,6 +149,7 @@ class Engine(TemplatedAPI, ChatAPI):
         wait_timeout: float = 300.0,
         system_prompt_cache: bool | None = None,
         on_load_progress: Callable[[float], object] | None = None,
+        progress: Reporter | bool | None = None,
         flash_attn: bool | str = False,
         exact: bool = True,
         speculative: bool = False,
@@ -191,11 +203,13 @@ class Engine(TemplatedAPI, ChatAPI):
         self.wait_timeout = wait_timeout
         self.spc_max_entries = spc_max_entries
         self.res = res = Resources(settings, embedding_cache=embedding_cache,
-                                   on_load_progress=on_load_progress)
+                                   on_load_progress=on_load_progress,
+                                   progress=resolve_progress(progress))
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
         self.template, self.prefill_rule = res.template, res.rule
+        self.n_threads = res.n_threads
         self.speculative = speculative and self.memory.can_trim
         if speculative and not self.speculative:
             log.info("speculative guesses are off: %s memory cannot drop a wrong guess",
@@ -208,8 +222,9 @@ class Engine(TemplatedAPI, ChatAPI):
             res.close()
             raise
         close_at_exit(self)
-        log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s",
-                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache)
+        log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s, %s threads",
+                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache,
+                 self.n_threads)
 
     def _start(self, max_checkpoints: int, history_size: int, spc_max_entries: int,
                park_ram: int | None, park_dir: str | None, park_disk: int | None) -> None:
@@ -421,31 +436,34 @@ class Engine(TemplatedAPI, ChatAPI):
         return self.scheduler.call(lambda: engine_state.import_state(
             self.scheduler, placed, spc, recompute))
 
-    def save(self, path: str | None = None, sessions: Any = None) -> Any:
+    def save(self, path: str | None = None, sessions: Any = None,
+             progress: Reporter | bool | None = None) -> Any:
         """Save the slots, system prompts, image embeddings and sessions to disk.
 
         ``path``: a directory (default: one per notebook under the user's cache dir).
         Replies still decoding are not saved; finished replies are rewritten first (exact
         mode), so the saved KV is what a from-scratch prefill computes. Atomic: a crash
         mid-save leaves the previous save. See :mod:`nbkv.store.persist`; returns a report.
+        A save of 64 MiB or more shows its progress (``progress``, as :class:`Engine`'s).
         """
         from nbkv.store.persist import save
 
-        return save(self, path, sessions)
+        return save(self, path, sessions, progress=progress)
 
-    def restore(self, path: str | None = None, sessions: Any = None, *,
-                trust: bool = False) -> Any:
+    def restore(self, path: str | None = None, sessions: Any = None,
+                progress: Reporter | bool | None = None, *, trust: bool = False) -> Any:
         """Replace the slots and caches with a save (from this or an earlier process).
 
         Checks everything first: a save from another model, projector, llama.cpp build or
         ``n_ctx``, or a corrupt one, raises :class:`~nbkv.core.errors.RestoreError` and leaves
         the engine unchanged. With fewer slots than saved, the most recently used are kept.
         A save not signed by your key raises :class:`~nbkv.core.errors.UntrustedSaveError`;
-        ``trust=True`` restores it, recomputing every slot by a full prefill first.
+        ``trust=True`` restores it, recomputing every slot by a full prefill first. Reading
+        64 MiB or more shows its progress.
         """
         from nbkv.store.persist import restore
 
-        return restore(self, path, sessions, trust=trust)
+        return restore(self, path, sessions, progress=progress, trust=trust)
 
     def stats(self) -> dict[str, Any]:
         """Totals over the request history."""

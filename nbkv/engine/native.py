@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from nbkv.core.config import DEFAULTS, EngineSettings, HardwareOptions
 from nbkv.core.errors import NbkvError
+from nbkv.core.progress import Reporter, Task
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import MemoryInfo, probe_memory
@@ -30,7 +31,7 @@ from nbkv.llama import memplan
 from nbkv.llama.backend import Batch, Context, Model, default_threads, llama_cpp_version
 from nbkv.llama.gguf_header import gguf_fingerprint, read_metadata
 from nbkv.llama.hardware import FLASH_ATTN, SPLIT_MODES, gpu_layers, kv_type_id
-from nbkv.llama.models import resolve_model_path
+from nbkv.llama.models import display_name, resolve_model_path
 from nbkv.prompt.templates import CHATML, ChatTemplate
 
 log = logging.getLogger("nbkv")
@@ -47,7 +48,8 @@ class Resources:
     projector: Any = None
 
     def __init__(self, settings: EngineSettings, *, embedding_cache: Any,
-                 on_load_progress: Callable[[float], object] | None) -> None:
+                 on_load_progress: Callable[[float], object] | None,
+                 progress: Reporter) -> None:
         self._closers: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         s = settings
@@ -55,6 +57,7 @@ class Resources:
         self.config = replace(s, n_slots=s.n_slots or DEFAULTS.n_slots,
                               n_ctx=s.n_ctx or DEFAULTS.n_ctx)
         self.sized = ""
+        self.progress = progress
         try:
             self._open(s.model_path, (s.n_slots is not None, s.n_ctx is not None), s.hardware,
                        s.flash_attn, s.n_batch, s.n_threads, s.template, s.check_memory,
@@ -75,40 +78,58 @@ class Resources:
               trust_projector: bool, on_load_progress: Callable[[float], object] | None
               ) -> None:
         path = resolve_model_path(model_path)
-        self.model = self._own(Model(
-            path, gpu_layers(hw), on_load_progress, main_gpu=hw.main_gpu,
-            split_mode=SPLIT_MODES[hw.split_mode], tensor_split=hw.tensor_split,
-            use_mmap=hw.use_mmap, use_mlock=hw.use_mlock))
-        source = template or self.model.chat_template or CHATML
-        self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
-        n_slots, n_ctx = self._size(path, sized, hw, check_memory)
-        slot_ctx = -(-max(n_ctx, 256) // 256) * 256
-        if mmproj is not None:  # a non-causal image must fit one micro-batch
-            from nbkv.media.projector_check import batch_for_projector
+        size = path.stat().st_size if path.is_file() else 0
+        label = f"loading {display_name(path)} ({size / 2**20:.0f} MiB)"
+        with Task(self.progress, label, total=100, unit="%", tick=0.5) as task:
 
-            n_batch = batch_for_projector(mmproj, n_batch)
-        past = memplan.context_warning(slot_ctx, self.model.n_ctx_train)
-        if past:
-            log.warning("%s", past)
-            warnings.warn(past, stacklevel=4)
-        self.ctx = self._own(Context(
-            self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
-            flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
-            type_v=kv_type_id(hw.type_v)))
-        self.batch = self._own(Batch(self.ctx.n_batch))
-        self.memory = probe_memory(self.model, self.ctx, self.batch)
+            def loaded(fraction: float) -> None:
+                task.update(90 * fraction)
+                if on_load_progress is not None:
+                    on_load_progress(fraction)
+
+            self.model = self._own(Model(
+                path, gpu_layers(hw), loaded, main_gpu=hw.main_gpu,
+                split_mode=SPLIT_MODES[hw.split_mode], tensor_split=hw.tensor_split,
+                use_mmap=hw.use_mmap, use_mlock=hw.use_mlock))
+            source = template or self.model.chat_template or CHATML
+            self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
+            n_slots, n_ctx = self._size(path, sized, hw, check_memory)
+            slot_ctx = -(-max(n_ctx, 256) // 256) * 256
+            task.update(90, what=f"{label}, then its KV cache: {n_slots} slots x {slot_ctx} tokens")
+            if mmproj is not None:  # a non-causal image must fit one micro-batch
+                from nbkv.media.projector_check import batch_for_projector
+
+                n_batch = batch_for_projector(mmproj, n_batch)
+            past = memplan.context_warning(slot_ctx, self.model.n_ctx_train)
+            if past:
+                log.warning("%s", past)
+                warnings.warn(past, stacklevel=4)
+            self.ctx = self._own(Context(
+                self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
+                flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
+                type_v=kv_type_id(hw.type_v)))
+            self.batch = self._own(Batch(self.ctx.n_batch))
+            self.memory = probe_memory(self.model, self.ctx, self.batch)
+            task.update(100)
+        #: threads llama.cpp runs (given, else what the CPU budget allows: nbkv.llama.cpus)
+        self.n_threads = n_threads or default_threads()
         #: the context settings a temporary context must share to compute the same logits
-        self.settings = {"n_threads": n_threads or default_threads(),
+        self.settings = {"n_threads": self.n_threads,
                          "flash_attn": FLASH_ATTN[flash_attn],
                          "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v)}
         self.rule = self._calibrate(calibration)
         self.model.prefill_rule = self.rule
         if mmproj is not None:
+            from pathlib import Path
+
             from nbkv.media.projector import Projector
 
-            self.projector = self._own(Projector(
-                mmproj, self.model, cache=embedding_cache, n_threads=n_threads,
-                trust_projector=trust_projector, flash_attn=FLASH_ATTN[flash_attn]))
+            name = Path(mmproj).name
+            with Task(self.progress, f"opening the vision projector {name}",
+                      "checked, then loaded by libmtmd", tick=0.5):
+                self.projector = self._own(Projector(
+                    mmproj, self.model, cache=embedding_cache, n_threads=n_threads,
+                    trust_projector=trust_projector, flash_attn=FLASH_ATTN[flash_attn]))
 
     def _size(self, path: Any, sized: tuple[bool, bool], hw: HardwareOptions,
               check_memory: bool) -> tuple[int, int]:
@@ -142,7 +163,7 @@ class Resources:
         try:
             rule = calibrate.calibrate(self.model, n_seq=self.config.n_slots,
                                        can_trim=self.memory.can_trim, settings=self.settings,
-                                       cache=mode == "cached")
+                                       cache=mode == "cached", progress=self.progress)
         except (NbkvError, RuntimeError) as e:  # e.g. no room for the temporary context
             rule = PrefillRule(2, 1, exact=False, reason=f"the calibration failed: {e}")
         # next_chunk can then always leave the last chunk threshold rows

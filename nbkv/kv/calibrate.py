@@ -12,8 +12,11 @@ matters and what the rule means):
 4. one-row decodes of several sequences in one batch against each decoded alone: how many
    generating sequences one decode may hold.
 
-The result is cached by model fingerprint, llama.cpp build, CPU features and context
-settings (``$NBKV_CACHE_DIR``, default ``~/.cache/nbkv``, ``calibration.json``).
+The result is cached by model fingerprint, llama.cpp build, CPU features and the settings
+that select other kernels (:func:`key_settings`), not by ``n_ctx``, threads or slot count
+(``$NBKV_CACHE_DIR``, default ``~/.cache/nbkv``, ``calibration.json``). It costs 8-10
+CPU-seconds on SmolLM2 (1 or 2 slots; 14 for any number), once: ``python -m nbkv.kv.calibrate``
+does it ahead of time (Binder's postBuild).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from nbkv.core.progress import Reporter, Task, silent
 from nbkv.kv import invariance
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import Batch, Context, Model, system_info
@@ -47,7 +51,7 @@ POWERS = (1, 2, 4, 8, 16, 32)
 GEN_PREFIX = PREFIX  # rows each sequence holds before the generation test
 GEN_MAX = 8  # generation batches of more sequences than this are not measured
 FILE = "calibration.json"
-VERSION = 1  # of the measurement: a change invalidates cached results
+VERSION = 2  # of the measurement and its key: a change invalidates cached results
 
 
 def cache_dir() -> Path:
@@ -84,28 +88,41 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b))
 
 
+WHAT = "checking which prefill groupings are exact on this CPU"
+WHY = "once per model, llama.cpp build and CPU"
+
+
+def steps(n_seq: int) -> int:
+    """The steps :func:`measure` reports: chunk sizes, alignment, proof, generation batches."""
+    return len(POWERS) + 2 + (min(n_seq, GEN_MAX) if n_seq > 1 else 0)
+
+
 def measure(ctx: Context, batch: Batch, n_vocab: int, *, n_seq: int = 1,
-            can_trim: bool = True) -> PrefillRule:
+            can_trim: bool = True, task: Task | None = None,
+            grouping: PrefillRule | None = None) -> PrefillRule:
     """Measure this context's batch-invariance rule on its sequences ``0..n_seq-1``.
 
     Leaves every sequence it used empty. Needs a batch of :data:`N_ROWS` rows or more.
+    ``task`` is told each step (:func:`steps` in all); ``grouping``: a rule already
+    measured on this model and build, completed by the generation test only.
     """
     t0 = time.perf_counter()
+    task = task or Task(silent, WHAT)
     rng = np.random.default_rng(1234)
     lo, hi = min(100, n_vocab // 4), max(n_vocab - 100, n_vocab // 2)
     tokens = [int(t) for t in rng.integers(lo, hi, N_ROWS)]
     probe = _Probe(ctx, batch, tokens, 0)
     try:
-        rule = _grouping(probe, can_trim)
+        rule = grouping if grouping is not None else _grouping(probe, can_trim, task)
         if rule.exact and n_seq > 1:
-            rule = _with_gen_rows(rule, ctx, batch, tokens, n_seq)
+            rule = _with_gen_rows(rule, ctx, batch, tokens, n_seq, task)
     finally:
         for s in range(max(n_seq, 1)):
             ctx.try_seq_rm(s, -1, -1)
     return replace(rule, seconds=round(time.perf_counter() - t0, 3))
 
 
-def _grouping(probe: _Probe, can_trim: bool) -> PrefillRule:
+def _grouping(probe: _Probe, can_trim: bool, task: Task) -> PrefillRule:
     p, n = PREFIX, N_ROWS
     ref = probe.run([(0, p), (p, n)])[p:]
     table: dict[int, bool] = {}
@@ -119,9 +136,12 @@ def _grouping(probe: _Probe, can_trim: bool) -> PrefillRule:
         chunks = [(p + i * k, p + (i + 1) * k) for i in range(m)] + [(p + m * k, end)]
         rows = probe.run(chunks, keep=p) if can_trim else probe.run([(0, p), *chunks])[p:]
         table[k] = _equal(rows, ref[: end - p])
+        if k in POWERS:
+            task.advance()
         return table[k]
 
     threshold = next((k for k in POWERS if test(k)), None)
+    task.update(len(POWERS))
     if threshold is None:
         again = probe.run([(0, p), (p, n)])[p:]
         why = ("the same batch decoded twice gave different logits (non-deterministic "
@@ -138,12 +158,14 @@ def _grouping(probe: _Probe, can_trim: bool) -> PrefillRule:
     derived = invariance.derive(table)
     if derived is not None:
         threshold, align = derived
+    task.update(len(POWERS) + 1)
     items = tuple(sorted(table.items()))
     full = probe.run([(0, n)])
     while align <= POWERS[-1]:
         rule = PrefillRule(threshold, align, single_row=table.get(1, False) and align == 1,
                            table=items)
         if _proves(probe, full, rule, can_trim):
+            task.update(len(POWERS) + 2)
             return rule
         align *= 2
         threshold = max(threshold, align)
@@ -175,7 +197,7 @@ def _proves(probe: _Probe, ref: np.ndarray, rule: PrefillRule, can_trim: bool) -
 
 
 def _with_gen_rows(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequence[int],
-                   n_seq: int) -> PrefillRule:
+                   n_seq: int, task: Task) -> PrefillRule:
     """How many sequences one generation decode may hold (one row each) and stay exact."""
     m_max = min(n_seq, GEN_MAX)
     prefix, rows = tokens[:GEN_PREFIX], tokens[GEN_PREFIX:GEN_PREFIX + m_max]
@@ -205,8 +227,10 @@ def _with_gen_rows(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequen
         batch.add(r, GEN_PREFIX, 0, True)
         ctx.decode(batch)
         alone.append((np.array(ctx.logits(0)), follow(0)))
+    task.advance()
     limit = 0 if n_seq <= GEN_MAX else GEN_MAX
     for m in range(2, min(n_seq, GEN_MAX) + 1):
+        task.advance()
         fill(m)
         batch.clear()
         for s in range(m):
@@ -221,31 +245,81 @@ def _with_gen_rows(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequen
 
 
 def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, Any],
-              cache: bool = True) -> PrefillRule:
+              cache: bool = True, progress: Reporter = silent) -> PrefillRule:
     """The rule of ``model`` in contexts with these ``settings``, measured or cached.
 
     It is measured in a temporary context with ``settings`` (:class:`~nbkv.llama.backend.Context`
-    keywords: threads, KV types, flash attention); ``cache=False`` measures again (and
-    stores the new result).
+    keywords: threads, KV types, flash attention) and ``n_seq`` sequences; ``cache=False``
+    measures again (and stores the new result). A cached measurement of fewer sequences is
+    completed by the generation test alone. ``progress`` is told each step.
     """
     n_seq = max(1, min(n_seq, GEN_MAX + 1))
     key = cache_key(gguf_fingerprint(model.path),
-                    {**settings, "n_seq": n_seq, "can_trim": can_trim, "gpu_layers":
-                     model.params.n_gpu_layers, "version": VERSION})
-    if cache:
-        rule = cached(key)
+                    key_settings(settings, can_trim, model.params.n_gpu_layers))
+    known = cached_entry(key) if cache else None
+    if known is not None:
+        rule = for_sequences(*known, n_seq)
         if rule is not None:
             return rule
-    ctx = Context(model, 256 * n_seq, n_seq, N_ROWS, **settings)
-    batch = Batch(N_ROWS)
-    try:
-        rule = measure(ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim)
-    finally:
-        batch.close()
-        ctx.close()
+    total = steps(n_seq) - (steps(1) if known is not None else 0)
+    with Task(progress, WHAT, WHY, total=total, tick=1.0) as task:
+        ctx = Context(model, 256 * n_seq, n_seq, N_ROWS, **settings)
+        batch = Batch(N_ROWS)
+        try:
+            rule = measure(ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim,
+                           task=task, grouping=known[0] if known is not None else None)
+        finally:
+            batch.close()
+            ctx.close()
     log.info("calibrated %s in %.1f s: %s", model.path.name, rule.seconds, rule.describe())
-    store(key, rule)
+    store(key, rule, gen_tested=tested(n_seq))
     return rule
+
+
+def key_settings(settings: dict[str, Any], can_trim: bool, gpu_layers: int) -> dict[str, Any]:
+    """What, besides the model, the build and the CPU, the answer depends on.
+
+    Measured (``python -m nbkv.kv.calibrate --compare``; SmolLM2 Q4_1 and Gemma 3 Q4_K_M):
+    the logits of every grouping are bit-identical with 1 to 8 threads, in slots of 256 or
+    2048 tokens, and in contexts of 1, 2 or 9 sequences, so neither ``n_ctx`` nor the thread
+    count nor the slot count is part of the key (the slot count decides only how far the
+    generation test must go: :func:`for_sequences`). The KV types, flash attention and the
+    layers on a GPU select other kernels, and memory that cannot be trimmed is measured
+    another way. With flash attention on, llama.cpp's CPU kernel for one query over an f16
+    cache splits the cache among the threads: the thread count then joins the key.
+    """
+    from nbkv.llama.hardware import FLASH_ATTN
+
+    body = {"flash_attn": settings.get("flash_attn", FLASH_ATTN["off"]),
+            "type_k": settings.get("type_k"), "type_v": settings.get("type_v"),
+            "can_trim": can_trim, "gpu_layers": gpu_layers, "version": VERSION}
+    if body["flash_attn"] != FLASH_ATTN["off"]:
+        body["n_threads"] = settings.get("n_threads")
+    return body
+
+
+def tested(n_seq: int) -> int:
+    """How many sequences the generation test of a ``n_seq``-sequence context covers."""
+    return min(n_seq, GEN_MAX) if n_seq > 1 else 1
+
+
+def for_sequences(rule: PrefillRule, gen_tested: int, n_seq: int) -> PrefillRule | None:
+    """``rule`` (measured with ``gen_tested`` sequences) for an engine of ``n_seq`` slots.
+
+    None when the measurement does not tell: it passed every batch it tried, and ``n_seq``
+    asks for larger ones. ``gen_rows`` is 0 (no limit) when every batch of up to ``n_seq``
+    sequences was proven, else the largest proven.
+    """
+    if not rule.exact:
+        return rule
+    n_seq = max(1, min(n_seq, GEN_MAX + 1))
+    if 0 < rule.gen_rows < gen_tested:  # a batch of gen_rows + 1 sequences differed
+        return replace(rule, gen_rows=0 if n_seq <= rule.gen_rows else rule.gen_rows)
+    if n_seq <= gen_tested:
+        return replace(rule, gen_rows=0)
+    if gen_tested >= GEN_MAX:
+        return replace(rule, gen_rows=GEN_MAX)
+    return None
 
 
 # -- the cache -------------------------------------------------------------------------------
@@ -268,24 +342,33 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def cached(key: str, path: Path | None = None) -> PrefillRule | None:
-    """The rule cached under ``key``, if any."""
+def cached_entry(key: str, path: Path | None = None) -> tuple[PrefillRule, int] | None:
+    """The rule cached under ``key`` and how many sequences its generation test covered."""
     entry = _read(path or cache_dir() / FILE).get(key)
     if not isinstance(entry, dict):
         return None
+    entry = dict(entry)
     try:
-        return PrefillRule.from_json(entry)
+        gen_tested = int(entry.pop("gen_tested", 1))
+        return PrefillRule.from_json(entry), gen_tested
     except (TypeError, ValueError):
         return None
 
 
-def store(key: str, rule: PrefillRule, path: Path | None = None) -> None:
+def cached(key: str, path: Path | None = None) -> PrefillRule | None:
+    """The rule cached under ``key``, if any (as measured)."""
+    found = cached_entry(key, path)
+    return found[0] if found is not None else None
+
+
+def store(key: str, rule: PrefillRule, path: Path | None = None, *, gen_tested: int = 1
+          ) -> None:
     """Cache ``rule`` under ``key`` (atomically; a failure to write is only logged)."""
     path = path or cache_dir() / FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read(path)
-        data[key] = rule.to_json()
+        data[key] = {**rule.to_json(), "gen_tested": gen_tested}
         fd, tmp = tempfile.mkstemp(prefix=FILE + ".", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
@@ -294,3 +377,104 @@ def store(key: str, rule: PrefillRule, path: Path | None = None) -> None:
         log.warning("could not cache the calibration in %s: %s", path, e)
         with contextlib.suppress(OSError, UnboundLocalError):
             os.unlink(tmp)
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def compare(model: Model, variants: Sequence[tuple[int, int, int]], rows: int = 112
+            ) -> list[tuple[tuple[int, int, int], str]]:
+    """The logits of one token run decoded in chunks of 1, 3, 8 and all rows, per variant.
+
+    ``variants``: (threads, tokens per slot, sequences). Returns each variant with a digest
+    of all its logits: equal digests mean the variant changes no answer of the calibration.
+    """
+    rng = np.random.default_rng(7)
+    tokens = [int(t) for t in rng.integers(min(100, model.n_vocab // 4),
+                                           max(model.n_vocab - 100, model.n_vocab // 2), rows)]
+    out = []
+    for threads, slot, n_seq in variants:
+        ctx = Context(model, slot * n_seq, n_seq, rows, threads)
+        batch = Batch(rows)
+        try:
+            probe = _Probe(ctx, batch, tokens, 0)
+            h = hashlib.sha256()
+            for k in (1, 3, 8, rows):
+                h.update(probe.run([(lo, min(lo + k, rows)) for lo in range(0, rows, k)],
+                                   keep=None).tobytes())
+                ctx.try_seq_rm(0, -1, -1)
+            out.append(((threads, slot, n_seq), h.hexdigest()[:16]))
+        finally:
+            batch.close()
+            ctx.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nbkv.kv.calibrate [MODEL ...] [--slots N] [--fresh] [--compare]``.
+
+    Calibrates each model (default: the embedded one) for engines of up to ``--slots``
+    slots (default: any number), so that later loads find the result cached: Binder's
+    ``postBuild`` runs it. ``--compare`` instead shows whether the thread count, the slot
+    size or the number of sequences changes any logit (see :func:`key_settings`).
+    """
+    import argparse
+    import sys
+
+    from nbkv.core.progress import PlainLines, default_reporter
+    from nbkv.llama.backend import default_threads
+    from nbkv.llama.models import resolve_model_path
+
+    ap = argparse.ArgumentParser(prog="python -m nbkv.kv.calibrate",
+                                 description=main.__doc__.split("\n")[0] if main.__doc__ else "")
+    ap.add_argument("models", nargs="*", help="GGUF files (default: the embedded model)")
+    ap.add_argument("--slots", type=int, default=GEN_MAX + 1,
+                    help="the most slots an engine will have (default: any number)")
+    ap.add_argument("--fresh", action="store_true", help="measure again even if cached")
+    ap.add_argument("--compare", action="store_true",
+                    help="check that threads, slot size and sequences change no logit")
+    args = ap.parse_args(argv)
+    from nbkv.core.config import HardwareOptions
+    from nbkv.llama.hardware import FLASH_ATTN, gpu_layers, kv_type_id
+
+    status = 0
+    for name in args.models or [None]:
+        model = Model(resolve_model_path(name), gpu_layers(HardwareOptions()))
+        try:
+            if args.compare:
+                variants = [(t, 256, 1) for t in (1, 2, 4, 8)] + [(1, 2048, 1), (1, 256, 2),
+                                                                 (1, 256, GEN_MAX + 1)]
+                results = compare(model, variants)
+                for (threads, slot, n_seq), digest in results:
+                    print(f"{model.path.name}: {threads} threads, {slot}-token slots, "
+                          f"{n_seq} sequences: logits {digest}")
+                same = len({d for _, d in results}) == 1
+                print(f"{model.path.name}: " + ("every variant gives the same logits" if same
+                                                else "the variants DIFFER"))
+                status |= 0 if same else 1
+                continue
+            from nbkv.kv.slot_kv import probe_memory
+
+            ctx = Context(model, 256, 1, N_ROWS)
+            batch = Batch(N_ROWS)
+            try:
+                can_trim = probe_memory(model, ctx, batch).can_trim
+            finally:
+                batch.close()
+                ctx.close()
+            # an Engine's defaults (its key: nbkv.engine.native.Resources.settings)
+            settings = {"n_threads": default_threads(), "flash_attn": FLASH_ATTN["off"],
+                        "type_k": kv_type_id("f16"), "type_v": kv_type_id("f16")}
+            t0 = time.perf_counter()
+            rule = calibrate(model, n_seq=args.slots, can_trim=can_trim, settings=settings,
+                             cache=not args.fresh, progress=default_reporter()
+                             if sys.stderr.isatty() else PlainLines(sys.stderr, every=5.0))
+            print(f"{model.path.name}: {rule.describe()} ({time.perf_counter() - t0:.1f} s; "
+                  f"cached in {cache_dir() / FILE})")
+        finally:
+            model.close()
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

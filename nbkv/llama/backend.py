@@ -22,6 +22,10 @@ from nbkv.core.errors import DecodeError, ModelLoadError, ModelNotFoundError
 from nbkv.llama.models import display_name
 
 log = logging.getLogger("nbkv.llama")
+# llama.cpp's and libmtmd's own log reach the user only through logging: without a handler
+# of its own, a WARNING would go to logging's last resort, stderr, which a notebook shows
+# in every cell (libmtmd's "Qwen-VL models require at minimum 1024 image tokens ...")
+log.addHandler(logging.NullHandler())
 
 STATE_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
@@ -91,8 +95,15 @@ def system_info() -> str:
 
 
 def default_threads() -> int:
-    """Threads llama.cpp and libmtmd use when none are given: every core."""
-    return max(os.cpu_count() or 1, 1)
+    """Threads llama.cpp and libmtmd use when none are given: the CPUs this process has.
+
+    The affinity mask and the cgroup's CPU quota, whichever is smaller
+    (:func:`nbkv.llama.cpus.cpu_budget`): in a container, every core of the node is visible
+    but only the quota's share can run.
+    """
+    from nbkv.llama.cpus import cpu_budget
+
+    return cpu_budget().threads
 
 
 def init_backend() -> None:

@@ -130,7 +130,7 @@ def load(ws: Workspace, args: Any) -> Any:
                             ws.notebook)
     with warnings.catch_warnings(record=True) as said:  # shown under the summary instead
         warnings.simplefilter("always")
-        engine = ws.store.load(path, on_load_progress=progress, **kwargs)
+        engine = ws.store.load(path, progress=progress, **kwargs)
     engine.carry_over(carried)
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)

@@ -339,11 +339,19 @@ def _fork_spec(text: str) -> tuple[str, int | None]:
 
 
 def load(ipython: Any) -> None:
-    """Register the magics with ``ipython`` and follow its cells."""
+    """Register the magics with ``ipython`` and follow its cells.
+
+    Long work started in this kernel without a reporter of its own (an ``Engine(...)`` made
+    in a cell, ``LlamaServer.start()``) then shows its progress in the running cell.
+    """
+    from nbkv.core import progress
+    from nbkv.ui.progress import ProgressBar
+
     magics = Nbkv(shell=ipython)
     ipython.register_magics(magics)
     if magics.cells is not None:
         magics.cells.register()
+    progress.set_default(lambda: ProgressBar(magics._notebook()))
     # a session shows as its conversation view (the model itself knows no HTML)
     ipython.display_formatter.formatters["text/html"].for_type(Session, session_html)
 
@@ -365,3 +373,6 @@ def unload(ipython: Any) -> None:
             ipython.configurables.remove(inst)
         inst.store.close_engine()
     ipython.display_formatter.formatters["text/html"].pop(Session, None)
+    from nbkv.core import progress
+
+    progress.set_default(None)

@@ -1,8 +1,9 @@
 """Run llama-server with the flags nbkv needs: ``python -m nbkv.remote.server [MODEL] [--port N]``.
 
-The binary is the one ``make llama-server`` builds from the llama.cpp sources inside the
-installed llama-cpp-python's sdist (cached as ``.venv/llama-server-<version>/``), or
-``$NBKV_LLAMA_SERVER``, or ``llama-server`` on ``PATH``.
+The binary is ``$NBKV_LLAMA_SERVER``, else the one ``python -m nbkv.remote.build`` (run by
+``make llama-server`` and Binder's ``postBuild``) builds from the llama.cpp sources inside the
+installed llama-cpp-python's sdist, as ``<sys.prefix>/llama-server-<version>/llama-server``,
+else ``llama-server`` on ``PATH``.
 
 The flags that keep nbkv's slot pinning exact (``SERVER_FLAGS``):
 
@@ -41,8 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from nbkv.core.errors import NbkvError, ServerError
+from nbkv.core.progress import Reporter, Task, resolve
 
 SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
+NO_BINARY = ("no llama-server binary: build one from the installed llama-cpp-python's llama.cpp "
+             "with `python -m nbkv.remote.build` (a few minutes; needs a C++ compiler), or set "
+             "$NBKV_LLAMA_SERVER to one")
 
 
 def binary() -> Path | None:
@@ -71,7 +76,8 @@ def free_port() -> int:
 class LlamaServer:
     """A llama-server child process on 127.0.0.1, stopped by its PID (``with`` or ``stop()``).
 
-    ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``). For replies
+    ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``); ``threads``
+    defaults to what this process may use (:mod:`nbkv.llama.cpus`). For replies
     equal to the in-kernel engine's, pin what changes the arithmetic to its values:
     ``batch`` and ``ubatch`` (``-b``, ``-ub``: the pieces a prefill is computed in; nbkv's
     default is 256) and ``flash_attn="off"`` (llama-server's ``auto`` turns flash attention
@@ -86,9 +92,7 @@ class LlamaServer:
                  extra: tuple[str, ...] = (), log_path: str | None = None) -> None:
         exe = binary()
         if exe is None:
-            raise NbkvError("no llama-server binary: build it with `make llama-server` (from "
-                            "the installed llama-cpp-python's sources), or set "
-                            "$NBKV_LLAMA_SERVER to one")
+            raise NbkvError(NO_BINARY)
         if model is None:
             from nbkv.llama.models import default_model_path
 
@@ -101,8 +105,11 @@ class LlamaServer:
         self.argv = [str(exe), "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
                      "-np", str(slots), "-c", str(slots * ctx), *SERVER_FLAGS,
                      "--cache-ram", str(int(cache_ram))]
-        if threads:
-            self.argv += ["-t", str(threads), "-tb", str(threads)]
+        if not threads:  # llama-server's own default counts the node's cores, not the quota
+            from nbkv.llama.cpus import cpu_budget
+
+            threads = cpu_budget().threads
+        self.argv += ["-t", str(threads), "-tb", str(threads)]
         if batch:
             self.argv += ["-b", str(batch)]
         if ubatch:
@@ -127,15 +134,21 @@ class LlamaServer:
         """The child's PID while it runs."""
         return self.proc.pid if self.proc is not None else None
 
-    def start(self, timeout: float = 120.0) -> LlamaServer:
-        """Start the process and wait (at most ``timeout`` s) until ``/health`` says ok."""
+    def start(self, timeout: float = 120.0, progress: Reporter | bool | None = None
+              ) -> LlamaServer:
+        """Start the process and wait (at most ``timeout`` s) until ``/health`` says ok.
+
+        ``progress``: where the wait is shown (:func:`nbkv.core.progress.resolve`).
+        """
         with open(self.log_path, "ab") as log:
             # in the caller's process group: whoever stops the kernel (or the terminal's
             # Ctrl-C) stops the server too; and stopped by PID at exit, at the latest
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
-        self.wait_ready(timeout)
+        with Task(resolve(progress), f"starting llama-server on port {self.port}",
+                  f"it loads {Path(self.model).name} for {self.slots} slots", tick=0.5):
+            self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:

@@ -60,7 +60,7 @@ class Autosaver:
                 continue
             self._dirty.clear()
             try:
-                save(self.engine, self.path, self.sessions, only_if_idle=True)
+                save(self.engine, self.path, self.sessions, only_if_idle=True, progress=False)
                 self.saves += 1
                 self._last_save = time.monotonic()
             except EngineBusy:

@@ -22,7 +22,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -119,10 +119,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_blobs(root: Path, blobs: Blobs) -> int:
+def write_blobs(root: Path, blobs: Blobs, on_blob: Callable[[int], object] | None = None
+                ) -> int:
     """Write every blob not already under ``root/blobs``; returns the bytes written.
 
-    Raises ``OSError`` as the file system does; a blob already there is kept.
+    Raises ``OSError`` as the file system does; a blob already there is kept. ``on_blob``
+    is told the size of each blob done (written or found).
     """
     bdir = root / BLOBS
     bdir.mkdir(parents=True, exist_ok=True)
@@ -131,8 +133,12 @@ def write_blobs(root: Path, blobs: Blobs) -> int:
         target = bdir / name
         if target.is_file() and target.stat().st_size == len(mv) \
                 and file_sha256(target) == name[:64]:
+            if on_blob is not None:
+                on_blob(len(mv))
             continue  # content-addressed: the same bytes are already there
         written += write_file(target, [mv])
+        if on_blob is not None:
+            on_blob(len(mv))
     fsync_dir(bdir)
     return written
 
@@ -169,10 +175,12 @@ class Reader:
     bytes read.
     """
 
-    def __init__(self, root: Path, table: dict[str, Any]) -> None:
+    def __init__(self, root: Path, table: dict[str, Any],
+                 on_blob: Callable[[int], object] | None = None) -> None:
         self.root = root
         self.table = table
         self.nbytes = 0
+        self.on_blob = on_blob  # told the size of each blob read
         self._cache: dict[str, Any] = {}
 
     def __call__(self, name: Any) -> Any:
@@ -205,6 +213,8 @@ class Reader:
             raise RestoreError(f"blob {name} fails its checksum (corrupt)")
         self.nbytes += size
         self._cache[name] = buf
+        if self.on_blob is not None:
+            self.on_blob(size)
         return buf
 
 

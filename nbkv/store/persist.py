@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -44,6 +45,7 @@ import numpy as np
 
 from nbkv.core.errors import NbkvError, RestoreError, SaveError, UntrustedSaveError
 from nbkv.core.events import SlotsChanged
+from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.core.protocol import Exportable
 from nbkv.kv.slot_kv import KVSnapshot
 from nbkv.kv.slot_table import SlotState
@@ -84,6 +86,7 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
 )
 
 log = logging.getLogger("nbkv")
+SHOWN = 64 << 20  # a save or restore of this many bytes shows its progress (~1 s of disk)
 
 _IMAGE_TAG = "$nbkv_image"
 
@@ -249,13 +252,15 @@ def _unjson(value: Any, read: Any) -> Any:
 
 
 def save(engine: Persistable, path: str | os.PathLike | None = None,
-         sessions: SessionStoreLike | None = None, *, only_if_idle: bool = False) -> SaveReport:
+         sessions: SessionStoreLike | None = None, *, only_if_idle: bool = False,
+         progress: Reporter | bool | None = None) -> SaveReport:
     """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
 
     Saved: each idle slot's state (and checkpoints), the system-prompt cache, the image
     embeddings the slots use, and the message histories of ``sessions`` (default: the
     kernel's store). Raises :class:`SaveError` when the directory cannot be written; the
-    previous save there is then untouched.
+    previous save there is then untouched. A save of :data:`SHOWN` bytes or more shows its
+    progress (``progress``: :func:`nbkv.core.progress.resolve`).
     """
     _require_local(engine, "save")
     store = kernel_sessions(sessions)
@@ -317,8 +322,9 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
         "parked": parked_json,
         "blobs": blobs.table(),
     }
-    with _locked(root, exclusive=True):
-        written = _write(root, body, blobs)
+    total = sum(len(mv) for mv in blobs.data.values())
+    with _locked(root, exclusive=True), _bytes_task(progress, total, f"saving to {root}") as done:
+        written = _write(root, body, blobs, done)
     rep = SaveReport(root, tuple(reports), tuple(cap.busy), len(spc_json), len(emb_json),
                      tuple(s["name"] for s in sess_json),
                      sum(len(mv) for mv in blobs.data.values()), written,
@@ -352,9 +358,21 @@ def _locked(root: Path, exclusive: bool) -> Any:
         os.close(fd)
 
 
-def _write(root: Path, body: dict[str, Any], blobs: Blobs) -> int:
+@contextlib.contextmanager
+def _bytes_task(progress: Reporter | bool | None, total: int, what: str
+                ) -> Iterator[Callable[[int], None] | None]:
+    """A per-blob callback that moves a MiB bar, for work of :data:`SHOWN` bytes or more."""
+    if total < SHOWN or progress is False:
+        yield None
+        return
+    with Task(resolve(progress), what, total=total / 2**20, unit="MiB") as task:
+        yield lambda n: task.advance(n / 2**20)
+
+
+def _write(root: Path, body: dict[str, Any], blobs: Blobs,
+           on_blob: Callable[[int], None] | None = None) -> int:
     try:
-        written = write_blobs(root, blobs)
+        written = write_blobs(root, blobs, on_blob)
         written += write_file(root / MANIFEST, [manifest_text(body).encode()])
         fsync_dir(root)
     except OSError as e:
@@ -379,13 +397,14 @@ class _Plan:
     nbytes: int = 0
 
 
-def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any) -> _Plan:
+def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
+          on_blob: Callable[[int], None] | None = None) -> _Plan:
     """Read and check every blob and record of a save; touches nothing in the engine."""
     table = body.get("blobs")
     if not isinstance(table, dict):
         raise RestoreError("the manifest has no blob table")
     plan = _Plan()
-    read = Reader(root, table)
+    read = Reader(root, table, on_blob)
 
     n_vocab = engine.model.n_vocab
     n_saved = body.get("n_slots")
@@ -460,12 +479,14 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any) 
 
 
 def restore(engine: Persistable, path: str | os.PathLike | None = None,
-            sessions: SessionStoreLike | None = None, *, trust: bool = False) -> RestoreReport:
+            sessions: SessionStoreLike | None = None, *, trust: bool = False,
+            progress: Reporter | bool | None = None) -> RestoreReport:
     """Replace ``engine``'s slots and caches with the save at ``path``.
 
     The saved sessions' messages go back into ``sessions`` (default: the kernel's store).
     Everything is checked before the engine is touched; on any mismatch or corruption
-    :class:`RestoreError` says what, and the engine and sessions are unchanged.
+    :class:`RestoreError` says what, and the engine and sessions are unchanged. Reading
+    :data:`SHOWN` bytes or more shows its progress.
 
     A save not signed by this user's key (:mod:`nbkv.store.signing`) raises
     :class:`UntrustedSaveError`, unless ``trust``: then its sessions are restored, and each
@@ -486,7 +507,11 @@ def restore(engine: Persistable, path: str | os.PathLike | None = None,
         if diffs:
             raise RestoreError(f"the save at {root} does not fit this engine: "
                                + "; ".join(diffs))
-        plan = _load(engine, root, body, store)
+        table = body.get("blobs")
+        total = sum(int(m.get("size", 0)) for m in table.values() if isinstance(m, dict)) \
+            if isinstance(table, dict) else 0
+        with _bytes_task(progress, total, f"reading and checking the save in {root}") as done:
+            plan = _load(engine, root, body, store, done)
     if uses_media(body) and engine.projector is None:
         raise RestoreError("the save holds images: load the engine with its vision projector")
     left_out = _distrust(plan) if why is not None else ()

@@ -359,6 +359,8 @@ def hardware_rows(engine: Engine) -> tuple[tuple[str, str], ...]:
     actual = engine.ctx.kv_buffer_bytes
     return (
         ("devices", describe_devices(devices())),
+        *((("threads", threads_text(engine.n_threads)),) if hasattr(engine, "n_threads")
+          else ()),
         ("offload", offload),
         ("KV cache", f"K {hw.type_k}, V {hw.type_v}, flash attention {engine.flash_attn}"),
         ("KV memory", f"{plan.per_slot / 2**20:.1f} MiB per slot, "
@@ -366,6 +368,16 @@ def hardware_rows(engine: Engine) -> tuple[tuple[str, str], ...]:
                       f"{plan.total / 2**20:.1f} MiB in all"
                       + (f" (llama.cpp allocated {actual / 2**20:.1f} MiB)" if actual else "")),
     )
+
+
+def threads_text(n_threads: int) -> str:
+    """The engine's threads and why that many: ``1 (a CPU quota of 0.5 of the 16 cores, ...)``."""
+    from nbkv.llama.cpus import cpu_budget
+
+    budget = cpu_budget()
+    if n_threads == budget.threads:
+        return budget.describe()
+    return f"{n_threads} (n_threads; this process may use {budget.describe()})"
 
 
 def slots_table(engine: Engine) -> Table:

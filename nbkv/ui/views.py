@@ -16,9 +16,10 @@ from typing import Any, TextIO
 
 from nbkv.core.events import Progress
 from nbkv.ui import vocabulary as vocab
-from nbkv.ui.display import Message, progress_html, progress_text
+from nbkv.ui.display import progress_html, progress_text
 from nbkv.ui.figures import Figures, TurnFigures
 from nbkv.ui.palette import NEUTRAL
+from nbkv.ui.progress import ProgressBar
 
 
 class ChatView:
@@ -213,48 +214,14 @@ class TerminalChatView(ChatView):
         self._write(figures.text() + "\n")
 
 
-class LoadProgress:
-    """Model-loading progress: a bar in notebooks, a rewritten line in terminals."""
+class LoadProgress(ProgressBar):
+    """Loading an engine: its long steps (model, calibration, projector), then the summary.
+
+    A bar in notebooks; in terminals a rewritten line on ``out`` (stdout).
+    """
 
     def __init__(self, label: str, notebook: bool, out: TextIO | None = None) -> None:
-        self.label = label
-        self._out = out or sys.stdout
-        self._handle = None
-        self._last = -1.0
-        if notebook:
-            from IPython.display import display
-
-            self._handle = display({"text/plain": f"{label}: 0%"}, raw=True, display_id=True)
-
-    def __call__(self, fraction: float) -> None:
-        """Report the fraction loaded (0..1); redrawn every 5%."""
-        if fraction < 1.0 and fraction - self._last < 0.05:
-            return
-        self._last = fraction
-        text = f"{self.label}: {fraction * 100:.0f}%"
-        if self._handle is not None:
-            self._handle.update({
-                "text/html": f'<div class="nbkv-progress" style="font:12px monospace">'
-                             f'<progress value="{fraction:.3f}" max="1" style="width:200px">'
-                             f"</progress> {html.escape(text)}</div>",
-                "text/plain": text}, raw=True)
-        else:
-            self._out.write("\r" + text)
-            self._out.flush()
-
-    def done(self, summary: Any, note: str | None = None) -> None:
-        """Replace the bar with ``summary`` (a displayable), then show ``note`` if any."""
-        if self._handle is not None:
-            self._handle.update(summary)
-            if note:
-                from IPython.display import display
-
-                display(Message(note))
-        else:
-            self._out.write("\r" + " " * (len(self.label) + 6) + "\r")
-            if note:
-                self._out.write(note + "\n")
-            self._out.flush()
+        super().__init__(notebook, out or sys.stdout, label=label)
 
 
 def thumbnail_html(part: dict[str, Any], size: int = 96) -> str:
