@@ -66,7 +66,7 @@ class EngineSlot(TableSlot):
             self.index, kv.seq_id, self.capacity, self.session, (*kv.tokens, *self.redo),
             tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
             self.segments, self.last_request, kv.settled, kv.checkpoints.positions,
-            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo),
+            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo), cut_floor=kv.cut_floor,
         )
 
     def reset(self) -> None:

@@ -3,9 +3,11 @@
 The engine side of :mod:`nbkv.store.parking`: what leaves a slot is its proven KV only (a reply
 whose batched rewrite has not run is cut back to the settled prefix first: cheaper than
 rewriting it, and what a returning request would keep anyway), with the message hashes and
-boundaries that still lie inside it. A restore puts the whole state back (checkpoints too)
-and checks that the memory holds exactly the parked positions; otherwise the slot is
-emptied and the request rebuilds.
+boundaries that still lie inside it. Sliding-window memory is always parked at its settled
+end, the position the next turn resumes from: the state put back holds only the window
+before its end and is not cut again unless the prompt diverges (then a checkpoint serves).
+A restore puts the whole state back (checkpoints too) and checks that the memory holds
+exactly the parked positions; otherwise the slot is emptied and the request rebuilds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.errors import InvalidRequestError
-from nbkv.kv.slot_kv import KVSnapshot, trim_valid
+from nbkv.kv.slot_kv import SWA, KVSnapshot, trim_valid
 from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry
 
@@ -32,8 +34,14 @@ def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
     if lot is None or not (kv.tokens or slot.redo):
         return ""
     t0 = time.perf_counter()
+    exact = sched.settings.exact
     with sched.cv:
-        if slot.redo or (sched.settings.exact and kv.needs_rewrite):
+        if exact and kv.memory.kind == SWA and (slot.redo or kv.settled < len(kv)):
+            # a state put back whole cannot be cut (only the window before its end is
+            # saved): park it where the next turn resumes, at its settled end
+            slot.redo.clear()
+            kv.trim_to(kv.settled)
+        elif slot.redo or (exact and kv.needs_rewrite):
             slot.redo.clear()  # the rewrite is abandoned: park the proven prefix
             trim_valid(kv, list(kv.tokens), kv.settled, sched.res.rule)
     n = len(kv)

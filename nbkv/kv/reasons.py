@@ -248,8 +248,8 @@ def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Resto
     text = f"{who}'s conversation was parked{when}; restored {amount} from {where}"
     if not reuse:
         text = (f"{who}'s conversation was parked{when}, but its state from {where} could not "
-                f"be cut back to where this prompt leaves it (a sliding-window cache keeps "
-                f"only its window), so it was read again")
+                f"be cut back to where this prompt leaves it (no checkpoint before that "
+                f"point), so it was read again")
     div = _branch(r.cached, tokens, ends, roles)
     if div is not None:
         text += f", then read on from message {div.message} ({div.role}), token {div.position}"

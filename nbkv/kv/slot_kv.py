@@ -4,13 +4,17 @@ A slot is one llama.cpp sequence. What can be done to a sequence exactly depends
 of memory the model has (:func:`classify`):
 
 - ``plain`` attention: any trim is exact (``seq_rm(n, -1)``).
-- ``sliding-window`` (Gemma 3): the SWA layers keep positions only as long as the window
-  needs them; a trim is exact while the SWA cache still holds the window before the cut
-  (checked with ``seq_pos_min``), else the slot is rebuilt.
+- ``sliding-window`` (Gemma 3): a trim is exact while the SWA cache still holds the window
+  before the cut (checked with ``seq_pos_min``). A live slot keeps every cell (full-size SWA
+  cache), but a whole state put back (parked, saved, SPC) holds only the window before its
+  end; such a slot goes back further through its *checkpoints*, as hybrid memory does: a
+  checkpoint of sliding-window memory is its SWA layers' window at that position.
 - ``hybrid`` (LFM2, Granite-H, Qwen3-Next) and ``recurrent`` (Mamba, RWKV): a recurrent
   state cannot be rolled back. The slot keeps *checkpoints*, partial states
   (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) taken at prefill-chunk boundaries; a trim restores
   the newest checkpoint at or before the target and the caller prefills the gap.
+
+Checkpoints are bounded per slot in number and in bytes (:class:`CheckpointSet`).
 
 Every operation ends by verifying ``seq_pos_max`` (and ``seq_pos_min`` where it means
 something) against the recorded tokens; on any disagreement the slot is cleared: KV that
@@ -35,12 +39,14 @@ from typing import Any
 
 from nbkv.core.errors import ModelLoadError
 from nbkv.kv import invariance
+from nbkv.kv.reach import HYBRID, MEMORY_CLASSES, PLAIN, RECURRENT, SWA, window_floor
 from nbkv.llama.backend import Batch, Context, Model
 
 log = logging.getLogger("nbkv")
 
-PLAIN, SWA, HYBRID, RECURRENT = "plain", "sliding-window", "hybrid", "recurrent"
-MEMORY_CLASSES = (PLAIN, SWA, HYBRID, RECURRENT)
+__all__ = ["HYBRID", "MEMORY_CLASSES", "PLAIN", "RECURRENT", "SWA", "Checkpoint",
+           "CheckpointSet", "KVSnapshot", "MemoryInfo", "SlotKV", "classify", "probe_memory",
+           "trim_valid"]
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,16 @@ class MemoryInfo:
         """Trims go through checkpoints (the memory cannot drop a sequence's tail)."""
         return not self.can_trim
 
+    @property
+    def takes_checkpoints(self) -> bool:
+        """Slots keep checkpoints: every trim needs one, or a restored sliding-window state."""
+        return self.checkpoints or self.kind == SWA
+
     def describe(self) -> str:
         """One line for status tables."""
         extra = {
             PLAIN: "any trim is exact",
-            SWA: f"window {self.n_swa}, full-size SWA cache",
+            SWA: f"window {self.n_swa}, full-size SWA cache, checkpoints at message boundaries",
             HYBRID: "attention + recurrent layers, checkpoints at message boundaries",
             RECURRENT: "recurrent state, checkpoints at message boundaries",
         }[self.kind]
@@ -122,7 +133,7 @@ class Checkpoint:
 
 @dataclass
 class CheckpointSet:
-    """A slot's checkpoints, bounded in number: the newest kept, older ones thinned.
+    """A slot's checkpoints, bounded in number and bytes: the newest kept, older ones thinned.
 
     Pure bookkeeping: no llama.cpp here, so the choice of checkpoint is tested without one.
     """
@@ -130,6 +141,7 @@ class CheckpointSet:
     max_entries: int = 8
     items: list[Checkpoint] = field(default_factory=list)  # sorted by pos
     _clock: Any = field(default_factory=lambda: itertools.count(1), repr=False)
+    max_bytes: int | None = None  # None: no byte bound
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -147,7 +159,7 @@ class CheckpointSet:
         self.items.append(Checkpoint(pos, data, nbytes, next(self._clock)))
         self.items.sort(key=lambda c: c.pos)
         evicted = []
-        while len(self.items) > self.max_entries:
+        while self.items and (len(self.items) > self.max_entries or self._over_bytes()):
             # the newest few are where the next turn resumes (the prompt's end, the reply's
             # end and just before it): they stay; of the older ones, the one closest to its
             # predecessor goes (least recently used on ties), so what is left stays spread
@@ -158,6 +170,9 @@ class CheckpointSet:
             victim = self.items.pop(min(gaps)[2])
             evicted.append(victim.pos)
         return evicted
+
+    def _over_bytes(self) -> bool:
+        return self.max_bytes is not None and self.nbytes > self.max_bytes
 
     @property
     def keep_recent(self) -> int:
@@ -180,7 +195,7 @@ class CheckpointSet:
 
     def copy(self) -> CheckpointSet:
         """An independent set sharing the (immutable) checkpoint data."""
-        out = CheckpointSet(self.max_entries, _clock=self._clock)
+        out = CheckpointSet(self.max_entries, _clock=self._clock, max_bytes=self.max_bytes)
         out.items = [Checkpoint(c.pos, c.data, c.nbytes, c.used) for c in self.items]
         return out
 
@@ -223,15 +238,18 @@ class SlotKV:
     """
 
     def __init__(self, ctx: Context, seq_id: int, memory: MemoryInfo,
-                 max_checkpoints: int = 8) -> None:
+                 max_checkpoints: int = 8, checkpoint_bytes: int | None = None) -> None:
         self.ctx = ctx
         self.seq_id = seq_id
         self.memory = memory
         self.tokens: list[Any] = []
         self.settled = 0
         self.exact_len = 0
-        self.checkpoints = CheckpointSet(max_checkpoints)
+        self.checkpoints = CheckpointSet(max_checkpoints, max_bytes=checkpoint_bytes)
         self.last_restore: int | None = None  # position of the checkpoint the last trim used
+        #: the lowest position a trim reaches without a checkpoint (see nbkv.kv.reach);
+        #: kept up to date on the scheduler thread, read by slot snapshots
+        self.cut_floor = self._empty_floor()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -281,7 +299,9 @@ class SlotKV:
                 return 0
             kept = n
         else:
-            cp = self.checkpoints.at_or_before(n) if self.memory.checkpoints else None
+            # sliding-window memory: the window before ``n`` is gone (a restored state), but
+            # a checkpoint holds the window before its own position
+            cp = self.checkpoints.at_or_before(n) if self.memory.takes_checkpoints else None
             if cp is None:
                 log.debug("seq %d: no exact way back to %d tokens; clearing", self.seq_id, n)
                 self.clear()
@@ -312,18 +332,26 @@ class SlotKV:
         copied but the data is not. Nothing here reads or writes attention data in between
         (a trim edits metadata; a checkpoint restore on hybrid and recurrent memory writes
         only the recurrent state, which is copied at once), and a prefill decode always
-        follows before anything is read.
+        follows before anything is read. That is why a copy of sliding-window memory never
+        goes back to a checkpoint (its checkpoints are attention cells): when the copy cannot
+        be cut at ``n`` directly, the slot is emptied instead.
         """
         self.clear()
         self.ctx.seq_cp(donor.seq_id, self.seq_id)
         self.tokens = list(donor.tokens)
         self.settled, self.exact_len = donor.settled, donor.exact_len
+        bound = self.checkpoints.max_entries, self.checkpoints.max_bytes
         self.checkpoints = donor.checkpoints.copy()
+        self.checkpoints.max_entries, self.checkpoints.max_bytes = bound
+        self.cut_floor = donor.cut_floor  # a whole-sequence copy: the same cells
+        if self.memory.kind == SWA and 0 < n < len(self.tokens) and not self._window_holds(n):
+            self.clear()
+            return 0
         return self.trim_to(n)
 
     def checkpoint(self) -> bool:
         """Save a checkpoint at the current end, where the memory needs them."""
-        if not self.memory.checkpoints or not self.tokens:
+        if not self.memory.takes_checkpoints or not self.tokens:
             return False
         n = len(self.tokens)
         if self.checkpoints.positions and self.checkpoints.positions[-1] == n:
@@ -360,7 +388,7 @@ class SlotKV:
         self.tokens = list(snap.tokens)
         self.settled, self.exact_len = snap.settled, snap.exact_len
         cps = snap.checkpoints.copy()
-        cps.max_entries = self.checkpoints.max_entries
+        cps.max_entries, cps.max_bytes = self.checkpoints.max_entries, self.checkpoints.max_bytes
         self.checkpoints = cps
         if not self.verify():
             log.error("seq %d: a snapshot did not restore; clearing the slot", self.seq_id)
@@ -372,6 +400,7 @@ class SlotKV:
         self.tokens.clear()
         self.settled = self.exact_len = 0
         self.checkpoints.clear()
+        self.cut_floor = self._empty_floor()
 
     def resync(self) -> None:
         """After a failed or partial decode: make the KV hold exactly :attr:`tokens` again."""
@@ -380,7 +409,7 @@ class SlotKV:
             return
         if self.memory.can_trim and self.ctx.try_seq_rm(self.seq_id, n, -1) and self.verify():
             return
-        if self.memory.checkpoints and n and self._cut(n):
+        if self.memory.takes_checkpoints and n and self._cut(n):
             return  # the recurrent state moved past the tokens: back to a checkpoint
         log.error("seq %d: KV and token record disagree; clearing the slot", self.seq_id)
         self.clear()
@@ -394,7 +423,13 @@ class SlotKV:
             return False
         if self.memory.kind == PLAIN:
             return self.ctx.seq_pos_min(self.seq_id) == (0 if n else -1)
+        if self.memory.kind == SWA:
+            self.cut_floor = window_floor(SWA, self.memory.n_swa,
+                                          self.ctx.seq_pos_min(self.seq_id))
         return True
+
+    def _empty_floor(self) -> int:
+        return window_floor(self.memory.kind, self.memory.n_swa, 0)
 
     def _window_holds(self, n: int) -> bool:
         """Sliding window: the SWA cache still holds every position a token at ``n`` sees."""
