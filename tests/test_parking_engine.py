@@ -26,7 +26,6 @@ import nbkv.engine.placement
 from conftest import assert_consistent, picture, run_py
 from nbkv import Engine
 from nbkv.core.events import RequestStarted
-from nbkv.kv import policy
 from nbkv.kv.reasons import EVICTED, RESTORED
 from nbkv.llama.models import default_model_path
 from nbkv.store.blobstore import BLOBS, manifest_text
@@ -145,7 +144,6 @@ def test_six_sessions_on_two_slots_restore_from_ram_exactly(family):
     for rnd, q in enumerate(QUESTIONS):
         for i, (s, msgs) in enumerate(convs.items()):
             parked = parked_by_session(engine).get(s)
-            prompt = engine.tokenize_prompt([*msgs, user(q)])
             rec = say(engine, oracle, msgs, q, s)
             if rnd == 0:
                 # the third session on takes the least recently used slot: parked, not lost

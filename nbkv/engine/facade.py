@@ -244,7 +244,8 @@ class Engine(TemplatedAPI, ChatAPI):
                                       {**self.identity(), "n_slots": self.n_slots},
                                       self.model.n_vocab)
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
-            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking)
+            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking,
+            self._prompts)
         self.scheduler.start(self)
 
     # ------------------------------------------------------------------ public API

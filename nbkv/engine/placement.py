@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from nbkv.core.events import RequestStarted, Segment
 from nbkv.engine.slot_parking import park_slot, restore_into
 from nbkv.kv import invariance, policy, reasons
-from nbkv.kv.reach import Judge
+from nbkv.kv.reach import Judge, restorable, restore_point
 from nbkv.kv.segments import prompt_segments
-from nbkv.kv.slot_kv import SlotKV, trim_valid
+from nbkv.kv.slot_kv import SWA, SlotKV, trim_valid
 from nbkv.llama.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -130,9 +130,11 @@ def start(sched: Scheduler, job: Job) -> bool:
     job.reuse = reuse
     job.todo = list(p.tokens[reuse:])
     if mem.takes_checkpoints:
-        job.stops = tuple(e for e in invariance.checkpoint_stops(
-            p.tokens, checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens)), rule)
-            if e > reuse)
+        near = checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens))
+        if mem.kind == SWA:  # where a window put back continues exactly
+            near = tuple(restore_point(p.tokens, w, rule, mem.kind, mem.n_swa) for w in near)
+        job.stops = tuple(e for e in invariance.checkpoint_stops(p.tokens, near, rule)
+                          if e > reuse and restorable(mem.kind, mem.n_swa, e))
     job.sampler = Sampler(job.params, sched.res.model.n_vocab,
                           [t for t in p.tokens if isinstance(t, int)])
     imc = cfg.cache == "imc"
@@ -194,8 +196,12 @@ def _spc_restore(sched: Scheduler, job: Job, slot: EngineSlot) -> int:
     key = p.hashes[0]
     entry = sched.spc.get(key, p.tokens)
     if entry is None:
-        # saved where a canonical chunk ends at or before the system prompt's end
+        # saved where a canonical chunk ends at or before the system prompt's end (and,
+        # on sliding-window memory, where its window put back continues exactly)
         at = invariance.valid_start(p.tokens, p.ends[0], rule)
+        mem = sched.res.memory
+        if not restorable(mem.kind, mem.n_swa, at):
+            at = restore_point(p.tokens, at, rule, mem.kind, mem.n_swa)
         if at >= max(min_tokens, rule.min_chunk):
             job.capture_at, job.spc_key = at, key
         return 0

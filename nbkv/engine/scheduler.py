@@ -35,6 +35,7 @@ from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.kv.spc import SystemPromptStore
 from nbkv.media.units import MediaUnit
+from nbkv.prompt.builder import PromptBuilder
 from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
@@ -48,6 +49,8 @@ class EngineSlot(TableSlot):
     redo: list[Any] = field(default_factory=list)  # positions being rewritten (settling)
     rewrite_n: int = 0  # positions the current rewrite covers
     rewrite_s: float = 0.0  # ... and the time it has taken so far
+    #: the prompt and reply of its last request: where its next turn resumes (parking)
+    last_turn: tuple[Any, str] | None = None
 
     @property
     def seq_id(self) -> int:
@@ -73,6 +76,7 @@ class EngineSlot(TableSlot):
         """Forget everything (the KV too)."""
         self.kv.clear()
         self.redo.clear()
+        self.last_turn = None
         self.forget_messages()
 
 
@@ -91,8 +95,10 @@ class Scheduler:
 
     def __init__(self, res: Resources, table: SlotTable[EngineSlot], spc: SystemPromptStore,
                  events: EventBus, settings: ServeSettings, cv: threading.Condition,
-                 parking: ParkingLot | None = None) -> None:
+                 parking: ParkingLot | None = None, prompts: PromptBuilder | None = None
+                 ) -> None:
         self.res = res
+        self.prompts = prompts  # renders a conversation as its next turn will (parking)
         self.table = table
         self.spc = spc
         self.parking = parking  # conversations that lost their slot (None: parking off)
@@ -322,6 +328,7 @@ class Scheduler:
             n = len(slot.tokens)
             with self.cv:
                 self.table.replied(slot, job.prompt, job.text.text, n)
+                slot.last_turn = (job.prompt, job.text.text)
                 slot.segments = tuple(s for s in (
                     replace(s, end=min(s.end, n)) for s in placement.segments(self, job, n))
                     if s.length > 0)

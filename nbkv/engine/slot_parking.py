@@ -17,7 +17,9 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from nbkv.core.errors import InvalidRequestError
+from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.kv import policy
+from nbkv.kv.reach import restore_point
 from nbkv.kv.slot_kv import SWA, KVSnapshot, trim_valid
 from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry
@@ -35,12 +37,13 @@ def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
         return ""
     t0 = time.perf_counter()
     exact = sched.settings.exact
+    at = resume_point(sched, slot) if kv.memory.kind == SWA else None
     with sched.cv:
-        if exact and kv.memory.kind == SWA and (slot.redo or kv.settled < len(kv)):
+        if at is not None and at < len(kv) + len(slot.redo):
             # a state put back whole cannot be cut (only the window before its end is
-            # saved): park it where the next turn resumes, at its settled end
+            # saved): park it where the next turn resumes
             slot.redo.clear()
-            kv.trim_to(kv.settled)
+            kv.trim_to(at)
         elif slot.redo or (exact and kv.needs_rewrite):
             slot.redo.clear()  # the rewrite is abandoned: park the proven prefix
             trim_valid(kv, list(kv.tokens), kv.settled, sched.res.rule)
@@ -55,6 +58,33 @@ def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
     log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
               info.tier if info else "nowhere (over budget)", 1000 * (time.perf_counter() - t0))
     return info.tier if info is not None else ""
+
+
+def resume_point(sched: Scheduler, slot: EngineSlot) -> int | None:
+    """Where the next turn of ``slot``'s conversation will resume in its KV; None: no cut.
+
+    The settled end (exact mode: what stays exact whatever follows), and no further than
+    the conversation as its next prompt renders it: the reply as text, re-tokenized, can
+    differ from the generated tokens at its start (merged with the template's last token)
+    or its end (a template that trims it). In exact mode, rounded down to where a
+    canonical chunk ends and a window put back continues exactly
+    (:func:`nbkv.kv.reach.restore_point`).
+    """
+    kv, rule = slot.kv, sched.res.rule
+    units = [*kv.tokens, *slot.redo]
+    at = kv.settled if sched.settings.exact else len(units)
+    turn, prompts = slot.last_turn, sched.prompts
+    if turn is not None and prompts is not None and turn[0].media is None:
+        prompt, reply = turn
+        try:
+            nxt = prompts.prepare([*prompt.messages, {"role": "assistant", "content": reply}])
+        except NbkvError:  # too long to render again: the settled end it is
+            nxt = None
+        if nxt is not None:
+            at = min(at, policy.common_prefix(nxt.tokens, units))
+    if sched.settings.exact:  # and where its window, put back, continues exactly
+        at = restore_point(units, at, rule, kv.memory.kind, kv.memory.n_swa)
+    return at if at < len(units) else None
 
 
 def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:

@@ -24,11 +24,42 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbkv.kv import invariance
+from nbkv.kv.policy import COPY, RESTORE
 
 PLAIN, SWA, HYBRID, RECURRENT = "plain", "sliding-window", "hybrid", "recurrent"
 MEMORY_CLASSES = (PLAIN, SWA, HYBRID, RECURRENT)
 
 NO_CUT = 1 << 62  # a floor no cut reaches: only the end itself, or a checkpoint
+
+#: llama.cpp writes a restored window into the first cells of the sequence's KV stream,
+#: where a from-scratch decode has position ``p`` in cell ``p``; the CPU attention kernels
+#: sum the cells in SIMD lanes (16 floats with AVX-512, 8 with AVX2), so later tokens
+#: compute bit-identically only when the window starts a multiple of this many cells away
+#: (measured on the real Gemma 3: shifts of 4 and 8 cells change the logits, 16 do not)
+SWA_CELLS = 16
+
+
+def restorable(kind: str, n_swa: int, pos: int) -> bool:
+    """A whole state (or a checkpoint) of ``pos`` positions continues exactly once put back.
+
+    Always on memory other than sliding-window; there, when the window is all of it
+    (``pos <= n_swa``) or starts a multiple of :data:`SWA_CELLS` cells in.
+    """
+    return kind != SWA or pos <= n_swa or (pos - n_swa) % SWA_CELLS == 0
+
+
+def restore_point(units: Sequence[Any], pos: int, rule: invariance.PrefillRule, kind: str,
+                  n_swa: int) -> int:
+    """The largest position ``<= pos`` where ``units``' KV can be saved and put back exactly.
+
+    A settled chunk end (:func:`nbkv.kv.invariance.stable_end`) that is
+    :func:`restorable`; 0 if there is none.
+    """
+    q = invariance.stable_end(units, max(0, min(pos, len(units))), rule)
+    while q > 0 and not (invariance.stable_end(units, q, rule) == q
+                         and restorable(kind, n_swa, q)):
+        q -= 1
+    return q
 
 
 def restored_floor(kind: str, n_swa: int, n: int) -> int:
@@ -84,8 +115,10 @@ class Judge:
     """What each candidate of :func:`nbkv.kv.policy.select` can serve of one prompt.
 
     ``exact``: only settled KV is servable. A candidate has ``tokens``, ``settled`` and
-    ``checkpoints`` (positions); a slot also its ``cut_floor``; a parked conversation is
-    put back whole, so its floor is :func:`restored_floor`'s.
+    ``checkpoints`` (positions); a slot also its ``cut_floor``. How it would serve matters:
+    a parked conversation is put back whole (:func:`restored_floor`); a copy of
+    sliding-window memory cannot go back to a checkpoint (:meth:`nbkv.kv.slot_kv.SlotKV.
+    copy_from`: the copied cells arrive with the next decode, after any checkpoint).
     """
 
     units: Sequence[Any]
@@ -94,13 +127,18 @@ class Judge:
     kind: str
     n_swa: int = 0
 
-    def __call__(self, c: Any, want: int, parked: bool) -> int:
-        """Positions candidate ``c`` serves when it shares ``want`` of them (capped)."""
+    def __call__(self, c: Any, want: int, how: str) -> int:
+        """Positions ``c`` serves of the ``want`` it shares, used ``how`` (policy.IN_PLACE...)."""
         n = len(c.tokens)
-        settled = getattr(c, "settled", n)
         if want <= 0 or n == 0:
             return 0
-        limit = min(want, settled if self.exact else n)
-        floor = (restored_floor(self.kind, self.n_swa, n) if parked
-                 else getattr(c, "cut_floor", 0))
-        return reach(self.units, limit, self.rule, n, floor, tuple(c.checkpoints))
+        limit = min(want, getattr(c, "settled", n) if self.exact else n)
+        cps = () if how == COPY and self.kind == SWA else tuple(c.checkpoints)
+        if how != RESTORE:
+            return reach(self.units, limit, self.rule, n, getattr(c, "cut_floor", 0), cps)
+        if not restorable(self.kind, self.n_swa, n):  # put back, it goes to a checkpoint
+            cps = tuple(x for x in cps if restorable(self.kind, self.n_swa, x))
+            return reach(self.units, min(limit, max(cps, default=0)), self.rule, n, NO_CUT,
+                         cps)
+        return reach(self.units, limit, self.rule, n, restored_floor(self.kind, self.n_swa, n),
+                     cps)

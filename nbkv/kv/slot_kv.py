@@ -39,7 +39,15 @@ from typing import Any
 
 from nbkv.core.errors import ModelLoadError
 from nbkv.kv import invariance
-from nbkv.kv.reach import HYBRID, MEMORY_CLASSES, PLAIN, RECURRENT, SWA, window_floor
+from nbkv.kv.reach import (
+    HYBRID,
+    MEMORY_CLASSES,
+    PLAIN,
+    RECURRENT,
+    SWA,
+    restorable,
+    window_floor,
+)
 from nbkv.llama.backend import Batch, Context, Model
 
 log = logging.getLogger("nbkv")
@@ -350,10 +358,15 @@ class SlotKV:
         return self.trim_to(n)
 
     def checkpoint(self) -> bool:
-        """Save a checkpoint at the current end, where the memory needs them."""
+        """Save a checkpoint at the current end, where the memory needs them.
+
+        Sliding-window memory only where its window puts back exactly (:func:`restorable`).
+        """
         if not self.memory.takes_checkpoints or not self.tokens:
             return False
         n = len(self.tokens)
+        if not self.restorable(n):
+            return False
         if self.checkpoints.positions and self.checkpoints.positions[-1] == n:
             return False
         data = self.ctx.state_get(self.seq_id, partial=True)
@@ -365,9 +378,19 @@ class SlotKV:
         """The whole state, for :meth:`load_state` into another (empty) slot."""
         return self.ctx.state_get(self.seq_id)
 
+    def restorable(self, n: int) -> bool:
+        """A state of this slot's first ``n`` positions continues exactly once put back."""
+        return restorable(self.memory.kind, self.memory.n_swa, n)
+
     def load_state(self, state: Any, tokens: Sequence[Any]) -> None:
-        """Replace the slot with a whole state saved by :meth:`save_state` holding ``tokens``."""
+        """Replace the slot with a whole state saved by :meth:`save_state` holding ``tokens``.
+
+        A sliding-window state that would not continue exactly (:meth:`restorable`) is
+        not put back: the slot stays empty.
+        """
         self.clear()
+        if not self.restorable(len(tokens)):
+            return
         self.ctx.state_set(self.seq_id, state)
         self.tokens = list(tokens)
         self.settled = self.exact_len = len(self.tokens)
@@ -382,7 +405,11 @@ class SlotKV:
                           self.exact_len, self.checkpoints.copy())
 
     def put_back(self, snap: KVSnapshot) -> None:
-        """Restore a :meth:`snapshot` of this slot (its KV, tokens and checkpoints)."""
+        """Restore a :meth:`snapshot` of this slot (its KV, tokens and checkpoints).
+
+        A sliding-window state that would not continue exactly (:meth:`restorable`) goes
+        back to its newest checkpoint that does, or leaves the slot empty.
+        """
         self.clear()
         self.ctx.state_set(self.seq_id, snap.state)
         self.tokens = list(snap.tokens)
@@ -393,6 +420,15 @@ class SlotKV:
         if not self.verify():
             log.error("seq %d: a snapshot did not restore; clearing the slot", self.seq_id)
             self.clear()
+            return
+        n = len(self.tokens)
+        if not self.restorable(n):
+            # its window landed where later tokens would not compute as a fresh decode
+            # does: back to the newest checkpoint that does (or empty)
+            at = max((c for c in self.checkpoints.positions if self.restorable(c)), default=0)
+            log.debug("seq %d: a sliding-window state of %d positions goes back to %d",
+                      self.seq_id, n, at)
+            self.trim_to(at)
 
     def clear(self) -> None:
         """Empty the sequence."""
