@@ -39,8 +39,8 @@ def real_gemma3():
 
 # model, slot size, reply tokens, system prompt sentences (longer than the window)
 SETUPS = {
-    "fixture-q4km": (lambda: gemma3_fixture("Q4_K_M"), 1024, 8, 14),
-    "fixture-q41": (lambda: gemma3_fixture("Q4_1"), 1024, 8, 14),
+    "fixture-q4km": (lambda: gemma3_fixture("Q4_K_M"), 2048, 8, 30),
+    "fixture-q41": (lambda: gemma3_fixture("Q4_1"), 2048, 8, 30),
     "gemma3-270m": (real_gemma3, 4096, 16, 28),
 }
 
