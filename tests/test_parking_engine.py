@@ -585,3 +585,53 @@ def test_parking_a_session_by_hand_then_its_request_restores_it(engine, oracle):
     assert again.reason != RESTORED and again.restored_from == ""
     assert again.reused_tokens >= rec.prompt_tokens
     assert_verified(engine)
+
+
+# ------------------------------------------------------------------ parking at memory speed
+
+
+def idle_passes(engine, n=3):
+    """Let the scheduler run a few idle iterations (it copies out the next park there)."""
+    for _ in range(n):
+        engine.scheduler.call(lambda: None)
+        time.sleep(0.05)
+
+
+def test_the_next_park_is_copied_out_in_idle_time_and_buffers_are_reused(engine, oracle,
+                                                                         monkeypatch):
+    """Six sessions take turns on two slots: in idle time the slot parked next is copied
+    out, so the request that parks it copies nothing; the state buffers restored
+    conversations leave are read into again. Every reply and slot stays exact."""
+    from nbkv.kv.slot_kv import SlotKV
+
+    engine.clear()
+    snapshots, parking = [], []
+    real_snapshot, real_park = SlotKV.snapshot, nbkv.engine.placement.park_slot
+
+    def snapshot(self):
+        snapshots.append(bool(parking))
+        return real_snapshot(self)
+
+    def park(sched, slot):
+        parking.append(slot.index)
+        try:
+            return real_park(sched, slot)
+        finally:
+            parking.clear()
+
+    monkeypatch.setattr(SlotKV, "snapshot", snapshot)
+    monkeypatch.setattr(nbkv.engine.placement, "park_slot", park)
+    convs = open_conversations(4)
+    reused = engine.ctx.buffers.reused
+    for q in QUESTIONS[:2]:
+        for s, msgs in convs.items():
+            engine.settle()
+            idle_passes(engine)
+            snapshots.clear()
+            rec = say(engine, oracle, msgs, q, s)
+            assert rec.evicted_parked in ("", "ram")
+            if rec.evicted_parked:  # parked without a copy in its request
+                assert True not in snapshots, (s, rec.reason_text)
+    assert engine.ctx.buffers.reused > reused
+    assert sum(r.reason == RESTORED for r in engine.history[-4:]) == 4
+    assert_verified(engine)

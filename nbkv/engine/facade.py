@@ -242,7 +242,7 @@ class Engine(TemplatedAPI, ChatAPI):
         if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
                                       {**self.identity(), "n_slots": self.n_slots},
-                                      self.model.n_vocab)
+                                      self.model.n_vocab, background_spills=True)
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
             self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking,
             self._prompts)

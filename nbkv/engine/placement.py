@@ -116,6 +116,10 @@ def start(sched: Scheduler, job: Job) -> bool:
         if entry is not None and lot is not None:  # taken from the lot: not lost
             lot.park(entry)
         raise
+    if entry is not None:  # its state is in the slot now: the next park reuses its memory
+        state, entry.state = entry.state, None
+        sched.res.ctx.recycle(state)
+        del state
     checkpoint_pos = kv.last_restore
     restore_s = time.perf_counter() - t0
     # the previous reply, as generated, against its re-tokenization in this prompt

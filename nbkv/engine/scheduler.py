@@ -24,7 +24,7 @@ from typing import Any
 
 from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
 from nbkv.core.events import EventBus, Progress, RequestFinished
-from nbkv.engine import generation, placement, rewrite, vision_decode
+from nbkv.engine import generation, placement, rewrite, slot_parking, vision_decode
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources
 from nbkv.engine.prefill import prefill
@@ -51,6 +51,9 @@ class EngineSlot(TableSlot):
     rewrite_s: float = 0.0  # ... and the time it has taken so far
     #: the prompt and reply of its last request: where its next turn resumes (parking)
     last_turn: tuple[Any, str] | None = None
+    #: a snapshot of its KV taken in idle time, and the KV version it shows: parking the
+    #: slot then costs no copy (nbkv.engine.slot_parking.prepark)
+    preparked: tuple[int, Any] | None = None
 
     @property
     def seq_id(self) -> int:
@@ -77,6 +80,7 @@ class EngineSlot(TableSlot):
         self.kv.clear()
         self.redo.clear()
         self.last_turn = None
+        self.preparked = None
         self.forget_messages()
 
 
@@ -167,7 +171,8 @@ class Scheduler:
     def has_work(self) -> bool:
         """Anything for the scheduler to do (call with ``cv`` held)."""
         return bool(self.queue or self.active or self.control or self.closed
-                    or rewrite.settling_slot(self) is not None)
+                    or rewrite.settling_slot(self) is not None
+                    or slot_parking.prepark_slot(self) is not None)
 
     def run_once(self) -> bool:
         """One scheduler iteration; False once the engine is closed (the thread then ends)."""
@@ -199,10 +204,12 @@ class Scheduler:
         elif self.queue:
             with self.cv:  # every slot busy: wait for a change, or a deadline
                 self.cv.wait(0.05)
-        else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact)
-            slot = rewrite.settling_slot(self)
+        else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), or
+            slot = rewrite.settling_slot(self)  # copy out the conversation parked next
             if slot is not None:
                 rewrite.settle(self, slot)
+            elif (slot := slot_parking.prepark_slot(self)) is not None:
+                slot_parking.prepark(self, slot)
         return True
 
     def _admit(self) -> None:

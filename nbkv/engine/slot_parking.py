@@ -52,8 +52,9 @@ def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
         return ""
     k = sum(1 for e in slot.msg_ends if e <= n)
     segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
+    snap = take_preparked(sched, slot) or kv.snapshot()
     info = lot.park(ParkedEntry.from_snapshot(
-        kv.snapshot(), session=slot.session, hashes=slot.hashes[:k], msg_ends=slot.msg_ends[:k],
+        snap, session=slot.session, hashes=slot.hashes[:k], msg_ends=slot.msg_ends[:k],
         segments=segments, last_request=slot.last_request, last_used=slot.last_used))
     log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
               info.tier if info else "nowhere (over budget)", 1000 * (time.perf_counter() - t0))
@@ -85,6 +86,58 @@ def resume_point(sched: Scheduler, slot: EngineSlot) -> int | None:
     if sched.settings.exact:  # and where its window, put back, continues exactly
         at = restore_point(units, at, rule, kv.memory.kind, kv.memory.n_swa)
     return at if at < len(units) else None
+
+
+def prepark_slot(sched: Scheduler) -> EngineSlot | None:
+    """The slot the next new conversation would park, if its copy can be made now.
+
+    When every slot holds a conversation, the least recently used idle one is parked by
+    the next request that needs a slot; in idle time its KV can be copied out already, so
+    that the request pays nothing for it. Only a slot parked whole (no cut back first).
+    """
+    if sched.parking is None or sched.settings.cache != "imc" or sched.queue or sched.active:
+        return None
+    table = sched.table
+    if any(not s.tokens for s in table) or any(s.pending or s.redo for s in table):
+        return None
+    slot = min(table, key=lambda s: (s.last_used, s.index))
+    if slot.preparked is not None and slot.preparked[0] == slot.kv.version:
+        return None  # copied out already (or found not to be parked whole)
+    if sched.settings.exact and slot.kv.needs_rewrite:
+        return None
+    return slot
+
+
+def prepark(sched: Scheduler, slot: EngineSlot) -> None:
+    """Copy out ``slot``'s KV for its park (idle time, scheduler thread).
+
+    A sliding-window slot parked cut back (:func:`resume_point`) is copied when it is
+    parked; it is only marked as looked at.
+    """
+    t0 = time.perf_counter()
+    kv = slot.kv
+    take_preparked(sched, slot)  # a stale copy's memory is reused
+    whole = not (kv.memory.kind == SWA and resume_point(sched, slot) is not None)
+    slot.preparked = (kv.version, kv.snapshot() if whole and kv.verify() else None)
+    log.debug("slot[%d]: KV copied out for its park in %.1f ms", slot.index,
+              1000 * (time.perf_counter() - t0))
+
+
+def take_preparked(sched: Scheduler, slot: EngineSlot) -> KVSnapshot | None:
+    """``slot``'s idle-time copy if it still shows its KV, else None.
+
+    A stale copy's memory goes back to the state buffers.
+    """
+    pre, slot.preparked = slot.preparked, None
+    if pre is None or pre[1] is None:
+        return None
+    version, snap = pre
+    if version == slot.kv.version:
+        return snap
+    state = snap.state
+    del pre, snap
+    sched.res.ctx.recycle(state)
+    return None
 
 
 def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:

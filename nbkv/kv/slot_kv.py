@@ -258,6 +258,9 @@ class SlotKV:
         #: the lowest position a trim reaches without a checkpoint (see nbkv.kv.reach);
         #: kept up to date on the scheduler thread, read by slot snapshots
         self.cut_floor = self._empty_floor()
+        #: changes whenever the KV, its tokens or its checkpoints do (a snapshot taken at one
+        #: version is this slot exactly while the version stays the same)
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -276,6 +279,7 @@ class SlotKV:
         ``exact``: decoded as a canonical prefill would (else token by token); ``settled``:
         the new settled length (:func:`nbkv.kv.invariance.stable_end`), when it changes.
         """
+        self.version += 1
         if exact and self.exact_len == len(self.tokens):
             self.exact_len += len(units)
         self.tokens.extend(units)
@@ -297,6 +301,7 @@ class SlotKV:
 
     def _cut(self, n: int) -> int:
         """Drop every position from ``n`` on, exactly, or as close below as possible."""
+        self.version += 1
         if n == 0:
             self.clear()
             return 0
@@ -370,6 +375,7 @@ class SlotKV:
         if self.checkpoints.positions and self.checkpoints.positions[-1] == n:
             return False
         data = self.ctx.state_get(self.seq_id, partial=True)
+        self.version += 1
         for pos in self.checkpoints.add(n, data, ctypes.sizeof(data)):
             log.debug("seq %d: checkpoint at %d evicted", self.seq_id, pos)
         return True
@@ -432,6 +438,7 @@ class SlotKV:
 
     def clear(self) -> None:
         """Empty the sequence."""
+        self.version += 1
         self.ctx.try_seq_rm(self.seq_id, -1, -1)
         self.tokens.clear()
         self.settled = self.exact_len = 0
