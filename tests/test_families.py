@@ -219,7 +219,7 @@ def test_a_reply_that_starts_with_merging_newlines_keeps_its_own_slot(engine, pa
             return res.record
 
         for name in convs:  # "other" takes "parked"'s slot: it is parked
-            turn(name, QUESTIONS[0])
+            turn(name, f"{QUESTIONS[0]} ({name})")  # they share the system prompt only
         assert [p.session for p in engine.parked()] == ["parked"]
         for q in QUESTIONS[1:4]:
             engine.settle()
@@ -235,7 +235,8 @@ def test_a_reply_that_starts_with_merging_newlines_keeps_its_own_slot(engine, pa
             if engine.memory.checkpoints:  # its own checkpoint before the divergence
                 cp = max(c for c in held.checkpoints if c <= want)
                 assert rec.checkpoint_pos == cp == rec.reused_tokens, (held.checkpoints, want)
-                assert shared - rec.reused_tokens <= REPLY_TAIL + engine.prefill_rule.min_chunk
+                rule = engine.prefill_rule  # a chunk ends there: its rows on both sides
+                assert shared - rec.reused_tokens <= REPLY_TAIL + rule.min_chunk + rule.align
                 assert rec.reason == "checkpoint"
                 assert f"a checkpoint {want - cp} tokens earlier" in rec.reason_text
             else:  # cut right there
