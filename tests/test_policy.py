@@ -389,6 +389,21 @@ def test_a_parked_state_the_prompt_leaves_never_beats_a_copy():
             assert plan.parked is None and plan.donor == 0 and plan.served == 150
 
 
+def test_a_copy_must_serve_clearly_more_than_the_own_slot_in_place():
+    """An edited question that another session's slot shares a few tokens more of: the
+    own slot serves in place (a copy moves a whole KV stream); far more, and it is copied."""
+    msgs = conv("sys", "q1")
+    own = slot_with(0, msgs, SYS + [1, 2, 3, 4, 5], [150, 155], session="a", last_used=1)
+    edited = conv("sys", "q1 edited")
+    for extra, copied in ((4, False), (policy.COPY_MARGIN + 10, True)):
+        other = slot_with(1, conv("sys", "qb"), SYS + [1, 2] + [8] * extra + [9] * 40,
+                          [150, 192 + extra], session="b", last_used=2)
+        tokens = SYS + [1, 2] + [8] * extra + [7, 7, 7]
+        plan = policy.select([own, other], tokens, prefix_hashes(edited), "a", min_tokens=20)
+        assert (plan.donor == 1) == copied and plan.slot == 0
+        assert plan.served == (152 + extra if copied else 152)
+
+
 def test_a_reply_start_that_merges_keeps_the_own_slot_and_its_checkpoint():
     """Hybrid memory: the reply's first newline merges with the template's last token, so
     the prompt leaves the own slot one token before its old prompt's end although the

@@ -125,6 +125,11 @@ class ParkedLike(Protocol):
 #: parked conversation put back whole into a slot
 IN_PLACE, COPY, RESTORE = "in-place", "copy", "restore"
 
+#: positions a copy from another slot must serve beyond what a slot serves in place to be
+#: chosen: llama.cpp copies a slot's whole KV stream (all of its cells, used or not), about
+#: what prefilling a few dozen tokens costs on a CPU
+COPY_MARGIN = 32
+
 #: ``judge(candidate, shared, how)``: the positions ``candidate`` really serves when it shares
 #: ``shared`` of the prompt (already capped by :func:`reuse_limit`), served ``how``
 #: (:class:`nbkv.kv.reach.Judge`: settled KV, the canonical grouping, the memory class)
@@ -151,7 +156,8 @@ def select(
     1. Among the slots, the one serving the most wins (then: the session's own, more
        messages, more recent). A match that would cut another conversation short is copied
        into an empty (or the least recently used) slot instead, so that conversation
-       survives; the score is the copy's.
+       survives; the score is the copy's, and it must beat serving in place by
+       :data:`COPY_MARGIN` positions.
     2. Otherwise an empty slot, else the least recently used one, is rebuilt.
     3. The best parked conversation is restored into the slot a miss would take
        (``Plan.parked``) when it serves strictly more than the slots' best plan: a restore
@@ -232,11 +238,13 @@ def _from_slots(free: Sequence[SlotLike], hashes: Sequence[str], session: str | 
         served = score(s, reuse, IN_PLACE if target is None else COPY)
         log.debug("slot[%d] shares %d tokens, %d messages; serves %d%s", s.index, n, k, served,
                   "" if target is None else f" copied into slot[{target.index}]")
-        key = (served, session is not None and s.session == session, k, s.last_used)
+        # a copy moves the donor's whole KV stream: it must serve clearly more
+        bonus = COPY_MARGIN if target is None else 0
+        key = (served + bonus, session is not None and s.session == session, k, s.last_used)
         if served and (best is None or key > best[0]):
-            best = (key, s, k, reuse, target)
+            best = (key, s, k, reuse, target, served)
     if best is not None:
-        (served, *_), donor, k, reuse, target = best
+        _, donor, k, reuse, target, served = best
         strategy = _strategy(k, hashes)
         if target is None:
             taken = donor.session is not None and donor.session != session and (

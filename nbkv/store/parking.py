@@ -220,7 +220,9 @@ class ParkingLot:
         """Forget the entry ``key`` (not counted as a budget drop)."""
         with self._lock:
             self._order.pop(key, None)
-            if self._ram.pop(key, None) is not None or self._spilling.pop(key, None):
+            if self._ram.pop(key, None) is not None:
+                return True
+            if self._spilling.pop(key, None) is not None:
                 return True
             return self.disk is not None and self.disk.delete(key)
 
