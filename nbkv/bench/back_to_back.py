@@ -21,7 +21,8 @@ def scenario_back_to_back(path: str, quick: bool) -> dict[str, Any]:
     n_turns = 5 if quick else 10
     sys_prompt = system_prompt("Agent", 12)
     asks = [f"Step {t}: name one file to check next." for t in range(n_turns)]
-    variants = {"exact": {}, "inexact": {"exact": False}, "off": None}
+    variants: dict[str, dict[str, Any] | None] = {
+        "exact": {}, "inexact": {"exact": False}, "off": None}
     runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
     for name in [*variants, *reversed(variants)]:
         kw = variants[name]
