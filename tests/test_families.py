@@ -16,6 +16,7 @@ import pytest
 from conftest import SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine
 from nbkv.core.events import Progress
+from nbkv.engine.placement import REPLY_TAIL
 from nbkv.kv import invariance, policy
 from nbkv.llama.models import default_model_path
 from nbkv.prompt import templates
@@ -180,6 +181,68 @@ def test_an_edited_earlier_message_reuses_what_precedes_it(engine, scratch):
     assert res.record.strategy == policy.HASH_EXTEND
     # the system prompt, the first question and the first reply are reused
     assert res.record.reused_tokens >= len(engine.tokenize_prompt(msgs[:2]))
+    assert_kv_exact(engine)
+
+
+REPLY_START = 12  # newlines a reply starts with (below)
+
+
+def test_a_reply_that_starts_with_merging_newlines_keeps_its_own_slot(engine, path, family,
+                                                                       monkeypatch):
+    """Every reply starts with 12 newlines, as some models' do: in the next prompt its
+    text merges with the template's newline after ``assistant``, so the prompt leaves
+    the slot one token before the old prompt's end. The real options are compared: the
+    session's own slot (cut there, or back to its checkpoint 3 tokens earlier), a copy of
+    the shared system prompt from another session's slot, a parked conversation's."""
+    from nbkv.llama.sampling import Sampler
+
+    newline = engine.model.tokenize("\n")[0]
+    sample = Sampler.sample
+
+    def starts_with_newlines(self, ctx, idx):  # the model's choice, forced at first
+        self.forced = getattr(self, "forced", 0) + 1
+        return newline if self.forced <= REPLY_START else sample(self, ctx, idx)
+
+    monkeypatch.setattr(Sampler, "sample", starts_with_newlines)
+    engine.clear()
+    convs = {n: [{"role": "system", "content": SYSTEM}] for n in ("parked", "x", "other")}
+    with Engine(path, n_slots=1, n_ctx=1024, cache="off") as off:
+        def turn(name, q):
+            msgs = convs[name]
+            msgs.append(user(q))
+            res = engine.chat(msgs, session=name, max_tokens=MAX + REPLY_START,
+                              temperature=0)
+            assert res.text == off.chat(msgs, max_tokens=MAX + REPLY_START,
+                                        temperature=0).text
+            assert res.text.startswith("\n" * REPLY_START)
+            msgs.append(res.message)
+            return res.record
+
+        for name in convs:  # "other" takes "parked"'s slot: it is parked
+            turn(name, f"{QUESTIONS[0]} ({name})")  # they share the system prompt only
+        assert [p.session for p in engine.parked()] == ["parked"]
+        for q in QUESTIONS[1:4]:
+            engine.settle()
+            held = next(s for s in engine.slots() if s.session == "x")
+            prompt = engine.tokenize_prompt([*convs["x"], user(q)])
+            shared = policy.common_prefix(held.tokens, prompt)
+            # the merge: the prompt leaves the slot inside the old prompt's generation prompt
+            assert shared == held.msg_ends[-1] - 1, (family, shared, held.msg_ends)
+            rec = turn("x", q)
+            assert rec.slot == held.index and rec.donor_slot is None
+            assert rec.evicted_session is None and rec.restored_from == ""
+            want = invariance.valid_start(prompt, shared, engine.prefill_rule)
+            if engine.memory.checkpoints:  # its own checkpoint before the divergence
+                cp = max(c for c in held.checkpoints if c <= want)
+                assert rec.checkpoint_pos == cp == rec.reused_tokens, (held.checkpoints, want)
+                rule = engine.prefill_rule  # a chunk ends there: its rows on both sides
+                assert shared - rec.reused_tokens <= REPLY_TAIL + rule.min_chunk + rule.align
+                assert rec.reason == "checkpoint"
+                assert f"a checkpoint {want - cp} tokens earlier" in rec.reason_text
+            else:  # cut right there
+                assert rec.checkpoint_pos is None and rec.reused_tokens == want
+            assert "copied" not in rec.reason_text
+            assert rec.reason_text.startswith("the same messages rendered to different tokens")
     assert_kv_exact(engine)
 
 

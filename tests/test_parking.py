@@ -288,3 +288,39 @@ def test_the_policy_reads_the_lots_entries():
     plan = policy.select(busy, tuple(range(300)) + (7,), ["h1", "h2", "h3"], "alice",
                          parked=lot.entries())
     assert plan.parked == key and plan.reuse == 300 and plan.evicted == "bob"
+
+
+# ------------------------------------------------------------------ spills off the caller's thread
+
+
+def test_background_spills_are_written_by_the_spill_thread(tmp_path, monkeypatch):
+    """The engine's lot: park() hands the spill to a thread of its own, so the request that
+    parked goes on; listing, taking and the figures wait for the write."""
+    import threading
+
+    from nbkv.store.park_disk import DiskTier
+
+    writers, release = [], threading.Event()
+    put = DiskTier.put
+
+    def slow_put(self, e):
+        writers.append(threading.current_thread().name)
+        assert release.wait(10)  # the write is under way ...
+        return put(self, e)
+
+    monkeypatch.setattr(DiskTier, "put", slow_put)
+    lot = ParkingLot(ram_bytes=1500, disk_dir=tmp_path, identity=IDENTITY,
+                     background_spills=True)
+    lot.park(entry("a", last_used=1))
+    assert lot.park(entry("b", last_used=2)).tier == RAM  # "a" leaves RAM: returns at once
+    assert files(tmp_path) == []  # ... while it is being written
+    release.set()
+    assert sessions(lot, DISK) == {"a"} and sessions(lot, RAM) == {"b"}
+    assert writers == ["nbkv-spill"] and len(files(tmp_path)) == 1
+    assert lot.stats()["spills"] == 1
+    back = lot.take(next(i.key for i in lot.entries() if i.session == "a"))
+    assert back.tier == DISK and bytes(back.state) == bytes(buf(1000, ord("a")))
+    # one larger than the disk budget is dropped at once, not sent
+    small = ParkingLot(ram_bytes=0, disk_dir=tmp_path / "s", disk_bytes=500,
+                       identity=IDENTITY, background_spills=True)
+    assert small.park(entry("c")) is None and small.stats()["drops"] == 1

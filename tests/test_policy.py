@@ -17,6 +17,9 @@ class FakeSlot:
     session: str | None = None
     last_used: int = 0
     pending: bool = False
+    checkpoints: tuple = ()
+    settled: int = 1 << 30
+    cut_floor: int = 0
 
 
 def conv(*contents):
@@ -193,6 +196,8 @@ class FakeParked:
     msg_ends: tuple
     session: str | None = None
     last_used: int = 0
+    checkpoints: tuple = ()
+    settled: int = 1 << 30
 
 
 def parked_with(key, msgs, tokens, ends, **kw):
@@ -298,3 +303,125 @@ def test_a_whole_parked_prompt_keeps_its_last_token_for_logits():
     plan = policy.select(full_slots(), ALICE_TOKENS, prefix_hashes(ALICE), "alice", parked=[p])
     assert plan.parked == "alice#1" and plan.strategy == policy.HASH_HIT
     assert plan.reuse == len(ALICE_TOKENS) - 1
+
+
+# ------------------------------------------------------------------ what a candidate serves
+
+from nbkv.kv import reach  # noqa: E402
+from nbkv.kv.invariance import PrefillRule  # noqa: E402
+
+GROUPED = PrefillRule(threshold=8, align=4)  # Q4_K_M-like: 8+ rows in 4-aligned chunks
+
+
+def test_reach_follows_the_grouping_the_memory_and_its_checkpoints():
+    units = list(range(200))
+    one = PrefillRule()
+    assert reach.reach(units, 150, one, 180, floor=0) == 150  # plain: cut anywhere
+    assert reach.reach(units, 150, GROUPED, 180, floor=0) == 148  # 4-aligned
+    # a state put back whole cuts only at its end, else at a checkpoint that is itself a
+    # valid start (a checkpoint at 97 is not: back to the one at 60)
+    assert reach.reach(units, 150, one, 180, floor=180, checkpoints=(60, 97, 170)) == 97
+    assert reach.reach(units, 150, GROUPED, 180, floor=180, checkpoints=(60, 97, 170)) == 60
+    assert reach.reach(units, 150, one, 180, floor=180) == 0
+    assert reach.reach(units, 180, one, 180, floor=reach.NO_CUT) == 180  # no cut needed
+    # a run too short after the cut for one chunk: the cut moves back
+    assert reach.reach(units[:153], 150, GROUPED, 180, floor=0) == 144
+
+
+def test_a_restored_sliding_window_state_holds_only_the_window_before_its_end():
+    # ... in the sequence's first cells: later tokens compute as from scratch only when it
+    # starts a multiple of SWA_CELLS cells in
+    assert reach.restorable(reach.SWA, 512, 400) and reach.restorable(reach.SWA, 512, 528)
+    assert not reach.restorable(reach.SWA, 512, 520)
+    assert reach.restorable(reach.PLAIN, 0, 521) and reach.restorable(reach.HYBRID, 0, 3)
+    units = list(range(600))
+    assert reach.restore_point(units, 527, GROUPED, reach.SWA, 512) == 512
+    assert reach.restore_point(units, 527, GROUPED, reach.PLAIN, 0) == 524
+    assert reach.restored_floor(reach.PLAIN, 0, 900) == 0
+    assert reach.restored_floor(reach.SWA, 512, 400) == 0  # all of it is in the window
+    assert reach.restored_floor(reach.SWA, 512, 900) == 900
+    assert reach.restored_floor(reach.HYBRID, 0, 900) == reach.NO_CUT
+    assert reach.window_floor(reach.SWA, 512, 0) == 0  # a live slot keeps every cell
+    assert reach.window_floor(reach.SWA, 512, 388) == 900
+
+
+@dataclass
+class Held:
+    tokens: list
+    settled: int
+    checkpoints: tuple = ()
+    cut_floor: int = 0
+
+
+def test_the_judge_scores_each_way_of_serving_on_sliding_window_memory():
+    units = list(range(300))
+    judge = reach.Judge(units, PrefillRule(), True, reach.SWA, 8)
+    live = Held(units[:250], settled=240, checkpoints=(100, 200))
+    assert judge(live, 249, policy.IN_PLACE) == 240  # only settled KV serves (exact mode)
+    assert judge(live, 230, policy.COPY) == 230
+    assert judge(live, 230, policy.RESTORE) == 200  # put back whole: to its checkpoint
+    put_back = Held(units[:250], settled=250, checkpoints=(100, 200), cut_floor=250)
+    assert judge(put_back, 230, policy.IN_PLACE) == 200
+    assert judge(put_back, 230, policy.COPY) == 0  # a copy never restores a checkpoint
+    assert reach.Judge(units, PrefillRule(), False, reach.SWA, 8)(live, 249,
+                                                                   policy.IN_PLACE) == 249
+
+
+def test_a_parked_state_the_prompt_leaves_never_beats_a_copy():
+    """Gemma 3 after parking: the prompt leaves the parked conversation inside its reply;
+    put back whole it cannot be cut there, so without a checkpoint the shared system
+    prompt is copied from a slot instead; with one, the checkpoint is what counts."""
+    msgs = conv("sys", "qa", "aa", "qa2")
+    tokens = SYS + list(range(1, 61)) + list(range(61, 91)) + [5, 5]
+    bob = slot_with(0, conv("sys", "qb"), SYS + [500, 501], [150, 152], session="bob",
+                    last_used=5)
+    carol = slot_with(1, conv("other", "qc"), [7, 7, 7], [2, 3], session="carol", last_used=3)
+    drifted = ALICE_TOKENS[:-3] + [-1, -1, -1]  # its reply's end re-tokenized differently
+    judge = reach.Judge(tokens, PrefillRule(), True, reach.SWA, 16)  # windows of 16
+    for cps, restored in (((), False), ((144, 208), True)):
+        p = FakeParked("alice#1", tuple(drifted), tuple(prefix_hashes(ALICE[:2])),
+                       (150, 210), "alice", checkpoints=cps)
+        plan = policy.select([bob, carol], tokens, prefix_hashes(msgs), "alice", parked=[p],
+                             judge=judge)
+        if restored:
+            assert plan.parked == "alice#1" and plan.served == 208 and plan.reuse == 237
+        else:
+            assert plan.parked is None and plan.donor == 0 and plan.served == 150
+
+
+def test_a_copy_must_serve_clearly_more_than_the_own_slot_in_place():
+    """An edited question that another session's slot shares a few tokens more of: the
+    own slot serves in place (a copy moves a whole KV stream); far more, and it is copied."""
+    msgs = conv("sys", "q1")
+    own = slot_with(0, msgs, SYS + [1, 2, 3, 4, 5], [150, 155], session="a", last_used=1)
+    edited = conv("sys", "q1 edited")
+    for extra, copied in ((4, False), (policy.COPY_MARGIN + 10, True)):
+        other = slot_with(1, conv("sys", "qb"), SYS + [1, 2] + [8] * extra + [9] * 40,
+                          [150, 192 + extra], session="b", last_used=2)
+        tokens = SYS + [1, 2] + [8] * extra + [7, 7, 7]
+        plan = policy.select([own, other], tokens, prefix_hashes(edited), "a", min_tokens=20)
+        assert (plan.donor == 1) == copied and plan.slot == 0
+        assert plan.served == (152 + extra if copied else 152)
+
+
+def test_a_reply_start_that_merges_keeps_the_own_slot_and_its_checkpoint():
+    """Hybrid memory: the reply's first newline merges with the template's last token, so
+    the prompt leaves the own slot one token before its old prompt's end although the
+    reply's hash matches. The own slot's checkpoint 3 tokens earlier beats copying the
+    system prompt from another slot and restoring another conversation's."""
+    msgs = conv("sys", "q1", "reply")
+    old = SYS + [1, 2, 3, 4, 5, 6, 7, 8]  # its prompt: the question, then 3 of the template
+    own = slot_with(0, msgs, old + [9, 9, 9], [150, 155, 158], session="x", last_used=2,
+                    checkpoints=(150, 154, 158), settled=161, cut_floor=reach.NO_CUT)
+    other = slot_with(1, conv("sys", "qo"), SYS + [40, 41], [150, 152], session="o",
+                      last_used=3, checkpoints=(150,), settled=152, cut_floor=reach.NO_CUT)
+    parked = FakeParked("p#1", tuple(SYS + [60, 61]), tuple(prefix_hashes(conv("sys", "qp"))),
+                        (150, 152), "p", checkpoints=(150,))
+    req = msgs + [{"role": "user", "content": "q2"}]
+    tokens = old[:-1] + [77, 9, 9, 20, 21, 22]  # the merge: a new token at 157
+    judge = reach.Judge(tokens, PrefillRule(), True, reach.HYBRID)
+    plan = policy.select([own, other], tokens, prefix_hashes(req), "x", min_tokens=20,
+                         parked=[parked], judge=judge)
+    assert plan.slot == 0 and plan.donor is None and plan.parked is None
+    assert plan.evicted is None and plan.served == 154 and plan.reuse == 157
+    assert plan.matched_messages == 2  # the reply's hash matches, its tokens do not

@@ -232,6 +232,25 @@ def test_a_restore_of_another_sessions_conversation_and_one_before_a_checkpoint(
     assert r.code == reasons.RESTORED and "a checkpoint 100 tokens earlier" in r.text
 
 
+def test_a_copy_chosen_over_the_own_slot_says_so():
+    """The record says what was done: the own slot still held the conversation, but a copy
+    from another slot served more (its own would have gone back to an early checkpoint)."""
+    own = reasons.Cached(tuple(range(300)), ("a", "b"), (100, 300))
+    tokens = tuple(range(200)) + (9, 9)
+    r = reasons.explain(session="x", trace=None, own=own, tokens=tokens, hashes=("a", "c"),
+                        ends=(100, 202), roles=("system", "user"), reuse=150, wanted=200,
+                        donor_session="bob", dropped=0, can_trim=False)
+    assert r.code == reasons.CHECKPOINT and r.divergence.position == 200
+    assert r.text.startswith("session x's own slot served less of this prompt than bob's, "
+                             "so its first 150 tokens were copied from there (its own slot "
+                             "leaves the prompt in message 1 (user), token 200)")
+    assert r.text.endswith("a checkpoint 50 tokens earlier was restored")
+    r = reasons.explain(session="x", trace=None, own=own, tokens=tuple(range(302)),
+                        hashes=("a", "b"), ends=(100, 300), roles=("system", "user"),
+                        reuse=301, wanted=301, donor_session="bob", dropped=0, can_trim=True)
+    assert r.code == reasons.COPIED and "copied from there" in r.text
+
+
 def test_a_parked_copy_that_was_gone_is_an_eviction():
     trace = reasons.Whereabouts(3, reasons.PARKED, "bob", 5, slot=1)
     r = _explain("alice", trace, None, PARKED_TOKENS, 0)

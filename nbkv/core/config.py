@@ -41,6 +41,7 @@ WHOLE_ARGS: dict[str, tuple[int, bool, str]] = {
     "n_threads": (1, True, "None: one per core"),
     "spc_max_entries": (1, False, "cache='off' caches nothing"),
     "max_checkpoints": (0, False, ""),
+    "checkpoint_bytes": (0, True, "None: as much as a slot's KV on sliding-window models"),
     "history_size": (1, False, "request records kept"),
     "park_ram": (0, True, "None: a quarter of the free RAM, at most 4 GiB; 0: no RAM tier"),
     "park_disk": (0, True, "None: a quarter of the free disk, at most 16 GiB"),
@@ -186,6 +187,7 @@ class EngineSettings:
     exact: bool = True
     speculative: bool = False
     max_checkpoints: int = 8
+    checkpoint_bytes: int | None = None
     mmproj: str | None = None
     trust_projector: bool = False
     check_memory: bool = True

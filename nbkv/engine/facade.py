@@ -106,8 +106,13 @@ class Engine(TemplatedAPI, ChatAPI):
             two-row decode costs ~1.6 rows' time on a CPU, and rounds differently from a
             one-row decode (so replies equal plain llama.cpp's only without guesses).
             Ignored on hybrid and recurrent models, whose state cannot drop a wrong guess.
-        max_checkpoints: per slot, on models whose KV cannot be trimmed (hybrid, recurrent):
-            partial states kept at message boundaries (the newest kept, older ones thinned).
+        max_checkpoints: per slot, on models whose KV cannot be trimmed (hybrid, recurrent)
+            or whose state put back from parking or a save cannot (sliding-window): partial
+            states kept at message boundaries (the newest kept, older ones thinned).
+        checkpoint_bytes: per slot, the most bytes its checkpoints may take. ``None``
+            (default): as much as the slot's own KV on sliding-window models, where each
+            checkpoint holds a whole window of the SWA layers; no bound on hybrid and
+            recurrent ones (their checkpoints are the recurrent state alone).
         mmproj: a vision projector GGUF matching the model: messages may then carry images
             (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
             It is checked before llama.cpp sees it; a mismatch raises
@@ -154,6 +159,7 @@ class Engine(TemplatedAPI, ChatAPI):
         exact: bool = True,
         speculative: bool = False,
         max_checkpoints: int = 8,
+        checkpoint_bytes: int | None = None,
         mmproj: str | None = None,
         embedding_cache: EmbeddingCache | None = None,
         trust_projector: bool = False,
@@ -184,7 +190,8 @@ class Engine(TemplatedAPI, ChatAPI):
             cache_min_tokens=cache_min_tokens, overflow=overflow, n_batch=n_batch,
             n_threads=n_threads, template=template, spc_max_entries=spc_max_entries,
             history_size=history_size, wait_timeout=wait_timeout, exact=exact,
-            speculative=speculative, max_checkpoints=max_checkpoints, mmproj=mmproj,
+            speculative=speculative, max_checkpoints=max_checkpoints,
+            checkpoint_bytes=checkpoint_bytes, mmproj=mmproj,
             trust_projector=trust_projector, check_memory=check_memory,
             calibration=calibration, park_ram=park_ram, park_dir=park_dir, park_disk=park_disk,
             n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, split_mode=split_mode,
@@ -216,8 +223,10 @@ class Engine(TemplatedAPI, ChatAPI):
                      self.memory.kind)
         self.n_ctx = self.ctx.n_ctx_seq
         try:
+            if checkpoint_bytes is None and self.memory.kind == "sliding-window":
+                checkpoint_bytes = self.plan.per_slot
             self._start(max_checkpoints, history_size, spc_max_entries, park_ram, park_dir,
-                        park_disk)
+                        park_disk, checkpoint_bytes)
         except BaseException:
             res.close()
             raise
@@ -227,13 +236,15 @@ class Engine(TemplatedAPI, ChatAPI):
                  self.n_threads)
 
     def _start(self, max_checkpoints: int, history_size: int, spc_max_entries: int,
-               park_ram: int | None, park_dir: str | None, park_disk: int | None) -> None:
+               park_ram: int | None, park_dir: str | None, park_disk: int | None,
+               checkpoint_bytes: int | None) -> None:
         """The caches, the slot table and the scheduler thread over loaded resources."""
         self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
         self.events = EventBus(history_size)
         cv = threading.Condition()
         self.table: SlotTable[EngineSlot] = SlotTable(
-            [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints))
+            [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints,
+                                                 checkpoint_bytes))
              for i in range(self.config.n_slots)], cv)
         self.spc = SystemPromptStore(spc_max_entries)
         #: conversations that lost their slot, in RAM and on disk (None: parking is off)
@@ -241,9 +252,10 @@ class Engine(TemplatedAPI, ChatAPI):
         if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
                                       {**self.identity(), "n_slots": self.n_slots},
-                                      self.model.n_vocab)
+                                      self.model.n_vocab, background_spills=True)
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
-            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking)
+            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking,
+            self._prompts)
         self.scheduler.start(self)
 
     # ------------------------------------------------------------------ public API

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 from nbkv.core.events import RequestStarted, Segment
 from nbkv.engine.slot_parking import park_slot, restore_into
 from nbkv.kv import invariance, policy, reasons
+from nbkv.kv.reach import Judge, restorable, restore_point
 from nbkv.kv.segments import prompt_segments
-from nbkv.kv.slot_kv import SlotKV, trim_valid
+from nbkv.kv.slot_kv import SWA, SlotKV, trim_valid
 from nbkv.llama.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -42,9 +43,11 @@ def start(sched: Scheduler, job: Job) -> bool:
     snaps = table.snapshots()
     lot = sched.parking if cfg.cache == "imc" else None
     parked = list(lot.entries()) if lot is not None else []
+    mem = sched.res.memory
+    judge = Judge(p.tokens, rule, cfg.exact, mem.kind, mem.n_swa)
     while True:
         plan = table.place(snaps, p, job.session, cache=cfg.cache,
-                           min_tokens=cfg.cache_min_tokens, parked=parked)
+                           min_tokens=cfg.cache_min_tokens, parked=parked, judge=judge)
         if plan is None:
             return False
         t0 = time.perf_counter()
@@ -113,6 +116,10 @@ def start(sched: Scheduler, job: Job) -> bool:
         if entry is not None and lot is not None:  # taken from the lot: not lost
             lot.park(entry)
         raise
+    if entry is not None:  # its state is in the slot now: the next park reuses its memory
+        state, entry.state = entry.state, None
+        sched.res.ctx.recycle(state)
+        del state
     checkpoint_pos = kv.last_restore
     restore_s = time.perf_counter() - t0
     # the previous reply, as generated, against its re-tokenization in this prompt
@@ -121,19 +128,17 @@ def start(sched: Scheduler, job: Job) -> bool:
     donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
     why = table.reason(job.id, p, job.session, own, table[donor].tokens if donor is not None
                        else (), reuse=reuse, wanted=target, donor_session=donor_session,
-                       can_trim=sched.res.memory.can_trim, cache=cfg.cache, restored=restored)
+                       can_trim=checkpoint_pos is None, cache=cfg.cache, restored=restored)
     table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to))
     job.slot = slot
     job.reuse = reuse
     job.todo = list(p.tokens[reuse:])
-    if sched.res.memory.checkpoints:
-        # checkpoints at message boundaries, a few positions before the prompt's end, the
-        # end, and every CHECKPOINT_INTERVAL positions (what a template drift inside a
-        # long message can still salvage); each where a canonical chunk can end
-        n = len(p.tokens)
-        every = range(CHECKPOINT_INTERVAL, n, CHECKPOINT_INTERVAL)
-        job.stops = tuple(e for e in invariance.checkpoint_stops(
-            p.tokens, (*p.ends, *every, n - REPLY_TAIL, n), rule) if e > reuse)
+    if mem.takes_checkpoints:
+        near = checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens))
+        if mem.kind == SWA:  # where a window put back continues exactly
+            near = tuple(restore_point(p.tokens, w, rule, mem.kind, mem.n_swa) for w in near)
+        job.stops = tuple(e for e in invariance.checkpoint_stops(p.tokens, near, rule)
+                          if e > reuse and restorable(mem.kind, mem.n_swa, e))
     job.sampler = Sampler(job.params, sched.res.model.n_vocab,
                           [t for t in p.tokens if isinstance(t, int)])
     imc = cfg.cache == "imc"
@@ -159,6 +164,22 @@ def start(sched: Scheduler, job: Job) -> bool:
     return True
 
 
+def checkpoint_wanted(every_cut: bool, ends: list[int], n: int) -> tuple[int, ...]:
+    """Where a prompt of ``n`` positions with messages ending at ``ends`` wants checkpoints.
+
+    At message boundaries (an edit goes back to the one before it), a few positions before
+    the prompt's end (a reply whose start merges with the template's last token) and at the
+    end. Where every cut needs one (``every_cut``: hybrid and recurrent memory), also every
+    :data:`CHECKPOINT_INTERVAL` positions, what a template drift inside a long message can
+    still salvage; sliding-window memory cuts anywhere while live and needs them only once
+    its state was put back whole (parked, saved), and each costs a whole window there.
+    Each is then moved to where a canonical chunk can end
+    (:func:`nbkv.kv.invariance.checkpoint_stops`).
+    """
+    every = range(CHECKPOINT_INTERVAL, n, CHECKPOINT_INTERVAL) if every_cut else ()
+    return (*ends, *every, n - REPLY_TAIL, n)
+
+
 def segments(sched: Scheduler, job: Job, n: int) -> tuple[Segment, ...]:
     """KV map of ``job``'s slot: message spans split by reused / prefilled / generated."""
     proj = sched.res.projector
@@ -179,8 +200,12 @@ def _spc_restore(sched: Scheduler, job: Job, slot: EngineSlot) -> int:
     key = p.hashes[0]
     entry = sched.spc.get(key, p.tokens)
     if entry is None:
-        # saved where a canonical chunk ends at or before the system prompt's end
+        # saved where a canonical chunk ends at or before the system prompt's end (and,
+        # on sliding-window memory, where its window put back continues exactly)
         at = invariance.valid_start(p.tokens, p.ends[0], rule)
+        mem = sched.res.memory
+        if not restorable(mem.kind, mem.n_swa, at):
+            at = restore_point(p.tokens, at, rule, mem.kind, mem.n_swa)
         if at >= max(min_tokens, rule.min_chunk):
             job.capture_at, job.spc_key = at, key
         return 0

@@ -24,7 +24,7 @@ from typing import Any
 
 from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
 from nbkv.core.events import EventBus, Progress, RequestFinished
-from nbkv.engine import generation, placement, rewrite, vision_decode
+from nbkv.engine import generation, placement, rewrite, slot_parking, vision_decode
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources
 from nbkv.engine.prefill import prefill
@@ -35,6 +35,7 @@ from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.kv.spc import SystemPromptStore
 from nbkv.media.units import MediaUnit
+from nbkv.prompt.builder import PromptBuilder
 from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
@@ -48,6 +49,11 @@ class EngineSlot(TableSlot):
     redo: list[Any] = field(default_factory=list)  # positions being rewritten (settling)
     rewrite_n: int = 0  # positions the current rewrite covers
     rewrite_s: float = 0.0  # ... and the time it has taken so far
+    #: the prompt and reply of its last request: where its next turn resumes (parking)
+    last_turn: tuple[Any, str] | None = None
+    #: a snapshot of its KV taken in idle time, and the KV version it shows: parking the
+    #: slot then costs no copy (nbkv.engine.slot_parking.prepark)
+    preparked: tuple[int, Any] | None = None
 
     @property
     def seq_id(self) -> int:
@@ -66,13 +72,15 @@ class EngineSlot(TableSlot):
             self.index, kv.seq_id, self.capacity, self.session, (*kv.tokens, *self.redo),
             tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
             self.segments, self.last_request, kv.settled, kv.checkpoints.positions,
-            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo),
+            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo), cut_floor=kv.cut_floor,
         )
 
     def reset(self) -> None:
         """Forget everything (the KV too)."""
         self.kv.clear()
         self.redo.clear()
+        self.last_turn = None
+        self.preparked = None
         self.forget_messages()
 
 
@@ -91,8 +99,10 @@ class Scheduler:
 
     def __init__(self, res: Resources, table: SlotTable[EngineSlot], spc: SystemPromptStore,
                  events: EventBus, settings: ServeSettings, cv: threading.Condition,
-                 parking: ParkingLot | None = None) -> None:
+                 parking: ParkingLot | None = None, prompts: PromptBuilder | None = None
+                 ) -> None:
         self.res = res
+        self.prompts = prompts  # renders a conversation as its next turn will (parking)
         self.table = table
         self.spc = spc
         self.parking = parking  # conversations that lost their slot (None: parking off)
@@ -161,7 +171,8 @@ class Scheduler:
     def has_work(self) -> bool:
         """Anything for the scheduler to do (call with ``cv`` held)."""
         return bool(self.queue or self.active or self.control or self.closed
-                    or rewrite.settling_slot(self) is not None)
+                    or rewrite.settling_slot(self) is not None
+                    or slot_parking.prepark_slot(self) is not None)
 
     def run_once(self) -> bool:
         """One scheduler iteration; False once the engine is closed (the thread then ends)."""
@@ -193,10 +204,12 @@ class Scheduler:
         elif self.queue:
             with self.cv:  # every slot busy: wait for a change, or a deadline
                 self.cv.wait(0.05)
-        else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact)
-            slot = rewrite.settling_slot(self)
+        else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), or
+            slot = rewrite.settling_slot(self)  # copy out the conversation parked next
             if slot is not None:
                 rewrite.settle(self, slot)
+            elif (slot := slot_parking.prepark_slot(self)) is not None:
+                slot_parking.prepark(self, slot)
         return True
 
     def _admit(self) -> None:
@@ -322,6 +335,7 @@ class Scheduler:
             n = len(slot.tokens)
             with self.cv:
                 self.table.replied(slot, job.prompt, job.text.text, n)
+                slot.last_turn = (job.prompt, job.text.text)
                 slot.segments = tuple(s for s in (
                     replace(s, end=min(s.end, n)) for s in placement.segments(self, job, n))
                     if s.length > 0)

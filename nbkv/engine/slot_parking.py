@@ -3,9 +3,11 @@
 The engine side of :mod:`nbkv.store.parking`: what leaves a slot is its proven KV only (a reply
 whose batched rewrite has not run is cut back to the settled prefix first: cheaper than
 rewriting it, and what a returning request would keep anyway), with the message hashes and
-boundaries that still lie inside it. A restore puts the whole state back (checkpoints too)
-and checks that the memory holds exactly the parked positions; otherwise the slot is
-emptied and the request rebuilds.
+boundaries that still lie inside it. Sliding-window memory is always parked at its settled
+end, the position the next turn resumes from: the state put back holds only the window
+before its end and is not cut again unless the prompt diverges (then a checkpoint serves).
+A restore puts the whole state back (checkpoints too) and checks that the memory holds
+exactly the parked positions; otherwise the slot is emptied and the request rebuilds.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from nbkv.core.errors import InvalidRequestError
-from nbkv.kv.slot_kv import KVSnapshot, trim_valid
+from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.kv import policy
+from nbkv.kv.reach import restore_point
+from nbkv.kv.slot_kv import SWA, KVSnapshot, trim_valid
 from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry
 
@@ -32,8 +36,15 @@ def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
     if lot is None or not (kv.tokens or slot.redo):
         return ""
     t0 = time.perf_counter()
+    exact = sched.settings.exact
+    at = resume_point(sched, slot) if kv.memory.kind == SWA else None
     with sched.cv:
-        if slot.redo or (sched.settings.exact and kv.needs_rewrite):
+        if at is not None and at < len(kv) + len(slot.redo):
+            # a state put back whole cannot be cut (only the window before its end is
+            # saved): park it where the next turn resumes
+            slot.redo.clear()
+            kv.trim_to(at)
+        elif slot.redo or (exact and kv.needs_rewrite):
             slot.redo.clear()  # the rewrite is abandoned: park the proven prefix
             trim_valid(kv, list(kv.tokens), kv.settled, sched.res.rule)
     n = len(kv)
@@ -41,12 +52,92 @@ def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
         return ""
     k = sum(1 for e in slot.msg_ends if e <= n)
     segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
+    snap = take_preparked(sched, slot) or kv.snapshot()
     info = lot.park(ParkedEntry.from_snapshot(
-        kv.snapshot(), session=slot.session, hashes=slot.hashes[:k], msg_ends=slot.msg_ends[:k],
+        snap, session=slot.session, hashes=slot.hashes[:k], msg_ends=slot.msg_ends[:k],
         segments=segments, last_request=slot.last_request, last_used=slot.last_used))
     log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
               info.tier if info else "nowhere (over budget)", 1000 * (time.perf_counter() - t0))
     return info.tier if info is not None else ""
+
+
+def resume_point(sched: Scheduler, slot: EngineSlot) -> int | None:
+    """Where the next turn of ``slot``'s conversation will resume in its KV; None: no cut.
+
+    The settled end (exact mode: what stays exact whatever follows), and no further than
+    the conversation as its next prompt renders it: the reply as text, re-tokenized, can
+    differ from the generated tokens at its start (merged with the template's last token)
+    or its end (a template that trims it). In exact mode, rounded down to where a
+    canonical chunk ends and a window put back continues exactly
+    (:func:`nbkv.kv.reach.restore_point`).
+    """
+    kv, rule = slot.kv, sched.res.rule
+    units = [*kv.tokens, *slot.redo]
+    at = kv.settled if sched.settings.exact else len(units)
+    turn, prompts = slot.last_turn, sched.prompts
+    if turn is not None and prompts is not None and turn[0].media is None:
+        prompt, reply = turn
+        try:
+            nxt = prompts.prepare([*prompt.messages, {"role": "assistant", "content": reply}])
+        except NbkvError:  # too long to render again: the settled end it is
+            nxt = None
+        if nxt is not None:
+            at = min(at, policy.common_prefix(nxt.tokens, units))
+    if sched.settings.exact:  # and where its window, put back, continues exactly
+        at = restore_point(units, at, rule, kv.memory.kind, kv.memory.n_swa)
+    return at if at < len(units) else None
+
+
+def prepark_slot(sched: Scheduler) -> EngineSlot | None:
+    """The slot the next new conversation would park, if its copy can be made now.
+
+    When every slot holds a conversation, the least recently used idle one is parked by
+    the next request that needs a slot; in idle time its KV can be copied out already, so
+    that the request pays nothing for it. Only a slot parked whole (no cut back first).
+    """
+    if sched.parking is None or sched.settings.cache != "imc" or sched.queue or sched.active:
+        return None
+    table = sched.table
+    if any(not s.tokens for s in table) or any(s.pending or s.redo for s in table):
+        return None
+    slot = min(table, key=lambda s: (s.last_used, s.index))
+    if slot.preparked is not None and slot.preparked[0] == slot.kv.version:
+        return None  # copied out already (or found not to be parked whole)
+    if sched.settings.exact and slot.kv.needs_rewrite:
+        return None
+    return slot
+
+
+def prepark(sched: Scheduler, slot: EngineSlot) -> None:
+    """Copy out ``slot``'s KV for its park (idle time, scheduler thread).
+
+    A sliding-window slot parked cut back (:func:`resume_point`) is copied when it is
+    parked; it is only marked as looked at.
+    """
+    t0 = time.perf_counter()
+    kv = slot.kv
+    take_preparked(sched, slot)  # a stale copy's memory is reused
+    whole = not (kv.memory.kind == SWA and resume_point(sched, slot) is not None)
+    slot.preparked = (kv.version, kv.snapshot() if whole and kv.verify() else None)
+    log.debug("slot[%d]: KV copied out for its park in %.1f ms", slot.index,
+              1000 * (time.perf_counter() - t0))
+
+
+def take_preparked(sched: Scheduler, slot: EngineSlot) -> KVSnapshot | None:
+    """``slot``'s idle-time copy if it still shows its KV, else None.
+
+    A stale copy's memory goes back to the state buffers.
+    """
+    pre, slot.preparked = slot.preparked, None
+    if pre is None or pre[1] is None:
+        return None
+    version, snap = pre
+    if version == slot.kv.version:
+        return snap
+    state = snap.state
+    del pre, snap
+    sched.res.ctx.recycle(state)
+    return None
 
 
 def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:

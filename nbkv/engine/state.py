@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.errors import EngineBusy, NbkvError, RestoreError
 from nbkv.engine.recompute import Recomputation
 from nbkv.engine.recompute import recompute as recompute_slot
 from nbkv.engine.rewrite import settle_all, settling_slot
-from nbkv.kv.slot_kv import KVSnapshot
+from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import EngineState, SlotState
 from nbkv.kv.spc import SavedPrompt
 
@@ -64,10 +65,13 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
             slot = sched.table[i]
             snap: KVSnapshot = state.kv
             slot.kv.put_back(snap)
-            if len(slot.kv) != len(snap.tokens):
+            held = len(slot.kv)
+            if held != len(snap.tokens) and not (slot.kv.memory.kind == SWA
+                                                 and held < len(snap.tokens)):
                 raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
                                    f"{len(snap.tokens)} positions")
-            sched.table.adopt(slot, state)
+            if held:  # a sliding-window state may go back to a checkpoint (SlotKV.put_back)
+                sched.table.adopt(slot, held_state(state, held))
     except BaseException as e:
         for s, snap, state in backup:
             _roll_back(sched, s, snap, state)
@@ -92,8 +96,17 @@ def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
         log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
         return
     if s.kv.tokens:
+        state = held_state(state, len(s.kv))
         with sched.cv:
             s.session, s.hashes, s.msg_ends = state.session, list(state.hashes), list(
                 state.msg_ends)
             s.segments, s.last_used, s.last_request = (state.segments, state.last_used,
                                                        state.last_request)
+
+
+def held_state(state: SlotState, n: int) -> SlotState:
+    """``state``'s bookkeeping for its first ``n`` positions (the messages that end there)."""
+    k = sum(1 for e in state.msg_ends if e <= n)
+    return replace(state, hashes=state.hashes[:k], msg_ends=state.msg_ends[:k],
+                   segments=tuple(replace(g, end=min(g.end, n)) for g in state.segments
+                                  if g.start < n))

@@ -47,9 +47,11 @@ class SlotLike(Protocol):
 class Plan:
     """How a request will be served.
 
-    ``reuse`` tokens of ``slot``'s KV are kept (after copying them from ``donor`` when
-    ``donor`` is set, or restoring the parked conversation ``parked`` into the slot);
-    everything after them is trimmed and the request's remaining tokens are prefilled.
+    ``reuse`` tokens of ``slot``'s KV are shared with the prompt (after copying them from
+    ``donor`` when ``donor`` is set, or restoring the parked conversation ``parked`` into the
+    slot); ``served`` of them can really be kept (settled KV, where a canonical prefill may
+    begin, where the memory can be cut: :class:`nbkv.kv.reach.Judge`). Everything after is
+    trimmed and the request's remaining tokens are prefilled.
     """
 
     strategy: str
@@ -61,6 +63,11 @@ class Plan:
     evicted_tokens: int = 0
     common_prefix: dict[int, int] = field(default_factory=dict)  # slot -> shared tokens
     parked: str | None = None  # key of the parked conversation restored into ``slot`` first
+    served: int = -1  # what the chosen option really serves (-1: ``reuse``; see Judge)
+
+    def __post_init__(self) -> None:
+        if self.served < 0:
+            object.__setattr__(self, "served", self.reuse)
 
 
 def reuse_limit(n_tokens: int) -> int:
@@ -105,6 +112,21 @@ class ParkedLike(Protocol):
     last_used: int
 
 
+#: how a candidate would serve a request: kept in its slot, copied into another slot, or a
+#: parked conversation put back whole into a slot
+IN_PLACE, COPY, RESTORE = "in-place", "copy", "restore"
+
+#: positions a copy from another slot must serve beyond what a slot serves in place to be
+#: chosen: llama.cpp copies a slot's whole KV stream (all of its cells, used or not), about
+#: what prefilling a few dozen tokens costs on a CPU
+COPY_MARGIN = 32
+
+#: ``judge(candidate, shared, how)``: the positions ``candidate`` really serves when it shares
+#: ``shared`` of the prompt (already capped by :func:`reuse_limit`), served ``how``
+#: (:class:`nbkv.kv.reach.Judge`: settled KV, the canonical grouping, the memory class)
+Judge = Callable[[Any, int, str], int]
+
+
 def select(
     slots: Sequence[SlotLike],
     tokens: Sequence[int],
@@ -112,22 +134,26 @@ def select(
     session: str | None = None,
     min_tokens: int = 100,
     parked: Sequence[ParkedLike] = (),
+    judge: Judge | None = None,
 ) -> Plan | None:
     """Choose the slot for a request with prompt ``tokens`` and message prefix ``hashes``.
 
-    1. Hash scan: the slot sharing the longest run of leading messages wins, provided its
-       tokens really match up to the end of those messages (a template that renders the
-       same messages differently fails this check).
-    2. Token scan: otherwise the slot with the longest common token prefix, if at least
-       ``min_tokens`` long.
-    3. Otherwise an empty slot, else the least recently used one, rebuilt.
+    Every free slot and parked conversation sharing a prefix with the prompt is a candidate
+    when it shares at least one whole message (its message hashes match *and* its tokens
+    really match up to the end of those messages: a template that renders the same messages
+    differently matches fewer of them) or ``min_tokens`` tokens. Each is scored by what it
+    really serves, as it would be used: ``judge`` says so (by default, the shared prefix).
 
-    A match that would cut another conversation short is copied into an empty (or the LRU)
-    slot instead of trimming the donor in place, so the donor's conversation survives.
+    1. Among the slots, the one serving the most wins (then: the session's own, more
+       messages, more recent). A match that would cut another conversation short is copied
+       into an empty (or the least recently used) slot instead, so that conversation
+       survives; the score is the copy's, and it must beat serving in place by
+       :data:`COPY_MARGIN` positions.
+    2. Otherwise an empty slot, else the least recently used one, is rebuilt.
+    3. The best parked conversation is restored into the slot a miss would take
+       (``Plan.parked``) when it serves strictly more than the slots' best plan: a restore
+       that cannot be served never beats a continuation or a copy.
 
-    ``parked`` conversations (any session's) are scanned the same way; the best one is
-    restored into the slot a miss would take (``Plan.parked``) when it keeps strictly more
-    tokens than the best choice among the slots.
     Returns ``None`` when every slot is pending: the caller waits and asks again.
     """
     free = [s for s in slots if not s.pending]
@@ -135,27 +161,37 @@ def select(
         return None
     tokens = tuple(tokens)
     limit = reuse_limit(len(tokens))
+    score = judge or (lambda c, n, how: n)
     shared = {s.index: common_prefix(s.tokens, tokens) for s in free if s.tokens}
     for i, n in shared.items():
         log.debug("slot[%d] common-prefix %d/%d tokens", i, n, len(tokens))
-    plan = _from_slots(free, tokens, hashes, session, min_tokens, limit, shared)
+    plan = _from_slots(free, hashes, session, min_tokens, limit, shared, score)
     if not parked:
         return plan
-    kept = {p.key: common_prefix(p.tokens, tokens) for p in parked}
-    found = _match(parked, kept, lambda p: p.key, hashes, session, min_tokens, "parked[%s]")
-    if found is None:
+    best: tuple[Any, ...] | None = None
+    for p in parked:
+        n = common_prefix(p.tokens, tokens)
+        k = _verified(p, n, hashes)
+        if not p.tokens or (k == 0 and n < min_tokens):
+            continue
+        served = score(p, min(n, limit), RESTORE)
+        log.debug("parked[%s] shares %d tokens, %d messages; serves %d", p.key, n, k, served)
+        key = (served, session is not None and p.session == session, k, p.last_used)
+        if best is None or key > best[0]:
+            best = (key, p, k, min(n, limit))
+    if best is None:
         return plan
-    entry, k = found
-    reuse = min(kept[entry.key], limit)
-    if reuse <= plan.reuse:
-        log.debug("parked[%s] keeps %d tokens, a slot %d: not restored", entry.key, reuse,
-                  plan.reuse)
+    (served, *_), entry, k, reuse = best
+    if served <= plan.served:
+        log.debug("parked[%s] serves %d tokens, a slot %d: not restored", entry.key, served,
+                  plan.served)
         return plan
     target = empty_or_lru(free)
-    log.debug("parked[%s] restored into slot[%d]: %d tokens", entry.key, target.index, reuse)
+    log.debug("parked[%s] restored into slot[%d]: %d tokens", entry.key, target.index, served)
     return Plan(_strategy(k, hashes), target.index, reuse, None, k,
                 evicted=target.session if target.tokens else None,
-                evicted_tokens=len(target.tokens), common_prefix=shared, parked=entry.key)
+                evicted_tokens=len(target.tokens), common_prefix=shared, parked=entry.key,
+                served=served)
 
 
 def _strategy(matched: int, hashes: Sequence[str]) -> str:
@@ -164,85 +200,77 @@ def _strategy(matched: int, hashes: Sequence[str]) -> str:
     return HASH_HIT if matched >= len(hashes) else HASH_EXTEND
 
 
-def _match(cands: Sequence[Any], shared: dict[Any, int], ident: Callable[[Any], Any],
-           hashes: Sequence[str], session: str | None, min_tokens: int, label: str
-           ) -> tuple[Any, int] | None:
-    """The best candidate and the messages it matches (0: a token prefix only), or None.
+def _verified(c: Any, n: int, hashes: Sequence[str]) -> int:
+    """Leading messages ``c`` shares with the prompt: hashes equal, and tokens up to their end.
 
-    ``shared[ident(c)]`` is candidate ``c``'s common token prefix with the prompt.
+    ``n`` is ``c``'s common token prefix with the prompt. Where the hashes match further than
+    the tokens (a template drift, or a reply whose start re-tokenizes differently), only the
+    messages the tokens confirm count.
     """
+    if not c.hashes:
+        return 0
+    k = common_prefix(c.hashes, hashes)
+    while k and n < c.msg_ends[k - 1]:
+        k -= 1
+    return k
+
+
+def _from_slots(free: Sequence[SlotLike], hashes: Sequence[str], session: str | None,
+                min_tokens: int, limit: int, shared: dict[int, int], score: Judge) -> Plan:
+    """The best plan among the slots alone (:func:`select`'s steps 1 and 2)."""
     best: tuple[Any, ...] | None = None
-    for c in cands:
-        if not c.hashes:
+    for s in free:
+        n = shared.get(s.index, 0)
+        k = _verified(s, n, hashes)
+        if not n or (k == 0 and n < min_tokens):
             continue
-        k = common_prefix(c.hashes, hashes)
-        if k == 0:
-            continue
-        n = shared.get(ident(c), 0)
-        if n < c.msg_ends[k - 1]:
-            log.debug(label + " hash matches %d messages but tokens diverge at %d < %d "
-                      "(template drift)", ident(c), k, n, c.msg_ends[k - 1])
-            continue
-        score = (k, session is not None and c.session == session, n, c.last_used)
-        if best is None or score > best[0]:
-            best = (score, c, k)
+        reuse = min(n, limit)
+        target = _copy_target(s, reuse, session, free)
+        served = score(s, reuse, IN_PLACE if target is None else COPY)
+        log.debug("slot[%d] shares %d tokens, %d messages; serves %d%s", s.index, n, k, served,
+                  "" if target is None else f" copied into slot[{target.index}]")
+        # a copy moves the donor's whole KV stream: it must serve clearly more
+        bonus = COPY_MARGIN if target is None else 0
+        key = (served + bonus, session is not None and s.session == session, k, s.last_used)
+        if served and (best is None or key > best[0]):
+            best = (key, s, k, reuse, target, served)
     if best is not None:
-        log.debug(label + " hash match: %d/%d messages", ident(best[1]), best[2], len(hashes))
-        return best[1], best[2]
-    ok = [c for c in cands if c.tokens and shared.get(ident(c), 0) >= min_tokens]
-    if not ok:
-        log.debug("no usable token prefix match (min %d tokens)", min_tokens)
-        return None
-    c = max(ok, key=lambda c: (shared[ident(c)], c.session == session, c.last_used))
-    log.debug(label + " token prefix match: %d tokens", ident(c), shared[ident(c)])
-    return c, 0
-
-
-def _from_slots(free: Sequence[SlotLike], tokens: tuple[Any, ...], hashes: Sequence[str],
-                session: str | None, min_tokens: int, limit: int, shared: dict[int, int]
-                ) -> Plan:
-    """The best plan among the slots alone (:func:`select`'s steps 1 to 3)."""
-    found = _match(free, shared, lambda s: s.index, hashes, session, min_tokens, "slot[%d]")
-    if found is not None:
-        donor, k = found
-        return _place(_strategy(k, hashes), donor, min(shared[donor.index], limit), k, free,
-                      session, shared)
+        _, donor, k, reuse, target, served = best
+        strategy = _strategy(k, hashes)
+        if target is None:
+            taken = donor.session is not None and donor.session != session and (
+                reuse < len(donor.tokens) - _tail_allowance(donor))
+            return Plan(strategy, donor.index, reuse, None, k,
+                        evicted=donor.session if taken else None,
+                        evicted_tokens=len(donor.tokens) - reuse if taken else 0,
+                        common_prefix=shared, served=served)
+        return Plan(strategy, target.index, reuse, donor.index, k,
+                    evicted=target.session if target.tokens else None,
+                    evicted_tokens=len(target.tokens), common_prefix=shared, served=served)
     target = empty_or_lru(free)
     reuse = min(shared.get(target.index, 0), limit)
+    served = score(target, reuse, IN_PLACE) if reuse else 0
     return Plan(
         MISS, target.index, reuse,
         evicted=target.session if target.tokens else None,
         evicted_tokens=len(target.tokens) - reuse if target.tokens else 0,
-        common_prefix=shared,
+        common_prefix=shared, served=served,
     )
 
 
-def _place(
-    strategy: str,
-    donor: SlotLike,
-    reuse: int,
-    matched: int,
-    free: Sequence[SlotLike],
-    session: str | None,
-    shared: dict[int, int],
-) -> Plan:
-    """Serve in the donor slot, or copy its prefix elsewhere when trimming would lose work."""
+def _copy_target(donor: SlotLike, reuse: int, session: str | None,
+                 free: Sequence[SlotLike]) -> SlotLike | None:
+    """Where ``donor``'s prefix is copied to serve the request; None: served in place.
+
+    In place when the request continues the donor's conversation (all of it is kept, or it
+    is the session's own), or when there is no other slot to copy into (the donor is cut
+    short: the plan says whose conversation that evicts).
+    """
     whole = reuse >= len(donor.tokens) - _tail_allowance(donor)
     if whole or (session is not None and donor.session == session):
-        return Plan(strategy, donor.index, reuse, None, matched, common_prefix=shared)
+        return None
     target = empty_or_lru(free)
-    if target.index == donor.index:  # no other slot to copy into: cut the donor short
-        taken = donor.session is not None and donor.session != session
-        return Plan(strategy, donor.index, reuse, None, matched,
-                    evicted=donor.session if taken else None,
-                    evicted_tokens=len(donor.tokens) - reuse if taken else 0,
-                    common_prefix=shared)
-    return Plan(
-        strategy, target.index, reuse, donor.index, matched,
-        evicted=target.session if target.tokens else None,
-        evicted_tokens=len(target.tokens),
-        common_prefix=shared,
-    )
+    return None if target.index == donor.index else target
 
 
 def _tail_allowance(slot: SlotLike) -> int:

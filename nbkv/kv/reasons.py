@@ -159,7 +159,14 @@ def explain(
                  "template's opening), so those were kept" if reuse else "")
         return Reason(FIRST, f"nothing of {who} was cached{extra}")
     div = _branch(own, tokens, ends, roles)
-    if div is None:
+    if donor_session is not None:  # the own slot lost to another's (it served less)
+        what = (f"{who}'s own slot served less of this prompt than {donor_session}'s, so "
+                f"its first {reuse} tokens were copied from there")
+        code, text = COPIED, what
+        if div is not None:
+            text = (f"{what} (its own slot leaves the prompt in message {div.message} "
+                    f"({div.role}), token {div.position})")
+    elif div is None:
         code, text = CONTINUED, f"everything cached for {who} was reused"
     else:
         k = div.message
@@ -217,8 +224,8 @@ def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Resto
     text = f"{who}'s conversation was parked{when}; restored {amount} from {where}"
     if not reuse:
         text = (f"{who}'s conversation was parked{when}, but its state from {where} could not "
-                f"be cut back to where this prompt leaves it (a sliding-window cache keeps "
-                f"only its window), so it was read again")
+                f"be cut back to where this prompt leaves it (no checkpoint before that "
+                f"point), so it was read again")
     div = _branch(r.cached, tokens, ends, roles)
     if div is not None:
         text += f", then read on from message {div.message} ({div.role}), token {div.position}"

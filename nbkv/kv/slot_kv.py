@@ -4,13 +4,17 @@ A slot is one llama.cpp sequence. What can be done to a sequence exactly depends
 of memory the model has (:func:`classify`):
 
 - ``plain`` attention: any trim is exact (``seq_rm(n, -1)``).
-- ``sliding-window`` (Gemma 3): the SWA layers keep positions only as long as the window
-  needs them; a trim is exact while the SWA cache still holds the window before the cut
-  (checked with ``seq_pos_min``), else the slot is rebuilt.
+- ``sliding-window`` (Gemma 3): a trim is exact while the SWA cache still holds the window
+  before the cut (checked with ``seq_pos_min``). A live slot keeps every cell (full-size SWA
+  cache), but a whole state put back (parked, saved, SPC) holds only the window before its
+  end; such a slot goes back further through its *checkpoints*, as hybrid memory does: a
+  checkpoint of sliding-window memory is its SWA layers' window at that position.
 - ``hybrid`` (LFM2, Granite-H, Qwen3-Next) and ``recurrent`` (Mamba, RWKV): a recurrent
   state cannot be rolled back. The slot keeps *checkpoints*, partial states
   (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) taken at prefill-chunk boundaries; a trim restores
   the newest checkpoint at or before the target and the caller prefills the gap.
+
+Checkpoints are bounded per slot in number and in bytes (:class:`CheckpointSet`).
 
 Every operation ends by verifying ``seq_pos_max`` (and ``seq_pos_min`` where it means
 something) against the recorded tokens; on any disagreement the slot is cleared: KV that
@@ -35,12 +39,22 @@ from typing import Any
 
 from nbkv.core.errors import ModelLoadError
 from nbkv.kv import invariance
+from nbkv.kv.reach import (
+    HYBRID,
+    MEMORY_CLASSES,
+    PLAIN,
+    RECURRENT,
+    SWA,
+    restorable,
+    window_floor,
+)
 from nbkv.llama.backend import Batch, Context, Model
 
 log = logging.getLogger("nbkv")
 
-PLAIN, SWA, HYBRID, RECURRENT = "plain", "sliding-window", "hybrid", "recurrent"
-MEMORY_CLASSES = (PLAIN, SWA, HYBRID, RECURRENT)
+__all__ = ["HYBRID", "MEMORY_CLASSES", "PLAIN", "RECURRENT", "SWA", "Checkpoint",
+           "CheckpointSet", "KVSnapshot", "MemoryInfo", "SlotKV", "classify", "probe_memory",
+           "trim_valid"]
 
 
 @dataclass(frozen=True)
@@ -56,11 +70,16 @@ class MemoryInfo:
         """Trims go through checkpoints (the memory cannot drop a sequence's tail)."""
         return not self.can_trim
 
+    @property
+    def takes_checkpoints(self) -> bool:
+        """Slots keep checkpoints: every trim needs one, or a restored sliding-window state."""
+        return self.checkpoints or self.kind == SWA
+
     def describe(self) -> str:
         """One line for status tables."""
         extra = {
             PLAIN: "any trim is exact",
-            SWA: f"window {self.n_swa}, full-size SWA cache",
+            SWA: f"window {self.n_swa}, full-size SWA cache, checkpoints at message boundaries",
             HYBRID: "attention + recurrent layers, checkpoints at message boundaries",
             RECURRENT: "recurrent state, checkpoints at message boundaries",
         }[self.kind]
@@ -122,7 +141,7 @@ class Checkpoint:
 
 @dataclass
 class CheckpointSet:
-    """A slot's checkpoints, bounded in number: the newest kept, older ones thinned.
+    """A slot's checkpoints, bounded in number and bytes: the newest kept, older ones thinned.
 
     Pure bookkeeping: no llama.cpp here, so the choice of checkpoint is tested without one.
     """
@@ -130,6 +149,7 @@ class CheckpointSet:
     max_entries: int = 8
     items: list[Checkpoint] = field(default_factory=list)  # sorted by pos
     _clock: Any = field(default_factory=lambda: itertools.count(1), repr=False)
+    max_bytes: int | None = None  # None: no byte bound
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -147,7 +167,7 @@ class CheckpointSet:
         self.items.append(Checkpoint(pos, data, nbytes, next(self._clock)))
         self.items.sort(key=lambda c: c.pos)
         evicted = []
-        while len(self.items) > self.max_entries:
+        while self.items and (len(self.items) > self.max_entries or self._over_bytes()):
             # the newest few are where the next turn resumes (the prompt's end, the reply's
             # end and just before it): they stay; of the older ones, the one closest to its
             # predecessor goes (least recently used on ties), so what is left stays spread
@@ -158,6 +178,9 @@ class CheckpointSet:
             victim = self.items.pop(min(gaps)[2])
             evicted.append(victim.pos)
         return evicted
+
+    def _over_bytes(self) -> bool:
+        return self.max_bytes is not None and self.nbytes > self.max_bytes
 
     @property
     def keep_recent(self) -> int:
@@ -180,7 +203,7 @@ class CheckpointSet:
 
     def copy(self) -> CheckpointSet:
         """An independent set sharing the (immutable) checkpoint data."""
-        out = CheckpointSet(self.max_entries, _clock=self._clock)
+        out = CheckpointSet(self.max_entries, _clock=self._clock, max_bytes=self.max_bytes)
         out.items = [Checkpoint(c.pos, c.data, c.nbytes, c.used) for c in self.items]
         return out
 
@@ -223,15 +246,21 @@ class SlotKV:
     """
 
     def __init__(self, ctx: Context, seq_id: int, memory: MemoryInfo,
-                 max_checkpoints: int = 8) -> None:
+                 max_checkpoints: int = 8, checkpoint_bytes: int | None = None) -> None:
         self.ctx = ctx
         self.seq_id = seq_id
         self.memory = memory
         self.tokens: list[Any] = []
         self.settled = 0
         self.exact_len = 0
-        self.checkpoints = CheckpointSet(max_checkpoints)
+        self.checkpoints = CheckpointSet(max_checkpoints, max_bytes=checkpoint_bytes)
         self.last_restore: int | None = None  # position of the checkpoint the last trim used
+        #: the lowest position a trim reaches without a checkpoint (see nbkv.kv.reach);
+        #: kept up to date on the scheduler thread, read by slot snapshots
+        self.cut_floor = self._empty_floor()
+        #: changes whenever the KV, its tokens or its checkpoints do (a snapshot taken at one
+        #: version is this slot exactly while the version stays the same)
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -250,6 +279,7 @@ class SlotKV:
         ``exact``: decoded as a canonical prefill would (else token by token); ``settled``:
         the new settled length (:func:`nbkv.kv.invariance.stable_end`), when it changes.
         """
+        self.version += 1
         if exact and self.exact_len == len(self.tokens):
             self.exact_len += len(units)
         self.tokens.extend(units)
@@ -271,6 +301,7 @@ class SlotKV:
 
     def _cut(self, n: int) -> int:
         """Drop every position from ``n`` on, exactly, or as close below as possible."""
+        self.version += 1
         if n == 0:
             self.clear()
             return 0
@@ -281,7 +312,9 @@ class SlotKV:
                 return 0
             kept = n
         else:
-            cp = self.checkpoints.at_or_before(n) if self.memory.checkpoints else None
+            # sliding-window memory: the window before ``n`` is gone (a restored state), but
+            # a checkpoint holds the window before its own position
+            cp = self.checkpoints.at_or_before(n) if self.memory.takes_checkpoints else None
             if cp is None:
                 log.debug("seq %d: no exact way back to %d tokens; clearing", self.seq_id, n)
                 self.clear()
@@ -312,23 +345,37 @@ class SlotKV:
         copied but the data is not. Nothing here reads or writes attention data in between
         (a trim edits metadata; a checkpoint restore on hybrid and recurrent memory writes
         only the recurrent state, which is copied at once), and a prefill decode always
-        follows before anything is read.
+        follows before anything is read. That is why a copy of sliding-window memory never
+        goes back to a checkpoint (its checkpoints are attention cells): when the copy cannot
+        be cut at ``n`` directly, the slot is emptied instead.
         """
         self.clear()
         self.ctx.seq_cp(donor.seq_id, self.seq_id)
         self.tokens = list(donor.tokens)
         self.settled, self.exact_len = donor.settled, donor.exact_len
+        bound = self.checkpoints.max_entries, self.checkpoints.max_bytes
         self.checkpoints = donor.checkpoints.copy()
+        self.checkpoints.max_entries, self.checkpoints.max_bytes = bound
+        self.cut_floor = donor.cut_floor  # a whole-sequence copy: the same cells
+        if self.memory.kind == SWA and 0 < n < len(self.tokens) and not self._window_holds(n):
+            self.clear()
+            return 0
         return self.trim_to(n)
 
     def checkpoint(self) -> bool:
-        """Save a checkpoint at the current end, where the memory needs them."""
-        if not self.memory.checkpoints or not self.tokens:
+        """Save a checkpoint at the current end, where the memory needs them.
+
+        Sliding-window memory only where its window puts back exactly (:func:`restorable`).
+        """
+        if not self.memory.takes_checkpoints or not self.tokens:
             return False
         n = len(self.tokens)
+        if not self.restorable(n):
+            return False
         if self.checkpoints.positions and self.checkpoints.positions[-1] == n:
             return False
         data = self.ctx.state_get(self.seq_id, partial=True)
+        self.version += 1
         for pos in self.checkpoints.add(n, data, ctypes.sizeof(data)):
             log.debug("seq %d: checkpoint at %d evicted", self.seq_id, pos)
         return True
@@ -337,9 +384,19 @@ class SlotKV:
         """The whole state, for :meth:`load_state` into another (empty) slot."""
         return self.ctx.state_get(self.seq_id)
 
+    def restorable(self, n: int) -> bool:
+        """A state of this slot's first ``n`` positions continues exactly once put back."""
+        return restorable(self.memory.kind, self.memory.n_swa, n)
+
     def load_state(self, state: Any, tokens: Sequence[Any]) -> None:
-        """Replace the slot with a whole state saved by :meth:`save_state` holding ``tokens``."""
+        """Replace the slot with a whole state saved by :meth:`save_state` holding ``tokens``.
+
+        A sliding-window state that would not continue exactly (:meth:`restorable`) is
+        not put back: the slot stays empty.
+        """
         self.clear()
+        if not self.restorable(len(tokens)):
+            return
         self.ctx.state_set(self.seq_id, state)
         self.tokens = list(tokens)
         self.settled = self.exact_len = len(self.tokens)
@@ -354,24 +411,39 @@ class SlotKV:
                           self.exact_len, self.checkpoints.copy())
 
     def put_back(self, snap: KVSnapshot) -> None:
-        """Restore a :meth:`snapshot` of this slot (its KV, tokens and checkpoints)."""
+        """Restore a :meth:`snapshot` of this slot (its KV, tokens and checkpoints).
+
+        A sliding-window state that would not continue exactly (:meth:`restorable`) goes
+        back to its newest checkpoint that does, or leaves the slot empty.
+        """
         self.clear()
         self.ctx.state_set(self.seq_id, snap.state)
         self.tokens = list(snap.tokens)
         self.settled, self.exact_len = snap.settled, snap.exact_len
         cps = snap.checkpoints.copy()
-        cps.max_entries = self.checkpoints.max_entries
+        cps.max_entries, cps.max_bytes = self.checkpoints.max_entries, self.checkpoints.max_bytes
         self.checkpoints = cps
         if not self.verify():
             log.error("seq %d: a snapshot did not restore; clearing the slot", self.seq_id)
             self.clear()
+            return
+        n = len(self.tokens)
+        if not self.restorable(n):
+            # its window landed where later tokens would not compute as a fresh decode
+            # does: back to the newest checkpoint that does (or empty)
+            at = max((c for c in self.checkpoints.positions if self.restorable(c)), default=0)
+            log.debug("seq %d: a sliding-window state of %d positions goes back to %d",
+                      self.seq_id, n, at)
+            self.trim_to(at)
 
     def clear(self) -> None:
         """Empty the sequence."""
+        self.version += 1
         self.ctx.try_seq_rm(self.seq_id, -1, -1)
         self.tokens.clear()
         self.settled = self.exact_len = 0
         self.checkpoints.clear()
+        self.cut_floor = self._empty_floor()
 
     def resync(self) -> None:
         """After a failed or partial decode: make the KV hold exactly :attr:`tokens` again."""
@@ -380,7 +452,7 @@ class SlotKV:
             return
         if self.memory.can_trim and self.ctx.try_seq_rm(self.seq_id, n, -1) and self.verify():
             return
-        if self.memory.checkpoints and n and self._cut(n):
+        if self.memory.takes_checkpoints and n and self._cut(n):
             return  # the recurrent state moved past the tokens: back to a checkpoint
         log.error("seq %d: KV and token record disagree; clearing the slot", self.seq_id)
         self.clear()
@@ -394,7 +466,13 @@ class SlotKV:
             return False
         if self.memory.kind == PLAIN:
             return self.ctx.seq_pos_min(self.seq_id) == (0 if n else -1)
+        if self.memory.kind == SWA:
+            self.cut_floor = window_floor(SWA, self.memory.n_swa,
+                                          self.ctx.seq_pos_min(self.seq_id))
         return True
+
+    def _empty_floor(self) -> int:
+        return window_floor(self.memory.kind, self.memory.n_swa, 0)
 
     def _window_holds(self, n: int) -> bool:
         """Sliding window: the SWA cache still holds every position a token at ``n`` sees."""

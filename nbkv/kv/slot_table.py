@@ -50,6 +50,7 @@ class SlotInfo:
     checkpoint_bytes: int = 0
     memory: str = "plain"  # the model's memory class (nbkv.kv.slot_kv)
     rewriting: int = 0  # trailing positions out of the KV while a reply's KV is rewritten
+    cut_floor: int = 0  # the lowest position its KV can be cut to without a checkpoint
     #: remote engines: False when the server's slot differs from what nbkv expects
     verified: bool = True
     note: str = ""  # ... and why
@@ -177,13 +178,15 @@ class SlotTable(Generic[S]):
 
     def place(self, snaps: Sequence[SlotInfo], prompt: Prompt, session: str | None, *,
               cache: str, min_tokens: int, copies: bool = True,
-              parked: Sequence[policy.ParkedLike] = ()) -> policy.Plan | None:
+              parked: Sequence[policy.ParkedLike] = (), judge: policy.Judge | None = None
+              ) -> policy.Plan | None:
         """Where ``prompt`` goes and what of the slot's KV it keeps; None when all are busy.
 
         ``cache="imc"`` asks :func:`nbkv.kv.policy.select`; other modes take a free slot and
         reuse nothing of it. ``copies=False`` (a server cannot copy a prefix between slots)
         turns a donor copy into a rebuild in the target slot, keeping what it shares.
-        ``parked`` conversations are candidates too (:mod:`nbkv.store.parking`).
+        ``parked`` conversations are candidates too (:mod:`nbkv.store.parking`); ``judge``
+        says what each candidate really serves (:class:`nbkv.kv.reach.Judge`).
         """
         if cache != "imc":
             target = policy.pick_free(snaps, session)
@@ -194,7 +197,7 @@ class SlotTable(Generic[S]):
                                evicted=target.session if taken else None,
                                evicted_tokens=len(target.tokens) if taken else 0)
         plan = policy.select(snaps, prompt.tokens, prompt.hashes, session, min_tokens,
-                             parked=parked)
+                             parked=parked, judge=judge)
         if plan is not None and plan.donor is not None and not copies:
             t = snaps[plan.slot]
             reuse = min(policy.common_prefix(t.tokens, prompt.tokens),

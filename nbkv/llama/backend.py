@@ -20,6 +20,7 @@ import numpy as np
 
 from nbkv.core.errors import DecodeError, ModelLoadError, ModelNotFoundError
 from nbkv.llama.models import display_name
+from nbkv.llama.state_buffers import StateBuffers
 
 log = logging.getLogger("nbkv.llama")
 # llama.cpp's and libmtmd's own log reach the user only through logging: without a handler
@@ -438,6 +439,7 @@ class Context:
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(ptr)
         self.n_batch = llama_cpp.llama_n_batch(ptr)
         self.n_seq_max = n_seq_max
+        self.buffers = StateBuffers()
 
     def decode(self, batch: Batch) -> None:
         """Run the model on ``batch``; raise :class:`DecodeError` on failure."""
@@ -478,15 +480,28 @@ class Context:
         """The state of sequence ``seq``, as a ctypes byte array (restored without copies).
 
         ``partial`` keeps only what a trim cannot restore (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY):
-        the recurrent state, or the sliding-window layers' window: a *checkpoint*.
+        the recurrent state, or the sliding-window layers' window: a *checkpoint*. A whole
+        state is written into a buffer handed back by :meth:`recycle` when one fits.
         """
         flags = STATE_PARTIAL if partial else 0
         size = llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq, flags)
-        buf = (ctypes.c_uint8 * size)()
+        buf = None if partial else self.buffers.take(size)
+        if buf is None:
+            buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
         if n != size:
             raise DecodeError(f"could not read the state of sequence {seq} ({n}/{size} bytes)")
         return buf
+
+    def recycle(self, state: Any) -> bool:
+        """Hand back a whole state nothing else refers to, for the next :meth:`state_get`.
+
+        Reading a state into a fresh buffer pays for the allocation and for the first touch
+        of every page (page faults); a buffer used before is already mapped. The caller must
+        hold the only reference (checked: one still read elsewhere, by a save in progress
+        say, is not taken).
+        """
+        return self.buffers.give(state, owners=2)  # the caller's, and this parameter
 
     def state_set(self, seq: int, state: ctypes.Array, partial: bool = False) -> None:
         """Load a state from :meth:`state_get` into sequence ``seq``.

@@ -40,6 +40,12 @@ class ParkedInfo:
     last_used: int
     nbytes: int  # its state and checkpoints
     tier: str  # RAM or DISK
+    settled: int = -1  # leading positions whose KV stays exact whatever follows (-1: all)
+    checkpoints: tuple[int, ...] = ()  # positions of its checkpoints
+
+    def __post_init__(self) -> None:
+        if self.settled < 0:
+            object.__setattr__(self, "settled", len(self.tokens))
 
     @property
     def n_tokens(self) -> int:
@@ -105,7 +111,8 @@ class ParkedEntry:
     def info(self, tier: str) -> ParkedInfo:
         """The light view of this entry, in ``tier``."""
         return ParkedInfo(self.key, self.session, tuple(self.tokens), tuple(self.hashes),
-                          tuple(self.msg_ends), self.last_used, self.nbytes, tier)
+                          tuple(self.msg_ends), self.last_used, self.nbytes, tier,
+                          self.settled or 0, tuple(pos for pos, _ in self.checkpoints))
 
 
 # -- the save format -----------------------------------------------------------------------
@@ -154,8 +161,13 @@ def info_from_json(d: Any, n_vocab: int, tier: str) -> ParkedInfo:
         size = int(d["nbytes"])
     except (KeyError, TypeError, ValueError) as e:
         raise RestoreError(f"parked entry {f['key']}: malformed size") from e
+    try:
+        cps = tuple(int(c["pos"]) for c in d["checkpoints"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RestoreError(f"parked entry {f['key']}: malformed checkpoints") from e
     return ParkedInfo(f["key"], f["session"], tuple(f["tokens"]), tuple(f["hashes"]),
-                      tuple(f["msg_ends"]), f["last_used"], size, tier)
+                      tuple(f["msg_ends"]), f["last_used"], size, tier,
+                      min(f["settled"], len(f["tokens"])), cps)
 
 
 def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,

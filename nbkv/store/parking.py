@@ -8,6 +8,9 @@ instead of losing it; a later prompt that starts with its tokens restores it int
 - RAM: ``ram_bytes`` of states, least recently used entries leave first, counted in bytes.
 - Disk (optional ``disk_dir``): entries that leave RAM spill there, in the save format
   (:mod:`nbkv.store.park_disk`), within their own byte budget; without a disk tier they are dropped.
+  With ``background_spills`` (the engine's lot) a spill is written by a thread of its own:
+  the request that parked the entry goes on (its prefill, its reply) while the entry is
+  checksummed and written; listing or taking entries waits for the writes in progress.
 
 At most one entry per session: parking a session again replaces its older entry. Pure
 bookkeeping over opaque buffers: no model, no llama.cpp; safe to call from any thread.
@@ -53,17 +56,22 @@ class ParkingLot:
 
     def __init__(self, ram_bytes: int | None = None, disk_dir: str | Path | None = None,
                  disk_bytes: int | None = None, identity: Mapping[str, Any] | None = None,
-                 n_vocab: int = 1 << 31) -> None:
+                 n_vocab: int = 1 << 31, background_spills: bool = False) -> None:
         for name, value in (("ram_bytes", ram_bytes), ("disk_bytes", disk_bytes)):
             if value is not None and value < 0:
                 raise InvalidRequestError(f"{name} must be >= 0, not {value}")
         self.ram_bytes = default_ram_budget() if ram_bytes is None else int(ram_bytes)
+        #: spills are written by a thread of their own (the engine's lot); else in park()
+        self.background = background_spills
         self.n_vocab = n_vocab
         self.disk = (DiskTier(disk_dir, disk_bytes, identity, n_vocab)
                      if disk_dir is not None else None)
         self._ram: dict[str, ParkedEntry] = {}
         self._order: dict[str, int] = {}  # key -> when it was parked (LRU ties)
         self._lock = threading.RLock()
+        self._written = threading.Condition(self._lock)  # a spill was written (or dropped)
+        self._spilling: dict[str, ParkedEntry] = {}  # on their way to disk, oldest first
+        self._writer: threading.Thread | None = None
         self._counts = {"parks": 0, "restores": 0, "spills": 0, "drops": 0}
         start = max((self._number(i.key) for i in self.disk.infos()), default=0) \
             if self.disk is not None else 0
@@ -74,6 +82,7 @@ class ParkingLot:
     def entries(self) -> tuple[ParkedInfo, ...]:
         """Every parked conversation, most recently used first."""
         with self._lock:
+            self.flush()
             out = [e.info(RAM) for e in self._ram.values()]
             if self.disk is not None:
                 out += self.disk.infos()
@@ -85,6 +94,7 @@ class ParkingLot:
 
     def __len__(self) -> int:
         with self._lock:
+            self.flush()
             return len(self._ram) + (len(self.disk) if self.disk is not None else 0)
 
     @property
@@ -120,19 +130,67 @@ class ParkingLot:
             self._spill(victim)
         if entry.key in self._ram:
             return entry.info(RAM)
-        return entry.info(DISK) if self.disk is not None and entry.key in self.disk else None
+        if entry.key in self._spilling or (self.disk is not None and entry.key in self.disk):
+            return entry.info(DISK)
+        return None
 
     def _spill(self, entry: ParkedEntry) -> bool:
-        """Move an entry leaving RAM to disk; False when it is dropped."""
-        if self.disk is not None and self.disk.put(entry):
-            self._counts["spills"] += 1
-            log.debug("parked entry %s spilled to disk", entry.key)
-            return True
+        """Send an entry leaving RAM to disk (written by the spill thread); False: dropped."""
+        if self.disk is None or entry.nbytes > self.disk.budget:
+            self._dropped(entry)
+            return False
+        if not self.background:
+            return self._write(entry)
+        self._spilling[entry.key] = entry
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_spills, name="nbkv-spill",
+                                            daemon=True)
+            self._writer.start()
+        return True
+
+    def _dropped(self, entry: ParkedEntry) -> None:
         self._counts["drops"] += 1
         self._order.pop(entry.key, None)
         log.info("parked entry %s (%d tokens, %d bytes) dropped: over the parking budget",
                  entry.key, len(entry.tokens), entry.nbytes)
-        return False
+
+    def _write_spills(self) -> None:
+        """The spill thread: write the entries on their way to disk, oldest first, then end.
+
+        It holds the lot while it writes one (the disk tier is one thread's at a time); the
+        scheduler meanwhile prefills and decodes, which does not touch the lot.
+        """
+        while True:
+            with self._lock:
+                if not self._spilling or self.disk is None:
+                    self._writer = None
+                    self._written.notify_all()
+                    return
+                key = next(iter(self._spilling))
+                self._write(self._spilling[key])
+                del self._spilling[key]
+                self._written.notify_all()
+
+    def _write(self, entry: ParkedEntry) -> bool:
+        """Write an entry to the disk tier (lock held); False when it is dropped."""
+        assert self.disk is not None
+        try:
+            ok = self.disk.put(entry)
+        except Exception:  # noqa: BLE001 - the entry is dropped, parking goes on
+            log.exception("writing parked entry %s to disk failed", entry.key)
+            ok = False
+        if ok:
+            self._counts["spills"] += 1
+            log.debug("parked entry %s spilled to disk", entry.key)
+        else:
+            self._dropped(entry)
+        return ok
+
+    def flush(self) -> None:
+        """Wait until every spill on its way to disk is written."""
+        with self._lock:
+            while self._spilling:
+                self._written.wait()
 
     # ------------------------------------------------------------------ taking back
 
@@ -144,6 +202,8 @@ class ParkingLot:
         warning naming its file, deleted, and None is returned: the caller rebuilds.
         """
         with self._lock:
+            if key in self._spilling:
+                self.flush()  # taken back from disk, as listed
             entry = self._ram.pop(key, None)
             if entry is not None:
                 entry.tier = RAM
@@ -162,6 +222,8 @@ class ParkingLot:
             self._order.pop(key, None)
             if self._ram.pop(key, None) is not None:
                 return True
+            if self._spilling.pop(key, None) is not None:
+                return True
             return self.disk is not None and self.disk.delete(key)
 
     def drop_session(self, session: str) -> int:
@@ -174,6 +236,7 @@ class ParkingLot:
         """Forget every entry, in RAM and on disk."""
         with self._lock:
             self._ram.clear()
+            self._spilling.clear()
             self._order.clear()
             if self.disk is not None:
                 self.disk.clear()
@@ -181,8 +244,12 @@ class ParkingLot:
     # ------------------------------------------------------------------ figures
 
     def stats(self) -> dict[str, Any]:
-        """Parks, restores, spills, drops, corrupt entries skipped, bytes and entries by tier."""
+        """Parks, restores, spills, drops, corrupt entries skipped, bytes and entries by tier.
+
+        Spills on their way to disk are written first.
+        """
         with self._lock:
+            self.flush()
             disk = self.disk
             return {
                 **self._counts,
@@ -202,6 +269,7 @@ class ParkingLot:
         Disk entries are read and checked (one that fails is skipped, as by :meth:`take`).
         """
         with self._lock:
+            self.flush()
             entries = list(self._ram.values())
             if self.disk is not None:
                 entries += [e for e in (self.disk.read(i.key) for i in self.disk.infos())

@@ -388,7 +388,7 @@ def slots_table(engine: Engine) -> Table:
     cap = max((s.capacity for s in slots), default=1)
     span = min(cap, max(max((s.n_tokens for s in slots), default=0) * 5 // 4, cap // 8, 1))
     memory = getattr(engine, "memory", None)
-    used = memory.checkpoints if memory is not None else False
+    used = bool(getattr(memory, "takes_checkpoints", False))
     server = {x.get("id"): x for x in getattr(engine, "server_slots", None) or ()}
 
     def lru(s: Any) -> Any:

@@ -184,8 +184,8 @@ def unverified_html(s: Any) -> str:
 
 
 def memory_text(s: Any) -> str:
-    """The slot's memory class, and its checkpoints on hybrid and recurrent models."""
-    if s.memory not in ("hybrid", "recurrent") and not s.checkpoints:
+    """The slot's memory class, and its checkpoints (sliding-window, hybrid, recurrent)."""
+    if s.memory not in ("sliding-window", "hybrid", "recurrent") and not s.checkpoints:
         return s.memory
     n = len(s.checkpoints)
     return (f"{s.memory} · {n} checkpoint{'s' if n != 1 else ''} "

@@ -154,8 +154,10 @@ MEMORY = _table(
     Term("plain", "plain", "plain attention memory: the slot can go back to any earlier "
                            "position exactly, by cutting its KV there"),
     Term("sliding-window", "sliding-window",
-         "sliding-window attention kept at full size: it can go back to any position "
-         "still in the window"),
+         "sliding-window attention kept at full size: a slot can go back to any earlier "
+         "position; a conversation put back from parking or a save holds only the window "
+         "before its end, so it goes back further only to a checkpoint (each holds one "
+         "window), then reads on"),
     Term("hybrid", "hybrid", "recurrent layers plus attention: the slot goes back only to "
                              "a saved checkpoint, then reads on"),
     Term("recurrent", "recurrent", "recurrent memory: the slot goes back only to a saved "
