@@ -181,6 +181,9 @@ class Nbkv(Magics, Settings):
     @argument("--flash-attn", choices=tuple(FLASH_ATTN), help="load: flash attention")
     @argument("--restore", action="store_true",
               help="load: then restore this notebook's latest compatible save")
+    @argument("--reload", action="store_true",
+              help="load: load afresh even when the engine loaded has the same model and "
+                   "settings (it is kept by default, with its caches)")
     @argument("--park-ram", metavar="BYTES",
               help="load: RAM for parked conversations, e.g. 2G (Nbkv.park_ram)")
     @argument("--park-dir", metavar="DIR",
@@ -196,7 +199,7 @@ class Nbkv(Magics, Settings):
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
-                        [--min-tokens N] [--template F] [--restore] [--gpu-layers N]
+                        [--min-tokens N] [--template F] [--restore] [--reload] [--gpu-layers N]
                         [--kv-type T] [--flash-attn auto|on|off] [--park-ram BYTES]
                         [--park-dir DIR]
           %kvcache connect URL [--slots N] [--api-key-env VAR]

@@ -437,6 +437,8 @@ class SessionStore:
         self.autosaver: Any = None  # nbkv.store.autosave.Autosaver while autosave is on
         self.events = EventBus()
         self._origins: dict[int, tuple[str, CellRef | None]] = {}
+        #: the model file and arguments the engine was loaded with (None: loaded otherwise)
+        self.load_args: tuple[str, tuple[tuple[str, Any], ...]] | None = None
 
     def __getitem__(self, name: str) -> Session:
         return self._sessions[name]
@@ -497,7 +499,15 @@ class SessionStore:
 
         self.close_engine()
         self.engine = Engine(model_path, **engine_kwargs)
+        args = {k: v for k, v in engine_kwargs.items() if k != "on_load_progress"}
+        self.load_args = (str(self.engine.model.path.resolve()), tuple(sorted(args.items())))
         return self.engine
+
+    def loaded(self, model_path: str, engine_kwargs: Mapping[str, Any]) -> bool:
+        """True when the engine loaded (and still open) has this model file and arguments."""
+        args = {k: v for k, v in engine_kwargs.items() if k != "on_load_progress"}
+        return (self.engine is not None and not getattr(self.engine, "closed", True)
+                and self.load_args == (model_path, tuple(sorted(args.items()))))
 
     def connect(self, url: str, **kwargs: Any) -> EngineLike:
         """Connect to a serving engine (:func:`nbkv.connect`), then close the old one.
@@ -509,6 +519,7 @@ class SessionStore:
         engine = connect(url, **kwargs)
         self.close_engine()
         self.engine = engine
+        self.load_args = None
         return engine
 
     def autosave(self, path: Any, interval: float = 30.0) -> None:
@@ -534,6 +545,7 @@ class SessionStore:
             self.autosaver.stop()
             self.autosaver = None
         engine, self.engine = self.engine, None
+        self.load_args = None
         self._origins.clear()  # request ids start again with the next engine
         if engine is not None:
             engine.close()
