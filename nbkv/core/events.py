@@ -20,6 +20,8 @@ from nbkv.ui import vocabulary as vocab
 log = logging.getLogger("nbkv.core.events")
 
 REUSED, PREFILLED, GENERATED = "reused", "prefilled", "generated"
+#: positions a slot holds beyond what its latest request touched (a replay keeps later turns)
+KEPT = "kept"
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Segment:
     end: int
     message: int  # index into the request's messages; len(messages) is the reply
     role: str
-    state: str  # REUSED, PREFILLED or GENERATED (this request)
+    state: str  # REUSED, PREFILLED or GENERATED (this request); KEPT: not touched by it
     preview: str = ""
     kind: str = "text"  # "text", or "image" for the positions an image's embeddings occupy
     image_hash: str | None = None
@@ -110,6 +112,9 @@ class RequestRecord:
     restored_session: str | None = None  # ... whose conversation it was
     evicted_parked: str = ""  # "ram" or "disk": the evicted conversation was parked, not lost
     park_s: float = 0.0  # ... the time that took (copying its state out), within restore_s
+    #: a replayed request (reason "replayed"): the reply's tokens, given again from the cache
+    #: with nothing decoded (``generated_tokens`` counts only tokens decoded)
+    replayed_tokens: int = 0
 
     @property
     def salvage_pct(self) -> float:
@@ -203,6 +208,10 @@ class RequestRecord:
         out.append((f"first token {r.ttft_s * 1000:.0f} ms", r.ttft_text()))
         if r.generated_tokens > 1:
             out.append((f"{r.decode_tps:.0f} tok/s", "reply tokens per second"))
+        if r.replayed_tokens:
+            out.append((f"{r.replayed_tokens} tokens from the cache",
+                        "the reply's tokens, given again as the cache held them: nothing was "
+                        "decoded"))
         if r.draft_tokens:
             out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
                         "speculative guesses of the next token that proved right"))

@@ -238,6 +238,9 @@ class Nbkv(Magics, Settings):
     @argument("--image", action="extend", nargs="+", metavar="PATH",
               help="attach image files (load the engine with --mmproj)")
     @argument("--out", metavar="VAR", help="store the reply (a str with .record) in VAR")
+    @argument("--fresh", action="store_true",
+              help="decode the reply even when the cell runs again with the same prompt and "
+                   "settings (by default the cached reply is replayed: Nbkv.replay)")
     @argument("--stats", dest="stats", action="store_const", const=True, default=None,
               help="show the cache figures (Nbkv.stats)")
     @argument("--no-stats", dest="stats", action="store_const", const=False,
@@ -248,7 +251,9 @@ class Nbkv(Magics, Settings):
         """Send the cell as a user message of a session and stream the reply.
 
         A cell is a turn: running the cell again replaces its turn (answered on the turns of
-        the cells run before it) and marks the later turns stale. ``{name}`` in the cell
+        the cells run before it) and marks the later turns stale. Run again with the same
+        prompt and deterministic settings, it gets the reply the cache holds, decoding
+        nothing, and the later turns stay (``--fresh`` decodes anyway). ``{name}`` in the cell
         inserts the kernel variable ``name`` (``{{`` and ``}}`` for literal braces). The
         conversation stays in the kernel: ``nbkv.session(NAME)``.
         """
@@ -284,7 +289,7 @@ class Nbkv(Magics, Settings):
                    else self.store.get(name))
         turn = session.start(engine, content, new=args.new, system=args.system,
                              cell=self.cells.current if self.cells is not None else None,
-                             **sampling)
+                             replay=self.replay and not args.fresh, **sampling)
         view = chat_view(self._notebook(), self.refresh)
         reply, interrupted = view.stream(
             turn, engine.subscribe, self.stats if args.stats is None else args.stats)

@@ -37,7 +37,7 @@ from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     Reply,
     Turn,
     TurnChange,
-    cut_place,
+    cut_from,
     message_text,
     span_text,
 )
@@ -189,13 +189,15 @@ class Session:
         return new
 
     def start(self, engine: EngineLike, content: Any, *, new: bool = False,
-              system: str | None = None, cell: CellRef | None = None,
+              system: str | None = None, cell: CellRef | None = None, replay: bool = False,
               **sampling: Any) -> PendingTurn:
         """Send ``content`` as a user message; returns the streaming :class:`PendingTurn`.
 
         With ``cell``, the turns of the cells before it are the history and its own turn is
         replaced when the reply ends; without, it is the next turn. ``new`` starts the
-        conversation over first; ``system`` sets its system prompt.
+        conversation over first; ``system`` sets its system prompt. ``replay``: a cell that
+        runs again may get the reply the cache holds for the same prompt and settings
+        (:mod:`nbkv.engine.replay`), on an engine that can replay.
         """
         if new:
             self.reset(system)
@@ -210,6 +212,8 @@ class Session:
                 history += t.messages
                 layout += [i] * len(t.messages)
         user = {"role": "user", "content": content}
+        if replay and own is not None and getattr(engine, "replays", False):
+            sampling["replay"] = True
         stream = engine.chat(history + [user], session=self.name, stream=True, **sampling)
         if self.store is not None:
             self.store._started(stream.request_id, self.name, cell)
@@ -232,6 +236,12 @@ class Session:
             self._turns.append(turn)
             change = TurnChange(self.name, len(self._turns), "appended", turn.cell,
                                 layout=layout)
+        elif old.live and old.messages == turn.messages:
+            # the same exchange again (a replay): the later turns were answered on it
+            i = self._turns.index(old)
+            turn.runs = old.runs + 1
+            self._turns[i] = turn
+            change = TurnChange(self.name, i + 1, "repeated", turn.cell, (), layout)
         else:
             i = self._turns.index(old)
             turn.runs = old.runs + 1

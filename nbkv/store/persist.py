@@ -41,6 +41,7 @@ import numpy as np
 
 from nbkv.core.errors import NbkvError, RestoreError, SaveError
 from nbkv.core.events import SlotsChanged
+from nbkv.kv.replies import ReplyMemo
 from nbkv.kv.slot_kv import KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.kv.spc import SavedPrompt
@@ -294,6 +295,9 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
                                "dtype": "float32"})
             emb_json.append({"image": h, "arrays": arrays})
     sess_json = [_jsonable(s.state_dict(), blobs, f"session {s.name}") for s in store]
+    # the replies the saved KV holds: a cell run again after a restore is replayed
+    replies = engine.export_replies([s.kv.tokens for s in cap.slots]
+                                    + [p.tokens for p in engine.parked()])
     created = time.time()
     body = {
         "format": FORMAT, "version": VERSION, "created": created,
@@ -301,7 +305,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
         "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
         "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
         "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
-        "parked": parked_json,
+        "parked": parked_json, "replies": replies,
         "blobs": blobs.table(),
     }
     with _locked(root, exclusive=True):
@@ -363,6 +367,7 @@ class _Plan:
     embeddings: list[tuple[str, list[np.ndarray]]] = field(default_factory=list)
     sessions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # state_dict()s
     parked: list[ParkedEntry] = field(default_factory=list)  # for the engine's parking lot
+    replies: list[ReplyMemo] = field(default_factory=list)  # replies the saved KV holds
     nbytes: int = 0
 
 
@@ -433,6 +438,7 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
                 arr.setflags(write=False)
                 arrays.append(arr)
             plan.embeddings.append((str(e["image"]), arrays))
+        plan.replies = [ReplyMemo.from_json(m, n_vocab) for m in body.get("replies", [])]
         for s in body.get("sessions", []):
             state = _unjson(s, read)
             # checked on a scratch session: the store changes only once all is read
@@ -469,6 +475,7 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
         raise RestoreError("the save holds images: load the engine with its vision projector")
     where = _placement(plan.slots, engine.n_slots)
     engine.import_state(list(zip(where, plan.slots)), plan.spc)
+    engine.import_replies(plan.replies)
     if engine.parking is not None:
         engine.parking.import_(sorted(plan.parked, key=lambda e: e.last_used))
     placed = sorted((SlotSave(i, st.session, len(st.kv.tokens), st.kv.nbytes)
