@@ -598,3 +598,36 @@ def test_loading_again_with_the_same_settings_keeps_the_engine(loaded, capsys):
     assert nbkv.current_engine() is not engine and engine.closed
     chat(loaded, "kim --no-stats --max-tokens 2", "Once more.")
     assert nbkv.session("kim").records[-1].reason == "reloaded"
+
+
+def test_load_ext_again_is_quiet(ip, capsys):
+    """ "Run All" a second time runs %load_ext nbkv again: nothing to say, nothing changes."""
+    capsys.readouterr()
+    ip.run_line_magic("load_ext", "nbkv")
+    assert capsys.readouterr().out == ""
+    assert "kvcache" in ip.magics_manager.magics["line"]
+
+
+def test_a_cell_run_again_closes_the_views_its_last_run_made(loaded, monkeypatch):
+    """A re-run cell's old outputs are gone: their widgets would go on following the engine
+    (and be sent again on a page reload); they are closed, the other cells' are not."""
+    import comm
+
+    from conftest import QuietComm
+
+    monkeypatch.setattr(comm, "create_comm", lambda **kw: QuietComm())
+    src = "from nbkv.ui.widgets import KVMap\nm = KVMap(nbkv.current_engine())"
+    loaded.run_cell("import nbkv")
+    loaded.run_cell(src, cell_id="views-1")
+    first = loaded.user_ns["m"]
+    loaded.run_cell(src.replace("m =", "other ="), cell_id="views-2")
+    other = loaded.user_ns["other"]
+    assert not first.feed._stop.is_set()
+    loaded.run_cell(src, cell_id="views-1")  # the same cell again
+    second = loaded.user_ns["m"]
+    assert second is not first and first.feed._stop.is_set() and first.comm is None
+    assert not second.feed._stop.is_set() and not other.feed._stop.is_set()
+    loaded.run_cell(src)  # no cell id (a terminal, nbval): nothing is closed
+    assert not second.feed._stop.is_set()
+    for w in (second, other, loaded.user_ns["m"]):
+        w.close()

@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import itertools
 import keyword
+import logging
 import string
+import sys
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -29,6 +32,7 @@ from nbkv.notebook.settings import Settings
 from nbkv.ui.views import chat_view
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("nbkv")
 
 
 def usage_errors(magic: F) -> F:
@@ -71,8 +75,10 @@ class CellTracker:
     def __init__(self, shell: Any) -> None:
         self.shell = shell
         #: the cells running now, innermost last: (ExecutionInfo, its cell, the shell's
-        #: execution_count when it started)
-        self._running: list[tuple[Any, CellRef | None, int]] = []
+        #: execution_count when it started, its cell id, the views made before it)
+        self._running: list[tuple[Any, CellRef | None, int, str | None, int]] = []
+        #: cell id -> the nbkv views its last run made (closed when it runs again)
+        self._views: dict[str, list[weakref.ref[Any]]] = {}
         # IPython 9 counts a cell (In [N]) before pre_run_cell, IPython 8 after it: learnt
         # from each post_run_cell's result, first guessed from the version
         import IPython
@@ -80,22 +86,29 @@ class CellTracker:
         self._offset = 1 if IPython.version_info[0] >= 9 else 0
 
     def pre(self, info: Any) -> None:
-        """A cell starts (``pre_run_cell``)."""
+        """A cell starts (``pre_run_cell``): the views its previous run made are closed."""
         seen = self.shell.execution_count
-        cell_id = getattr(info, "cell_id", None)
+        raw_id = getattr(info, "cell_id", None) or None
+        cell_id = raw_id
         if not str(getattr(info, "raw_cell", "") or "").lstrip().startswith("%%chat"):
             cell_id = None
         count = seen - self._offset if getattr(info, "store_history", False) else None
-        self._running.append((info, CellRef(str(cell_id), count) if cell_id else None, seen))
+        if raw_id is not None:
+            _close(self._views.pop(raw_id, []))
+        self._running.append((info, CellRef(str(cell_id), count) if cell_id else None, seen,
+                              raw_id, _views_made()))
 
     def post(self, result: Any) -> None:
         """A cell ended (``post_run_cell``; also fired for cells that never started)."""
         info = getattr(result, "info", None)
         if self._running and self._running[-1][0] is info:
-            _, _, seen = self._running.pop()
+            _, _, seen, raw_id, mark = self._running.pop()
             if getattr(info, "store_history", False) and \
                     isinstance(getattr(result, "execution_count", None), int):
                 self._offset = seen - result.execution_count
+            made = _views_since(mark)
+            if raw_id is not None and made:
+                self._views[raw_id] = [weakref.ref(v) for v in made]
 
     @property
     def current(self) -> CellRef | None:
@@ -114,6 +127,28 @@ class CellTracker:
                 self.shell.events.unregister(name, cb)
             except ValueError:
                 pass
+
+
+def _views_made() -> int:
+    """The mark of :func:`nbkv.ui.widgets.snapshot.created` (0 before any widget exists)."""
+    mod = sys.modules.get("nbkv.ui.widgets.snapshot")
+    return mod.created() if mod is not None else 0
+
+
+def _views_since(mark: int) -> list[Any]:
+    mod = sys.modules.get("nbkv.ui.widgets.snapshot")
+    return mod.made_since(mark) if mod is not None else []
+
+
+def _close(views: list[weakref.ref[Any]]) -> None:
+    """Close views a cell's previous run showed: its outputs are gone, nothing shows them."""
+    for ref in views:
+        view = ref()
+        if view is not None:
+            try:
+                view.close()
+            except Exception:  # noqa: BLE001 - the cell must run regardless
+                log.exception("nbkv: closing a view of a re-run cell failed")
 
 
 def parse_argstring(magic: Any, line: str) -> Any:
@@ -344,11 +379,28 @@ def _fork_spec(text: str) -> tuple[str, int | None]:
 
 
 def load(ipython: Any) -> None:
-    """Register the magics with ``ipython`` and follow its cells."""
+    """Register the magics with ``ipython`` and follow its cells.
+
+    ``%load_ext nbkv`` run again ("Run All" a second time) is then quiet: IPython would print
+    "The nbkv extension is already loaded"; loading it again changes nothing.
+    """
     magics = Nbkv(shell=ipython)
     ipython.register_magics(magics)
     if magics.cells is not None:
         magics.cells.register()
+    manager = getattr(ipython, "extension_manager", None)
+    if manager is not None and "load_extension" not in vars(manager):
+        manager.load_extension = _quiet_when_loaded(manager, manager.load_extension)
+
+
+def _quiet_when_loaded(manager: Any, load_extension: Callable[[str], Any]) -> Any:
+    """``load_extension`` that answers "loaded" (None) for nbkv when it already is."""
+    def load_ext(module_str: str) -> Any:
+        if module_str == "nbkv" and module_str in manager.loaded:
+            return None
+        return load_extension(module_str)
+    load_ext.__wrapped__ = load_extension  # type: ignore[attr-defined]
+    return load_ext
 
 
 def unload(ipython: Any) -> None:
@@ -361,6 +413,9 @@ def unload(ipython: Any) -> None:
     inst = mm.registry.pop("Nbkv", None)
     mm.magics["line"].pop("kvcache", None)
     mm.magics["cell"].pop("chat", None)
+    manager = getattr(ipython, "extension_manager", None)
+    if manager is not None and "load_extension" in vars(manager):
+        del manager.load_extension  # IPython's own again
     if inst is not None:
         if inst.cells is not None:
             inst.cells.unregister()
