@@ -253,7 +253,6 @@ def test_slot_cards_follow_a_request(story):
 
 
 def test_kv_map_shows_messages_states_and_progress(engine, story):
-    kv = KVMap(engine, Feed(engine, live=False))
     # named in the vocabulary's words (the legend and the hovers)
     assert (BARS["prefilled"][0], BARS["todo"][0], BARS["image"][0]) == (
         "read new", "still to read", "image")

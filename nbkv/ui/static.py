@@ -1,11 +1,11 @@
 """The dashboard as static HTML with inline SVG: what a saved notebook shows with no kernel.
 
-Every nbkv widget puts one of these beside its live view in the same display data
-(``_repr_mimebundle_``), so GitHub, nbviewer, an nbconvert export and Binder before the
-kernel starts show the slot cards, the KV map and the timeline as they were when the cell
-ended; :mod:`nbkv.report` puts them on one self-contained page. No JavaScript, no fonts or
-scripts from elsewhere; colours from :mod:`nbkv.ui.palette`, words from :mod:`nbkv.ui.vocabulary`.
-Nothing here imports Jupyter.
+A displayed nbkv widget puts one of these beside its live view, refreshed after requests
+(:mod:`nbkv.ui.widgets.snapshot`), so GitHub, nbviewer, an nbconvert export and Binder before
+the kernel starts show the slot cards, the KV map and the timeline after the last request;
+:mod:`nbkv.ui.page` puts them on one self-contained page. The charts themselves are drawn by
+:mod:`nbkv.ui.charts`. No JavaScript, no fonts or scripts from elsewhere; colours from
+:mod:`nbkv.ui.palette`, words from :mod:`nbkv.ui.vocabulary`. Nothing here imports Jupyter.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def frame(body: str, cls: str, caption: bool = True) -> str:
     ``caption``: say that it is a snapshot (a running notebook shows the live view instead).
     """
     note = (f'<div style="color:{MUTED};font-size:11px;font-style:italic">static snapshot: '
-            "the cache when this cell ended (run the notebook for the live view)</div>"
+            "the cache as last shown (run the notebook for the live view)</div>"
             if caption else "")
     return (f'<div class="nbkv-static {cls}" style="font:12px sans-serif;color:{TEXT};'
             f'margin:4px 0">{note}{body}</div>')

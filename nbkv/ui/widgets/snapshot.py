@@ -120,3 +120,15 @@ class Displayed:
         snap = Snapshot(self)
         if self.feed.live:
             self.feed.snapshots.append(snap)
+
+
+def refresh_all() -> int:
+    """Refresh now the snapshots of every nbkv view of this kernel; how many changed.
+
+    The feeds do it on their own after requests (throttled); ``make notebooks`` calls this
+    before it saves a notebook, so that every snapshot shows the cache after its last request.
+    """
+    with _lock:
+        views = [v for _, r in _made if (v := r()) is not None]
+    feeds = {id(v.feed): v.feed for v in views if getattr(v, "feed", None) is not None}
+    return sum(feed.refresh_snapshots() for feed in feeds.values())
