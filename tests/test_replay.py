@@ -53,15 +53,20 @@ def test_a_reply_is_found_only_where_a_holder_still_holds_it():
     book = ReplyBook()
     book.add(memo)
     later = [*prompt, 7, 8, 5, 6, 7]  # the prompt, the reply as in KV, then later turns
-    assert book.find(prompt, params, [later]) == memo
-    assert book.find(prompt, params, [[9, 9], later]) == memo  # any holder will do
-    assert book.find(prompt, params, [prompt]) is None  # the reply is gone
-    assert book.find(prompt, params, [[*prompt, 7]]) is None  # ... cut short
+    assert book.find(prompt, params, [later]) == (memo, 2)
+    assert book.find(prompt, params, [[9, 9], later]) == (memo, 2)  # any holder will do
+    # the prompt alone (the slot was cut after it), or another way on: the same reply
+    assert book.find(prompt, params, [prompt]) == (memo, 0)
+    assert book.find(prompt, params, [[*prompt, 7, 6]]) == (memo, 1)
+    assert book.find(prompt, params, [prompt[:3]]) is None  # the prompt is not all there
+    # ... unless what is there is all the cache keeps of a prompt (a parked conversation)
+    assert book.find(prompt, params, [prompt[:3]], need=3) == (memo, 0)
+    assert book.find(prompt, params, [prompt[:2]], need=3) is None
     assert book.find(prompt, params, [[1, 2, 3, 5, 7, 8]]) is None  # another prompt
     assert book.find(prompt, SamplingParams(max_tokens=9), [later]) is None
     assert book.find(prompt, SamplingParams(temperature=0.5), [later]) is None
     assert book.find([1, 2, 3], params, [later]) is None  # a prefix is another prompt
-    assert book.kept_by([prompt, later]) == [memo] and book.kept_by([prompt]) == []
+    assert book.kept_by([prompt[:3], later]) == [memo] and book.kept_by([prompt[:3]]) == []
 
 
 def test_the_book_keeps_the_latest_replies_and_reads_back_its_json():
@@ -136,11 +141,12 @@ def test_what_is_not_replayed(engine):
                {"replay": True, "temperature": 0.7}):
         r = engine.chat(msgs, **{**settings, **kw}).record
         assert r.reason != "replayed" and r.prefilled_tokens > 0, kw
-    # the slot now holds the sampled reply, not this one: decoded again (the same reply),
-    # and then replayed
+    # the slot now holds the prompt and a sampled reply: the greedy reply is the same
+    # still (it depends on the prompt alone), and the slot keeps what it holds
+    held = next(s for s in engine.slots() if s.session == "omar").tokens
     r = engine.chat(msgs, replay=True, **settings)
-    assert r.text == first.text and r.record.reason != "replayed"
-    assert engine.chat(msgs, replay=True, **settings).record.reason == "replayed"
+    assert r.text == first.text and r.record.reason == "replayed"
+    assert next(s for s in engine.slots() if s.session == "omar").tokens == held
     # a slot cleared holds nothing to replay
     engine.clear()
     assert engine.chat(msgs, replay=True, **settings).record.reason != "replayed"
@@ -176,6 +182,9 @@ def test_a_parked_conversation_is_restored_and_replayed(engine):
     r = engine.chat(msgs, session="pat", max_tokens=MAX, temperature=0, replay=True)
     assert r.text == first.text and r.record.reason == "replayed"
     assert r.record.restored_from == "ram" and r.record.prefilled_tokens == 0
+    slot = engine.slots()[r.record.slot]  # the restored conversation's messages, and map
+    assert slot.session == "pat" and slot.hashes and slot.msg_ends[-1] <= slot.n_tokens
+    assert {s.state for s in slot.segments} <= {"reused", "kept"} and slot.segments[0].start == 0
     msgs, second = turns[1]  # the second turn is still in the restored slot
     r = engine.chat(msgs, session="pat", max_tokens=MAX, temperature=0, replay=True)
     assert r.text == second.text and r.record.reason == "replayed" and not r.record.restored_from
@@ -188,3 +197,19 @@ def test_an_exact_false_engine_never_replays(model_path):
         e.chat(msgs, session="x", max_tokens=4, temperature=0)
         r = e.chat(msgs, session="x", max_tokens=4, temperature=0, replay=True).record
         assert r.reason != "replayed" and len(e.scheduler.replies) == 0
+
+
+def test_a_parked_conversation_restored_for_another_session_stays_parked(model_path):
+    """02's last section sends alice's first prompt as another session: it gets a copy of
+    her parked conversation; hers stays parked, and her next turn restores it."""
+    with Engine(model_path, n_slots=1, n_ctx=1024) as e:
+        (msgs, first), = talk(e, "alice", ["What is a CPU?"])
+        talk(e, "bob", ["Hi."])  # alice's slot taken: parked
+        assert [p.session for p in e.parked()] == ["alice"]
+        r = e.chat(msgs, session="ttft", max_tokens=MAX, temperature=0).record
+        assert r.restored_from == "ram" and r.restored_session == "alice"
+        assert "alice" in [p.session for p in e.parked()]  # still hers
+        again = e.chat(msgs + [first.message, user("And memory?")], session="alice",
+                       max_tokens=MAX, temperature=0).record
+        assert again.reason == "restored" and again.restored_session == "alice"
+        assert_consistent(e)

@@ -87,6 +87,8 @@ def start(sched: Scheduler, job: Job) -> bool:
         if entry is not None:
             kv.clear()
             held = restore_into(slot, entry)
+            if held and lot is not None and entry.session not in (None, job.session):
+                lot.park(entry)  # another's conversation: a copy; it stays parked for its own
             restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
                 tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
             reuse = target = invariance.valid_start(p.tokens, min(
@@ -133,8 +135,15 @@ def start(sched: Scheduler, job: Job) -> bool:
                            if donor is not None else (), reuse=reuse, wanted=target,
                            donor_session=donor_session, can_trim=sched.res.memory.can_trim,
                            cache=cfg.cache, restored=restored)
+    kept = None
+    if memo is not None:  # the slot's messages stay: its own, or those of the parked entry
+        kept = (entry.hashes, entry.msg_ends) if entry is not None else (slot.hashes,
+                                                                         slot.msg_ends)
+        if entry is not None:
+            with sched.cv:
+                slot.segments = tuple(entry.segments)
     table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to),
-                keep=memo is not None)
+                keep=kept)
     job.memo = memo
     job.slot = slot
     job.reuse = reuse

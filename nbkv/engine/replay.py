@@ -20,6 +20,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.events import GENERATED, KEPT, REUSED, RequestFinished
+from nbkv.kv.invariance import valid_start
+from nbkv.kv.policy import reuse_limit
 from nbkv.kv.reasons import REPLAYED, Reason
 from nbkv.kv.replies import ReplyMemo, deterministic, digest, settings_key
 from nbkv.kv.segments import prompt_segments
@@ -52,17 +54,30 @@ def remember(sched: Scheduler, job: Job) -> None:
 
 
 def match(sched: Scheduler, job: Job, slot: EngineSlot) -> ReplyMemo | None:
-    """The reply ``slot`` holds for ``job``'s prompt and settings, if ``job`` may replay it."""
+    """The reply to give ``job``, if it may be replayed; else None.
+
+    ``slot`` must hold its prompt (all a request for it could reuse), and the same prompt
+    and settings must have been answered before; ``job.memo_held`` is then how many of the
+    reply's tokens follow the prompt there.
+    """
     if not job.replay or not proven(sched):
         return None
-    return sched.replies.find(job.prompt.tokens, job.params, [slot.kv.tokens])
+    tokens = job.prompt.tokens
+    # what the cache keeps of a prompt: all a request for it could reuse (a parked
+    # conversation ends where a canonical prefill may resume)
+    need = valid_start(tokens, reuse_limit(len(tokens)), sched.res.rule)
+    found = sched.replies.find(tokens, job.params, [slot.kv.tokens], need)
+    if found is None:
+        return None
+    memo, job.memo_held = found
+    return memo
 
 
 def reason(memo: ReplyMemo) -> Reason:
     """Why a request was replayed, in plain words."""
     return Reason(REPLAYED, f"the same prompt and settings as request #{memo.request}, so "
                             f"the same reply: its {len(memo.tokens)} tokens came from the "
-                            "cache, nothing was decoded, and the slot kept the later turns")
+                            "cache, nothing was decoded, and the slot kept what followed")
 
 
 def text_of(sched: Scheduler, job: Job, memo: ReplyMemo) -> str:
@@ -90,7 +105,7 @@ def finish(sched: Scheduler, job: Job) -> None:
     if text:
         job.out.put(("delta", text))
     now = time.perf_counter()
-    n = memo.n_prompt + memo.held
+    n = memo.n_prompt + job.memo_held  # the reply as far as the slot holds it
     proj = sched.res.projector
     mine = tuple(replace(s, state=REUSED) if s.state == GENERATED else s
                  for s in prompt_segments(job.prompt, memo.n_prompt, n, text,

@@ -136,7 +136,8 @@ def select(
 
     ``parked`` conversations (any session's) are scanned the same way; the best one is
     restored into the slot a miss would take (``Plan.parked``) when it keeps strictly more
-    tokens than the best choice among the slots.
+    tokens than the best choice among the slots, or as many when it is the session's own
+    and that choice is another session's slot.
     Returns ``None`` when every slot is pending: the caller waits and asks again.
     """
     free = [s for s in slots if not s.pending]
@@ -156,7 +157,12 @@ def select(
         return plan
     entry, k = found
     reuse = min(kept[entry.key], limit)
-    if reuse <= plan.reuse:
+    # on a tie the session's own parked conversation wins over another session's slot: it is
+    # the same KV, and the other conversation keeps its slot
+    holder = plan.donor if plan.donor is not None else plan.slot
+    theirs = next((s.session for s in free if s.index == holder), None) != session
+    own = session is not None and entry.session == session and theirs
+    if reuse < plan.reuse or (reuse == plan.reuse and not own):
         log.debug("parked[%s] keeps %d tokens, a slot %d: not restored", entry.key, reuse,
                   plan.reuse)
         return plan

@@ -3,10 +3,11 @@
 With deterministic sampling (greedy, or a fixed seed) and exact KV, a reply is a function of
 its prompt's tokens and the sampling settings: decoding it again gives the same tokens. When
 a notebook cell runs again with the same prompt (a second "Run All"), the engine can answer
-from the cache instead, *if* the reply is still there: a slot, or a parked conversation,
-holds the prompt followed by the reply's tokens. :class:`ReplyBook` remembers, per prompt
-(a digest of its tokens) and settings, which tokens were generated and how the reply ended;
-:meth:`ReplyBook.find` answers only for a holder whose tokens prove it.
+from the cache instead, *if* the conversation is still cached: a slot, or a parked
+conversation, holds the prompt token for token (usually followed by the reply and the later
+turns, which then stay). :class:`ReplyBook` remembers, per prompt (a digest of its tokens)
+and settings, which tokens were generated and how the reply ended; :meth:`ReplyBook.find`
+answers only where a holder holds the prompt.
 
 Pure bookkeeping: no model, no llama.cpp. The engine decides when a request may be replayed
 (:mod:`nbkv.engine.replay`); nothing here is ever used with inexact KV.
@@ -20,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nbkv.kv.policy import common_prefix
 from nbkv.llama.sampling import SamplingParams
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a new seed on every request
@@ -66,16 +68,24 @@ class ReplyMemo:
     finish_reason: str  # "stop" or "length"
     request: int  # the request that generated it
 
-    def held_by(self, units: Sequence[Any], prompt: Sequence[Any]) -> bool:
-        """True when ``units`` hold ``prompt`` then this reply.
+    def held_in(self, units: Sequence[Any], prompt: Sequence[Any],
+                need: int | None = None) -> int | None:
+        """How many of the reply's tokens ``units`` hold after ``prompt``.
 
-        ``units``: a slot's or a parked conversation's. The prompt must match token for
-        token, then the reply's tokens as they were in KV.
+        ``units``: a slot's or a parked conversation's. None unless they hold the first
+        ``need`` positions of ``prompt`` (default: all of it): the reply is only given where
+        its prompt is cached, as far as the cache ever keeps a prompt (a parked conversation
+        ends where a canonical prefill may resume, a few positions before its end). Then the
+        reply's tokens that follow the whole prompt there, as they were in KV (0 when the
+        slot was cut after the prompt or went on another way: the reply is the same).
         """
-        n, k = self.n_prompt, self.held
-        return (len(prompt) == n and len(units) >= n + k
-                and tuple(units[n:n + k]) == self.tokens[:k]
-                and tuple(units[:n]) == tuple(prompt))
+        n = self.n_prompt
+        need = n if need is None else need
+        if len(prompt) != n or common_prefix(tuple(units[:n]), tuple(prompt)) < need:
+            return None
+        if len(units) < n or tuple(units[:n]) != tuple(prompt):
+            return 0
+        return common_prefix(tuple(units[n:n + self.held]), self.tokens[:self.held])
 
     def as_json(self) -> dict[str, Any]:
         """The memo as JSON (the save format)."""
@@ -142,27 +152,31 @@ class ReplyBook:
         return self._memos.get((digest(prompt), settings_key(params)))
 
     def find(self, prompt: Sequence[Any], params: SamplingParams,
-             holders: Iterable[Sequence[Any]]) -> ReplyMemo | None:
-        """The memo of ``prompt`` under ``params`` if one of ``holders`` holds it, else None."""
+             holders: Iterable[Sequence[Any]], need: int | None = None
+             ) -> tuple[ReplyMemo, int] | None:
+        """The memo of ``prompt`` under ``params`` if one of ``holders`` holds the prompt.
+
+        Returns it with the number of its reply's tokens that holder holds after the prompt
+        (:meth:`ReplyMemo.held_in`, ``need`` as there), the most of any holder; None when
+        no holder holds it.
+        """
         memo = self.lookup(prompt, params)
-        if memo is None or not any(memo.held_by(units, prompt) for units in holders):
+        if memo is None:
+            return None
+        held = [k for units in holders
+                if (k := memo.held_in(units, prompt, need)) is not None]
+        if not held:
             return None
         self._memos.move_to_end((memo.prompt, memo.settings))
-        return memo
+        return memo, max(held)
 
     def kept_by(self, holders: Sequence[Sequence[Any]]) -> list[ReplyMemo]:
-        """The memos whose prompt and reply one of ``holders`` still holds (for a save).
-
-        A holder's prompts are checked by their digests at every memo's prompt length.
-        """
+        """The memos whose prompt one of ``holders`` still holds (what a save keeps)."""
         out = []
         for memo in self._memos.values():
-            for units in holders:
-                n = memo.n_prompt
-                if (len(units) >= n + memo.held and digest(units[:n]) == memo.prompt
-                        and tuple(units[n:n + memo.held]) == memo.tokens[:memo.held]):
-                    out.append(memo)
-                    break
+            n = memo.n_prompt
+            if any(len(units) >= n and digest(units[:n]) == memo.prompt for units in holders):
+                out.append(memo)
         return out
 
     def clear(self) -> None:

@@ -234,11 +234,13 @@ class SlotTable(Generic[S]):
         return reasons.explain_request(history, self.compared, text_of, request)
 
     def claim(self, slot: S, request: int, session: str | None, prompt: Prompt, reuse: int,
-              evicted: str | None, parked: bool = False, keep: bool = False) -> None:
+              evicted: str | None, parked: bool = False,
+              keep: tuple[Sequence[str], Sequence[int]] | None = None) -> None:
         """``slot`` now serves ``request``: its kept messages, the clock and the trail.
 
         ``parked``: the conversation ``evicted`` from the slot was parked, not lost.
-        ``keep``: the slot keeps every message it holds (a replay cuts nothing).
+        ``keep``: the slot keeps every message it holds (a replay cuts nothing), whose
+        hashes and ends these are.
         """
         with self.lock:
             if evicted is not None and evicted != session:
@@ -249,7 +251,9 @@ class SlotTable(Generic[S]):
             if session is not None:
                 self.whereabouts[session] = reasons.Whereabouts(request)
             slot.session = session
-            if not keep:
+            if keep is not None:
+                slot.hashes, slot.msg_ends = list(keep[0]), list(keep[1])
+            else:
                 slot.hashes = [h for h, e in zip(prompt.hashes, prompt.ends) if e <= reuse]
                 slot.msg_ends = list(prompt.ends[: len(slot.hashes)])
             slot.last_used = self.tick()
