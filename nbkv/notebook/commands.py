@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.config import check_engine_args
+from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.core.protocol import Parks, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui.figures import ExplainReport
 from nbkv.ui.views import LoadProgress
@@ -108,17 +109,18 @@ def load(ws: Workspace, args: Any) -> Any:
     still fail to load, the previous one is loaded again.
     """
     _at_least_one(args, "slots", "ctx")
+    if args.trust and not args.restore:
+        raise InvalidRequestError("%kvcache load: --trust goes with --restore (it trusts the "
+                                  "save that --restore brings back)")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
                                        kv_type=args.kv_type, flash_attn=args.flash_attn,
                                        **_parking_options(args))
-    check_engine_args(**kwargs)
+    EngineSettings.from_kwargs(**kwargs)  # every setting checked before anything closes
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:
         kwargs["template"] = _template(args.template)
-    if kwargs.get("park_dir"):
-        _directory(kwargs["park_dir"], "--park-dir")
     path = args.target or ws.settings.model or None
     model = _model(path)  # checked (a whole GGUF file) before the old engine is closed
     if not args.reload and ws.store.loaded(model, kwargs):
@@ -139,7 +141,7 @@ def load(ws: Workspace, args: Any) -> Any:
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)
     notes = [engine.sized or None, *(str(w.message) for w in said),
-             _offer_restore(ws, engine, args.restore)]
+             _offer_restore(ws, engine, args.restore, args.trust)]
     progress.done(summary, note="\n".join(n for n in notes if n) or None)
     return None if ws.notebook else summary
 
@@ -149,12 +151,12 @@ def _kept(ws: Workspace, args: Any) -> Any:
     engine = ws.engine()
     ws.sync_autosave()
     kept = sum(1 for s in engine.slots() if s.tokens)
-    parked = len(getattr(engine, "parked", tuple)())
+    parked = len(engine.parked()) if isinstance(engine, Parks) else 0
     what = f"{kept} slot(s) in use" + (f", {parked} parked" if parked else "")
     line = (f"kept the loaded engine: same model and settings, so its caches stay ({what}); "
             "%kvcache load --reload starts afresh")
     if args.restore:
-        line += "\n" + (_offer_restore(ws, engine, True) or "")
+        line += "\n" + (_offer_restore(ws, engine, True, args.trust) or "")
     return disp.Message(line)
 
 
@@ -209,18 +211,6 @@ def _existing(p: Path) -> Path:
     return p
 
 
-def _directory(path: str, flag: str) -> Path:
-    """``path`` as a directory nbkv may create and write: refused before anything loads."""
-    p = Path(path).expanduser()
-    probe = _existing(p)
-    if not probe.is_dir():
-        where = "is a file" if probe == p else f"lies under the file {probe}"
-        raise InvalidRequestError(f"{flag} {path}: not a directory ({where})")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise InvalidRequestError(f"{flag} {path}: {probe} is not writable")
-    return p
-
-
 def connect(ws: Workspace, args: Any) -> Any:
     """Drive a serving engine instead of the in-kernel one (``%kvcache connect URL``)."""
     if not args.target:
@@ -241,14 +231,15 @@ def connect(ws: Workspace, args: Any) -> Any:
     return disp.status_table(engine, ws.store)
 
 
-def _offer_restore(ws: Workspace, engine: Engine, restore: bool) -> str | None:
+def _offer_restore(ws: Workspace, engine: Engine, restore: bool, trust: bool = False
+                   ) -> str | None:
     """After a load: restore the notebook's save (``--restore``), or say that one fits."""
     from nbkv.store import persist
 
     if not restore:
         return persist.offer(engine, ws.save_path())
     try:
-        return str(engine.restore(ws.save_path(), ws.store))
+        return str(engine.restore(ws.save_path(), ws.store, trust=trust))
     except NbkvError as e:
         return f"--restore: nothing restored: {e}"
 
@@ -279,7 +270,7 @@ def explain(ws: Workspace, args: Any) -> Any:
 def verify(ws: Workspace, args: Any) -> Any:
     """Recompute the slots (or request N's slot) from scratch: is the cached KV exact."""
     engine = ws.engine()
-    if not hasattr(engine, "verify"):
+    if not isinstance(engine, Verifiable):
         raise InvalidRequestError("%kvcache verify needs the in-kernel engine: a server's "
                                   "KV cannot be read back")
     request = _number(args.target, "verify: give a request number")
@@ -326,7 +317,7 @@ def _parking_options(args: Any) -> dict[str, Any]:
 def _parking(ws: Workspace, args: Any, verb: str) -> Any:
     """``%kvcache park|unpark [SESSION|--all]``: call ``engine.park``/``unpark``."""
     engine = ws.engine()
-    if not hasattr(engine, verb):
+    if not isinstance(engine, Parks):
         raise InvalidRequestError(f"%kvcache {verb} needs the in-kernel engine: a server "
                                   "keeps its slots to itself")
     if args.target is not None and args.all:
@@ -393,8 +384,9 @@ def save(ws: Workspace, args: Any) -> Any:
 
 
 def restore(ws: Workspace, args: Any) -> Any:
-    """Restore a save into the loaded engine (``%kvcache restore [DIR]``)."""
-    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store)))
+    """Restore a save into the loaded engine (``%kvcache restore [DIR] [--trust]``)."""
+    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store,
+                                                trust=args.trust)))
 
 
 def config(ws: Workspace, args: Any) -> Any:
@@ -410,8 +402,8 @@ def config(ws: Workspace, args: Any) -> Any:
 COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "status": (status, frozenset(), False),
     "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
-                              "restore", "gpu_layers", "kv_type", "flash_attn", "park_ram",
-                              "park_dir", "reload"}), True),
+                              "restore", "trust", "gpu_layers", "kv_type", "flash_attn",
+                              "park_ram", "park_dir", "reload"}), True),
     "connect": (connect, frozenset({"slots", "api_key_env"}), True),
     "slots": (slots, frozenset(), False),
     "stats": (stats, frozenset(), False),
@@ -426,5 +418,5 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "unload": (unload, frozenset(), False),
     "config": (config, frozenset(), False),
     "save": (save, frozenset(), True),
-    "restore": (restore, frozenset(), True),
+    "restore": (restore, frozenset({"trust"}), True),
 }

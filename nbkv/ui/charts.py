@@ -17,6 +17,7 @@ from typing import Any
 
 from nbkv.core.events import GENERATED, KEPT, PREFILLED, REUSED, RequestRecord, Segment
 from nbkv.ui import vocabulary as vocab
+from nbkv.ui.figures import ttft_text
 from nbkv.ui.palette import (
     CAPACITY,
     COLORS,
@@ -402,7 +403,7 @@ def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50) ->
         out.append(Point(r.id, vocab.bar(r).code if r.reused_tokens else "nothing-reused",
                          r.salvage_pct, r.ttft_s * 1000, None if est is None else est * 1000,
                          r.reused_tokens, r.prefilled_tokens, r.prompt_tokens,
-                         request_text(r), r.ttft_text()))
+                         request_text(r), ttft_text(r)))
     return out
 
 

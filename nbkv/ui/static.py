@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbkv.core.events import RequestRecord
+from nbkv.core.protocol import Parks
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.charts import (  # noqa: F401 - the charts, re-exported for the pages and views
     STATE_COLORS,
@@ -136,8 +137,7 @@ def cards_html(slots: Sequence[Any], last_by_slot: Mapping[int, RequestRecord],
 
 def parked_of(engine: Any) -> tuple[Any, ...]:
     """The engine's parked conversations (``engine.parked()``); none if it parks nothing."""
-    get = getattr(engine, "parked", None)
-    return tuple(get()) if callable(get) else ()
+    return tuple(engine.parked()) if isinstance(engine, Parks) else ()
 
 
 def shelf_html(parked: Sequence[Any]) -> str:
