@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml binder/requirements.txt | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-fast bench lint clean browser llama-server binder-test
+.PHONY: demo test test-fast bench lint clean browser llama-server binder-test notebooks
 
 $(STAMP): pyproject.toml binder/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ binder-test: $(STAMP) browser
 
 bench: $(STAMP)
 	$(PY) -m nbkv.bench
+
+# the teaching notebooks, run as JupyterLab's "Run All" (cell ids sent) and saved with their
+# outputs: static snapshots, no widget state (tools/notebooks.py; tests/test_lessons.py checks
+# that they are current); 05 needs llama-server
+notebooks: $(STAMP) llama-server
+	$(PY) tools/notebooks.py
 
 # llama-server from the llama-cpp-python sdist (issue 15), cached in .venv by version
 llama-server: $(STAMP)

@@ -1,19 +1,23 @@
 """The teaching notebooks in a real browser: JupyterLab on localhost, headless Chromium.
 
 Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
-cards, plotly figures and legend rendered, without JavaScript errors, and that every output
-names events in the words of ``nbkv.ui.vocabulary``; then saves it, exports it with nbconvert
-and opens the HTML with no kernel and no network: the static fallbacks show the KV map and
-the slot cards. Runs ``02_how_imc_works.ipynb`` and checks the legend, the divergence marker
-and an explain output, then edits a ``%%chat`` cell and runs it again, then a stale one
-(their why lines, the conversation view); ``04_vision.ipynb`` (image spans and their
-position counts on the KV map, thumbnails above the reply, the one-slot map's axis clear of
-its legend) and ``05_remote_engine.ipynb`` (the dashboard on a llama-server). Screenshots go to
-``$NBKV_SCREENSHOTS`` (default: pytest's temporary directory).
+cards, KV map, timeline and legend rendered, without JavaScript errors, and that every output
+names events in the words of ``nbkv.ui.vocabulary``; counts the websocket bytes the dashboard
+costs; runs it all again ("Run All" a second time: every chat cell replayed, the chat cells'
+time a small share of the first run's); reloads the page and finds every chart drawn again;
+then saves it, exports it with nbconvert and opens the HTML with no kernel and no network:
+the static snapshots show the KV map, the slot cards and the last request. Runs
+``02_how_imc_works.ipynb`` twice too and checks the legend, the divergence marker and an
+explain output, then edits a ``%%chat`` cell and runs it again, then a stale one (their why
+lines, the conversation view); ``04_vision.ipynb`` (image spans and their position counts on
+the KV map, thumbnails above the reply) and ``05_remote_engine.ipynb`` (the dashboard on a
+llama-server). Screenshots go to ``$NBKV_SCREENSHOTS`` (default: pytest's temporary
+directory); the figures measured are printed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,7 +87,9 @@ def lab(tmp_path_factory):
     # render every cell (JupyterLab 4 only attaches the cells in view by default)
     tracker = home / "settings" / "@jupyterlab" / "notebook-extension"
     tracker.mkdir(parents=True)
-    (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    # ... and record each cell's execution times in its metadata (read from the saved file)
+    (tracker / "tracker.jupyterlab-settings").write_text(
+        '{"windowingMode": "none", "recordTiming": true}')
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
@@ -126,17 +133,117 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _run_notebook(lab, tmp_path, name: str, check, save: bool = False) -> None:
-    """Open notebook ``name`` in JupyterLab, run all its cells, then ``check(page, shots)``.
+class Notebook:
+    """One notebook open in JupyterLab in headless Chromium: run it, save it, reload it.
 
-    ``save``: then save it (as a user would: Ctrl+S, widget state not saved, the default).
+    Counts the bytes the page receives over its websockets (and those of the frames that
+    open widget models), and collects JavaScript errors and console errors.
     """
+
+    def __init__(self, page, path: Path) -> None:
+        self.page = page
+        self.path = path
+        self.frames: list[tuple[int, bool]] = []  # (bytes, opens a widget model)
+        self.errors: list[str] = []
+        self.console: list[str] = []
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        page.on("console", lambda m: self.console.append(m.text) if m.type == "error"
+                else None)
+        page.on("websocket", self._follow)
+
+    def _follow(self, ws) -> None:
+        def received(payload) -> None:
+            text = payload if isinstance(payload, str) else bytes(payload).decode("latin-1")
+            self.frames.append((len(payload), "comm_open" in text))
+        ws.on("framereceived", received)
+
+    def received(self, since: int = 0, opening: bool = False) -> int:
+        """Bytes received in the frames since frame ``since`` (only model openings)."""
+        return sum(n for n, opens in self.frames[since:] if opens or not opening)
+
+    def run_all(self) -> float:
+        """Run All, and wait until every cell ran; returns the seconds it took."""
+        page = self.page
+        page.locator(".jp-NotebookPanel .jp-Cell").first.click()  # focus the notebook
+        page.keyboard.press("Escape")
+        page.click("li.lm-MenuBar-item:has-text('Run')")
+        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt")
+        before = prompts.all_inner_texts()
+        t0 = time.monotonic()
+        page.click("li.lm-Menu-item[data-command='runmenu:run-all']")
+        n_code = page.locator(".jp-CodeCell").count()
+        deadline = time.monotonic() + 30  # until the cells are queued (or ran already)
+        while prompts.all_inner_texts() == before and time.monotonic() < deadline:
+            page.wait_for_timeout(100)
+        _wait_until_done(page, n_code)
+        took = time.monotonic() - t0
+        page.wait_for_timeout(1500)  # the last throttled redraw
+        _dismiss_toasts(page)
+        return took
+
+    def save(self) -> None:
+        """Ctrl+S, as a user saves (widget state not saved: the default)."""
+        before = self.path.stat().st_mtime
+        self.page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 30
+        while self.path.stat().st_mtime == before and time.monotonic() < deadline:
+            self.page.wait_for_timeout(250)
+        assert self.path.stat().st_mtime != before, "the notebook was not saved"
+        self.page.wait_for_timeout(300)  # written whole
+
+    def chat_seconds(self) -> list[float]:
+        """Each ``%%chat`` cell's execution time in the saved notebook (the kernel's clock)."""
+        from datetime import datetime
+
+        out = []
+        for c in json.loads(self.path.read_text())["cells"]:
+            t = c.get("metadata", {}).get("execution", {})
+            if "".join(c.get("source", "")).lstrip().startswith("%%chat") and \
+                    "iopub.execute_input" in t and "shell.execute_reply" in t:
+                a, b = (datetime.fromisoformat(t[k].replace("Z", "+00:00"))
+                        for k in ("iopub.execute_input", "shell.execute_reply"))
+                out.append((b - a).total_seconds())
+        return out
+
+    def events(self) -> list[str]:
+        """Each ``%%chat`` cell's event, as its figures line says it (``slot N: EVENT · ``)."""
+        lines = self.page.locator(".jp-CodeCell .nbkv-figures").all_inner_texts()
+        found = (re.match(r"slot \d+: ([^·]+?) ·", t) for t in lines)
+        return [m.group(1) for m in found if m]
+
+    def charts(self) -> dict[str, int]:
+        """What the live charts draw: the KV map's bars, the timeline's requests."""
+        page = self.page
+        return {"kvmap": page.locator(".nbkv-kvmap-view svg rect[data-bar]").count(),
+                "timeline": page.locator(".nbkv-timeline-view svg [data-bar]").count()}
+
+    def reload(self) -> None:
+        """Reload the page, as after a browser refresh or a lost connection."""
+        self.page.reload()
+        self.page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
+        self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                                    timeout=120_000)
+        self.page.wait_for_timeout(3000)  # the widgets' models come back from the kernel
+        _dismiss_toasts(self.page)
+
+    def check_outputs(self) -> None:
+        """No error shown, no event spelled outside the vocabulary, nothing raised in JS."""
+        body = self.page.locator(".jp-Notebook").inner_text()
+        assert "Error displaying widget" not in body and "Traceback" not in body
+        outputs = self.page.locator(".jp-OutputArea-output").evaluate_all(
+            "els => els.map(e => e.innerText).join(' ')")
+        assert not vocabulary.misspellings(outputs)
+        assert not self.errors, f"JavaScript errors: {self.errors}"
+        ours = [c for c in self.console if OURS.search(c)]
+        assert not ours, f"console errors from the widgets: {ours}"
+
+
+@contextmanager
+def _open(lab, tmp_path, name: str):
+    """``name`` open in JupyterLab (a fresh browser profile), as a :class:`Notebook`."""
     from playwright.sync_api import sync_playwright
 
     base, token, root = lab
-    shots = Path(os.environ.get("NBKV_SCREENSHOTS", tmp_path))
-    shots.mkdir(parents=True, exist_ok=True)
-    errors, console = [], []
     with sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(  # a fresh profile directory
             str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
@@ -144,47 +251,80 @@ def _run_notebook(lab, tmp_path, name: str, check, save: bool = False) -> None:
         try:
             page = browser.pages[0] if browser.pages else browser.new_page()
             page.set_default_timeout(60_000)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+            nb = Notebook(page, root / name)
             # ?reset: a fresh workspace (else the previous notebook reopens beside this one)
             page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                                    timeout=120_000)
             _dismiss_toasts(page)
-            page.locator(".jp-NotebookPanel .jp-Cell").first.click()  # focus the notebook
-            page.keyboard.press("Escape")
-            page.click("li.lm-MenuBar-item:has-text('Run')")
-            page.click("li.lm-Menu-item[data-command='runmenu:run-all']")
-            n_code = page.locator(".jp-CodeCell").count()
-            _wait_until_done(page, n_code)
-            page.wait_for_timeout(1500)  # the last throttled redraw
-            _dismiss_toasts(page)
-            check(page, shots)
-            body = page.locator(".jp-Notebook").inner_text()
-            assert "Error displaying widget" not in body and "Traceback" not in body
-            # one word for each event: no output spells one another way
-            outputs = page.locator(".jp-OutputArea-output").evaluate_all(
-                "els => els.map(e => e.innerText).join(' ')")
-            assert not vocabulary.misspellings(outputs)
-            if save:
-                saved = root_mtime = (lab[2] / name).stat().st_mtime
-                page.keyboard.press("Control+s")
-                deadline = time.monotonic() + 30
-                while saved == root_mtime and time.monotonic() < deadline:
-                    page.wait_for_timeout(250)
-                    saved = (lab[2] / name).stat().st_mtime
-                assert saved != root_mtime, "the notebook was not saved"
+            yield nb
         finally:
             browser.close()
+
+
+def _shots(tmp_path) -> Path:
+    shots = Path(os.environ.get("NBKV_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots
+
+
+def _run_notebook(lab, tmp_path, name: str, check) -> None:
+    """Open notebook ``name`` in JupyterLab, run all its cells, then ``check(page, shots)``."""
+    shots = _shots(tmp_path)
+    with _open(lab, tmp_path, name) as nb:
+        nb.run_all()
+        check(nb.page, shots)
+        nb.check_outputs()
     print("screenshots:", shots)
-    assert not errors, f"JavaScript errors: {errors}"
-    ours = [c for c in console if OURS.search(c)]
-    assert not ours, f"console errors from the widgets: {ours}"
+
+
+def _run_twice(nb: Notebook, name: str, replayed: int) -> dict[str, float]:
+    """Run All a second time: ``replayed`` chat cells replay their reply (nothing decoded).
+
+    Returns the figures of both runs (printed): the chat cells' time, Run All's, the
+    websocket bytes.
+    """
+    nb.save()
+    first = nb.chat_seconds()
+    n = len(nb.frames)
+    took = nb.run_all()
+    nb.save()
+    second = nb.chat_seconds()
+    events = nb.events()
+    assert len(second) == len(first) > 0
+    assert events.count(vocabulary.EVENTS["replayed"].words) == replayed, events
+    figures = {"chat_s_run1": round(sum(first), 2), "chat_s_run2": round(sum(second), 2),
+               "run_all_2_s": round(took, 1), "ws_run2_kib": nb.received(n) // 1024}
+    figures["chat_share"] = round(figures["chat_s_run2"] / figures["chat_s_run1"], 3)
+    print(f"{name}: Run All again: {figures}")
+    return figures
+
+
+def _reload_and_count(nb: Notebook, shots: Path, name: str) -> None:
+    """Reload the page: every chart is drawn again from the kernel's state, at once."""
+    drawn = nb.charts()
+    assert drawn["kvmap"] > 4 and drawn["timeline"] > 2, drawn
+    n = len(nb.frames)
+    nb.reload()
+    after = nb.charts()
+    nb.page.screenshot(path=str(shots / f"{name}-reloaded.png"), full_page=True)
+    assert after == drawn, (drawn, after)
+    kib = nb.received(n) // 1024
+    print(f"{name}: the page reloaded with {after} drawn; {kib} KiB over the websocket")
+    assert kib < 1024
+    nb.check_outputs()
 
 
 def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
-    def check(page, shots):
+    shots = _shots(tmp_path)
+    with _open(lab, tmp_path, "01_quickstart.ipynb") as nb:
+        nb.run_all()
+        # the dashboard's creation: every widget model it opened, and what they hold
+        opened = nb.received(opening=True)
+        print(f"01: the dashboard's widget models: {opened // 1024} KiB over the websocket")
+        assert opened < 1024 * 1024
+        page = nb.page
         dash = page.locator(".nbkv-dashboard")
         dash.wait_for(timeout=30_000)
         dash.scroll_into_view_if_needed()
@@ -195,19 +335,27 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
         assert cards.count() == 2
         texts = [cards.nth(i).inner_text() for i in range(2)]
         assert all("/2048 tokens" in t for t in texts) and any("bob" in t for t in texts)
-        assert page.locator(".nbkv-kvmap .js-plotly-plot").count() == 1
-        assert page.locator(".nbkv-timeline .js-plotly-plot").count() == 1
-        assert page.locator(".nbkv-kvmap .js-plotly-plot .barlayer .point").count() > 4
-        assert page.locator(".nbkv-timeline .js-plotly-plot .barlayer .point").count() > 4
+        assert page.locator(".nbkv-kvmap .nbkv-kvmap-view svg.nbkv-kvmap-svg").count() == 1
+        assert page.locator(".nbkv-timeline .nbkv-timeline-view svg.nbkv-timeline-svg").count() == 1
+        assert nb.charts()["kvmap"] > 4 and nb.charts()["timeline"] > 4
         # one legend, visible at the top of the dashboard
         assert page.locator(".nbkv-dashboard .nbkv-legend").is_visible()
+        # its snapshot beside it is hidden while the live view shows
+        snap = page.locator("[data-nbkv-snapshot]")
+        assert snap.count() == 1 and not snap.is_visible()
         # the %%chat replies and figures lines rendered too, with their why lines
         assert page.locator(".nbkv-figures").count() >= 4
         assert page.locator(".nbkv-why").count() >= 2  # each session's first turn
         in_report = page.locator(".nbkv-report .nbkv-explain").count()
         assert in_report == 3 and page.locator(".nbkv-explain").count() == 1 + in_report
-
-    _run_notebook(lab, tmp_path, "01_quickstart.ipynb", check, save=True)
+        nb.check_outputs()
+        # Run All again: the engine is kept, every chat cell is replayed
+        figures = _run_twice(nb, "01", replayed=4)  # (the sampler's cell shows no figures)
+        assert "kept the loaded engine" in page.locator(".jp-Notebook").inner_text()
+        assert figures["chat_share"] <= 0.15  # the issue's target; ~0.01 measured
+        nb.check_outputs()
+        _reload_and_count(nb, shots, "quickstart")
+        nb.save()
     _check_static_export(lab[2] / "01_quickstart.ipynb", tmp_path)
 
 
@@ -242,7 +390,7 @@ def _check_static_export(notebook: Path, tmp_path: Path) -> None:
             report = page.locator(".nbkv-report").first  # %kvcache report: the full state
             report.scroll_into_view_if_needed()
             report.screenshot(path=str(shots / "quickstart-static-report.png"))
-            dash = page.locator(".nbkv-dashboard-static").first  # the live dashboard's fallback
+            dash = page.locator("[data-nbkv-snapshot]").first  # the live dashboard's snapshot
             dash.scroll_into_view_if_needed()
             dash.screenshot(path=str(shots / "quickstart-static-dashboard.png"))
             page.screenshot(path=str(shots / "quickstart-static.png"), full_page=True)
@@ -257,8 +405,13 @@ def _check_static_export(notebook: Path, tmp_path: Path) -> None:
             assert cards.count() == 2 and all(cards.nth(i).is_visible() for i in range(2))
             assert any("bob" in cards.nth(i).inner_text() for i in range(2))
             assert report.locator("svg.nbkv-timeline-svg").is_visible()
-            # the dashboard cell's own fallback: the state at the end of its cell
-            assert page.locator(".nbkv-dashboard-static .nbkv-card").count() >= 2
+            # the dashboard's snapshot: the state after the last request (the sampler's, in
+            # the notebook's last chat cell), not when the dashboard was made
+            snap = page.locator("[data-nbkv-snapshot] .nbkv-dashboard-static").first
+            assert snap.is_visible() and snap.locator(".nbkv-card").count() >= 2
+            snap.screenshot(path=str(shots / "quickstart-static-snapshot.png"))
+            assert "sampler" in snap.locator(".nbkv-slot-cards").inner_text()
+            assert re.search(r"\b10 requests", snap.inner_text())  # Run All twice: 5 + 5
             assert "CacheDashboard(children=" not in page.inner_text("body")
             assert not vocabulary.misspellings(page.locator(".jp-OutputArea").evaluate_all(
                 "els => els.map(e => e.innerHTML).join(' ')"))
@@ -282,11 +435,21 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         page.wait_for_timeout(500)
         snapshot.screenshot(path=str(shots / "imc-kvmap.png"))
         # it marks where Alice's edited prompt left the cached conversation (a triangle)
-        assert snapshot.locator(".scatterlayer .point").count() >= 1
+        assert snapshot.locator("svg.nbkv-kvmap-svg path.nbkv-diverged").count() >= 1
         page.screenshot(path=str(shots / "imc.png"), full_page=True)
-        _rerun_cells(page, shots)
 
-    _run_notebook(lab, tmp_path, "02_how_imc_works.ipynb", check)
+    shots = _shots(tmp_path)
+    with _open(lab, tmp_path, "02_how_imc_works.ipynb") as nb:
+        nb.run_all()
+        check(nb.page, shots)
+        nb.check_outputs()
+        # Run All again: 5 of its 7 chat cells replay; the lesson edits alice's second
+        # question (section 3), so her turns 2 and 3 are answered again
+        figures = _run_twice(nb, "02", replayed=5)
+        assert figures["chat_share"] < 1.0
+        _reload_and_count(nb, shots, "imc")
+        _rerun_cells(nb.page, shots)
+        nb.check_outputs()
 
 
 def _rerun_cells(page, shots) -> None:
@@ -371,16 +534,14 @@ def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path
         qwen.scroll_into_view_if_needed()
         page.wait_for_timeout(500)
         qwen.screenshot(path=str(shots / "vision-qwen-kvmap.png"))
-        hovers = qwen.locator(".js-plotly-plot").evaluate(
-            "el => el.data.flatMap(t => (t.customdata || []).map(c => String(c[4] ?? '')))")
+        hovers = qwen.locator(".nbkv-kvmap-view svg rect > title").all_text_contents()
         spans = [h for h in hovers if "image tokens on" in h]
         assert len(spans) == 4, hovers  # two pictures, on the messages and the request row
         assert all(h.endswith(": 9 image tokens on 3 positions") for h in spans)  # 3x3 merged
-        # the one-slot map's x axis numbers are not under its legend
-        legend = qwen.locator(".legend").bounding_box()
-        ticks = [t.bounding_box() for t in qwen.locator(".xtick text").all()]
-        assert ticks and all(t["y"] >= legend["y"] + legend["height"]
-                             or t["y"] + t["height"] <= legend["y"] for t in ticks)
+        # the map's legend sits above it, clear of its axis
+        legend = qwen.locator(".nbkv-legend").bounding_box()
+        chart = qwen.locator(".nbkv-kvmap-view svg.nbkv-kvmap-svg").bounding_box()
+        assert legend["y"] + legend["height"] <= chart["y"] + 1
         # the thumbnails sit above the reply they were sent with
         cell = page.locator(".jp-CodeCell", has_text="--image gradient.png").first
         kinds = cell.locator(".jp-OutputArea-output").evaluate_all(
@@ -414,8 +575,8 @@ def test_remote_engine_dashboard_renders_in_chromium(lab, tmp_path):
         # the slot another client used behind nbkv's back is flagged, on its card and map
         assert any("not verified" in t for t in texts)
         assert dash.locator(".nbkv-kvmap .nbkv-unverified").count() == 1
-        assert page.locator(".nbkv-kvmap .js-plotly-plot .barlayer .point").count() > 4
-        assert page.locator(".nbkv-timeline .js-plotly-plot .barlayer .point").count() > 4
+        assert page.locator(".nbkv-kvmap-view svg rect[data-bar]").count() > 4
+        assert page.locator(".nbkv-timeline-view svg [data-bar]").count() > 4
         assert page.locator(".nbkv-figures").count() >= 5
         page.screenshot(path=str(shots / "remote.png"), full_page=True)
 

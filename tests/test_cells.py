@@ -26,7 +26,7 @@ from IPython.core.error import UsageError
 from conftest import assert_consistent, fresh_probe, ipython_shell, scratch_reply
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import RequestRecord, Segment
-from nbkv.notebook.sessions import STORE, CellRef, Session, SessionStore, TurnChange, cut_place
+from nbkv.notebook.sessions import STORE, CellRef, Session, SessionStore, TurnChange, cut_from
 from nbkv.ui.conversation_view import conversation_html, conversation_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,12 +152,31 @@ def test_a_stale_turn_before_a_rerun_cell_is_left_out_of_its_history():
     s, eng = SessionStore().get("s"), ScriptEngine()
     for i in range(1, 5):
         run(s, eng, f"q{i}", f"c{i}", i)
-    run(s, eng, "q2", "c2", 5)  # turns 3, 4 stale
+    run(s, eng, "q2b", "c2", 5)  # turns 3, 4 stale
     t = run(s, eng, "q4", "c4", 6)  # turn 3 is still stale: not in turn 4's history
     assert t.stream.messages[-1] == {"role": "user", "content": "q4"}
-    assert [m["content"] for m in t.stream.messages if m["role"] == "user"] == ["q1", "q2", "q4"]
+    assert [m["content"] for m in t.stream.messages if m["role"] == "user"] == ["q1", "q2b",
+                                                                                 "q4"]
     assert t.change.layout == (1, 1, 2, 2, 4)  # the turn of each message sent
     assert [x.state for x in s.turns] == ["live", "live", "stale", "live"]
+
+
+def test_a_rerun_that_gives_the_same_exchange_keeps_the_later_turns_live():
+    """Run All again: each cell's turn comes out the same (a replay), so the turns after it
+    were answered on exactly this history and stay live."""
+    store, eng = SessionStore(), ScriptEngine()
+    s = store.get("s")
+    for i in range(1, 4):
+        run(s, eng, f"q{i}", f"c{i}", i)
+    first = [t.reply for t in s.turns]
+    t = run(s, eng, "q1", "c1", 4)
+    assert t.change == TurnChange("s", 1, "repeated", CellRef("c1", 4), (), (1,))
+    assert [x.state for x in s.turns] == ["live"] * 3 and s.turns[0].runs == 2
+    assert t.note == "re-ran cell [4]: turn 1 of s is the same as before, so the turns after " \
+                     "it stay"
+    for i in (2, 3):  # the rest of the second Run All
+        assert run(s, eng, f"q{i}", f"c{i}", 3 + i).change.action == "repeated"
+    assert [t.reply for t in s.turns] == first and questions(s) == ["q1", "q2", "q3"]
 
 
 def test_rewind_and_new_and_messages_edits():
@@ -255,24 +274,30 @@ def record_with(segments, trimmed=10):
 def test_where_the_cut_is_told_in_turns():
     sys_u = [(0, 10, 0, "system", "reused"), (10, 20, 1, "user", "reused"),
              (20, 30, 2, "assistant", "reused")]
-    # the new user message of turn 2 starts where the reuse ends: "after turn 1"
+    # the new user message of turn 2 starts where the reuse ends: cut from its question on
     rec = record_with(sys_u + [(30, 40, 3, "user", "prefilled"),
                                (40, 42, 4, "assistant", "prefilled")])
-    assert cut_place(rec, (0, 1, 1, 2)) == "after turn 1"
+    assert cut_from(rec, (0, 1, 1, 2)) == "turn 2's question"
     # an edited question: the reuse ends inside it
     rec = record_with(sys_u + [(30, 34, 3, "user", "reused"), (34, 40, 3, "user", "prefilled"),
                                (40, 42, 4, "assistant", "prefilled")])
-    assert cut_place(rec, (0, 1, 1, 2)) == "in turn 2's question"
+    assert cut_from(rec, (0, 1, 1, 2)) == "turn 2's question"
     rec = record_with([(0, 10, 0, "system", "reused"), (10, 20, 1, "user", "prefilled"),
                        (20, 22, 2, "assistant", "prefilled")])
-    assert cut_place(rec, (0, 1)) == "after the system prompt"
+    assert cut_from(rec, (0, 1)) == "turn 1's question"
+    rec = record_with([(0, 10, 0, "system", "prefilled"), (10, 20, 1, "user", "prefilled")])
+    assert cut_from(rec, (0, 1)) == "the system prompt"
+    # the question kept whole: the cut begins where its reply did (the old reply, turn 3...)
     rec = record_with(sys_u + [(30, 40, 3, "user", "reused"), (40, 42, 4, "assistant",
                                                                "prefilled")])
-    assert cut_place(rec, (0, 1, 1, 2)) == "after turn 2's question"
+    assert cut_from(rec, (0, 1, 1, 2)) == "turn 2's reply"
     change = TurnChange("alice", 2, "replaced", CellRef("c", 3), (3, 4), (0, 1, 1, 2))
-    assert change.describe(rec) == ("re-ran cell [3]: replaced turn 2 of alice · trimmed 10 "
-                                    "tokens after turn 2's question · turns 3–4 are now stale")
+    assert change.describe(rec) == ("re-ran cell [3]: replaced turn 2 of alice · cut 10 "
+                                    "tokens from turn 2's reply onwards · turns 3–4 are now "
+                                    "stale")
     assert TurnChange("a", 1, "appended").describe(rec) == ""
+    assert TurnChange("a", 2, "repeated", CellRef("c", 5)).describe(rec) == (
+        "re-ran cell [5]: turn 2 of a is the same as before, so the turns after it stay")
 
 
 def test_conversation_view_shows_states_counts_branches_and_forks():
@@ -422,7 +447,7 @@ def test_save_and_restore_keep_turns_cells_and_states(engine, tmp_path):
     a.system = "Be brief."
     for i, q in enumerate(("What is a CPU?", "And memory?", "And a disk?"), start=1):
         run(a, engine, q, f"k{i}", i)
-    run(a, engine, "And memory?", "k2", 4)  # turn 3 stale
+    run(a, engine, "And RAM?", "k2", 4)  # turn 3 stale
     a.fork("kept", at=1)
     persist.save(engine, tmp_path, store)
     fresh = SessionStore()
@@ -541,17 +566,29 @@ def test_cells_are_turns_in_a_real_kernel(kernel, model_path):
     assert [(t["cell"], t["count"], t["state"]) for t in first] == [
         (c, counts[c], "live") for c in CELLS]
 
-    # re-run cell 2 with the same text: the same reply, everything before it reused
+    # re-run cell 2 with the same text: its reply is replayed from the slot, which keeps
+    # turn 3 (nothing read, decoded or cut), and turn 3 stays live
     reply, out = k.run(CELLS["c2"], cell_id="c2")
     n = reply["execution_count"]
     turns, rec = k.value(TURNS.format("alice")), k.value(RECORD)
     assert [t["a"] for t in turns] == [t["a"] for t in first]
-    assert [t["state"] for t in turns] == ["live", "live", "stale"] and turns[1]["runs"] == 2
+    assert [t["state"] for t in turns] == ["live"] * 3 and turns[1]["runs"] == 2
+    assert rec["reason"] == "replayed" and rec["reused"] == rec["prompt"]
+    assert rec["prefilled"] == 0 and rec["trimmed"] == 0
+    assert "slot 0: replayed · reused" in out and "tokens from the cache" in out
+    assert (f"why: re-ran cell [{n}]: turn 2 of alice is the same as before, so the turns "
+            f"after it stay · the same prompt and settings as request #") in out
+    assert k.value("len(nbkv.session('alice').messages)") == 7
+    # --fresh decodes it again: the same reply, and the slot is cut after the question
+    reply, out = k.run(CELLS["c2"].replace("alice", "alice --fresh"), cell_id="c2")
+    n = reply["execution_count"]
+    turns, rec = k.value(TURNS.format("alice")), k.value(RECORD)
+    assert [t["a"] for t in turns] == [t["a"] for t in first]
+    assert [t["state"] for t in turns] == ["live"] * 3 and turns[1]["runs"] == 3
     assert rec["strategy"] == "hash-hit" and rec["reused"] == rec["prompt"] - 2
     assert rec["trimmed"] > 0  # the old reply and turn 3 were cut from the slot
-    assert (f"why: re-ran cell [{n}]: replaced turn 2 of alice · trimmed {rec['trimmed']} "
-            f"tokens after turn 2's question · turn 3 is now stale") in out
-    assert k.value("len(nbkv.session('alice').messages)") == 5  # turn 3 left out
+    assert (f"why: re-ran cell [{n}]: turn 2 of alice is the same as before, so the turns "
+            f"after it stay · cut {rec['trimmed']} tokens from turn 2's reply onwards") in out
 
     # edit cell 2 and re-run it: the cut lands in the edited message
     edited = "%%chat alice\nAnd what does a hard disk do?"
@@ -560,7 +597,7 @@ def test_cells_are_turns_in_a_real_kernel(kernel, model_path):
     assert rec["reason"] == "edited" and rec["div"] == [3, "user"]
     assert 0 < rec["reused"] < rec["prompt"] and rec["trimmed"] > 0
     assert f"re-ran cell [{reply['execution_count']}]: replaced turn 2 of alice" in out
-    assert "trimmed" in out and "in turn 2's question" in out
+    assert "tokens from turn 2's question onwards · turn 3 is now stale" in out
     live = k.value("nbkv.session('alice').messages")
     assert [m["content"] for m in live if m["role"] == "user"] == [
         "What is a CPU?", "And what does a hard disk do?"]
@@ -592,12 +629,11 @@ def test_run_all_twice_gives_the_same_conversation(kernel):
     assert m1 == m2 and len(m1) == 7
     assert [t["a"] for t in t1] == [t["a"] for t in t2]
     assert [t["state"] for t in t2] == ["live"] * 3 and [t["runs"] for t in t2] == [2] * 3
-    # the second run was served from the cache: the first cell's prompt is a prefix of the
-    # slot, the next ones continue it (only the new question is read)
-    recs = k.value("[dict(s=r.strategy, reused=r.reused_tokens, prompt=r.prompt_tokens) "
-                   "for r in nbkv.current_engine().history[-3:]]")
-    assert recs[0]["s"] == "hash-hit" and recs[0]["reused"] == recs[0]["prompt"] - 2
-    assert all(r["s"] == "hash-extend" and r["prompt"] - r["reused"] < 25 for r in recs[1:])
+    # the second run was served from the cache: each cell's prompt and reply are in the
+    # slot, so every reply is replayed (nothing read, nothing decoded, nothing cut)
+    recs = k.value("[dict(why=r.reason, read=r.prefilled_tokens, gen=r.generated_tokens, "
+                   "cut=r.trimmed_tokens) for r in nbkv.current_engine().history[-3:]]")
+    assert recs == [dict(why="replayed", read=0, gen=0, cut=0)] * 3
 
 
 def test_without_a_cell_id_a_cell_appends_as_in_a_terminal(kernel):
@@ -629,8 +665,9 @@ def test_run_all_after_a_restart_and_restore_is_served_from_cache(tmp_path, monk
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     k = Kernel()
     turns = "[t.reply for n in ('alice', 'bob') for t in nbkv.session(n).turns]"
-    figures = ("[dict(s=r.strategy, reused=r.reused_tokens, prompt=r.prompt_tokens, "
-               "read=r.prefilled_tokens) for r in nbkv.current_engine().history]")
+    figures = ("[dict(s=r.strategy, why=r.reason, reused=r.reused_tokens, "
+               "prompt=r.prompt_tokens, read=r.prefilled_tokens, gen=r.generated_tokens) "
+               "for r in nbkv.current_engine().history]")
     try:
         k.run(LOAD + " --restore\nimport nbkv")  # nothing saved yet: a fresh start
         for c, src in NOTEBOOK.items():
@@ -650,18 +687,15 @@ def test_run_all_after_a_restart_and_restore_is_served_from_cache(tmp_path, monk
         k.close()
     assert [r["s"] for r in cold] == ["miss", "miss", "hash-extend", "hash-extend",
                                       "hash-extend"]
-    # the first cell of each session finds its whole prompt in the restored slot, the
-    # others continue it: every request reads only its new question
-    assert [r["s"] for r in warm] == ["hash-hit", "hash-hit", "hash-extend", "hash-extend",
-                                      "hash-extend"]
-    assert all(r["prompt"] - r["reused"] < 25 for r in warm)
+    # the save kept each reply with the KV that holds it: every cell is replayed, nothing
+    # is read or decoded
+    assert [r["why"] for r in warm] == ["replayed"] * 5
+    assert all(r["read"] == 0 and r["gen"] == 0 and r["reused"] == r["prompt"] for r in warm)
     pct = [100 * sum(r["reused"] for r in rs) / sum(r["prompt"] for r in rs)
            for rs in (cold, warm)]
-    cached = [sum(r["s"] in ("hash-hit", "hash-extend") for r in rs) for rs in (cold, warm)]
-    print(f"Run All after restore: {cached[1]}/{len(warm)} turns from cache, {pct[1]:.0f}% "
-          f"of prompt tokens reused, {sum(r['read'] for r in warm)} read (without the save: "
-          f"{cached[0]}/{len(cold)}, {pct[0]:.0f}%, {sum(r['read'] for r in cold)} read)")
-    assert pct[1] > pct[0] + 20
+    print(f"Run All after restore: {len(warm)}/{len(warm)} replies replayed, {pct[1]:.0f}% of "
+          f"prompt tokens reused (without the save: {pct[0]:.0f}%, "
+          f"{sum(r['read'] for r in cold)} read, {sum(r['gen'] for r in cold)} decoded)")
 
 
 FRONTEND_PROBE = [  # records what each execution says about its cell

@@ -524,3 +524,110 @@ def test_report_writes_one_self_contained_page(loaded, tmp_path):
     inline = loaded.run_line_magic("kvcache", "report")  # no FILE: shown in the notebook
     assert "nbkv-dashboard-static" in inline._repr_html_()
     assert nbkv.report().engine is nbkv.current_engine()
+
+
+def _unloadable_gguf(path):
+    """A whole, well-formed GGUF file of an architecture llama.cpp does not know."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "nbkv-unknown")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_failed_load_leaves_the_engine_serving_with_its_caches(loaded, tmp_path, model_path):
+    """Issue 32: a truncated model whose magic is valid, a --park-dir under a file and a bad
+    --template are refused before the loaded engine is closed; its slots stay as they were."""
+    chat(loaded, "keeper --new --no-stats --max-tokens 2", "Say hi.")
+    engine = nbkv.current_engine()
+    engine.settle()  # the reply's rewrite done: nothing changes the slots on its own
+    before = engine.slots()
+    data = open(model_path, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])  # header and magic intact, weights cut short
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m['content'] }")
+    for line, match in [(f"load {cut}", "not a whole GGUF file: truncated"),
+                        (f"load --slots 2 --ctx 1024 --park-dir {afile}/parked",
+                         f"lies under the file {afile}"),
+                        (f"load --slots 2 --ctx 1024 --park-dir {afile}", "is a file"),
+                        (f"load --slots 2 --ctx 1024 --template {bad}", "does not compile")]:
+        with pytest.raises(UsageError, match=match):
+            loaded.run_line_magic("kvcache", line)
+        assert nbkv.current_engine() is engine and not engine.closed, line
+        assert engine.slots() == before, line
+    with pytest.raises(UsageError, match=f"cannot write it there: {afile} is a file"):
+        loaded.run_line_magic("kvcache", f"report {afile}/page.html")
+    chat(loaded, "keeper --no-stats --max-tokens 2", "Again.")
+    assert nbkv.session("keeper").records[-1].reason == "continued"
+
+
+def test_a_load_that_fails_in_llama_cpp_brings_the_previous_engine_back(loaded, tmp_path):
+    chat(loaded, "kept2 --new --no-stats --max-tokens 2", "Say hi.")
+    old = nbkv.current_engine()
+    unknown = _unloadable_gguf(tmp_path / "unknown.gguf")
+    with pytest.raises(UsageError, match="could not load .*; the previous engine was loaded "
+                                         "again"):
+        loaded.run_line_magic("kvcache", f"load {unknown} --slots 2 --ctx 1024")
+    new = nbkv.current_engine()
+    assert new is not None and new is not old and old.closed and not new.closed
+    assert (new.n_slots, new.n_ctx, new.model.path) == (old.n_slots, old.n_ctx, old.model.path)
+    chat(loaded, "kept2 --no-stats --max-tokens 2", "Again.")
+    assert nbkv.session("kept2").records[-1].reason == "reloaded"
+
+
+def test_loading_again_with_the_same_settings_keeps_the_engine(loaded, capsys):
+    loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024")
+    engine = nbkv.current_engine()
+    chat(loaded, "kim --new --no-stats --max-tokens 2", "Hello.")
+    capsys.readouterr()
+    out = loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024")
+    assert nbkv.current_engine() is engine and not engine.closed
+    assert str(out).startswith("kept the loaded engine: same model and settings, so its "
+                               "caches stay (")
+    assert "%kvcache load --reload starts afresh" in str(out)
+    assert "loading" not in capsys.readouterr().out  # no model load
+    chat(loaded, "kim --no-stats --max-tokens 2", "Again.")
+    assert nbkv.session("kim").records[-1].reason == "continued"
+    loaded.run_line_magic("kvcache", "load --slots 2 --ctx 1024 --reload")
+    assert nbkv.current_engine() is not engine and engine.closed
+    chat(loaded, "kim --no-stats --max-tokens 2", "Once more.")
+    assert nbkv.session("kim").records[-1].reason == "reloaded"
+
+
+def test_load_ext_again_is_quiet(ip, capsys):
+    """ "Run All" a second time runs %load_ext nbkv again: nothing to say, nothing changes."""
+    capsys.readouterr()
+    ip.run_line_magic("load_ext", "nbkv")
+    assert capsys.readouterr().out == ""
+    assert "kvcache" in ip.magics_manager.magics["line"]
+
+
+def test_a_cell_run_again_closes_the_views_its_last_run_made(loaded, monkeypatch):
+    """A re-run cell's old outputs are gone: their widgets would go on following the engine
+    (and be sent again on a page reload); they are closed, the other cells' are not."""
+    import comm
+
+    from conftest import QuietComm
+
+    monkeypatch.setattr(comm, "create_comm", lambda **kw: QuietComm())
+    src = "from nbkv.ui.widgets import KVMap\nm = KVMap(nbkv.current_engine())"
+    loaded.run_cell("import nbkv")
+    loaded.run_cell(src, cell_id="views-1")
+    first = loaded.user_ns["m"]
+    loaded.run_cell(src.replace("m =", "other ="), cell_id="views-2")
+    other = loaded.user_ns["other"]
+    assert not first.feed._stop.is_set()
+    loaded.run_cell(src, cell_id="views-1")  # the same cell again
+    second = loaded.user_ns["m"]
+    assert second is not first and first.feed._stop.is_set() and first.comm is None
+    assert not second.feed._stop.is_set() and not other.feed._stop.is_set()
+    loaded.run_cell(src)  # no cell id (a terminal, nbval): nothing is closed
+    assert not second.feed._stop.is_set()
+    for w in (second, other, loaded.user_ns["m"]):
+        w.close()

@@ -103,9 +103,9 @@ def test_the_live_timeline_has_a_restore_trace(quiet):
     eng.bus.publish(RequestFinished(restore_record(1)))
     eng.bus.publish(RequestFinished(restore_record(2, reason="edited")))
     tl.feed.flush()
-    trace = tl.traces["restored"]
-    assert list(trace.x) == [1, 2] and trace.marker.color == RESTORED_COLOR
-    assert not list(tl.traces["edited"].x)
+    assert [(p.id, p.bar) for p in tl.points] == [(1, "restored"), (2, "restored")]
+    assert tl.view.value.count(f'fill="{RESTORED_COLOR}"') >= 2
+    assert 'data-bar="edited"' not in tl.view.value
 
 
 def test_the_stats_table_counts_parking_only_when_there_is_some():

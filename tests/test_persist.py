@@ -611,8 +611,8 @@ def test_magics_save_restore_offer_and_autosave(tmp_path, monkeypatch):
         m.autosave = False
         assert store.autosaver is None
         with capture_output() as cap:  # load --restore: the autosaved conversation is back
-            m.kvcache("load --slots 2 --ctx 512 --restore")
-        assert "restored the save" in shown(cap)
+            out = m.kvcache("load --slots 2 --ctx 512 --restore")
+        assert "restored the save" in shown(cap) + str(out)
         assert store.engine.slots()[0].session == "alice" and len(store["alice"].turns) == 3
     finally:
         m.kvcache("unload")

@@ -262,6 +262,21 @@ def test_a_parked_entry_wins_only_with_strictly_more_tokens():
     assert plan.parked == "alice#1" and plan.slot == 1 and plan.reuse == 240
 
 
+def test_on_a_tie_the_sessions_own_parked_entry_beats_another_sessions_slot():
+    """Another session (02's "ttft") holds the same start as alice's parked conversation:
+    alice restores her own, and the other conversation keeps its slot."""
+    theirs = slot_with(0, ALICE, ALICE_TOKENS, ALICE_ENDS, session="ttft", last_used=4)
+    p = parked_with("alice#1", ALICE, ALICE_TOKENS, ALICE_ENDS, session="alice", last_used=1)
+    req = ALICE + [{"role": "user", "content": "more"}]
+    plan = policy.select([theirs, FakeSlot(1)], ALICE_TOKENS + [1], prefix_hashes(req),
+                         "alice", parked=[p])
+    assert plan.parked == "alice#1" and plan.slot == 1 and plan.reuse == 240
+    # a third session gets no such preference: ttft's slot serves it, its copy, or trim
+    plan = policy.select([theirs, FakeSlot(1)], ALICE_TOKENS + [1], prefix_hashes(req),
+                         "dave", parked=[p])
+    assert plan.parked is None
+
+
 def test_the_parked_entry_sharing_more_messages_is_chosen():
     short = parked_with("a#1", ALICE[:2], ALICE_TOKENS[:210], ALICE_ENDS[:2], session="a",
                         last_used=9)

@@ -276,12 +276,14 @@ def test_magics_restore_trust_and_load_restore_trust(genuine, tmp_path, monkeypa
         out = str(m.kvcache("restore --trust"))
         assert "recomputed by a full prefill" in out and "differed" in out
         assert sorted(s.name for s in store) == ["color", "fruit", "shape"]
+        # the same model and settings: the engine is kept, and --restore still asks for trust
         with capture_output() as cap:
-            m.kvcache("load --slots 2 --ctx 512 --restore")
-        assert "nothing restored" in shown(cap) and "not trusted" in shown(cap)
-        with capture_output() as cap:
-            m.kvcache("load --slots 2 --ctx 512 --restore --trust")
-        assert "recomputed by a full prefill" in shown(cap)
+            out = str(m.kvcache("load --slots 2 --ctx 512 --restore"))
+        assert "kept the loaded engine" in out
+        assert "nothing restored" in shown(cap) + out and "not trusted" in shown(cap) + out
+        with capture_output() as cap:  # a fresh engine (--reload), the save trusted
+            out = str(m.kvcache("load --slots 2 --ctx 512 --restore --trust --reload"))
+        assert "recomputed by a full prefill" in shown(cap) + out
         assert {s.session for s in store.engine.slots()} == {"color", "shape"}
     finally:
         m.kvcache("unload")

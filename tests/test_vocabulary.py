@@ -81,11 +81,8 @@ def surfaces(engine, sent_off):
     dash = CacheDashboard(engine, live=False)
     try:
         dash.feed.flush()
-        for piece in (dash.kvmap, dash.timeline):
-            for t in piece.figure.data:
-                out.append((f"{piece.__class__.__name__} trace", str(t.name)))
-                out.append((f"{piece.__class__.__name__} hover",
-                            str(t.hovertemplate) + repr(t.customdata)))
+        for piece in (dash.kvmap, dash.timeline):  # the live charts' SVG, hovers included
+            out.append((f"{piece.__class__.__name__} view", piece.view.value))
         out += [("cards", "".join(c.value for c in dash.slots.cards)),
                 ("header", dash.header.value), ("fallback", dash.static_html())]
     finally:

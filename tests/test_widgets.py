@@ -89,8 +89,8 @@ def engine(model_path):
         yield e
 
 
-def bars(trace):
-    return sorted(zip(trace.y, trace.base, [b + x for b, x in zip(trace.base, trace.x)]))
+def bars(rows):
+    return sorted((b.row, b.start, b.end) for b in rows)
 
 
 def req(slot):
@@ -113,16 +113,18 @@ class Shown:
     divergence: list[tuple[Any, ...]]
     segments: int
     slots: tuple[SlotInfo, ...]
+    svg: str  # what the browser was sent
 
 
 def shown(engine, cards, kv):
-    t = kv.traces
+    m = kv.model
     return Shown([c.value for c in cards.cards], cards.busy, cards.used,
-                 {name: bars(t[name]) for name in BARS},
-                 {name: [list(c) for c in t[name].customdata] for name in BARS},
-                 {name: t[name].marker.opacity for name in BARS},
-                 list(zip(t["divergence"].x, t["divergence"].y, t["divergence"].customdata)),
-                 kv.segments, engine.slots())
+                 {name: bars(m.bars[name]) for name in BARS},
+                 {name: [[b.message, b.role, b.start, b.end, b.text] for b in m.bars[name]]
+                  for name in BARS},
+                 {name: [b.shade for b in m.bars[name]] for name in BARS},
+                 [(pos, row, what) for row, pos, what in m.divergences],
+                 kv.segments, engine.slots(), kv.view.value)
 
 
 @dataclass
@@ -181,7 +183,7 @@ def story(engine):
     finally:
         unsubscribe()
     late = KVMap(engine, Feed(engine, live=False))  # drawn once, right away: no flush
-    out.late_divergence = list(zip(late.traces["divergence"].x, late.traces["divergence"].y))
+    out.late_divergence = [(pos, row) for row, pos, _ in late.model.divergences]
     late.close()
     engine.clear()
     feed.flush()
@@ -251,9 +253,8 @@ def test_slot_cards_follow_a_request(story):
 
 
 def test_kv_map_shows_messages_states_and_progress(engine, story):
-    t = KVMap(engine, Feed(engine, live=False)).traces
     # named in the vocabulary's words (the legend and the hovers)
-    assert (t["prefilled"].name, t["todo"].name, t["image"].name) == (
+    assert (BARS["prefilled"][0], BARS["todo"][0], BARS["image"][0]) == (
         "read new", "still to read", "image")
     rec = story.records["continued"]
     segs, row = rec.segments, req(rec.slot)
@@ -269,11 +270,13 @@ def test_kv_map_shows_messages_states_and_progress(engine, story):
     # hover: message index, role, token range, preview
     first_user = started.hover["user"][0]
     assert first_user[:2] == [1, "user"] and first_user[4].startswith("What is a CPU?")
+    assert "user · message 1 · user · tokens" in started.svg  # the hover the browser gets
     # request row while the prompt is read: reused, and still to read
     assert started.bars["reused"] == sorted(reused)
     assert started.bars["prefilled"] == [] and started.bars["todo"] == sorted(read)
     first = story.at[("continued", "first token")]
     assert first.bars["todo"] == [] and first.bars["prefilled"] == sorted(read)
+    assert "read new · message" in first.svg and "still to read" in started.svg
     assert first.bars["generated"] == [(row, rec.prompt_tokens, rec.prompt_tokens + 1)]
     done = story.at[("continued", "finished")]
     # the last sampled token is never decoded, so the KV can end one short of the reply
@@ -312,42 +315,40 @@ def test_a_map_made_after_the_requests_starts_from_the_latest_one(story):
 def test_timeline_plots_salvage_ttft_and_no_cache_estimate(engine, story):
     tl = Timeline(engine, Feed(engine, live=False))
     history = engine.history
-    t = tl.traces
-    assert tl.shown == len(history) >= len(story.records)
+    pts = {p.id: p for p in tl.points}
+    assert tl.shown == len(history) >= len(story.records) and list(pts) == [r.id for r in
+                                                                            history]
     continued = story.records["continued"]
-    i = list(t["continued"].x).index(continued.id)
-    assert t["continued"].y[i] == pytest.approx(continued.salvage_pct)
-    assert (f"reused {continued.reused_tokens} of {continued.prompt_tokens} tokens"
-            in t["continued"].customdata[i])
-    assert f"first token after {continued.ttft_s * 1000:.0f} ms" in t["continued"].customdata[i]
-    assert story.records["edited"].id in t["edited"].x
-    # a request that reused nothing still shows a mark at 0: an open circle, not a line
-    nothing = t["reused nothing"]
-    assert story.records["first"].id in nothing.x and set(nothing.y) == {0}
-    assert nothing.marker.symbol == "circle-open"
-    assert list(t["first token"].x) == [r.id for r in history]
-    assert list(t["first token"].y) == pytest.approx([r.ttft_s * 1000 for r in history])
-    assert "= waited" in t["first token"].customdata[0]  # the split, on hover
+    p = pts[continued.id]
+    assert p.bar == "continued" and p.salvage_pct == pytest.approx(continued.salvage_pct)
+    assert f"reused {continued.reused_tokens} of {continued.prompt_tokens} tokens" in p.text
+    assert f"first token after {continued.ttft_s * 1000:.0f} ms" in p.text
+    assert pts[story.records["edited"].id].bar == "edited"
+    # a request that reused nothing still shows a mark at 0: an open circle, not a bar
+    assert pts[story.records["first"].id].bar == "nothing-reused"
+    svg = tl.view.value
+    assert svg.count('data-bar="nothing-reused"') == sum(1 for r in history
+                                                         if not r.reused_tokens)
+    assert '<circle cx=' in svg and 'fill="none"' in svg
+    assert [p.ttft_ms for p in tl.points] == pytest.approx([r.ttft_s * 1000 for r in history])
+    assert "= waited" in tl.points[0].ttft_text and "= waited" in svg  # the split, on hover
     # the estimate adds the reused tokens at one prefill speed, the same for every request
-    est = dict(zip(t["no-cache estimate"].x, t["no-cache estimate"].y))
-    assert set(est) == {r.id for r in history}
-    per_token = {round((est[r.id] - r.ttft_s * 1000) / r.reused_tokens, 9)
-                 for r in history if r.reused_tokens}
+    per_token = {round((p.estimate_ms - p.ttft_ms) / p.reused, 9) for p in tl.points
+                 if p.reused}
     assert len(per_token) == 1 and per_token.pop() > 0
-    assert all(est[r.id] == pytest.approx(r.ttft_s * 1000) for r in history
-               if not r.reused_tokens)
-    assert list(t["read new"].y) == [r.prefilled_tokens for r in history]
-    assert list(t["reused"].y) == [r.reused_tokens for r in history]
+    assert all(p.estimate_ms == pytest.approx(p.ttft_ms) for p in tl.points if not p.reused)
+    assert [p.read for p in tl.points] == [r.prefilled_tokens for r in history]
+    assert [p.reused for p in tl.points] == [r.reused_tokens for r in history]
     # one visual language: every salvage bar is "reused" green; the event is the pattern
-    assert {t[c].marker.color for c in ("continued", "copied", "first")} == {COLORS["reused"]}
-    assert t["copied"].marker.pattern.shape == "/" and not t["continued"].marker.pattern.shape
-    assert (t["continued"].name, t["copied"].name) == ("continued", "copied prefix")
-    layout = tl.figure.layout
-    assert layout.xaxis3.title.text == "request #" and layout.xaxis.tickformat == "d"
-    assert [layout[f"yaxis{i}"].title.text for i in ("", "2", "3")] == ["%", "ms", "tokens"]
+    for code in ("continued", "copied", "edited"):
+        assert f'fill="{COLORS["reused"]}" data-bar="{code}"' in svg or code == "copied"
+    assert 'data-bar="continued"' in svg and "copied prefix" in tl.view.value + (
+        vocabulary.EVENTS["copied"].words)
+    assert "request #" in svg and "time to first token (ms)" in svg
+    assert "no-cache estimate" in svg and "first token" in svg  # the legend
     tl.max_requests = 2
     tl.feed.flush()
-    assert tl.shown == 2 and list(t["first token"].x) == [r.id for r in history[-2:]]
+    assert tl.shown == 2 and [p.id for p in tl.points] == [r.id for r in history[-2:]]
     with pytest.raises(ValueError, match="max_requests must be >= 1"):
         tl.max_requests = 0
     tl.close()
@@ -660,13 +661,13 @@ def test_dashboard_follows_a_real_conversation(engine):
         slot = res2.record.slot
         card = dash.slots.cards[slot].value
         assert "real" in card and f"{engine.slots()[slot].n_tokens}/{CTX}" in card
-        t = dash.kvmap.traces
-        reused = [b for b in bars(t["reused"]) if b[0] == req(slot)]
+        m = dash.kvmap.model
+        reused = [b for b in bars(m.bars["reused"]) if b[0] == req(slot)]
         assert reused and reused[-1][2] == res2.record.reused_tokens
-        gen = [b for b in bars(t["generated"]) if b[0] == req(slot)]
+        gen = [b for b in bars(m.bars["generated"]) if b[0] == req(slot)]
         # the last sampled token is never decoded, so the KV ends one short of the reply
         assert gen == [(req(slot), res2.record.prompt_tokens, engine.slots()[slot].n_tokens)]
-        assert res2.record.id in dash.timeline.traces["continued"].x
+        assert (res2.record.id, "continued") in [(p.id, p.bar) for p in dash.timeline.points]
     finally:
         dash.close()
 
@@ -735,13 +736,13 @@ def test_kv_map_marks_checkpoints_on_the_messages_row():
         msgs += [e.chat(msgs, session="h", max_tokens=4, temperature=0).message,
                  user("And memory?")]
         e.chat(msgs, session="h", max_tokens=4, temperature=0)
+        e.settle()  # the reply's rewrite (and its checkpoint) done before the map is drawn
         kv = KVMap(e, Feed(e, live=False))
         cards = SlotCards(e, kv.feed)
         s = e.slots()[0]
         assert s.memory == "hybrid" and len(s.checkpoints) > 1
-        cp = kv.traces["checkpoint"]
-        assert list(zip(cp.y, cp.x)) == [("slot 0", p) for p in s.checkpoints]
-        assert "checkpoint at position" in cp.hovertemplate
+        assert kv.model.checkpoints == [("slot 0", p) for p in s.checkpoints]
+        assert kv.view.value.count("<title>checkpoint at ") == len(s.checkpoints)
         assert f"hybrid · {len(s.checkpoints)} checkpoints (" in cards.cards[0].value
         kv.close()
         cards.close()
@@ -768,3 +769,79 @@ def test_slot_cards_show_the_memory_class_and_checkpoints():
     stuck = replace(hybrid, checkpoints=(128,), checkpoint_bytes=2048, memory="plain")
     assert memory_text(stuck) == "plain · 1 checkpoint (2.0 KiB)"
     assert "plain · 1 checkpoint (2.0 KiB)</span>" in card(stuck, 1, 2, None)
+
+
+# ------------------------------------------------------------------ what a saved notebook shows
+
+
+def test_a_displayed_view_keeps_a_snapshot_that_follows_the_cache(engine, sent, clock):
+    """The live view, and beside it a static snapshot that the feed refreshes after the
+    requests (never while one runs, at most every few seconds): what a saved notebook shows.
+    The live view carries the rule that hides its snapshot in a running notebook."""
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+
+    ipython_shell()
+    engine.clear()
+    dash = CacheDashboard(engine, interval=0.25)
+    gate = Gate(engine, lambda ev: isinstance(ev, RequestStarted))
+    stream = None
+    try:
+        with capture_output() as cap:
+            display(dash)
+        view, snap = cap.outputs
+        assert "application/vnd.jupyter.widget-view+json" in view.data
+        assert "text/html" not in view.data and "live view" in view.data["text/plain"]
+        uid = dash.model_id
+        html0 = snap.data["text/html"]
+        assert html0.startswith(f'<div data-nbkv-snapshot="{uid}">')
+        assert "nbkv-dashboard-static" in html0 and "<script" not in html0
+        assert f'[data-nbkv-snapshot="{uid}"]{{display:none!important}}' in dash.hider.value
+        shot = dash.feed.snapshots[0]
+        with capture_output() as cap:
+            stream = engine.chat([SYSTEM, user("Name a colour.")], session="snap", stream=True,
+                                 max_tokens=4, temperature=0)
+            gate.reached(1)  # the request runs: however long, no snapshot
+            clock.advance(10)
+            assert clock.settled() and shot.refreshes == 0
+            gate.when = None  # the rest, at the engine's own pace
+            gate.release()
+            stream.result()
+            gate.seen(lambda ev: isinstance(ev, SlotRewritten))
+            assert clock.settled() and shot.refreshes == 0  # the quiet spell first
+            clock.advance(5)
+            deadline = time.monotonic() + WAIT
+            while shot.refreshes == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert shot.refreshes == 1
+        (update,) = [o for o in cap.outputs if o.transient.get("display_id")]
+        assert update.transient == snap.transient  # the snapshot's own output, updated
+        assert "1 requests" in update.data["text/html"] and "snap" in update.data["text/html"]
+        assert dash.feed.refresh_snapshots() == 0  # nothing changed since: nothing sent
+    finally:
+        gate.open()
+        if stream is not None:
+            stream.close()
+        dash.close()
+
+
+def test_a_closed_engine_leaves_the_snapshot_with_its_last_requests(sent):
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+
+    ipython_shell()
+    e = Engine(str(make_text_model("lfm2")), n_slots=1, n_ctx=CTX)
+    dash = CacheDashboard(e, live=False)
+    dash.feed.live = True  # a live feed whose thread does not run: refreshed by hand here
+    with capture_output():
+        display(dash)
+    e.chat([user("Hi.")], session="last", max_tokens=2, temperature=0)
+    assert dash.feed.refresh_snapshots() == 1
+    e.close()
+    assert dash.feed.refresh_snapshots() == 0  # it keeps the request, not "engine closed"
+    assert "last" in dash.feed.snapshots[0]._shown
+    dash.close()

@@ -31,10 +31,12 @@ OVERFLOW = "overflow"  # the oldest messages were dropped to fit the slot
 CHECKPOINT = "checkpoint"  # memory that cannot be cut: restored a checkpoint before the cut
 UNCACHED = "uncached"  # cache mode spc/off: conversations are not kept
 RESTORED = "restored"  # a parked conversation was put back into a slot
+REPLAYED = "replayed"  # the same prompt and settings: the cached reply was given again
 
 #: the codes of ``record.reason``; their words are in :data:`nbkv.ui.vocabulary.EVENTS`
 REASONS = (FIRST, CONTINUED, COPIED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
-           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED, RESTORED)
+           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED, RESTORED,
+           REPLAYED)
 #: a conversation's fate (not a reason): its slot was taken and it was parked
 PARKED = "parked"
 

@@ -17,6 +17,8 @@ from typing import Any, Union
 log = logging.getLogger("nbkv.core.events")
 
 REUSED, PREFILLED, GENERATED = "reused", "prefilled", "generated"
+#: positions a slot holds beyond what its latest request touched (a replay keeps later turns)
+KEPT = "kept"
 WINDOW = 12  # units kept on each side of a divergence, for its excerpts
 
 
@@ -61,7 +63,7 @@ class Segment:
     end: int
     message: int  # index into the request's messages; len(messages) is the reply
     role: str
-    state: str  # REUSED, PREFILLED or GENERATED (this request)
+    state: str  # REUSED, PREFILLED or GENERATED (this request); KEPT: not touched by it
     preview: str = ""
     kind: str = "text"  # "text", or "image" for the positions an image's embeddings occupy
     image_hash: str | None = None
@@ -141,6 +143,9 @@ class RequestRecord:
     restored_session: str | None = None  # ... whose conversation it was
     evicted_parked: str = ""  # "ram" or "disk": the evicted conversation was parked, not lost
     park_s: float = 0.0  # ... the time that took (copying its state out), within restore_s
+    #: a replayed request (reason "replayed"): the reply's tokens, given again from the cache
+    #: with nothing decoded (``generated_tokens`` counts only tokens decoded)
+    replayed_tokens: int = 0
 
     @property
     def salvage_pct(self) -> float:

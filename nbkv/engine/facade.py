@@ -134,6 +134,8 @@ class Engine(TemplatedAPI, ChatAPI):
             ``park_dir`` turns parking off.
     """
 
+    #: ``chat(..., replay=True)`` is understood (a re-run notebook cell asks for it)
+    replays = True
     last_save: Any = None  # the latest nbkv.store.persist.SaveReport
     last_restore: Any = None  # ... and RestoreReport
 
@@ -283,6 +285,7 @@ class Engine(TemplatedAPI, ChatAPI):
         stream: bool = False,
         overflow: str | None = None,
         timeout: float | None = None,
+        replay: bool = False,
         **sampling: Any,
     ) -> ChatResult | ChatStream:
         """Reply to ``messages`` (the whole conversation so far, ending with the user's turn).
@@ -291,7 +294,9 @@ class Engine(TemplatedAPI, ChatAPI):
         Sampling keywords: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_p``,
         ``repeat_penalty``, ``repeat_last_n``, ``seed``, ``max_tokens``, ``stop``.
         With ``stream=True`` returns a :class:`ChatStream` of text deltas, else a
-        :class:`ChatResult`.
+        :class:`ChatResult`. ``replay=True``: if this prompt was answered before with the
+        same deterministic settings and the slot still holds that reply, give it again
+        from the cache, decoding nothing (:mod:`nbkv.engine.replay`; exact engines only).
         """
         self._check_request(session, timeout)
         t0 = time.perf_counter()
@@ -299,6 +304,7 @@ class Engine(TemplatedAPI, ChatAPI):
         prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
         job = Job(prompt, session, params, self.wait_timeout if timeout is None else timeout,
                   TextStream(params.stop))
+        job.replay = bool(replay)
         if self.speculative:
             job.drafter = NgramDrafter(prompt.tokens)
         job.t_submit = t0
@@ -447,6 +453,22 @@ class Engine(TemplatedAPI, ChatAPI):
         """
         return self.scheduler.call(lambda: engine_state.import_state(
             self.scheduler, placed, spc, recompute))
+
+    def export_replies(self, holders: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+        """The replies ``holders`` still hold, as JSON (what a save keeps).
+
+        ``holders``: the units of the saved slots and parked conversations. A cell run again
+        after a restore is then replayed.
+        """
+        return self.scheduler.call(
+            lambda: [m.as_json() for m in self.scheduler.replies.kept_by(holders)])
+
+    def import_replies(self, memos: Sequence[Any]) -> None:
+        """Remember replies a save kept (checked :class:`~nbkv.kv.replies.ReplyMemo` s)."""
+        def put() -> None:
+            for m in memos:
+                self.scheduler.replies.add(m)
+        self.scheduler.call(put)
 
     def save(self, path: str | None = None, sessions: Any = None,
              progress: Reporter | bool | None = None) -> Any:

@@ -41,3 +41,6 @@ class Job(Request):
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
         self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
+        self.replay = False  # may be answered with a reply the cache holds (nbkv.engine.replay)
+        self.memo: Any = None  # ... the nbkv.kv.replies.ReplyMemo it is answered with
+        self.memo_held = 0  # ... and how many of its tokens the slot holds after the prompt

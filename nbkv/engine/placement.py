@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.events import RequestStarted, Segment
+from nbkv.engine import replay
 from nbkv.engine.slot_parking import park_slot, restore_into
 from nbkv.kv import invariance, policy, reasons
 from nbkv.kv.reach import Judge, restorable, restore_point
@@ -89,6 +90,8 @@ def start(sched: Scheduler, job: Job) -> bool:
         if entry is not None:
             kv.clear()
             held = restore_into(slot, entry)
+            if held and lot is not None and entry.session not in (None, job.session):
+                lot.park(entry)  # another's conversation: a copy; it stays parked for its own
             restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
                 tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
             reuse = target = invariance.valid_start(p.tokens, min(
@@ -104,11 +107,16 @@ def start(sched: Scheduler, job: Job) -> bool:
         elif cfg.cache == "off":
             kv.clear()
             reuse = 0
-        trimmed = len(kv) - reuse if cfg.cache == "imc" else 0
-        if cfg.cache == "imc" and trimmed > 0:
-            log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",
-                      slot.index, len(kv), reuse)
-        reuse = trim_valid(kv, p.tokens, reuse, rule)
+        # the same prompt and settings, and the slot holds the reply: nothing is cut
+        memo = replay.match(sched, job, slot) if donor is None else None
+        if memo is not None:
+            trimmed, reuse = 0, len(p.tokens)
+        else:
+            trimmed = len(kv) - reuse if cfg.cache == "imc" else 0
+            if cfg.cache == "imc" and trimmed > 0:
+                log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",
+                          slot.index, len(kv), reuse)
+            reuse = trim_valid(kv, p.tokens, reuse, rule)
     except BaseException:
         kv.resync()
         with sched.cv:
@@ -126,10 +134,24 @@ def start(sched: Scheduler, job: Job) -> bool:
     reply_cached = max(prev_len - prev_prompt_len, 0) if donor is None else 0
     reply_reused = min(max(reuse - prev_prompt_len, 0), reply_cached)
     donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
-    why = table.reason(job.id, p, job.session, own, table[donor].tokens if donor is not None
-                       else (), reuse=reuse, wanted=target, donor_session=donor_session,
-                       can_trim=checkpoint_pos is None, cache=cfg.cache, restored=restored)
-    table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to))
+    if memo is not None:
+        why = replay.reason(memo)
+        table.compare(job.id, kv.tokens, p.tokens)
+    else:
+        why = table.reason(job.id, p, job.session, own, table[donor].tokens
+                           if donor is not None else (), reuse=reuse, wanted=target,
+                           donor_session=donor_session, can_trim=checkpoint_pos is None,
+                           cache=cfg.cache, restored=restored)
+    kept = None
+    if memo is not None:  # the slot's messages stay: its own, or those of the parked entry
+        kept = (entry.hashes, entry.msg_ends) if entry is not None else (slot.hashes,
+                                                                         slot.msg_ends)
+        if entry is not None:
+            with sched.cv:
+                slot.segments = tuple(entry.segments)
+    table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to),
+                keep=kept)
+    job.memo = memo
     job.slot = slot
     job.reuse = reuse
     job.todo = list(p.tokens[reuse:])
@@ -150,7 +172,7 @@ def start(sched: Scheduler, job: Job) -> bool:
         restore_s=restore_s, segments=segments(sched, job, len(p.tokens)),
         media_chunks=p.image_chunks, checkpoint_pos=checkpoint_pos,
         restored_from=entry.tier if entry is not None and reuse else "",
-        restored_tokens=reuse if entry is not None else 0,
+        restored_tokens=(len(kv) if memo is not None else reuse) if entry is not None else 0,
         restored_session=entry.session if entry is not None and reuse else None,
         evicted_parked=parked_to, park_s=park_s,
         reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,

@@ -24,13 +24,14 @@ from typing import Any
 
 from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
 from nbkv.core.events import EventBus, Progress, RequestFinished
-from nbkv.engine import generation, placement, rewrite, slot_parking, vision_decode
+from nbkv.engine import generation, placement, replay, rewrite, slot_parking, vision_decode
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources
 from nbkv.engine.prefill import prefill
 from nbkv.kv.batching import Prefilling, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.policy import PREFIX_SALVAGE
+from nbkv.kv.replies import ReplyBook
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.kv.spc import SystemPromptStore
@@ -115,6 +116,8 @@ class Scheduler:
         self.closed = False
         #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
         self.images: OrderedDict[str, Any] = OrderedDict()
+        #: replies a re-run of the same prompt and settings may be answered with
+        self.replies = ReplyBook()
         self.thread: threading.Thread | None = None
 
     def start(self, owner: Any) -> None:
@@ -227,7 +230,10 @@ class Scheduler:
                 continue
             if started:
                 self.queue.remove(job)
-                self.active.append(job)
+                if job.memo is not None:  # the cached reply: nothing to read or decode
+                    replay.finish(self, job)
+                else:
+                    self.active.append(job)
             elif now > job.deadline:
                 self.queue.remove(job)
                 self.fail(job, SlotTimeoutError(
@@ -342,6 +348,7 @@ class Scheduler:
                 slot.pending = False
             rec = finished_record(job, rec, reason, error, now, slot.segments)
             job.record = rec
+            replay.remember(self, job)
             if rec.strategy == PREFIX_SALVAGE:
                 log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
                           "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)

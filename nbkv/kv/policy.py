@@ -154,6 +154,9 @@ def select(
        (``Plan.parked``) when it serves strictly more than the slots' best plan: a restore
        that cannot be served never beats a continuation or a copy.
 
+    On a tie, the session's own parked conversation wins over another session's slot: it is
+    the same KV, and the other conversation keeps its slot.
+
     Returns ``None`` when every slot is pending: the caller waits and asks again.
     """
     free = [s for s in slots if not s.pending]
@@ -182,7 +185,10 @@ def select(
     if best is None:
         return plan
     (served, *_), entry, k, reuse = best
-    if served <= plan.served:
+    holder = plan.donor if plan.donor is not None else plan.slot
+    theirs = next((s.session for s in free if s.index == holder), None) != session
+    own = session is not None and entry.session == session and theirs
+    if served < plan.served or (served == plan.served and not own):
         log.debug("parked[%s] serves %d tokens, a slot %d: not restored", entry.key, served,
                   plan.served)
         return plan

@@ -26,6 +26,7 @@ from nbkv.core.codes import (
     PARKED,
     REASONS,
     RELOADED,
+    REPLAYED,
     RESTORED,
     SYSTEM_CHANGED,
     TEMPLATE_DRIFT,
@@ -36,9 +37,8 @@ from nbkv.core.codes import (
 from nbkv.core.events import WINDOW, Divergence
 
 __all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
-           "IMAGE_CHANGED", "OVERFLOW", "PARKED", "REASONS", "RELOADED", "RESTORED",
+           "IMAGE_CHANGED", "OVERFLOW", "PARKED", "REASONS", "RELOADED", "REPLAYED", "RESTORED",
            "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Divergence"]
-
 
 
 @dataclass(frozen=True)

@@ -231,11 +231,14 @@ class SlotTable(Generic[S]):
             can_trim=can_trim, cache=cache, restored=restored)
         if restored is not None:
             source = restored.cached.tokens
-        self.compared[request] = (tuple(own.tokens if own is not None else source),
-                                  tuple(prompt.tokens))
+        self.compare(request, own.tokens if own is not None else source, prompt.tokens)
+        return why
+
+    def compare(self, request: int, cached: Sequence[Any], new: Sequence[Any]) -> None:
+        """Keep what ``request``'s prompt was compared with, for explain()."""
+        self.compared[request] = (tuple(cached), tuple(new))
         while len(self.compared) > reasons.EXPLAINED:
             self.compared.popitem(last=False)
-        return why
 
     def explain(self, history: Sequence[RequestRecord], text_of: Callable[[Sequence[Any]], str],
                 request: int | None) -> reasons.Explanation:
@@ -243,10 +246,13 @@ class SlotTable(Generic[S]):
         return reasons.explain_request(history, self.compared, text_of, request)
 
     def claim(self, slot: S, request: int, session: str | None, prompt: Prompt, reuse: int,
-              evicted: str | None, parked: bool = False) -> None:
+              evicted: str | None, parked: bool = False,
+              keep: tuple[Sequence[str], Sequence[int]] | None = None) -> None:
         """``slot`` now serves ``request``: its kept messages, the clock and the trail.
 
         ``parked``: the conversation ``evicted`` from the slot was parked, not lost.
+        ``keep``: the slot keeps every message it holds (a replay cuts nothing), whose
+        hashes and ends these are.
         """
         with self.lock:
             if evicted is not None and evicted != session:
@@ -257,8 +263,11 @@ class SlotTable(Generic[S]):
             if session is not None:
                 self.whereabouts[session] = reasons.Whereabouts(request)
             slot.session = session
-            slot.hashes = [h for h, e in zip(prompt.hashes, prompt.ends) if e <= reuse]
-            slot.msg_ends = list(prompt.ends[: len(slot.hashes)])
+            if keep is not None:
+                slot.hashes, slot.msg_ends = list(keep[0]), list(keep[1])
+            else:
+                slot.hashes = [h for h, e in zip(prompt.hashes, prompt.ends) if e <= reuse]
+                slot.msg_ends = list(prompt.ends[: len(slot.hashes)])
             slot.last_used = self.tick()
             slot.last_request = request
 

@@ -19,6 +19,7 @@ import llama_cpp
 import numpy as np
 
 from nbkv.core.errors import DecodeError, ModelLoadError, ModelNotFoundError
+from nbkv.llama.gguf_header import check_complete
 from nbkv.llama.models import display_name
 from nbkv.llama.state_buffers import StateBuffers
 
@@ -134,6 +135,10 @@ def check_gguf(path: str | os.PathLike) -> Path:
     version = int.from_bytes(head[4:8], "little")
     if version not in (2, 3):
         raise ModelLoadError(f"{p}: unsupported GGUF version {version}")
+    try:
+        check_complete(p)
+    except ValueError as e:
+        raise ModelLoadError(f"{p} is not a whole GGUF file: {e}") from None
     return p
 
 

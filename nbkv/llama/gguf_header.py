@@ -6,7 +6,8 @@ A model's fingerprint (what a saved KV cache is only valid for) is its file size
 SHA-256 of the GGUF header, metadata and tensor table (everything before the tensor data):
 cheap to compute on a multi-gigabyte file, and different for any other model, quantization
 or conversion. The weights themselves are not hashed; a file whose tensor data alone was
-rewritten in place keeps its fingerprint.
+rewritten in place keeps its fingerprint. :func:`check_complete` tells a whole file from one
+cut short (an interrupted download) by where its tensor table says the data ends.
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ class _NoHash:
         pass
 
 
+#: ggml tensor types: (values per block, bytes per block); ``gguf.GGML_QUANT_SIZES``
+_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+           8: (32, 34), 9: (32, 40), 10: (256, 84), 11: (256, 110), 12: (256, 144),
+           13: (256, 176), 14: (256, 210), 15: (256, 292), 16: (256, 66), 17: (256, 74),
+           18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+           23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+           29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17),
+           40: (64, 36), 41: (128, 18)}
+
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
            11: "<q", 12: "<d"}
 
@@ -118,3 +128,44 @@ def gguf_fingerprint(path: str | os.PathLike) -> str:
                 r.read(4 + 8)  # type, offset
         fp = _memo[key] = f"{st.st_size}:{h.hexdigest()}"
     return fp
+
+
+def data_end(path: str | os.PathLike) -> int:
+    """Bytes a GGUF file must have to hold every tensor its table lists.
+
+    The tensor data starts after the table, aligned to ``general.alignment`` (32 by default);
+    a tensor of a type unknown here counts up to its offset only. ValueError when the
+    header itself is cut short or malformed.
+    """
+    with Path(path).open("rb") as f:
+        r = _Reader(f, _NoHash())
+        n_tensors, n_kv = r.header(path)
+        align = 32
+        for _ in range(n_kv):
+            key = r.read(r.u64())
+            v = r.value(r.u32())
+            if key == b"general.alignment" and isinstance(v, int) and v > 0:
+                align = v
+        end = 0
+        for _ in range(n_tensors):
+            r.skip_string()
+            n_dims = r.u32()
+            shape = struct.unpack(f"<{n_dims}Q", r.read(8 * n_dims))
+            ttype, offset = struct.unpack("<IQ", r.read(12))
+            count = 1
+            for d in shape:
+                count *= d
+            block, size = _BLOCKS.get(ttype, (1, 0))
+            end = max(end, offset + -(-count // block) * size)
+        if not n_tensors:
+            return f.tell()
+        start = -(-f.tell() // align) * align
+    return start + end
+
+
+def check_complete(path: str | os.PathLike) -> None:
+    """ValueError unless the file is as long as its tensor table says (not cut short)."""
+    need, have = data_end(path), Path(path).stat().st_size
+    if have < need:
+        raise ValueError(f"truncated: its tensors need {need:,} bytes, the file has "
+                         f"{have:,} (an interrupted download? fetch it again)")

@@ -101,9 +101,12 @@ def _at_least_one(args: Any, *flags: str) -> None:
 
 
 def load(ws: Workspace, args: Any) -> Any:
-    """Close the engine, load a new one (the model and options given, else the settings).
+    """Load the engine (the model and options given, else the settings).
 
-    Every argument is checked first: a mistake leaves the current engine as it was.
+    Every argument is checked first, the model file and the template included: a mistake
+    leaves the current engine as it was. An engine already loaded with the same model and
+    settings is kept, with its caches (``--reload`` starts afresh). Should the new engine
+    still fail to load, the previous one is loaded again.
     """
     _at_least_one(args, "slots", "ctx")
     if args.trust and not args.restore:
@@ -117,20 +120,23 @@ def load(ws: Workspace, args: Any) -> Any:
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:
-        try:
-            kwargs["template"] = Path(args.template).expanduser().read_text()
-        except OSError as e:
-            raise InvalidRequestError(f"--template: cannot read {args.template}: {e}") from e
+        kwargs["template"] = _template(args.template)
     path = args.target or ws.settings.model or None
-    if path:  # checked before the old engine is closed
-        path = str(_file(path, "model"))
+    model = _model(path)  # checked (a whole GGUF file) before the old engine is closed
+    if not args.reload and ws.store.loaded(model, kwargs):
+        return _kept(ws, args)
     carried = [s.name for s in ws.store if s.records]  # their next turn: "engine reloaded"
+    previous = ws.store.load_args
     ws.store.close_engine()  # first, so that the free memory counts what it held
     progress = LoadProgress(f"loading {Path(path).name if path else 'default model'}",
                             ws.notebook)
     with warnings.catch_warnings(record=True) as said:  # shown under the summary instead
         warnings.simplefilter("always")
-        engine = ws.store.load(path, progress=progress, **kwargs)
+        try:
+            engine = ws.store.load(path, progress=progress, **kwargs)
+        except Exception as e:
+            _revive(ws, previous, carried, e)
+            raise
     engine.carry_over(carried)
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)
@@ -138,6 +144,71 @@ def load(ws: Workspace, args: Any) -> Any:
              _offer_restore(ws, engine, args.restore, args.trust)]
     progress.done(summary, note="\n".join(n for n in notes if n) or None)
     return None if ws.notebook else summary
+
+
+def _kept(ws: Workspace, args: Any) -> Any:
+    """``%kvcache load`` again with the same model and settings: keep the engine, say so."""
+    engine = ws.engine()
+    ws.sync_autosave()
+    kept = sum(1 for s in engine.slots() if s.tokens)
+    parked = len(engine.parked()) if isinstance(engine, Parks) else 0
+    what = f"{kept} slot(s) in use" + (f", {parked} parked" if parked else "")
+    line = (f"kept the loaded engine: same model and settings, so its caches stay ({what}); "
+            "%kvcache load --reload starts afresh")
+    if args.restore:
+        line += "\n" + (_offer_restore(ws, engine, True, args.trust) or "")
+    return disp.Message(line)
+
+
+def _revive(ws: Workspace, previous: Any, carried: list[str], error: BaseException) -> None:
+    """The new engine failed after the old one was closed: load the old one again.
+
+    Its caches are gone (they lived in the closed context); its sessions' next turns say
+    "engine reloaded". The error is then raised, with a note on what was done.
+    """
+    if previous is None:
+        return
+    try:
+        engine = ws.store.load(previous[0], **dict(previous[1]))
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        return
+    engine.carry_over(carried)
+    ws.sync_autosave()
+    note = ("; the previous engine was loaded again (its caches start empty: its sessions "
+            "read their conversations again)")
+    error.args = (f"{error.args[0] if error.args else error}{note}", *error.args[1:])
+
+
+def _model(path: str | None) -> str:
+    """The model file to load, checked (whole GGUF); the default model when ``path`` is None."""
+    from nbkv.llama.backend import check_gguf
+    from nbkv.llama.models import resolve_model_path
+
+    if path is not None:
+        _file(path, "model")
+    return str(check_gguf(resolve_model_path(path)).resolve())
+
+
+def _template(path: str) -> str:
+    """A ``--template`` file's text, compiled and tried on one message before any load."""
+    from nbkv.prompt.templates import ChatTemplate
+
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as e:
+        raise InvalidRequestError(f"--template: cannot read {path}: {e}") from e
+    try:
+        ChatTemplate(text).render([{"role": "user", "content": "Hello."}])
+    except NbkvError as e:
+        raise InvalidRequestError(f"--template {path}: {e}") from e
+    return text
+
+
+def _existing(p: Path) -> Path:
+    """``p``, or its nearest ancestor that exists."""
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
 
 
 def connect(ws: Workspace, args: Any) -> Any:
@@ -281,7 +352,19 @@ def report(ws: Workspace, args: Any) -> Any:
     page = make(ws.engine())
     if not args.target:
         return page
-    path = page.to_html(args.target)
+    target = Path(args.target).expanduser()
+    where = _existing(target.parent)
+    if not where.is_dir():
+        raise InvalidRequestError(f"%kvcache report {args.target}: cannot write it there: "
+                                  f"{where} is a file, not a directory")
+    if target.is_dir():
+        raise InvalidRequestError(f"%kvcache report {args.target}: a directory; give a file "
+                                  "name, e.g. cache.html")
+    try:
+        path = page.to_html(target)
+    except OSError as e:
+        raise InvalidRequestError(f"%kvcache report: cannot write {args.target}: "
+                                  f"{e.strerror or e}") from e
     return disp.Message(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB): the dashboard, "
                         "the requests and the latest ones explained, on one page that opens "
                         "offline")
@@ -320,7 +403,7 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "status": (status, frozenset(), False),
     "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
                               "restore", "trust", "gpu_layers", "kv_type", "flash_attn",
-                              "park_ram", "park_dir"}), True),
+                              "park_ram", "park_dir", "reload"}), True),
     "connect": (connect, frozenset({"slots", "api_key_env"}), True),
     "slots": (slots, frozenset(), False),
     "stats": (stats, frozenset(), False),

@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import itertools
 import keyword
+import logging
 import string
+import sys
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -29,6 +32,7 @@ from nbkv.ui.conversation_view import session_html
 from nbkv.ui.views import chat_view
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("nbkv")
 
 
 def usage_errors(magic: F) -> F:
@@ -71,8 +75,10 @@ class CellTracker:
     def __init__(self, shell: Any) -> None:
         self.shell = shell
         #: the cells running now, innermost last: (ExecutionInfo, its cell, the shell's
-        #: execution_count when it started)
-        self._running: list[tuple[Any, CellRef | None, int]] = []
+        #: execution_count when it started, its cell id, the views made before it)
+        self._running: list[tuple[Any, CellRef | None, int, str | None, int]] = []
+        #: cell id -> the nbkv views its last run made (closed when it runs again)
+        self._views: dict[str, list[weakref.ref[Any]]] = {}
         # IPython 9 counts a cell (In [N]) before pre_run_cell, IPython 8 after it: learnt
         # from each post_run_cell's result, first guessed from the version
         import IPython
@@ -80,22 +86,29 @@ class CellTracker:
         self._offset = 1 if IPython.version_info[0] >= 9 else 0
 
     def pre(self, info: Any) -> None:
-        """A cell starts (``pre_run_cell``)."""
+        """A cell starts (``pre_run_cell``): the views its previous run made are closed."""
         seen = self.shell.execution_count
-        cell_id = getattr(info, "cell_id", None)
+        raw_id = getattr(info, "cell_id", None) or None
+        cell_id = raw_id
         if not str(getattr(info, "raw_cell", "") or "").lstrip().startswith("%%chat"):
             cell_id = None
         count = seen - self._offset if getattr(info, "store_history", False) else None
-        self._running.append((info, CellRef(str(cell_id), count) if cell_id else None, seen))
+        if raw_id is not None:
+            _close(self._views.pop(raw_id, []))
+        self._running.append((info, CellRef(str(cell_id), count) if cell_id else None, seen,
+                              raw_id, _views_made()))
 
     def post(self, result: Any) -> None:
         """A cell ended (``post_run_cell``; also fired for cells that never started)."""
         info = getattr(result, "info", None)
         if self._running and self._running[-1][0] is info:
-            _, _, seen = self._running.pop()
+            _, _, seen, raw_id, mark = self._running.pop()
             if getattr(info, "store_history", False) and \
                     isinstance(getattr(result, "execution_count", None), int):
                 self._offset = seen - result.execution_count
+            made = _views_since(mark)
+            if raw_id is not None and made:
+                self._views[raw_id] = [weakref.ref(v) for v in made]
 
     @property
     def current(self) -> CellRef | None:
@@ -114,6 +127,28 @@ class CellTracker:
                 self.shell.events.unregister(name, cb)
             except ValueError:
                 pass
+
+
+def _views_made() -> int:
+    """The mark of :func:`nbkv.ui.widgets.snapshot.created` (0 before any widget exists)."""
+    mod = sys.modules.get("nbkv.ui.widgets.snapshot")
+    return mod.created() if mod is not None else 0
+
+
+def _views_since(mark: int) -> list[Any]:
+    mod = sys.modules.get("nbkv.ui.widgets.snapshot")
+    return mod.made_since(mark) if mod is not None else []
+
+
+def _close(views: list[weakref.ref[Any]]) -> None:
+    """Close views a cell's previous run showed: its outputs are gone, nothing shows them."""
+    for ref in views:
+        view = ref()
+        if view is not None:
+            try:
+                view.close()
+            except Exception:  # noqa: BLE001 - the cell must run regardless
+                log.exception("nbkv: closing a view of a re-run cell failed")
 
 
 def parse_argstring(magic: Any, line: str) -> Any:
@@ -181,6 +216,9 @@ class Nbkv(Magics, Settings):
     @argument("--flash-attn", choices=FLASH_ATTN_MODES, help="load: flash attention")
     @argument("--restore", action="store_true",
               help="load: then restore this notebook's latest compatible save")
+    @argument("--reload", action="store_true",
+              help="load: load afresh even when the engine loaded has the same model and "
+                   "settings (it is kept by default, with its caches)")
     @argument("--trust", action="store_true",
               help="restore, load --restore: restore a save not signed by your key, "
                    "recomputing every slot by a full prefill before it is served")
@@ -199,9 +237,9 @@ class Nbkv(Magics, Settings):
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
-                        [--min-tokens N] [--template F] [--restore [--trust]] [--gpu-layers N]
-                        [--kv-type T] [--flash-attn auto|on|off] [--park-ram BYTES]
-                        [--park-dir DIR]
+                        [--min-tokens N] [--template F] [--restore [--trust]] [--reload]
+                        [--gpu-layers N] [--kv-type T] [--flash-attn auto|on|off]
+                        [--park-ram BYTES] [--park-dir DIR]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
           %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR] [--trust]
@@ -238,6 +276,9 @@ class Nbkv(Magics, Settings):
     @argument("--image", action="extend", nargs="+", metavar="PATH",
               help="attach image files (load the engine with --mmproj)")
     @argument("--out", metavar="VAR", help="store the reply (a str with .record) in VAR")
+    @argument("--fresh", action="store_true",
+              help="decode the reply even when the cell runs again with the same prompt and "
+                   "settings (by default the cached reply is replayed: Nbkv.replay)")
     @argument("--stats", dest="stats", action="store_const", const=True, default=None,
               help="show the cache figures (Nbkv.stats)")
     @argument("--no-stats", dest="stats", action="store_const", const=False,
@@ -248,7 +289,9 @@ class Nbkv(Magics, Settings):
         """Send the cell as a user message of a session and stream the reply.
 
         A cell is a turn: running the cell again replaces its turn (answered on the turns of
-        the cells run before it) and marks the later turns stale. ``{name}`` in the cell
+        the cells run before it) and marks the later turns stale. Run again with the same
+        prompt and deterministic settings, it gets the reply the cache holds, decoding
+        nothing, and the later turns stay (``--fresh`` decodes anyway). ``{name}`` in the cell
         inserts the kernel variable ``name`` (``{{`` and ``}}`` for literal braces). The
         conversation stays in the kernel: ``nbkv.session(NAME)``.
         """
@@ -284,7 +327,7 @@ class Nbkv(Magics, Settings):
                    else self.store.get(name))
         turn = session.start(engine, content, new=args.new, system=args.system,
                              cell=self.cells.current if self.cells is not None else None,
-                             **sampling)
+                             replay=self.replay and not args.fresh, **sampling)
         view = chat_view(self._notebook(), self.refresh)
         reply, interrupted = view.stream(
             turn, engine.subscribe, self.stats if args.stats is None else args.stats)
@@ -343,6 +386,8 @@ def load(ipython: Any) -> None:
 
     Long work started in this kernel without a reporter of its own (an ``Engine(...)`` made
     in a cell, ``LlamaServer.start()``) then shows its progress in the running cell.
+    ``%load_ext nbkv`` run again ("Run All" a second time) is then quiet: IPython would print
+    "The nbkv extension is already loaded"; loading it again changes nothing.
     """
     from nbkv.core import progress
     from nbkv.ui.progress import ProgressBar
@@ -354,6 +399,19 @@ def load(ipython: Any) -> None:
     progress.set_default(lambda: ProgressBar(magics._notebook()))
     # a session shows as its conversation view (the model itself knows no HTML)
     ipython.display_formatter.formatters["text/html"].for_type(Session, session_html)
+    manager = getattr(ipython, "extension_manager", None)
+    if manager is not None and "load_extension" not in vars(manager):
+        manager.load_extension = _quiet_when_loaded(manager, manager.load_extension)
+
+
+def _quiet_when_loaded(manager: Any, load_extension: Callable[[str], Any]) -> Any:
+    """``load_extension`` that answers "loaded" (None) for nbkv when it already is."""
+    def load_ext(module_str: str) -> Any:
+        if module_str == "nbkv" and module_str in manager.loaded:
+            return None
+        return load_extension(module_str)
+    load_ext.__wrapped__ = load_extension  # type: ignore[attr-defined]
+    return load_ext
 
 
 def unload(ipython: Any) -> None:
@@ -366,6 +424,9 @@ def unload(ipython: Any) -> None:
     inst = mm.registry.pop("Nbkv", None)
     mm.magics["line"].pop("kvcache", None)
     mm.magics["cell"].pop("chat", None)
+    manager = getattr(ipython, "extension_manager", None)
+    if manager is not None and "load_extension" in vars(manager):
+        del manager.load_extension  # IPython's own again
     if inst is not None:
         if inst.cells is not None:
             inst.cells.unregister()

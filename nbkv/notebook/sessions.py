@@ -38,7 +38,7 @@ from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     Reply,
     Turn,
     TurnChange,
-    cut_place,
+    cut_from,
     message_text,
     span_text,
 )
@@ -191,13 +191,15 @@ class Session:
         return new
 
     def start(self, engine: EngineLike, content: Any, *, new: bool = False,
-              system: str | None = None, cell: CellRef | None = None,
+              system: str | None = None, cell: CellRef | None = None, replay: bool = False,
               **sampling: Any) -> PendingTurn:
         """Send ``content`` as a user message; returns the streaming :class:`PendingTurn`.
 
         With ``cell``, the turns of the cells before it are the history and its own turn is
         replaced when the reply ends; without, it is the next turn. ``new`` starts the
-        conversation over first; ``system`` sets its system prompt.
+        conversation over first; ``system`` sets its system prompt. ``replay``: a cell that
+        runs again may get the reply the cache holds for the same prompt and settings
+        (:mod:`nbkv.engine.replay`), on an engine that can replay.
         """
         if new:
             self.reset(system)
@@ -212,6 +214,8 @@ class Session:
                 history += t.messages
                 layout += [i] * len(t.messages)
         user = {"role": "user", "content": content}
+        if replay and own is not None and getattr(engine, "replays", False):
+            sampling["replay"] = True
         stream = engine.chat(history + [user], session=self.name, stream=True, **sampling)
         if self.store is not None:
             self.store._started(stream.request_id, self.name, cell)
@@ -234,6 +238,12 @@ class Session:
             self._turns.append(turn)
             change = TurnChange(self.name, len(self._turns), "appended", turn.cell,
                                 layout=layout)
+        elif old.live and old.messages == turn.messages:
+            # the same exchange again (a replay): the later turns were answered on it
+            i = self._turns.index(old)
+            turn.runs = old.runs + 1
+            self._turns[i] = turn
+            change = TurnChange(self.name, i + 1, "repeated", turn.cell, (), layout)
         else:
             i = self._turns.index(old)
             turn.runs = old.runs + 1
@@ -429,6 +439,8 @@ class SessionStore:
         self.autosaver: Any = None  # nbkv.store.autosave.Autosaver while autosave is on
         self.events = EventBus()
         self._origins: dict[int, tuple[str, CellRef | None]] = {}
+        #: the model file and arguments the engine was loaded with (None: loaded otherwise)
+        self.load_args: tuple[str, tuple[tuple[str, Any], ...]] | None = None
 
     def __getitem__(self, name: str) -> Session:
         return self._sessions[name]
@@ -489,7 +501,15 @@ class SessionStore:
 
         self.close_engine()
         self.engine = Engine(model_path, **engine_kwargs)
+        args = _settings(engine_kwargs)
+        self.load_args = (str(self.engine.model.path.resolve()), tuple(sorted(args.items())))
         return self.engine
+
+    def loaded(self, model_path: str, engine_kwargs: Mapping[str, Any]) -> bool:
+        """True when the engine loaded (and still open) has this model file and arguments."""
+        args = _settings(engine_kwargs)
+        return (self.engine is not None and not getattr(self.engine, "closed", True)
+                and self.load_args == (model_path, tuple(sorted(args.items()))))
 
     def connect(self, url: str, **kwargs: Any) -> EngineLike:
         """Connect to a serving engine (:func:`nbkv.connect`), then close the old one.
@@ -501,6 +521,7 @@ class SessionStore:
         engine = connect(url, **kwargs)
         self.close_engine()
         self.engine = engine
+        self.load_args = None
         return engine
 
     def autosave(self, path: Any, interval: float = 30.0) -> None:
@@ -526,6 +547,7 @@ class SessionStore:
             self.autosaver.stop()
             self.autosaver = None
         engine, self.engine = self.engine, None
+        self.load_args = None
         self._origins.clear()  # request ids start again with the next engine
         if engine is not None:
             engine.close()
@@ -555,3 +577,8 @@ def session(name: str | None = None) -> Session:
 def current_engine() -> EngineLike | None:
     """The engine loaded by ``%kvcache load``, or None."""
     return STORE.engine
+
+
+def _settings(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine arguments that make an engine what it is (not where its progress goes)."""
+    return {k: v for k, v in engine_kwargs.items() if k not in ("on_load_progress", "progress")}

@@ -58,6 +58,9 @@ class Settings(Configurable):
     temperature = Float(0.0, help="Sampling temperature (0 = greedy, reproducible)"
                         ).tag(config=True)
     stats = Bool(True, help="Show the cache figures under each reply").tag(config=True)
+    replay = Bool(True, help="A %%chat cell run again with the same prompt and deterministic "
+                             "settings gets the reply the cache holds, with nothing decoded "
+                             "(%%chat --fresh decodes anyway)").tag(config=True)
     refresh = Float(0.1, help="Seconds between redraws of a streaming reply").tag(config=True)
     autosave = Bool(False, help="Save the slots and sessions in the background after requests "
                                 "(%kvcache save's default place), never delaying a reply"

@@ -140,7 +140,8 @@ class TurnChange:
 
     session: str
     turn: int  # the turn's number (1-based, in the session's cell order)
-    #: "appended", "replaced" (a live turn's cell ran again) or "refreshed" (a stale one's)
+    #: "appended", "replaced" (a live turn's cell ran again), "repeated" (... and gave the
+    #: same exchange: the later turns stay live) or "refreshed" (a stale turn's cell ran again)
     action: str
     cell: CellRef | None = None
     stale: tuple[int, ...] = ()  # turns that this run made stale
@@ -150,17 +151,22 @@ class TurnChange:
     def describe(self, record: RequestRecord | None = None) -> str:
         """What the run did, in words ("" for a plain append).
 
-        ``re-ran cell [3]: replaced turn 2 of alice · trimmed 88 tokens after turn 1 · turn 3
-        is now stale``.
+        ``re-ran cell [3]: replaced turn 2 of alice · cut 88 tokens from turn 2's question
+        onwards · turn 3 is now stale``.
         """
         if self.action == "appended" and not self.stale:
             return ""
         where = self.cell.label if self.cell else "a turn"
-        parts = [f"re-ran cell {where}: {self.action} turn {self.turn} of {self.session}"
-                 + (" on the new history" if self.action == "refreshed" else "")]
+        if self.action == "repeated":
+            parts = [f"re-ran cell {where}: turn {self.turn} of {self.session} is the same as "
+                     "before, so the turns after it stay"]
+        else:
+            parts = [f"re-ran cell {where}: {self.action} turn {self.turn} of {self.session}"
+                     + (" on the new history" if self.action == "refreshed" else "")]
         if record is not None and record.trimmed_tokens:
-            spot = cut_place(record, self.layout)
-            parts.append(f"trimmed {record.trimmed_tokens} tokens" + (f" {spot}" if spot else ""))
+            spot = cut_from(record, self.layout)
+            parts.append(f"cut {record.trimmed_tokens} tokens"
+                         + (f" from {spot} onwards" if spot else ""))
         if self.stale:
             parts.append(f"{span_text(self.stale)} now stale")
         return " · ".join(parts)
@@ -176,26 +182,23 @@ def span_text(numbers: Sequence[int]) -> str:
     return "turns " + ", ".join(map(str, n)) + " are"
 
 
-def cut_place(record: RequestRecord, layout: Sequence[int]) -> str:
-    """Where a request's kept KV ended, in turns: ``after turn 1``, ``in turn 2's question``.
+def cut_from(record: RequestRecord, layout: Sequence[int]) -> str:
+    """Where a request's cut began, in turns: ``turn 2's question``, ``turn 1's reply``.
 
     Read from the record's KV map (the first position not reused, and its message);
-    ``layout`` gives the turn of each message of the request (0: the system prompt).
+    ``layout`` gives the turn of each message of the request (0: the system prompt). What
+    was cut runs from there to the end of what the slot held: that turn's rest and every
+    later turn.
     """
     segs = sorted((s for s in record.segments if s.state != "reused"), key=lambda s: s.start)
     if not segs or not layout:
         return ""
     first, k = segs[0], segs[0].message
-    if k >= len(layout):
-        return f"after turn {layout[-1]}'s question"
+    if k >= len(layout):  # the generation prompt: where the turn's reply began
+        return f"turn {layout[-1]}'s reply"
     if layout[k] == 0:
-        return "in the system prompt"
-    starts = min(s.start for s in record.segments if s.message == k)
-    if first.start == starts and first.role == "user":
-        if k == 0:
-            return "from the start"
-        return "after the system prompt" if layout[k - 1] == 0 else f"after turn {layout[k - 1]}"
-    return f"in turn {layout[k]}'s " + ("question" if first.role == "user" else "reply")
+        return "the system prompt"
+    return f"turn {layout[k]}'s " + ("question" if first.role == "user" else "reply")
 
 
 class MessageList(list):

@@ -47,6 +47,7 @@ from nbkv.core.errors import NbkvError, RestoreError, SaveError, UntrustedSaveEr
 from nbkv.core.events import SlotsChanged
 from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.core.protocol import Exportable
+from nbkv.kv.replies import ReplyMemo
 from nbkv.kv.slot_kv import KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.kv.spc import SavedPrompt
@@ -312,6 +313,9 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
                                "dtype": "float32"})
             emb_json.append({"image": h, "arrays": arrays})
     sess_json = [_jsonable(s.state_dict(), blobs, f"session {s.name}") for s in store]
+    # the replies the saved KV holds: a cell run again after a restore is replayed
+    replies = engine.export_replies([s.kv.tokens for s in cap.slots]
+                                    + [p.tokens for p in engine.parked()])
     created = time.time()
     body = {
         "format": FORMAT, "version": VERSION, "created": created,
@@ -319,7 +323,7 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
         "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
         "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
         "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
-        "parked": parked_json,
+        "parked": parked_json, "replies": replies,
         "blobs": blobs.table(),
     }
     total = sum(len(mv) for mv in blobs.data.values())
@@ -394,6 +398,7 @@ class _Plan:
     embeddings: list[tuple[str, list[np.ndarray]]] = field(default_factory=list)
     sessions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # state_dict()s
     parked: list[ParkedEntry] = field(default_factory=list)  # for the engine's parking lot
+    replies: list[ReplyMemo] = field(default_factory=list)  # replies the saved KV holds
     nbytes: int = 0
 
 
@@ -465,6 +470,7 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
                 arr.setflags(write=False)
                 arrays.append(arr)
             plan.embeddings.append((str(e["image"]), arrays))
+        plan.replies = [ReplyMemo.from_json(m, n_vocab) for m in body.get("replies", [])]
         for s in body.get("sessions", []):
             session_state: dict[str, Any] = _unjson(s, read)
             # checked on a scratch session: the store changes only once all is read
@@ -518,6 +524,7 @@ def restore(engine: Persistable, path: str | os.PathLike | None = None,
     where = _placement(plan.slots, engine.n_slots)
     recomputed = engine.import_state(list(zip(where, plan.slots)), plan.spc,
                                      recompute=why is not None)
+    engine.import_replies(plan.replies)
     if engine.parking is not None:
         engine.parking.import_(sorted(plan.parked, key=lambda e: e.last_used))
     placed = sorted((SlotSave(i, st.session, len(st.kv.tokens), st.kv.nbytes)
@@ -545,7 +552,9 @@ def _distrust(plan: _Plan) -> tuple[str, ...]:
     """Leave out of ``plan`` the KV of an untrusted save that cannot be recomputed here.
 
     Slots with images (an image is encoded by a request), system-prompt states, parked
-    conversations and image embeddings: each is rebuilt when next used. Returns what went.
+    conversations and image embeddings: each is rebuilt when next used. Its replies are
+    not replayed either (a recomputed slot proves its KV, not that the model wrote the
+    reply): a cell run again decodes its reply. Returns what went.
     """
     out = []
     keep = []
@@ -561,7 +570,9 @@ def _distrust(plan: _Plan) -> tuple[str, ...]:
         out.append(f"{len(plan.spc)} system prompt state(s)")
     if plan.embeddings:
         out.append(f"{len(plan.embeddings)} image embedding(s)")
-    plan.parked, plan.spc, plan.embeddings = [], [], []
+    if plan.replies:
+        out.append(f"{len(plan.replies)} repla{'y' if len(plan.replies) == 1 else 'ies'}")
+    plan.parked, plan.spc, plan.embeddings, plan.replies = [], [], [], []
     return tuple(out)
 
 

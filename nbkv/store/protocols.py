@@ -46,6 +46,12 @@ class Persistable(Protocol):
         any request can use it (an untrusted save); one report per slot is returned.
         """
 
+    def export_replies(self, holders: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+        """The replies whose tokens ``holders`` (saved slots, parked entries) hold, as JSON."""
+
+    def import_replies(self, memos: Sequence[Any]) -> None:
+        """Remember the replies a save kept (a cell run again after a restore replays)."""
+
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback`` on each event; returns the unsubscribe function."""
 

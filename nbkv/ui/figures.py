@@ -103,6 +103,10 @@ def actions(r: RequestRecord) -> list[tuple[str, str]]:
     out.append((f"first token {r.ttft_s * 1000:.0f} ms", ttft_text(r)))
     if r.generated_tokens > 1:
         out.append((f"{r.decode_tps:.0f} tok/s", "reply tokens per second"))
+    if r.replayed_tokens:
+        out.append((f"{r.replayed_tokens} tokens from the cache",
+                    "the reply's tokens, given again as the cache held them: nothing was "
+                    "decoded"))
     if r.draft_tokens:
         out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
                     "speculative guesses of the next token that proved right"))

@@ -17,6 +17,8 @@ MEDIA_COLOR = "#e377c2"
 #: the slot cards' shelf, and a request served by restoring one (its own kind of bar)
 PARKED_COLOR = "#8c7a5b"
 RESTORED_COLOR = "#c9a227"
+#: a reply given again from the cache (a re-run cell with the same prompt and settings)
+REPLAYED_COLOR = "#4a9fb5"
 #: who wrote a message
 ROLE_COLORS = {"system": "#5b6770", "user": "#3b7dd8", "assistant": "#17a2b8",
                "tool": "#a0522d", "other": "#999999"}

@@ -22,6 +22,7 @@ from nbkv.ui.palette import (
     MEDIA_COLOR,
     NEUTRAL,
     PARKED_COLOR,
+    REPLAYED_COLOR,
     RESTORED_COLOR,
     ROLE_COLORS,
     TODO_COLOR,
@@ -94,6 +95,11 @@ EVENTS = _table(
          ("cache off", "system prompt restored")),
     Term("server", "server's cache",
          "the server chose what to reuse (its own prefix cache)", _BAR, "."),
+    # its own kind of bar: nothing read, nothing decoded
+    Term("replayed", "replayed",
+         "same prompt and settings, so the same reply: a cell run again with deterministic "
+         "sampling got the reply the cache still held, streamed at once with nothing "
+         "decoded, and the later turns' KV was kept", REPLAYED_COLOR, ""),
     # its own kind of bar: served from the parking lot, not from a slot
     Term("restored", "restored",
          "the conversation had been parked (kept in RAM or on disk when another request "
@@ -112,6 +118,8 @@ STATES = _table(
     Term("generated", "generated", "the reply's tokens", COLORS["generated"], "/"),
     Term("trimmed", "trimmed", "cut from the slot: the positions after the part kept",
          COLORS["trimmed"], "x"),
+    Term("kept", "kept", "later turns the slot still holds: the request (a replay) left them "
+                         "as they were", NEUTRAL),
 )
 
 #: who wrote a message (the message rows, the slot strips)

@@ -1,4 +1,4 @@
-"""Live views of an engine's KV cache (ipywidgets 8 and plotly), fed by its events.
+"""Live views of an engine's KV cache (ipywidgets 8, inline SVG), fed by its events.
 
 ``CacheDashboard(engine)`` shows everything; the pieces work alone too: ``SlotCards``,
 ``KVMap``, ``Timeline`` and ``Conversations`` each take an engine (and optionally a shared
@@ -12,7 +12,8 @@ from nbkv.ui.widgets.dashboard import CacheDashboard
 from nbkv.ui.widgets.feed import Feed, LiveState
 from nbkv.ui.widgets.kvmap import KVMap
 from nbkv.ui.widgets.slots import SlotCards
+from nbkv.ui.widgets.snapshot import refresh_all
 from nbkv.ui.widgets.timeline import Timeline
 
 __all__ = ["CacheDashboard", "Conversations", "Feed", "KVMap", "LiveState", "SlotCards",
-           "Timeline"]
+           "Timeline", "refresh_all"]

@@ -10,6 +10,7 @@ from traitlets import Int
 from nbkv.store.protocols import default_sessions
 from nbkv.ui.conversation_view import conversation_html
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
+from nbkv.ui.widgets.snapshot import register
 
 
 def _nothing() -> None:
@@ -23,6 +24,7 @@ class Conversations(FeedView, W.VBox):
     which of their turns are now stale, and where the conversations branch.
     """
 
+    label = "conversations"
     turns = Int(0, help="Turns over all sessions at the last redraw")
     stale = Int(0, help="Stale turns over all sessions at the last redraw")
 
@@ -35,7 +37,8 @@ class Conversations(FeedView, W.VBox):
         self.view = W.HTML()
         self.view.add_class("nbkv-conversations-view")
         self.note = W.HTML()
-        super().__init__([self.view, self.note], **kw)
+        self.hider = W.HTML()
+        super().__init__([self.hider, self.view, self.note], **kw)
         self.add_class("nbkv-conversation-view")
         self._own_feed = feed is None
         self.feed = feed or Feed(engine)
@@ -43,6 +46,7 @@ class Conversations(FeedView, W.VBox):
         follow = getattr(self.sessions, "subscribe", None)
         self._unsubscribe = follow(self.feed.push) if follow is not None else _nothing
         self.feed.attach(self)
+        register(self)
 
     def static_html(self) -> str:
         """The conversations as static HTML, as they are now (the saved notebook's view)."""
@@ -66,4 +70,5 @@ class Conversations(FeedView, W.VBox):
     def close(self) -> None:
         """Stop following the sessions, then close."""
         self._unsubscribe()
+        self.view.close()
         super().close()

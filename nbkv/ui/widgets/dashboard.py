@@ -15,12 +15,18 @@ from nbkv.ui.widgets.conversations import Conversations
 from nbkv.ui.widgets.feed import Feed, LiveState, with_static
 from nbkv.ui.widgets.kvmap import KVMap
 from nbkv.ui.widgets.slots import SlotCards
+from nbkv.ui.widgets.snapshot import Displayed, register
 from nbkv.ui.widgets.timeline import Timeline
 
 
-class CacheDashboard(W.VBox):
-    """Everything about an engine's KV cache, updated live from its events."""
+class CacheDashboard(Displayed, W.VBox):
+    """Everything about an engine's KV cache, updated live from its events.
 
+    Displayed, it is the live view plus a static snapshot beside it that follows the cache
+    (what a saved notebook shows: :mod:`nbkv.ui.widgets.snapshot`).
+    """
+
+    label = "dashboard"
     interval = Float(0.25, help="Seconds between redraws (at most ~4/s by default)")
 
     def __init__(self, engine: Any, interval: float = 0.25, live: bool = True,
@@ -35,13 +41,15 @@ class CacheDashboard(W.VBox):
         self.timeline = Timeline(engine, self.feed)
         self.conversations = Conversations(engine, self.feed, sessions)  # default: the kernel's
         self.legend = W.HTML(legend_html())
-        parts = [self.header, self.legend, self.slots, self.kvmap, self.timeline,
+        self.hider = W.HTML()
+        parts = [self.hider, self.header, self.legend, self.slots, self.kvmap, self.timeline,
                  self.conversations]
         if not engine.n_slots:  # a server that manages its own slots: no KV map to draw
             parts.remove(self.kvmap)
         super().__init__(parts, **kw)
         self.interval = interval
         self.add_class("nbkv-dashboard")
+        register(self)
 
     @validate("interval")
     def _sane_interval(self, proposal: Any) -> float:
@@ -74,6 +82,6 @@ class CacheDashboard(W.VBox):
         """Stop the updates and close every piece."""
         self.feed.close()
         for w in (self.slots, self.kvmap, self.timeline, self.conversations, self.header,
-                  self.legend):
+                  self.legend, self.hider):
             w.close()
         super().close()

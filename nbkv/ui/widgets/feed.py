@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from nbkv.core.events import Progress, RequestFinished, RequestRecord, RequestStarted, SlotsChanged
 from nbkv.ui.palette import ERROR
+from nbkv.ui.widgets.snapshot import INTERVAL, Displayed
 
 log = logging.getLogger("nbkv.ui.widgets")
 
@@ -112,6 +113,13 @@ class Feed:
         self.interval = interval
         self.hold = hold
         self.quiet = quiet
+        self.live = live
+        #: the displayed views' static snapshots (nbkv.ui.widgets.snapshot), refreshed at
+        #: most every ``snapshot_interval`` s, once no request has run for ``snapshot_quiet``
+        self.snapshots: list[Any] = []
+        self.snapshot_interval = INTERVAL
+        self.snapshot_quiet = 1.0
+        self._due = False  # something happened since the snapshots were refreshed
         self.state = LiveState()
         self.renders = 0
         self.render_cpu_s = 0.0  # CPU time the redraws took (this feed's thread)
@@ -150,7 +158,10 @@ class Feed:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait()
+            if not self._wake.wait(self._snapshot_in()):  # no event: the snapshots' turn
+                if not self._stop.is_set():
+                    self.refresh_snapshots()
+                continue
             delay = self._last + self.interval - time.monotonic()
             if delay > 0 and self._stop.wait(delay):
                 break
@@ -178,6 +189,31 @@ class Feed:
         with self._render_lock:
             for at, ev in events:
                 self.state.apply(ev, at)
+            if events and not self.state.closed:
+                self._due = True
+
+    def _snapshot_in(self) -> float | None:
+        """Seconds until the snapshots may be refreshed (None: nothing to refresh)."""
+        if not (self._due and self.snapshots) or self._stop.is_set():
+            return None
+        self._apply()
+        if self.state.running or self.state.closed:
+            return None  # after the request: its end is an event, which wakes the thread
+        last = max((s.last for s in self.snapshots), default=0.0)
+        return max(self.state.finished_at + self.snapshot_quiet - time.monotonic(),
+                   last + self.snapshot_interval - time.monotonic(), 0.0)
+
+    def refresh_snapshots(self) -> int:
+        """Show the cache as it is now in the displayed views' snapshots; how many changed.
+
+        The feed does it on its own (throttled, never while a request runs); call it to have
+        a notebook's snapshots final now (``make notebooks`` does, before it saves).
+        """
+        self._apply()
+        if self.state.closed:  # a closed engine: the snapshots keep its last requests
+            return 0
+        self._due = False
+        return sum(1 for snap in list(self.snapshots) if snap.refresh())
 
     def _held(self) -> float:
         """Seconds the next redraw should wait, so as not to compete with a prefill (0: none).
@@ -243,17 +279,16 @@ def with_static(bundle: dict[str, Any], static_html: Any) -> dict[str, Any]:
     return bundle
 
 
-class FeedView:
-    """Mixin of the dashboard pieces: an error note, a static fallback, closing what they own."""
+class FeedView(Displayed):
+    """Mixin of the dashboard pieces: an error note, a static snapshot, closing what they own.
+
+    ``hider`` (an empty ``ipywidgets.HTML`` first among the piece's children) carries the
+    style rule with which the live view hides its snapshot (:mod:`nbkv.ui.widgets.snapshot`).
+    """
 
     note: Any  # an ipywidgets.HTML under the piece
     feed: Feed
     _own_feed: bool
-    figure: Any = None  # a plotly FigureWidget, for the pieces that draw one
-
-    def static_html(self) -> str:
-        """The piece as static HTML, as it is now."""
-        raise NotImplementedError
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         return with_static(super()._repr_mimebundle_(**kwargs),  # type: ignore[misc]
@@ -267,6 +302,6 @@ class FeedView:
         """Close the piece (and its feed, if it owns it)."""
         if self._own_feed:
             self.feed.close()
-        if self.figure is not None:
-            self.figure.close()
+        for w in (self.note, self.hider):
+            w.close()
         super().close()  # type: ignore[misc]

@@ -3,165 +3,70 @@
 Per slot, two rows over positions ``0..capacity``: the messages (coloured by role,
 alternating shade per message, image spans marked) and the slot's latest request (reused,
 read new, generated, with the trimmed span as a thin red band); checkpoints (hybrid and
-recurrent models) are ticks on the messages row. Hover shows the message index, role, token
-range and a preview. A request in flight is drawn as it progresses. Trace names are the
-words of :mod:`nbkv.ui.vocabulary`.
+recurrent models) are ticks on the messages row. Hover a span for its message index, role,
+token range and a preview. A request in flight is drawn as it progresses.
+
+Drawn as inline SVG (:mod:`nbkv.ui.charts`, the same drawing as the static pages): the
+browser gets a few kilobytes per redraw and no plotting library.
 """
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 import ipywidgets as W
-import plotly.graph_objects as go
 from traitlets import Bool, Int
 
-from nbkv.core.events import GENERATED, PREFILLED, REUSED, Segment
-from nbkv.ui import static
-from nbkv.ui import vocabulary as vocab
+from nbkv.ui import charts, static
+from nbkv.ui.charts import BARS, MapModel  # noqa: F401 - the map's bars, for callers
 from nbkv.ui.display import legend_html
-from nbkv.ui.palette import CAPACITY, COLORS, INK, MEDIA_COLOR, PAPER, ROLE_COLORS
+from nbkv.ui.palette import COLORS
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
-
-TODO = static.TODO
-STATE_COLORS = static.STATE_COLORS
-HOVER = ("message %{customdata[0]} · %{customdata[1]}<br>tokens %{customdata[2]}–"
-         "%{customdata[3]}<br>%{customdata[4]}<extra>%{fullData.name}</extra>")
-#: the bar traces: code -> (words shown in the legend and hovers, colour)
-BARS = {**{role: (vocab.ROLES[role].words if role in vocab.ROLES else role, color)
-           for role, color in ROLE_COLORS.items()},
-        "image": (vocab.ROLES["image"].words, MEDIA_COLOR),
-        **{state: (vocab.STATES[state].words, STATE_COLORS[state])
-           for state in (REUSED, PREFILLED, TODO, GENERATED)},
-        "trimmed": (vocab.STATES["trimmed"].words, STATE_COLORS["trimmed"])}
-
-
-def _label(slot: int, row: str) -> str:
-    return f"slot {slot}" if row == "messages" else f"slot {slot} · request"
+from nbkv.ui.widgets.snapshot import register
 
 
 class KVMap(FeedView, W.VBox):
-    """A plotly map of every slot's KV positions, redrawn as events arrive.
+    """A map of every slot's KV positions, redrawn as events arrive.
 
     With ``fit`` (default) the x axis spans the positions in use (at least an eighth of the
-    capacity) rather than the whole capacity, so short conversations stay legible. A redraw
-    sends only the traces that changed.
+    capacity) rather than the whole capacity, so short conversations stay legible.
+    :attr:`model` is what it shows (:class:`nbkv.ui.charts.MapModel`). Alone (its own feed),
+    the map carries the legend; in a dashboard the dashboard does.
     """
 
+    label = "KV map"
     segments = Int(0, help="Bars drawn at the last redraw")
     fit = Bool(True, help="Fit the x axis to the positions in use")
 
     def __init__(self, engine: Any, feed: Feed | None = None, **kw: Any) -> None:
         self.engine = engine
-        n, cap = engine.n_slots, engine.n_ctx
-        self.labels = [_label(i, row) for i in range(n) for row in ("messages", "request")]
-        # the legend sits above the plot, so the x axis's numbers are never under it
-        self.figure = go.FigureWidget(layout=dict(
-            height=120 + 52 * n, margin=dict(l=110, r=10, t=64, b=30), barmode="overlay",
-            title=dict(text="KV positions per slot", font=dict(size=13), y=0.98,
-                       yanchor="top"),
-            xaxis=dict(range=[0, cap], title=None, showgrid=True),
-            yaxis=dict(categoryorder="array", categoryarray=self.labels, autorange="reversed"),
-            legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=11)),
-            plot_bgcolor=PAPER, hoverlabel=dict(align="left"),
-        ))
-        self.figure.add_bar(name="capacity", orientation="h", y=self.labels,
-                            x=[cap] * len(self.labels), base=[0] * len(self.labels),
-                            marker_color=CAPACITY, hoverinfo="skip", showlegend=False)
-        self.traces: dict[str, Any] = {}
-        for code, (words, color) in BARS.items():
-            trimmed = code == "trimmed"
-            self.traces[code] = self.figure.add_bar(
-                name=words, orientation="h", y=[], x=[], base=[], customdata=[],
-                marker=dict(color=color, line=dict(color=PAPER, width=1)),
-                width=0.25 if trimmed else 0.8, offset=0.15 if trimmed else None,
-                hovertemplate=HOVER, showlegend=code != "other").data[-1]
-        # hybrid and recurrent models: where a slot can go back to (nbkv.kv.slot_kv)
-        self.traces["checkpoint"] = self.figure.add_scatter(
-            name=vocab.MARKS["checkpoint-mark"].words, mode="markers", x=[], y=[],
-            marker=dict(symbol="line-ns-open", size=16, color=INK, line=dict(width=2, color=INK)),
-            hovertemplate="checkpoint at position %{x}<extra></extra>").data[-1]
-        # where the latest request's prompt left the cached conversation (nbkv.kv.reasons)
-        self.traces["divergence"] = self.figure.add_scatter(
-            name=vocab.MARKS["divergence"].words, mode="markers", x=[], y=[], customdata=[],
-            marker=dict(symbol="triangle-down", size=11, color=INK),
-            hovertemplate="%{customdata}<extra></extra>").data[-1]
-        # remote engines: a slot whose server content differs from nbkv's table
-        self.traces["not verified"] = self.figure.add_scatter(
-            name="not verified", mode="markers", x=[], y=[], customdata=[],
-            marker=dict(symbol="x", size=12, color=COLORS["trimmed"]),
-            hovertemplate="%{customdata}<extra>not verified</extra>").data[-1]
-        self._sent: dict[tuple[str, str], Any] = {}  # what each trace shows now
+        self.model = MapModel([], engine.n_ctx, engine.n_ctx)
+        self.hider = W.HTML()
+        self.view = W.HTML()
+        self.view.add_class("nbkv-kvmap-view")
         self.note = W.HTML()
-        super().__init__([self.figure, self.note], **kw)
-        self.add_class("nbkv-kvmap")
         self._own_feed = feed is None
+        parts = [self.hider, *([W.HTML(legend_html())] if self._own_feed else []), self.view,
+                 self.note]
+        super().__init__(parts, **kw)
+        self.add_class("nbkv-kvmap")
         self.feed = feed or Feed(engine)
         self.feed.attach(self)
+        register(self)
 
     def render(self, state: LiveState) -> None:
-        """Redraw from the slot snapshots and the requests in flight (changed traces only)."""
-        bars: dict[str, list[tuple[str, int, int, list[Any], float]]] = {k: [] for k in BARS}
-        diverged: list[tuple[int, str, str]] = []
-        marks: list[tuple[int, str]] = []
-        unverified: list[tuple[str, str]] = []
-        for s in self.engine.slots():
-            if not s.verified:
-                unverified.append((_label(s.index, "messages"), html.escape(s.note)))
-            marks.extend((pos, _label(s.index, "messages")) for pos in s.checkpoints)
-            run = state.running_on(s.index)
-            segs = run.record.segments if run is not None else s.segments
-            top, bottom = _label(s.index, "messages"), _label(s.index, "request")
-            for seg in static.messages(segs):
-                shade = 1.0 if seg.message % 2 == 0 else 0.7
-                bars[static.role_key(seg)].append((top, seg.start, seg.end, _hover(seg), shade))
-            rec = static.latest(s, run, state.last_by_slot.get(s.index))
-            for state_name, seg in static.states(segs, run):
-                bars[state_name].append((bottom, seg.start, seg.end, _hover(seg), 1.0))
-            if rec is not None and rec.divergence is not None:
-                d = rec.divergence
-                diverged.append((d.position, bottom, html.escape(
-                    f"request {rec.id}: {vocab.reason_line(rec)}")))
-            if rec is not None and rec.trimmed_tokens:
-                a, b = rec.reused_tokens, rec.reused_tokens + rec.trimmed_tokens
-                bars["trimmed"].append((bottom, a, b, ["-", vocab.STATES["trimmed"].words, a, b,
-                                                       html.escape(static.trimmed_text(rec))],
-                                        1.0))
-        cap = self.engine.n_ctx
-        used = max((r[2] for rows in bars.values() for r in rows), default=0)
-        right = min(cap, max(int(used * 1.15) + 1, cap // 8)) if self.fit else cap
-        layout = self.figure.layout
-        updates: list[tuple[str, Any, str, Any]] = [
-            ("xaxis", layout.xaxis, "range", [0, right]),
-            ("title", layout.title, "text", f"KV positions per slot (capacity {cap}"
-             + (f", showing 0–{right})" if right < cap else ")"))]
-        for name, rows in bars.items():
-            t = self.traces[name]
-            updates += [(name, t, "y", [r[0] for r in rows]),
-                        (name, t, "base", [r[1] for r in rows]),
-                        (name, t, "x", [r[2] - r[1] for r in rows]),
-                        (name, t, "customdata", [r[3] for r in rows]),
-                        (name, t.marker, "opacity", [r[4] for r in rows] if rows else None)]
-        for name, points in (("checkpoint", [(x, y, None) for x, y in marks]),
-                             ("divergence", diverged),
-                             ("not verified", [(0, y, note) for y, note in unverified])):
-            t = self.traces[name]
-            updates += [(name, t, "x", [p[0] for p in points]),
-                        (name, t, "y", [p[1] for p in points])]
-            if name != "checkpoint":
-                updates.append((name, t, "customdata", [p[2] for p in points]))
-        # only what changed goes to the front end (a redraw there costs the shared cores)
-        changed = [u for u in updates if self._sent.get((u[0], u[2])) != u[3]]
-        if changed:
-            with self.figure.batch_update():
-                for key, obj, prop, value in changed:
-                    setattr(obj, prop, value)
-                    self._sent[(key, prop)] = value
-        self.segments = sum(len(rows) for rows in bars.values())
-        self.note.value = "engine closed" if state.closed else "".join(
-            f'<div class="nbkv-unverified" style="color:{COLORS["trimmed"]};font-size:12px">'
-            f"✗ {label}: not verified: {note}</div>" for label, note in unverified)
+        """Redraw from the slot snapshots and the requests in flight (sent if it changed)."""
+        running = {run.record.slot: run for run in state.running.values()}
+        m = charts.kvmap_model(self.engine.slots(), self.engine.n_ctx, state.last_by_slot,
+                               running, self.fit)
+        self.model = m
+        with self.hold_sync():
+            self.view.value = charts.draw_kvmap(m)  # an unchanged value sends nothing
+            self.segments = m.segments
+            self.note.value = "engine closed" if state.closed else "".join(
+                f'<div class="nbkv-unverified" style="color:{COLORS["trimmed"]};'
+                f'font-size:12px">✗ {static.esc(row)}: not verified: {static.esc(note)}</div>'
+                for row, note in m.unverified)
 
     def static_html(self) -> str:
         """The map as inline SVG, with its legend (the saved notebook's fallback)."""
@@ -173,6 +78,9 @@ class KVMap(FeedView, W.VBox):
             self.engine.slots(), self.engine.n_ctx, state.last_by_slot, running, self.fit),
             "nbkv-kvmap-static")
 
-
-def _hover(seg: Segment) -> list[Any]:
-    return [seg.message, seg.role, seg.start, seg.end, html.escape(static.segment_text(seg))]
+    def close(self) -> None:
+        """Close the map and its parts."""
+        for w in self.children:
+            if w not in (self.note, self.hider):
+                w.close()
+        super().close()

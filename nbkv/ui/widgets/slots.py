@@ -9,6 +9,7 @@ from traitlets import Int
 
 from nbkv.ui import static
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
+from nbkv.ui.widgets.snapshot import register
 
 
 class SlotCards(FeedView, W.VBox):
@@ -18,6 +19,7 @@ class SlotCards(FeedView, W.VBox):
     :mod:`nbkv.ui.vocabulary`; its memory class and LRU rank explain themselves in tooltips.
     """
 
+    label = "slot cards"
     busy = Int(0, help="Slots serving a request at the last redraw")
     used = Int(0, help="KV positions in use over all slots at the last redraw")
     parked = Int(0, help="Conversations parked (RAM and disk) at the last redraw")
@@ -29,13 +31,15 @@ class SlotCards(FeedView, W.VBox):
         for c in self.cards:
             c.add_class("nbkv-slot-card")
         self.note = W.HTML()
+        self.hider = W.HTML()
         self.shelf = W.HTML()  # conversations parked in RAM or on disk
-        super().__init__([W.Box(self.cards, layout=W.Layout(flex_flow="row wrap")), self.shelf,
-                          self.note], **kw)
+        self.row = W.Box(self.cards, layout=W.Layout(flex_flow="row wrap"))
+        super().__init__([self.hider, self.row, self.shelf, self.note], **kw)
         self.add_class("nbkv-slot-cards")
         self._own_feed = feed is None
         self.feed = feed or Feed(engine)
         self.feed.attach(self)
+        register(self)
 
     def render(self, state: LiveState) -> None:
         """Redraw every card (a card whose HTML did not change sends nothing)."""
@@ -64,3 +68,9 @@ class SlotCards(FeedView, W.VBox):
                                               static.parked_of(self.engine)),
                             "nbkv-slot-cards-static")
 
+
+    def close(self) -> None:
+        """Close the cards and their parts."""
+        for w in (*self.cards, self.row, self.shelf):
+            w.close()
+        super().close()

@@ -1,0 +1,134 @@
+"""What a saved notebook shows of a live view: a static snapshot that follows the cache.
+
+A displayed nbkv widget makes two outputs: the live view (the widget), and beside it a
+snapshot (:class:`Snapshot`: inline SVG and HTML, no script) that its feed refreshes, at most
+every few seconds and only while no request runs, whenever a request has ended since. So
+GitHub, nbviewer, an nbconvert export and a notebook reopened without its kernel show the
+cache after the last request, not as it was when the widget was made. In a running
+notebook the live view hides its snapshot (a style rule only the live view carries).
+
+Why a separate output: updating the widget's own output (``update_display_data`` with the
+widget's view and new HTML) makes JupyterLab render the widget again, and the old view is
+never disposed: it keeps following the model, one more each update.
+
+The kernel's nbkv widgets are also listed here (:func:`created`, :func:`made_since`), so that
+a notebook cell run again can close the views its previous run made (nothing shows them
+any more; open, they would go on following the engine and be sent again on a page reload).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+log = logging.getLogger("nbkv.ui.widgets")
+
+#: seconds between two refreshes of a view's snapshot, at least
+INTERVAL = 3.0
+_count = itertools.count(1)
+_made: list[tuple[int, weakref.ref[Any]]] = []
+_lock = threading.Lock()
+
+
+def register(view: Any) -> None:
+    """Note a new nbkv view (see :func:`made_since`)."""
+    with _lock:
+        _made.append((next(_count), weakref.ref(view)))
+        _made[:] = [(n, r) for n, r in _made if r() is not None]
+
+
+def created() -> int:
+    """How many nbkv views were made so far (a mark for :func:`made_since`)."""
+    with _lock:
+        return _made[-1][0] if _made else 0
+
+
+def made_since(mark: int) -> list[Any]:
+    """The nbkv views made after :func:`created` returned ``mark``, still alive."""
+    with _lock:
+        return [v for n, r in _made if n > mark and (v := r()) is not None]
+
+
+def hide_rule(uid: str) -> str:
+    """The style rule with which a live view hides its snapshot (a running notebook)."""
+    sel = f'[data-nbkv-snapshot="{uid}"]'
+    return (f"<style>{sel}{{display:none!important}}"
+            f".jp-OutputArea-child:has({sel}){{display:none!important}}</style>")
+
+
+class Snapshot:
+    """A displayed view's static output, refreshed in place (``display_id``)."""
+
+    def __init__(self, view: Any) -> None:
+        from IPython.display import display
+
+        self.view = view
+        self.refreshes = 0
+        self.last = 0.0
+        self._shown = ""
+        self.handle = display(self.bundle(), raw=True, display_id=True)
+
+    def bundle(self) -> dict[str, str]:
+        """The snapshot's display data: the view's static HTML, marked to be hidden live."""
+        body = self.view.static_html()
+        self._shown = body
+        return {"text/html": f'<div data-nbkv-snapshot="{self.view.model_id}">{body}</div>',
+                "text/plain": f"nbkv {self.view.label}: the cache as last shown"}
+
+    def refresh(self) -> bool:
+        """Show the cache as it is now; False when nothing changed (nothing sent)."""
+        self.last = time.monotonic()
+        try:
+            if self.view.static_html() == self._shown:
+                return False
+            self.handle.update(self.bundle(), raw=True)
+        except Exception:  # noqa: BLE001 - a snapshot must never break the feed
+            log.exception("nbkv: the snapshot could not be refreshed")
+            return False
+        self.refreshes += 1
+        return True
+
+
+class Displayed:
+    """Mixin of the views a notebook shows: the live view, then a :class:`Snapshot` beside it.
+
+    ``label`` names the view in the snapshot's plain text; ``hider`` is the widget (an
+    ``ipywidgets.HTML``) that carries :func:`hide_rule` in the live view. The snapshot of a
+    view whose feed is not live (a picture of one moment) is never refreshed.
+    """
+
+    label = "view"
+    hider: Any
+    feed: Any
+
+    def static_html(self) -> str:
+        """The view as static HTML, as it is now."""
+        raise NotImplementedError
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        bundle = super()._repr_mimebundle_()  # type: ignore[misc]  # the widget's view
+        bundle["text/plain"] = (f"nbkv {self.label}: the live view (the snapshot beside it "
+                                "shows the cache without a kernel)")
+        display(bundle, raw=True)
+        self.hider.value = hide_rule(self.model_id)  # type: ignore[attr-defined]
+        snap = Snapshot(self)
+        if self.feed.live:
+            self.feed.snapshots.append(snap)
+
+
+def refresh_all() -> int:
+    """Refresh now the snapshots of every nbkv view of this kernel; how many changed.
+
+    The feeds do it on their own after requests (throttled); ``make notebooks`` calls this
+    before it saves a notebook, so that every snapshot shows the cache after its last request.
+    """
+    with _lock:
+        views = [v for _, r in _made if (v := r()) is not None]
+    feeds = {id(v.feed): v.feed for v in views if getattr(v, "feed", None) is not None}
+    return sum(feed.refresh_snapshots() for feed in feeds.values())
