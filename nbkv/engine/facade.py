@@ -28,6 +28,7 @@ from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit
 from nbkv.engine.rewrite import settle_all
 from nbkv.engine.scheduler import EngineSlot, Scheduler, ServeSettings
+from nbkv.engine.shadow import REWRITE_MODES, Shadow
 from nbkv.engine.slot_parking import park_sessions, unpark_sessions
 from nbkv.kv import reasons
 from nbkv.kv.oracle import Verification
@@ -89,6 +90,13 @@ class Engine(TemplatedAPI, ChatAPI):
             rewritten as a batch in the scheduler's idle time (or by the next request that
             reuses it). ``False`` keeps the token-by-token KV: no rewrite, and a cached reply
             may then differ from a from-scratch one at near-ties.
+        rewrite: when the reply's KV is rewritten as a batch (exact mode, IMC). ``"auto"``
+            (default): in idle time, and, when requests come back to back (the last reply
+            had no idle time for it), while the reply is generated, in a shadow sequence
+            (:mod:`nbkv.engine.shadow`; it takes one slot's KV memory more, and the reply
+            then decodes slower by what its rows cost); ``"mixed"``: always while the reply
+            is generated; ``"idle"``: only in idle time (or by the next request), with no
+            shadow sequence.
         speculative: decode a prompt-lookup guess of the next token beside each generated
             one (:mod:`nbkv.engine.drafts`); a right guess yields two tokens from one decode. The
             guess is checked against the token sampled the ordinary way. Off by default: a
@@ -139,6 +147,7 @@ class Engine(TemplatedAPI, ChatAPI):
         on_load_progress: Callable[[float], object] | None = None,
         flash_attn: bool | str = False,
         exact: bool = True,
+        rewrite: str = "auto",
         speculative: bool = False,
         max_checkpoints: int = 8,
         mmproj: str | None = None,
@@ -172,6 +181,10 @@ class Engine(TemplatedAPI, ChatAPI):
         if calibration not in ("cached", "fresh"):
             raise InvalidRequestError(
                 f"calibration must be 'cached' or 'fresh', not {calibration!r}")
+        if rewrite not in REWRITE_MODES:
+            raise InvalidRequestError(
+                f"rewrite must be one of {', '.join(map(repr, REWRITE_MODES))}, "
+                f"not {rewrite!r}")
         # validated now; a size left to the memory plan (None) is filled in after the load
         config = EngineConfig(DEFAULTS.n_slots if n_slots is None else n_slots,
                               DEFAULTS.n_ctx if n_ctx is None else n_ctx, cache,
@@ -196,7 +209,9 @@ class Engine(TemplatedAPI, ChatAPI):
             flash_attn=self.flash_attn, n_batch=n_batch, n_threads=n_threads,
             template=template, check_memory=check_memory, calibration=calibration,
             mmproj=mmproj, embedding_cache=embedding_cache, trust_projector=trust_projector,
-            on_load_progress=on_load_progress)
+            on_load_progress=on_load_progress,
+            shadow=exact and cache == "imc" and rewrite != "idle")
+        self.rewrite = rewrite
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
@@ -232,8 +247,12 @@ class Engine(TemplatedAPI, ChatAPI):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
                                       {**self.identity(), "n_slots": self.n_slots},
                                       self.model.n_vocab)
+        shadow = None
+        if self.res.shadow_seq is not None:
+            shadow = Shadow(SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints))
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
-            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking)
+            self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
+            cv, self.parking, shadow)
         self.scheduler.start(self)
 
     # ------------------------------------------------------------------ public API
@@ -389,7 +408,11 @@ class Engine(TemplatedAPI, ChatAPI):
         does this on its own when it has nothing else to do; call it to measure, or before
         reading the KV directly.
         """
-        self.scheduler.call(lambda: settle_all(self.scheduler))
+        def settle() -> None:
+            self.scheduler.back_to_back = False  # the caller gives the engine time now
+            settle_all(self.scheduler)
+
+        self.scheduler.call(settle)
 
     def export_state(self, only_if_idle: bool = False) -> engine_state.EngineState:
         """Every idle slot's KV and bookkeeping, and the system prompt cache, as data.

@@ -10,7 +10,12 @@ matters and what the rule means):
    allows, and a shorter prefix extended the way a cached slot is (cut back to a settled
    position, the rest prefilled), must both give the batch's logits;
 4. one-row decodes of several sequences in one batch against each decoded alone: how many
-   generating sequences one decode may hold.
+   generating sequences one decode may hold;
+5. *mixed steps*: a sequence generating one row per step while a shadow copy of it
+   (``seq_cp``, then cut back to its settled prefix) receives the generated rows in
+   canonical chunks between those decodes, as the engine rewrites a reply while it is being
+   generated: the generating rows must equal those decoded alone, and the shadow, finished
+   as the next request would, must hold exactly a from-scratch prefill's KV.
 
 The result is cached by model fingerprint, llama.cpp build, CPU features and context
 settings (``$NBKV_CACHE_DIR``, default ``~/.cache/nbkv``, ``calibration.json``).
@@ -46,8 +51,9 @@ N_ROWS = PREFIX + 2 * 32 + FOLLOW  # thresholds and alignments up to 32
 POWERS = (1, 2, 4, 8, 16, 32)
 GEN_PREFIX = PREFIX  # rows each sequence holds before the generation test
 GEN_MAX = 8  # generation batches of more sequences than this are not measured
+MIX_CHUNK = 8  # rows of a shadow chunk in the mixed-step proof (rounded up to the rule's)
 FILE = "calibration.json"
-VERSION = 1  # of the measurement: a change invalidates cached results
+VERSION = 2  # of the measurement: a change invalidates cached results
 
 
 def cache_dir() -> Path:
@@ -85,10 +91,12 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def measure(ctx: Context, batch: Batch, n_vocab: int, *, n_seq: int = 1,
-            can_trim: bool = True) -> PrefillRule:
+            can_trim: bool = True, shadow: bool = False) -> PrefillRule:
     """Measure this context's batch-invariance rule on its sequences ``0..n_seq-1``.
 
-    Leaves every sequence it used empty. Needs a batch of :data:`N_ROWS` rows or more.
+    ``shadow``: the context has one more sequence, ``n_seq``, used as the engine uses its
+    shadow (mixed steps). Leaves every sequence it used empty. Needs a batch of
+    :data:`N_ROWS` rows or more.
     """
     t0 = time.perf_counter()
     rng = np.random.default_rng(1234)
@@ -99,8 +107,10 @@ def measure(ctx: Context, batch: Batch, n_vocab: int, *, n_seq: int = 1,
         rule = _grouping(probe, can_trim)
         if rule.exact and n_seq > 1:
             rule = _with_gen_rows(rule, ctx, batch, tokens, n_seq)
+        if rule.exact and shadow and can_trim and not rule.single_row:
+            rule = replace(rule, mixed=_mixed_steps(rule, ctx, batch, tokens, 0, n_seq))
     finally:
-        for s in range(max(n_seq, 1)):
+        for s in range(max(n_seq, 1) + shadow):
             ctx.try_seq_rm(s, -1, -1)
     return replace(rule, seconds=round(time.perf_counter() - t0, 3))
 
@@ -220,26 +230,88 @@ def _with_gen_rows(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequen
     return replace(rule, gen_rows=limit)
 
 
+def _mixed_steps(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequence[int],
+                 g: int, s: int) -> bool:
+    """Whether mixed steps are exact: sequence ``g`` generating, shadow ``s`` rewriting.
+
+    ``g`` generates one row per step; between its decodes, its shadow ``s`` (a ``seq_cp``
+    of it, cut back to the prompt's settled end) receives the rows in canonical chunks
+    (:func:`nbkv.kv.invariance.block_chunk`), as the engine's mixed steps do. True if every
+    generated row's logits equal those of ``g`` generating alone, and the shadow, finished
+    as the next request finishes it, holds a from-scratch prefill's KV (the logits of rows
+    that read it).
+    """
+    p = PREFIX  # the prompt: one canonical chunk, settled to its end (a power of 2 >= align)
+    k = max(rule.min_chunk, -(-MIX_CHUNK // rule.align) * rule.align)
+    n = p + min(2 * k + k // 2 + 1, N_ROWS - p - FOLLOW)  # prompt + reply: 2+ chunks, a rest
+    units = list(tokens[:n])
+
+    def rows(seq: int, lo: int, hi: int, logits: bool = False) -> np.ndarray:
+        batch.clear()
+        for q in range(lo, hi):
+            batch.add(tokens[q], q, seq, logits)
+        ctx.decode(batch)
+        return np.stack([np.array(ctx.logits(i)) for i in range(hi - lo)] if logits
+                        else [np.zeros(0)])
+
+    def prompt(seq: int) -> None:
+        ctx.try_seq_rm(seq, -1, -1)
+        rows(seq, 0, p)
+
+    prompt(g)
+    alone = [rows(g, q, q + 1, True) for q in range(p, n)]
+    ctx.try_seq_rm(s, -1, -1)
+    for lo, hi in invariance.chunks(units, 0, n, rule, N_ROWS):
+        rows(s, lo, hi)
+    ref = rows(s, n, n + FOLLOW, True)
+    prompt(g)
+    ctx.try_seq_rm(s, -1, -1)
+    shadow = None  # positions the shadow holds, once it exists
+    for q in range(p, n):
+        if not _equal(rows(g, q, q + 1, True), alone[q - p]):
+            return False
+        held = units[: q + 1]
+        start = p if shadow is None else shadow
+        take = invariance.block_chunk(held, start, rule, k)
+        if take:
+            if shadow is None:  # the copy is queued; it runs at the start of the next decode
+                ctx.seq_cp(g, s)
+                if not ctx.try_seq_rm(s, p, -1):
+                    return False
+            rows(s, start, start + take)
+            shadow = start + take
+    keep = invariance.valid_start(units, shadow or p, rule)
+    if shadow is None:
+        ctx.seq_cp(g, s)
+    if not ctx.try_seq_rm(s, keep, -1):
+        return False
+    for lo, hi in invariance.chunks(units, keep, n, rule, N_ROWS):
+        rows(s, lo, hi)
+    return _equal(rows(s, n, n + FOLLOW, True), ref)
+
+
 def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, Any],
-              cache: bool = True) -> PrefillRule:
+              cache: bool = True, shadow: bool = False) -> PrefillRule:
     """The rule of ``model`` in contexts with these ``settings``, measured or cached.
 
     It is measured in a temporary context with ``settings`` (:class:`~nbkv.llama.backend.Context`
     keywords: threads, KV types, flash attention); ``cache=False`` measures again (and
-    stores the new result).
+    stores the new result). ``shadow``: also prove mixed steps (the engine has a shadow
+    sequence beside its ``n_seq`` slots).
     """
     n_seq = max(1, min(n_seq, GEN_MAX + 1))
     key = cache_key(gguf_fingerprint(model.path),
                     {**settings, "n_seq": n_seq, "can_trim": can_trim, "gpu_layers":
-                     model.params.n_gpu_layers, "version": VERSION})
+                     model.params.n_gpu_layers, "version": VERSION, "shadow": shadow})
     if cache:
         rule = cached(key)
         if rule is not None:
             return rule
-    ctx = Context(model, 256 * n_seq, n_seq, N_ROWS, **settings)
+    ctx = Context(model, 256 * (n_seq + shadow), n_seq + shadow, N_ROWS, **settings)
     batch = Batch(N_ROWS)
     try:
-        rule = measure(ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim)
+        rule = measure(ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim,
+                       shadow=shadow)
     finally:
         batch.close()
         ctx.close()
