@@ -409,7 +409,11 @@ class Engine(TemplatedAPI, ChatAPI):
         reading the KV directly.
         """
         def settle() -> None:
-            self.scheduler.back_to_back = False  # the caller gives the engine time now
+            # the caller gives the engine time now: as a user reading would (rewrite="auto"
+            # then leaves the next replies to idle time)
+            self.scheduler.back_to_back = False
+            for s in self.table:
+                s.reply_rows = 0
             settle_all(self.scheduler)
 
         self.scheduler.call(settle)
