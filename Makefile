@@ -33,6 +33,12 @@ test: $(STAMP) browser llama-server
 	$(PY) -m ruff check nbkv tests
 	NBKV_REQUIRE_SERVER=1 $(PY) -m pytest --nbval-lax --nbval-current-env tests notebooks
 
+# the house's rules: style (ruff), layers (import-linter's contracts in pyproject.toml), types (mypy)
+lint: $(STAMP)
+	$(PY) -m ruff check nbkv tests
+	$(VENV)/bin/lint-imports
+	$(PY) -m mypy nbkv
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 

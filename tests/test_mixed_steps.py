@@ -22,6 +22,7 @@ from nbkv.engine.shadow import SHADOW_CHUNK
 from nbkv.kv import calibrate, invariance
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import Batch, Context, Model
+from nbkv.ui import figures
 
 REPLY = 24  # tokens: a few shadow chunks
 
@@ -100,7 +101,7 @@ def test_back_to_back_turns_reuse_replies_rewritten_while_generated(mixed, model
         assert res.text == scratch_reply(model_path, msgs, max_tokens=REPLY), k
         if rec.generated_tokens >= 2 * SHADOW_CHUNK:
             assert rec.rewrite_mixed >= SHADOW_CHUNK, k
-            assert "while replying" in rec.summary()
+            assert "while replying" in figures.summary(rec)
         if k:  # re-reads at most what the shadow's last chunk had not reached
             prev = turns[k - 1][1].record
             assert rec.rewrite_absorbed < SHADOW_CHUNK + mixed.prefill_rule.threshold

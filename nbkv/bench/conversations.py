@@ -45,7 +45,8 @@ def system_prompt(name: str, sentences: int) -> str:
 
 
 def run_conversations(
-    runner: Any, convs: dict[str, list[dict]], turns: list[tuple[str, str]], replies: dict | None
+    runner: Any, convs: dict[str, list[dict]], turns: list[tuple[str, str]],
+    replies: list[str] | None,
 ) -> list[dict[str, Any]]:
     """Play ``turns`` (session, user text) against ``runner``; replies come from ``replies``
     when given (so every variant sees the same conversation), else from the runner itself."""

@@ -61,9 +61,15 @@ def scenario_dashboard(path: str, quick: bool) -> dict[str, Any]:
 
     def block(variant: str) -> None:
         acc = out[variant]
-        dash, comms, original = None, [], comm.create_comm
+        dash, original = None, comm.create_comm
+        comms: list[HeadlessComm] = []
+
+        def headless(*args: Any, **kw: Any) -> Any:
+            comms.append(HeadlessComm(*args, **kw))
+            return comms[-1]
+
         if variant == "dashboard":
-            comm.create_comm = lambda **kw: comms.append(HeadlessComm(**kw)) or comms[-1]
+            comm.create_comm = headless
             dash = CacheDashboard(engine, interval=0.25)
         t0 = time.perf_counter()
         try:

@@ -35,7 +35,8 @@ def scenario_speculative(path: str, quick: bool) -> dict[str, Any]:
     convs = {n: [{"role": "system", "content": system_prompt(n, 8)}] for n in names}
     styles = {"questions": lambda n, t: QUESTIONS[(t + 3 * len(n)) % len(QUESTIONS)],
               "tasks": lambda n, t: f"{n}, task {t}: " + paragraph(t + len(n), 1)}
-    variants = {"plain": {}, "guesses": {"speculative": True}, "inexact": {"exact": False}}
+    variants: dict[str, dict[str, Any]] = {
+        "plain": {}, "guesses": {"speculative": True}, "inexact": {"exact": False}}
     out: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     deterministic, same_as_plain = True, {}
@@ -79,8 +80,8 @@ def scenario_speculative(path: str, quick: bool) -> dict[str, Any]:
 DECODE_PROMPTS = {"story": "Tell me a long story about a lighthouse keeper.",
                   "list": "List twenty fruits, one per line, numbered."}
 DECODE_FOLLOWUP = "Thank you. Now sum that up in one sentence."
-DECODE_VARIANTS = {"exact": {}, "guesses": {"speculative": True}, "inexact": {"exact": False},
-                   "llama": None}
+DECODE_VARIANTS: dict[str, dict[str, Any] | None] = {
+    "exact": {}, "guesses": {"speculative": True}, "inexact": {"exact": False}, "llama": None}
 
 
 @scenario("decode")

@@ -24,8 +24,9 @@ def scenario_kv_types(path: str, quick: bool) -> dict[str, Any]:
     from nbkv.llama.hardware import kv_type_id
 
     n_turns = 6 if quick else 12
-    variants = {"f16": dict(type_k="f16", type_v="f16", flash_attn="off"),
-                "q8_0": dict(type_k="q8_0", type_v="q8_0", flash_attn="on")}
+    variants: dict[str, dict[str, Any]] = {
+        "f16": dict(type_k="f16", type_v="f16", flash_attn="off"),
+        "q8_0": dict(type_k="q8_0", type_v="q8_0", flash_attn="on")}
     runners = {v: NbkvRunner(path, "imc", 1, 4096, **kw) for v, kw in variants.items()}
     hist = {v: [{"role": "system", "content": system_prompt("Ada", 6)}] for v in variants}
     logs: dict[str, list[dict]] = {v: [] for v in variants}

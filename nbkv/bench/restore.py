@@ -68,7 +68,7 @@ def scenario_restore(path: str, quick: bool) -> dict[str, Any]:
         save_dir = os.path.join(tmp, "save")
         saves = [e.save(save_dir, SessionStore()) for _ in range(2)]
         rep = saves[-1]  # the second save finds its blobs on disk: what autosave pays
-        warm = []
+        warm: list[dict[str, Any]] = []
         for i in range(2):
             if i:
                 e.restore(save_dir, SessionStore())

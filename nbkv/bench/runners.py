@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from nbkv.core.events import SlotRewritten
 from nbkv.engine.facade import Engine
@@ -67,6 +67,21 @@ class NbkvRunner:
         self.engine.close()
 
 
+
+def _stream_turn(llm: Any, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy reply from a llama-cpp-python ``Llama``: its TTFT and text."""
+    t0 = time.perf_counter()
+    ttft, text = None, ""
+    chunks: Any = llm.create_chat_completion(cast(Any, messages), stream=True,
+                                             max_tokens=max_tokens, temperature=0)
+    for chunk in chunks:
+        delta = chunk["choices"][0]["delta"].get("content")
+        if delta:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text += delta
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": text}
+
 class LlamaCppRunner:
     """llama-cpp-python's high-level ``Llama``: one sequence, prefix reuse built in."""
 
@@ -78,16 +93,7 @@ class LlamaCppRunner:
                          flash_attn=False, n_threads=default_threads())
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        ttft, text = None, ""
-        for chunk in self.llm.create_chat_completion(messages, max_tokens=self.max_tokens,
-                                                     temperature=0, stream=True):
-            delta = chunk["choices"][0]["delta"].get("content")
-            if delta:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text += delta
-        return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": text}
+        return _stream_turn(self.llm, messages, self.max_tokens)
 
     def close(self) -> None:
         self.llm.close()
@@ -129,9 +135,9 @@ class LlamaCacheRunner(LlamaCppRunner):
                 self._t.update(reused=llm.n_tokens, prompt=llm.n_tokens + len(tokens))
             return evaluate(tokens)
 
-        llm.load_state = timed(load, "restore_s")
-        llm.save_state = timed(save, "park_s")
-        llm.eval = first_eval
+        setattr(llm, "load_state", timed(load, "restore_s"))  # noqa: B010 - patching methods
+        setattr(llm, "save_state", timed(save, "park_s"))  # noqa: B010
+        setattr(llm, "eval", first_eval)  # noqa: B010
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
         self._t = {}
@@ -250,7 +256,7 @@ class HandlerRunner:
             init(self.llm)
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
-        r = LlamaCppRunner.turn(self, messages, session)  # the same streaming TTFT measurement
+        r = _stream_turn(self.llm, messages, self.max_tokens)  # the same TTFT measurement
         r["encoder_runs"] = 1  # the image of the conversation, again every turn
         return r
 
@@ -282,6 +288,10 @@ class RemoteRunner:
                     "prefilled": r.prefilled_tokens, "server_prefill_s": r.prefill_s,
                     "slot": r.slot, "verified": r.verified, "restored_from": r.restored_from,
                     "text": res.text}
+        from nbkv.remote.llama_server import LlamaServerEngine
+
+        if not isinstance(self.engine, LlamaServerEngine):
+            raise TypeError("an unpinned run needs a llama-server (it sends /completion)")
         tokens = self.engine.tokenize_prompt(messages)
         body = {"prompt": tokens, "cache_prompt": True, "stream": True, "n_cache_reuse": 0,
                 "n_predict": self.max_tokens, "temperature": 0}

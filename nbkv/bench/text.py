@@ -168,7 +168,7 @@ def scenario_shared_system(path: str, quick: bool) -> dict[str, Any]:
                        ("llama-cpp", lambda: LlamaCppRunner(path, 2048))):
         r = make()
         results[name] = run_conversations(r, convs, turns, None)
-        if name == "spc":
+        if isinstance(r, NbkvRunner) and name == "spc":
             sys_tokens = len(r.engine.tokenize_prompt(convs["u0"])) - 3
         r.close()
     later = slice(1, None)

@@ -28,6 +28,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from nbkv.core.config import REWRITE_MODES  # Engine(rewrite=...)
 from nbkv.kv import invariance
 from nbkv.kv.slot_kv import SlotKV, trim_valid
 
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
     from nbkv.engine.scheduler import EngineSlot, Scheduler
 
 log = logging.getLogger("nbkv")
+__all__ = ["REWRITE_MODES", "SHADOW_CHUNK", "Shadow"]
 
-REWRITE_MODES = ("auto", "mixed", "idle")  # Engine(rewrite=...)
 SHADOW_CHUNK = 8  # rows per shadow chunk (rounded up to the rule's): at most this many are
 # left to the next request when a reply ends; larger chunks cost hardly less per row
 

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from nbkv.core.api import ChatAPI
 from nbkv.core.errors import (
@@ -19,10 +19,9 @@ from nbkv.core.events import (
     RequestRecord,
     SlotsChanged,
 )
-from nbkv.core.streams import ChatStream
-from nbkv.engine.jobs import Request
+from nbkv.core.requests import Request, SamplingParams
+from nbkv.core.streams import ChatResult, ChatStream
 from nbkv.kv import reasons
-from nbkv.llama.sampling import SamplingParams
 from nbkv.remote.http_client import EventStream, ServerClient
 
 log = logging.getLogger("nbkv.remote.connect")
@@ -62,9 +61,19 @@ class RemoteBase(ChatAPI):
         self.last_save: Any = None  # reports of %kvcache save / restore (llama-server)
         self.last_restore: Any = None
 
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[False] = False, overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatResult: ...
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[True], overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatStream: ...
+
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
              stream: bool = False, overflow: str | None = None, timeout: float | None = None,
-             **sampling: Any) -> Any:
+             **sampling: Any) -> ChatResult | ChatStream:
         """Reply to ``messages``, like :meth:`nbkv.Engine.chat`, on the server."""
         self._check_request(session, timeout)
         if self.closed:
@@ -164,11 +173,12 @@ class RemoteBase(ChatAPI):
 
         return save(self, path, sessions)  # refused: no state API
 
-    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+    def restore(self, path: str | None = None, sessions: Any = None, *,
+                trust: bool = False) -> Any:
         """Not for this kind of server: it keeps its cache to itself."""
         from nbkv.store.persist import restore
 
-        return restore(self, path, sessions)  # refused: no state API
+        return restore(self, path, sessions, trust=trust)  # refused: no state API
 
 
     def explain(self, request: int | None = None) -> reasons.Explanation:
