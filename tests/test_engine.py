@@ -315,12 +315,19 @@ def test_closed_engine_refuses_work(model_path):
     e.close()  # idempotent
 
 
+@pytest.fixture
+def idle_rewrite(model_path):
+    """An engine that rewrites replies only in idle time (no mixed steps)."""
+    with Engine(model_path, n_slots=2, n_ctx=2048, rewrite="idle") as e:
+        yield e
+
+
 def test_a_turn_arriving_before_the_rewrite_reprefills_the_reply_and_stays_exact(
-        engine, model_path):
+        idle_rewrite, model_path):
     from conftest import fresh_probe
     from nbkv.core.events import SlotRewritten
 
-    engine.clear()
+    engine = idle_rewrite
     msgs = [{"role": "system", "content": SYSTEM}, user(QUESTIONS[0])]
     first, follow, rewrites = [], {}, []
 

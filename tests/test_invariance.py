@@ -107,3 +107,44 @@ def test_next_chunk_leaves_the_last_chunk_threshold_rows_and_honours_stops():
     assert next_chunk(units, 0, K, 256, stops=(6, 102)) == 256  # too short / off the grid
     assert next_chunk(units, 0, K, 512, stops=(296,)) == 300  # it would leave 4 rows
     assert next_chunk(units, 4, K, 512) == 296  # from a valid start to the end
+
+
+@pytest.mark.parametrize("rule", [K, PrefillRule(2, 1), PrefillRule(8, 1), PrefillRule(16, 16)])
+@pytest.mark.parametrize("cap", [8, 16, 32])
+def test_a_reply_rewritten_in_block_chunks_while_it_grows_is_a_fresh_prefill(rule, cap):
+    """Mixed steps: the shadow takes block chunks of the reply as it grows one row per step
+    (nbkv.engine.shadow), then the rest is prefilled from a valid start as the next request
+    would: every row gets the kernel class a from-scratch prefill of the finished reply
+    gives it, and every row a block chunk took is settled in the end."""
+    cap = max(cap, rule.min_chunk)
+    prompt = text(20) + image(6) + text(37, 40)
+    for reply in (1, 5, cap, cap + 1, 3 * cap + 5, 70):
+        final = prompt + text(reply, 200)
+        fresh = classes(final, chunks(final, 0, len(final), rule, 256), rule)
+        pos = stable_end(prompt, len(prompt), rule)
+        taken = []
+        for n in range(len(prompt) + 1, len(final) + 1):  # one generated row per step
+            take = invariance.block_chunk(final[:n], pos, rule, cap)
+            assert take % rule.align == 0 and (take == 0 or rule.threshold <= take <= cap)
+            if take == cap:
+                taken.append((pos, pos + take))
+                pos += take
+        keep = valid_start(final, pos, rule)  # the shadow is cut back there, the rest read
+        assert keep <= pos
+        rows = {r: c for r, c in classes(final, taken, rule).items() if r < keep}
+        rows.update(classes(final, chunks(final, keep, len(final), rule, 256), rule))
+        for r in range(min(keep, stable_end(prompt, len(prompt), rule)), len(final)):
+            assert rows[r] == fresh[r], (reply, r)
+        assert min(keep, pos) <= stable_end(final, len(final), rule)
+
+
+def test_block_chunks_wait_for_enough_rows_and_stay_on_the_grid():
+    units = text(30) + image(6) + text(21, 40)
+    assert invariance.block_chunk(units, 36, K, 16) == 16
+    assert invariance.block_chunk(units, 52, K, 16) == 0  # 5 rows: fewer than the threshold
+    assert invariance.block_chunk(units, 44, K, 16) == 12  # 13 rows: 12 on the 4-grid
+    assert invariance.block_chunk(units, 28, K, 16) == 0  # an image follows 2 rows on
+    assert invariance.block_chunk(units, 30, K, 16) == 0  # an image's position
+    assert invariance.block_chunk(units, 57, K, 16) == 0  # the end
+    with pytest.raises(ValueError, match="grid"):
+        invariance.block_chunk(units, 38, K, 16)

@@ -60,8 +60,27 @@ def test_calibration_proves_a_grouping_that_explains_its_table(engine):
     # every measured size the rule allows was measured equal
     assert all(ok for k, ok in table.items() if k >= rule.threshold and k % rule.align == 0)
     assert engine.model.exactness.startswith("exact: yes")
+    # a reply rewritten while it is generated, in a shadow sequence, is exact (mixed steps)
+    assert rule.mixed and "mixed steps: yes" in engine.model.exactness
     print(engine.model.path.name, rule.describe(), "gen_rows", rule.gen_rows, table,
           f"{rule.seconds:.2f} s")
+
+
+def test_back_to_back_replies_rewritten_while_generated_are_exact(path):
+    """Mixed steps on this weight type: the reply's rows go into the shadow in canonical
+    chunks while it is generated; the next turn re-reads only the last chunk's worth."""
+    from nbkv.engine.shadow import SHADOW_CHUNK
+
+    with Engine(path, n_slots=1, n_ctx=1024, rewrite="mixed") as e:
+        msgs = [{"role": "system", "content": SYSTEM}, user("Tell me a story about a CPU.")]
+        first = e.chat(msgs, session="m", max_tokens=3 * SHADOW_CHUNK, temperature=0)
+        assert first.record.rewrite_mixed >= SHADOW_CHUNK
+        msgs += [first.message, user("Give it a title.")]
+        second = e.chat(msgs, session="m", max_tokens=MAX, temperature=0)
+        assert second.text == scratch(path, msgs)
+        rule = e.prefill_rule
+        assert second.record.rewrite_absorbed <= SHADOW_CHUNK + rule.threshold + rule.align
+        assert_verified(e)
 
 
 def test_sessions_evictions_copies_and_an_edit_are_exact(engine, path):

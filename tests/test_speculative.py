@@ -80,3 +80,31 @@ def test_kv_after_accepted_guesses_equals_a_fresh_decode(engines):
     slot = next(s for s in on.slots() if s.session == "echo")
     cached = np.array(on.probe(slot.index, 42))
     assert np.array_equal(cached, fresh_probe(on.model, on.slots()[slot.index].tokens, 42))
+
+
+def test_with_guesses_on_two_row_types_every_row_is_canonical_as_decoded(engines):
+    """Q4_1 prefills exactly in chunks of 2+ rows: with a guess beside every token (the
+    token itself when there is no better one) each generated row is a two-row decode, so
+    the reply's KV is settled as it is decoded and never rewritten."""
+    from nbkv.core.events import SlotRewritten
+
+    on, _ = engines
+    rule = on.prefill_rule
+    assert rule.threshold == 2 and rule.align == 1 and not rule.single_row
+    on.clear()
+    rewrites = []
+    unsubscribe = on.subscribe(
+        lambda ev: rewrites.append(ev) if isinstance(ev, SlotRewritten) else None)
+    try:
+        first, second = two_turns(on, temperature=0)
+    finally:
+        unsubscribe()
+    assert not rewrites
+    rec = second.record
+    assert rec.rewrite_absorbed == 0
+    assert rec.reused_tokens >= first.record.prompt_tokens + first.record.generated_tokens - 2
+    assert first.record.draft_tokens >= first.record.generated_tokens - 1 - \
+        first.record.draft_accepted  # a second row every step
+    s = next(s for s in on.slots() if s.session == "echo")
+    assert s.settled == s.n_tokens
+    assert_consistent(on)

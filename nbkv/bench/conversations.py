@@ -63,13 +63,16 @@ def run_conversations(
     return out
 
 
-def baselines(path: str, slots: int, n_ctx: int, convs: dict, turns: list, replies: list
-              ) -> dict[str, list]:
-    """The same conversations through nbkv off, nbkv SPC and llama-cpp-python's ``Llama``."""
+def baselines(path: str, slots: int, n_ctx: int, convs: dict, turns: list, replies: list,
+              llama: bool = True) -> dict[str, list]:
+    """The same conversations through nbkv off, nbkv SPC and llama-cpp-python's ``Llama``
+    (``llama=False``: not Llama, which the caller ran side by side with its own variant)."""
     out = {}
     for name, make in (("off", lambda: NbkvRunner(path, "off", slots, n_ctx)),
                        ("spc", lambda: NbkvRunner(path, "spc", slots, n_ctx)),
                        ("llama-cpp", lambda: LlamaCppRunner(path, n_ctx))):
+        if name == "llama-cpp" and not llama:
+            continue
         r = make()
         out[name] = run_conversations(r, convs, turns, replies)
         r.close()

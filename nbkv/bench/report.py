@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbkv.bench.back_to_back import B2B_TYPES
 from nbkv.bench.decode import DECODE_PROMPTS, DECODE_VARIANTS
 from nbkv.bench.families import FAMILIES
 from nbkv.bench.quants import QUANTS
@@ -30,7 +31,8 @@ TARGETS: list[tuple[str, str, str, float]] = [
     ("restore", "rebuild_over_restored_ttft", ">=", 10.0),
     ("remote", "pinned_over_kernel_ttft_4_slots", "<=", 1.3),
     ("remote", "pinned_over_kernel_reused_4_slots", ">=", 1.0),
-    ("back-to-back", "exact_over_inexact_ttft", "<=", 1.2),
+    *(("back-to-back", f"{q}_exact_over_inexact_ttft", "<=", 1.3) for q in B2B_TYPES),
+    *(("back-to-back", f"{q}_exact_over_inexact_decode", ">=", 0.95) for q in B2B_TYPES),
     *(("quants", f"{q}_{k}_vs_Q4_1", "<=", 1.05)
       for q in QUANTS for k in ("imc_prefilled_over_minimum", "imc_over_limit_ttft")),
     *(("quants", f"{q}_{k}_vs_Q4_1", ">=", 0.95) for q in QUANTS

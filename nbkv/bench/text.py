@@ -16,34 +16,52 @@ from nbkv.prompt import templates
 
 @scenario("single")
 def scenario_single(path: str, quick: bool) -> dict[str, Any]:
-    """One conversation of 12 turns growing past 2,000 tokens."""
+    """One conversation of 12 turns growing past 2,000 tokens.
+
+    nbkv (IMC, exact, the reply settled after each turn as a user reading lets it be),
+    llama-cpp-python's ``Llama`` and the physical floor take each turn side by side; cache
+    off and SPC play the conversation afterwards.
+    """
     n_turns = 6 if quick else 12
     convs = {"solo": [{"role": "system", "content": system_prompt("Ada", 6)}]}
     turns = [("solo", paragraph(t, 6)) for t in range(n_turns)]
     imc = NbkvRunner(path, "imc", 1, 4096)
     limit = LimitRunner(path, 4096)
-    # imc and the physical floor run in lockstep, turn by turn, so that both see the same
-    # machine load; the floor decodes only the minimum: every token that the previous
-    # prompt and the reply to it did not already hold
+    llama = LlamaCppRunner(path, 4096)
+    # imc, llama-cpp-python's Llama and the physical floor run in lockstep, turn by turn (in
+    # A B C, C B A order on alternate turns), so that all see the same machine load; the
+    # floor decodes only the minimum: every token that the previous prompt and the reply to
+    # it did not already hold. Llama gets the same conversation (nbkv's replies).
     hist = [dict(m) for m in convs["solo"]]
-    base, floor, minimum = [], [], []
+    base, floor, alike, minimum = [], [], [], []
     held: list[int] = []
     for i, (_, text) in enumerate(turns):
         hist.append({"role": "user", "content": text})
         prompt = imc.engine.tokenize_prompt(hist)
         new = len(prompt) - common_prefix(held, prompt)
-        r = imc.turn(hist, "solo")
+        order = ["imc", "llama", "limit"]
+        got: dict[str, Any] = {}
+        for name in order if i % 2 == 0 else order[::-1]:
+            if name == "imc":
+                got[name] = imc.turn(hist, "solo")
+            elif name == "llama":
+                got[name] = llama.turn(hist, "solo")
+            else:
+                got[name] = {"ttft": limit.turn(prompt, new), "prefilled": new}
+        r = got["imc"]
         r.update(session="solo", turn=i)
-        floor.append({"ttft": limit.turn(prompt, new), "prefilled": new})
+        floor.append(got["limit"])
+        alike.append(got["llama"])
         base.append(r)
         minimum.append(new)
         held = prompt + imc.engine.model.tokenize(r["text"])
         hist.append({"role": "assistant", "content": r["text"]})
     imc.close()
     limit.close()
+    llama.close()
     replies = [r["text"] for r in base]
-    results: dict[str, list] = {"imc": base, "limit": floor}
-    results.update(baselines(path, 1, 4096, convs, turns, replies))
+    results: dict[str, list] = {"imc": base, "limit": floor, "llama-cpp": alike}
+    results.update(baselines(path, 1, 4096, convs, turns, replies, llama=False))
     later = slice(1, None)
     summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
     imc_pref = [r["prefilled"] for r in base[later]]

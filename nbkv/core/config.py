@@ -159,6 +159,8 @@ class HardwareOptions:
 
 
 CALIBRATIONS = ("cached", "fresh")  # the stored answer for this model and build, or anew
+#: when a reply's KV is rewritten as a batch in exact mode (nbkv.engine.shadow)
+REWRITE_MODES = ("auto", "mixed", "idle")
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ class EngineSettings:
     history_size: int = 1000
     wait_timeout: float = 300.0
     exact: bool = True
+    rewrite: str = "auto"
     speculative: bool = False
     max_checkpoints: int = 8
     checkpoint_bytes: int | None = None
@@ -205,6 +208,10 @@ class EngineSettings:
         if self.calibration not in CALIBRATIONS:
             raise InvalidRequestError(
                 f"calibration must be 'cached' or 'fresh', not {self.calibration!r}")
+        if self.rewrite not in REWRITE_MODES:
+            raise InvalidRequestError(
+                f"rewrite must be one of {', '.join(map(repr, REWRITE_MODES))}, "
+                f"not {self.rewrite!r}")
         self.hardware.check_exact(self.exact)
 
     @classmethod

@@ -114,6 +114,9 @@ class RequestRecord:
     checkpoint_pos: int | None = None  # the checkpoint restored (hybrid/recurrent models)
     reprefilled_tokens: int = 0  # matched positions re-prefilled: the KV could not be cut there
     rewrite_absorbed: int = 0  # previous reply positions re-prefilled before their rewrite ran
+    #: of this reply's positions, those rewritten as a batch while it was generated (mixed
+    #: steps, exact mode): the next request finds them ready even with no idle time between
+    rewrite_mixed: int = 0
     #: the reply is proven bit-identical to a from-scratch one (exact mode, and a prefill
     #: grouping calibrated as batch-invariant on this model and build)
     exact: bool = True
@@ -196,12 +199,16 @@ class RequestFinished:
 
 @dataclass(frozen=True)
 class SlotRewritten:
-    """A finished reply's KV was rewritten as a batched prefill (exact mode, idle time)."""
+    """A finished reply's KV was rewritten as a batched prefill (exact mode).
+
+    In idle time, and partly while the reply was generated (``mixed``, mixed steps).
+    """
 
     slot: int
     request_id: int | None  # the request whose reply it was
     tokens: int  # positions rewritten
     seconds: float
+    mixed: int = 0  # ... of which during generation (their time is in ``seconds`` too)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit
 from nbkv.engine.rewrite import settle_all
 from nbkv.engine.scheduler import EngineSlot, Scheduler, ServeSettings
+from nbkv.engine.shadow import Shadow
 from nbkv.engine.slot_parking import park_sessions, unpark_sessions
 from nbkv.kv import reasons
 from nbkv.kv.oracle import Verification
@@ -100,6 +101,13 @@ class Engine(TemplatedAPI, ChatAPI):
             rewritten as a batch in the scheduler's idle time (or by the next request that
             reuses it). ``False`` keeps the token-by-token KV: no rewrite, and a cached reply
             may then differ from a from-scratch one at near-ties.
+        rewrite: when the reply's KV is rewritten as a batch (exact mode, IMC). ``"auto"``
+            (default): in idle time, and, when requests come back to back (the last reply
+            had no idle time for it), while the reply is generated, in a shadow sequence
+            (:mod:`nbkv.engine.shadow`; it takes one slot's KV memory more, and the reply
+            then decodes slower by what its rows cost); ``"mixed"``: always while the reply
+            is generated; ``"idle"``: only in idle time (or by the next request), with no
+            shadow sequence.
         speculative: decode a prompt-lookup guess of the next token beside each generated
             one (:mod:`nbkv.engine.drafts`); a right guess yields two tokens from one decode. The
             guess is checked against the token sampled the ordinary way. Off by default: a
@@ -159,6 +167,7 @@ class Engine(TemplatedAPI, ChatAPI):
         progress: Reporter | bool | None = None,
         flash_attn: bool | str = False,
         exact: bool = True,
+        rewrite: str = "auto",
         speculative: bool = False,
         max_checkpoints: int = 8,
         checkpoint_bytes: int | None = None,
@@ -192,7 +201,7 @@ class Engine(TemplatedAPI, ChatAPI):
             cache_min_tokens=cache_min_tokens, overflow=overflow, n_batch=n_batch,
             n_threads=n_threads, template=template, spc_max_entries=spc_max_entries,
             history_size=history_size, wait_timeout=wait_timeout, exact=exact,
-            speculative=speculative, max_checkpoints=max_checkpoints,
+            rewrite=rewrite, speculative=speculative, max_checkpoints=max_checkpoints,
             checkpoint_bytes=checkpoint_bytes, mmproj=mmproj,
             trust_projector=trust_projector, check_memory=check_memory,
             calibration=calibration, park_ram=park_ram, park_dir=park_dir, park_disk=park_disk,
@@ -214,6 +223,7 @@ class Engine(TemplatedAPI, ChatAPI):
         self.res = res = Resources(settings, embedding_cache=embedding_cache,
                                    on_load_progress=on_load_progress,
                                    progress=resolve_progress(progress))
+        self.rewrite = rewrite
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
@@ -255,9 +265,12 @@ class Engine(TemplatedAPI, ChatAPI):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
                                       {**self.identity(), "n_slots": self.n_slots},
                                       self.model.n_vocab, background_spills=True)
+        shadow = None
+        if self.res.shadow_seq is not None:
+            shadow = Shadow(SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints))
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
-            self.cache, self.cache_min_tokens, self.exact, self.speculative), cv, self.parking,
-            self._prompts)
+            self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
+            cv, self.parking, self._prompts, shadow)
         self.scheduler.start(self)
 
     # ------------------------------------------------------------------ public API
@@ -429,7 +442,15 @@ class Engine(TemplatedAPI, ChatAPI):
         does this on its own when it has nothing else to do; call it to measure, or before
         reading the KV directly.
         """
-        self.scheduler.call(lambda: settle_all(self.scheduler))
+        def settle() -> None:
+            # the caller gives the engine time now: as a user reading would (rewrite="auto"
+            # then leaves the next replies to idle time)
+            self.scheduler.back_to_back = False
+            for s in self.table:
+                s.reply_rows = 0
+            settle_all(self.scheduler)
+
+        self.scheduler.call(settle)
 
     def export_state(self, only_if_idle: bool = False) -> engine_state.EngineState:
         """Every idle slot's KV and bookkeeping, and the system prompt cache, as data.

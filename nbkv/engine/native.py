@@ -26,7 +26,7 @@ from nbkv.core.errors import NbkvError
 from nbkv.core.progress import Reporter, Task
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
-from nbkv.kv.slot_kv import MemoryInfo, probe_memory
+from nbkv.kv.slot_kv import PLAIN, SWA, MemoryInfo, classify, probe_memory
 from nbkv.llama import memplan
 from nbkv.llama.backend import Batch, Context, Model, default_threads, llama_cpp_version
 from nbkv.llama.gguf_header import gguf_fingerprint, read_metadata
@@ -51,6 +51,12 @@ class Resources:
                  on_load_progress: Callable[[float], object] | None,
                  progress: Reporter) -> None:
         self._closers: list[Callable[[], None]] = []
+        #: the sequence that rewrites replies while they are generated (nbkv.engine.shadow),
+        #: after the slots' (None: none; wanted in exact IMC mode unless rewrite="idle",
+        #: kept where the memory can be cut)
+        self.shadow_seq: int | None = None
+        self._want_shadow = (settings.exact and settings.cache == "imc"
+                             and settings.rewrite != "idle")
         self._lock = threading.Lock()
         s = settings
         # sizes left to the memory plan (None) start from the defaults, then are fitted
@@ -104,8 +110,11 @@ class Resources:
             if past:
                 log.warning("%s", past)
                 warnings.warn(past, stacklevel=4)
+            if self._want_shadow and classify(self.model) in (PLAIN, SWA):
+                self.shadow_seq = n_slots
+            n_seq = n_slots + (self.shadow_seq is not None)
             self.ctx = self._own(Context(
-                self.model, slot_ctx * n_slots, n_slots, n_batch, n_threads,
+                self.model, slot_ctx * n_seq, n_seq, n_batch, n_threads,
                 flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
                 type_v=kv_type_id(hw.type_v)))
             self.batch = self._own(Batch(self.ctx.n_batch))
@@ -149,7 +158,8 @@ class Resources:
         self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
         slot_ctx = -(-max(n_ctx, 256) // 256) * 256
         self.plan = memplan.plan(meta, n_slots, slot_ctx, hw.type_k, hw.type_v,
-                                 self.model.is_recurrent, self.model.is_hybrid)
+                                 self.model.is_recurrent, self.model.is_hybrid,
+                                 shadow=int(self._want_shadow))
         if check_memory:
             memplan.check_fits(self.plan, free, where)
         #: what the memory plan picked, in words ("" when the caller gave both sizes)
@@ -163,7 +173,8 @@ class Resources:
         try:
             rule = calibrate.calibrate(self.model, n_seq=self.config.n_slots,
                                        can_trim=self.memory.can_trim, settings=self.settings,
-                                       cache=mode == "cached", progress=self.progress)
+                                       cache=mode == "cached", progress=self.progress,
+                                       shadow=self.shadow_seq is not None)
         except (NbkvError, RuntimeError) as e:  # e.g. no room for the temporary context
             rule = PrefillRule(2, 1, exact=False, reason=f"the calibration failed: {e}")
         # next_chunk can then always leave the last chunk threshold rows

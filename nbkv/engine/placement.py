@@ -67,6 +67,9 @@ def start(sched: Scheduler, job: Job) -> bool:
         prev_len = prev_prompt_len = 0
     wanted = reuse = plan.reuse  # ... if every cached position were servable as it is
     absorbed = 0
+    if donor is None and entry is None and slot.session == job.session and slot.reply_rows:
+        # this conversation continues: did its last reply have idle time to be rewritten in?
+        sched.back_to_back = job.t_submit - slot.t_replied < slot.reply_rows * sched.row_s
     if cfg.exact and entry is None:  # a reply decoded one token at a time is not servable
         absorbed = max(min(wanted, prev_len) - source.exact_len, 0)
         reuse = min(reuse, source.settled)

@@ -38,6 +38,7 @@ def prefill(sched: Scheduler, job: Job, take: int) -> None:
     except BaseException as e:  # noqa: BLE001
         sched.fail(job, e, "error")
         return
+    sched.note_rows(take, time.perf_counter() - t0)
     rec = job.record
     # the positions re-read first: settled ones the grouping needs, then the previous
     # reply's (absorbed: its rewrite had not run); time the absorbed share of this chunk

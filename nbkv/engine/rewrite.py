@@ -3,8 +3,11 @@
 A reply is decoded one token per step, as plain llama.cpp does; a one-row decode rounds
 slightly differently from a batched prefill, so a cached reply would not equal a fresh
 prefill of it. Once the reply has streamed, its positions are trimmed and prefilled again in
-canonical chunks, one chunk per idle iteration, so a new request never waits for more than
-one chunk (:data:`REWRITE_CHUNK`).
+canonical chunks, one chunk per idle iteration. A request that arrives meanwhile is admitted
+between two chunks: it waits for one chunk at most (:data:`REWRITE_CHUNK`), keeps what is
+rewritten and re-reads only the rest (``record.rewrite_absorbed``). When requests come back
+to back the reply is rewritten while it is generated instead (:mod:`nbkv.engine.shadow`);
+what is left of it then is finished here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nbkv")
 
-REWRITE_CHUNK = 64  # positions per idle-time rewrite step: what a new request may wait for
+REWRITE_CHUNK = 16  # positions per idle-time rewrite step: what a new request may wait for
+# (a prefill row costs about as much in chunks of 16 as of 64 on a CPU)
 
 
 def settling_slot(sched: Scheduler) -> EngineSlot | None:
@@ -59,14 +63,16 @@ def settle(sched: Scheduler, slot: EngineSlot) -> None:
                 return
         slot.rewrite_s = 0.0
         slot.rewrite_n = len(slot.redo)
+        slot.rewrite_mixed = 0
     units = kv.tokens + slot.redo
     # on checkpointed memory, checkpoints near the reply's end: a reply whose last word
     # re-tokenizes differently next turn still reuses the rest
     stops = (invariance.checkpoint_stops(units, (len(units) - REPLY_TAIL, len(units)), rule)
              if kv.memory.checkpoints else ())
     batch = sched.res.batch
-    take = invariance.next_chunk(units, len(kv), rule, min(REWRITE_CHUNK, batch.capacity),
-                                 stops)
+    # the chunk cap leaves next_chunk room to give the last chunk threshold rows
+    cap = min(max(REWRITE_CHUNK, 2 * rule.threshold + rule.align - 2), batch.capacity)
+    take = invariance.next_chunk(units, len(kv), rule, cap, stops)
     toks = slot.redo[:take]
     batch.clear()
     batch.add_run(toks, len(kv), kv.seq_id, False)
@@ -78,6 +84,8 @@ def settle(sched: Scheduler, slot: EngineSlot) -> None:
         kv.resync()
         return
     end = len(kv) + take
+    dt = time.perf_counter() - t0
+    sched.note_rows(take, dt)
     with sched.cv:
         kv.extend(toks, settled=invariance.stable_end(units, end, rule))
         del slot.redo[:take]
@@ -85,10 +93,15 @@ def settle(sched: Scheduler, slot: EngineSlot) -> None:
         kv.checkpoint()
     slot.rewrite_s += time.perf_counter() - t0
     if not slot.redo:
-        sched.events.publish(SlotRewritten(slot.index, slot.last_request, slot.rewrite_n,
-                                           slot.rewrite_s))
-        log.debug("slot[%d]: rewrote %d positions in %.0f ms", slot.index,
-                  slot.rewrite_n, slot.rewrite_s * 1000)
+        finished(sched, slot)
+
+
+def finished(sched: Scheduler, slot: EngineSlot) -> None:
+    """``slot``'s reply is rewritten: say so (:class:`SlotRewritten`)."""
+    sched.events.publish(SlotRewritten(slot.index, slot.last_request, slot.rewrite_n,
+                                       slot.rewrite_s, slot.rewrite_mixed))
+    log.debug("slot[%d]: rewrote %d positions in %.0f ms (%d while generating)", slot.index,
+              slot.rewrite_n, slot.rewrite_s * 1000, slot.rewrite_mixed)
 
 
 def settle_all(sched: Scheduler) -> None:

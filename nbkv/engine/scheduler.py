@@ -5,9 +5,11 @@ here. Each iteration runs the control calls (``Engine.probe``, saves, ...), admi
 requests into slots (:mod:`nbkv.engine.placement`), then advances the active ones by one step
 (:func:`nbkv.kv.batching.plan_step`): one prefill chunk (:mod:`nbkv.engine.prefill`) or image piece
 (:mod:`nbkv.engine.vision_decode`) and one generation decode for every generating request
-(:mod:`nbkv.engine.generation`). With nothing to do it rewrites finished replies' KV
-(:mod:`nbkv.engine.rewrite`). A slot's ``tokens`` list is the truth about its KV: it is extended
-only after a successful decode, and on any failure the KV is trimmed back to it.
+(:mod:`nbkv.engine.generation`), and, when requests come back to back, one chunk of a reply's
+rewrite into the shadow sequence (:mod:`nbkv.engine.shadow`). With nothing to do it rewrites
+finished replies' KV (:mod:`nbkv.engine.rewrite`). A slot's ``tokens`` list is the truth
+about its KV: it is extended only after a successful decode, and on any failure the KV is
+trimmed back to it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nbkv.engine import generation, placement, replay, rewrite, slot_parking, vi
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources
 from nbkv.engine.prefill import prefill
+from nbkv.engine.shadow import Shadow
 from nbkv.kv.batching import Prefilling, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.policy import PREFIX_SALVAGE
@@ -55,6 +58,9 @@ class EngineSlot(TableSlot):
     #: a snapshot of its KV taken in idle time, and the KV version it shows: parking the
     #: slot then costs no copy (nbkv.engine.slot_parking.prepark)
     preparked: tuple[int, Any] | None = None
+    rewrite_mixed: int = 0  # ... of which were rewritten while the reply was generated
+    t_replied: float = 0.0  # when its last reply ended (time.perf_counter)
+    reply_rows: int = 0  # ... and how many positions rewriting that reply's KV takes
 
     @property
     def seq_id(self) -> int:
@@ -93,6 +99,7 @@ class ServeSettings:
     cache_min_tokens: int
     exact: bool
     speculative: bool
+    rewrite: str = "auto"  # when a reply's KV is rewritten: "auto", "idle" or "mixed"
 
 
 class Scheduler:
@@ -100,8 +107,8 @@ class Scheduler:
 
     def __init__(self, res: Resources, table: SlotTable[EngineSlot], spc: SystemPromptStore,
                  events: EventBus, settings: ServeSettings, cv: threading.Condition,
-                 parking: ParkingLot | None = None, prompts: PromptBuilder | None = None
-                 ) -> None:
+                 parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
+                 shadow: Shadow | None = None) -> None:
         self.res = res
         self.prompts = prompts  # renders a conversation as its next turn will (parking)
         self.table = table
@@ -119,6 +126,13 @@ class Scheduler:
         #: replies a re-run of the same prompt and settings may be answered with
         self.replies = ReplyBook()
         self.thread: threading.Thread | None = None
+        #: rewrites replies while they are generated (None: no shadow sequence)
+        self.shadow = shadow
+        #: requests have been coming back to back: the last reply had no idle time to be
+        #: rewritten in (rewrite="auto" then rewrites the next one while it is generated);
+        #: what a fresh engine assumes (a notebook's Run All, an agent loop)
+        self.back_to_back = True
+        self.row_s = 0.0  # seconds a canonical prefill row takes (recent chunks)
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -164,6 +178,12 @@ class Scheduler:
             self.cv.notify_all()
         if self.thread is not None and threading.current_thread() is not self.thread:
             self.thread.join()
+
+    def note_rows(self, rows: int, seconds: float) -> None:
+        """A canonical chunk of ``rows`` took ``seconds``: keep the per-row estimate."""
+        if rows >= 2 and seconds > 0:
+            per = seconds / rows
+            self.row_s = per if not self.row_s else 0.7 * self.row_s + 0.3 * per
 
     def busy(self) -> bool:
         """Requests queued or running, or a reply's KV still to rewrite (scheduler thread)."""
@@ -276,7 +296,10 @@ class Scheduler:
         else:
             ran = False
         if plan.generate:
-            generation.generate(self, [j for j in generating if not j.done.is_set()])
+            generating = [j for j in generating if not j.done.is_set()]
+            generation.generate(self, generating)
+            if self.shadow is not None:
+                self.shadow.step(self, [j for j in generating if not j.done.is_set()])
             ran = True
         return ran
 
@@ -331,14 +354,18 @@ class Scheduler:
         now = time.perf_counter()
         slot = job.slot
         rec = job.record
+        mixed = settled = 0
         if slot is not None and self.res.ctx.ptr:  # a guessed position may follow
             try:
                 slot.kv.resync()
             except BaseException:  # noqa: BLE001 - the request must still end
                 log.exception("slot[%d]: could not trim past its tokens", slot.index)
                 slot.reset()
+            settled = slot.kv.settled
+            if self.shadow is not None:  # the reply's KV, rewritten while it was generated
+                mixed = self.shadow.hand_over(self, job, error is None)
         if slot is not None and rec is not None:
-            n = len(slot.tokens)
+            n = len(slot.tokens) + len(slot.redo)
             with self.cv:
                 self.table.replied(slot, job.prompt, job.text.text, n)
                 slot.last_turn = (job.prompt, job.text.text)
@@ -346,13 +373,18 @@ class Scheduler:
                     replace(s, end=min(s.end, n)) for s in placement.segments(self, job, n))
                     if s.length > 0)
                 slot.pending = False
-            rec = finished_record(job, rec, reason, error, now, slot.segments)
+                slot.t_replied = now
+                slot.reply_rows = n - settled if self.res.ctx.ptr else 0
+            rec = replace(finished_record(job, rec, reason, error, now, slot.segments),
+                          rewrite_mixed=mixed)
             job.record = rec
             replay.remember(self, job)
             if rec.strategy == PREFIX_SALVAGE:
                 log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
                           "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
             self.events.publish(RequestFinished(rec))
+            if mixed and not slot.redo:  # the shadow did the whole rewrite
+                rewrite.finished(self, slot)
         if error is not None:
             job.out.put(("error", error))
         elif rec is not None:

@@ -10,7 +10,12 @@ matters and what the rule means):
    allows, and a shorter prefix extended the way a cached slot is (cut back to a settled
    position, the rest prefilled), must both give the batch's logits;
 4. one-row decodes of several sequences in one batch against each decoded alone: how many
-   generating sequences one decode may hold.
+   generating sequences one decode may hold;
+5. *mixed steps*: a sequence generating one row per step while a shadow copy of it
+   (``seq_cp``, then cut back to its settled prefix) receives the generated rows in
+   canonical chunks between those decodes, as the engine rewrites a reply while it is being
+   generated: the generating rows must equal those decoded alone, and the shadow, finished
+   as the next request would, must hold exactly a from-scratch prefill's KV.
 
 The result is cached by model fingerprint, llama.cpp build, CPU features and the settings
 that select other kernels (:func:`key_settings`), not by ``n_ctx``, threads or slot count
@@ -50,6 +55,7 @@ N_ROWS = PREFIX + 2 * 32 + FOLLOW  # thresholds and alignments up to 32
 POWERS = (1, 2, 4, 8, 16, 32)
 GEN_PREFIX = PREFIX  # rows each sequence holds before the generation test
 GEN_MAX = 8  # generation batches of more sequences than this are not measured
+MIX_CHUNK = 8  # rows of a shadow chunk in the mixed-step proof (rounded up to the rule's)
 FILE = "calibration.json"
 VERSION = 2  # of the measurement and its key: a change invalidates cached results
 
@@ -99,12 +105,14 @@ def steps(n_seq: int) -> int:
 
 def measure(ctx: Context, batch: Batch, n_vocab: int, *, n_seq: int = 1,
             can_trim: bool = True, task: Task | None = None,
-            grouping: PrefillRule | None = None) -> PrefillRule:
+            grouping: PrefillRule | None = None, shadow: bool = False) -> PrefillRule:
     """Measure this context's batch-invariance rule on its sequences ``0..n_seq-1``.
 
     Leaves every sequence it used empty. Needs a batch of :data:`N_ROWS` rows or more.
     ``task`` is told each step (:func:`steps` in all); ``grouping``: a rule already
     measured on this model and build, completed by the generation test only.
+    ``shadow``: the context has one more sequence, ``n_seq``, used as the engine uses its
+    shadow (mixed steps), proven with the grouping.
     """
     t0 = time.perf_counter()
     task = task or Task(silent, WHAT)
@@ -116,8 +124,11 @@ def measure(ctx: Context, batch: Batch, n_vocab: int, *, n_seq: int = 1,
         rule = grouping if grouping is not None else _grouping(probe, can_trim, task)
         if rule.exact and n_seq > 1:
             rule = _with_gen_rows(rule, ctx, batch, tokens, n_seq, task)
+        if (grouping is None and rule.exact and shadow and can_trim
+                and not rule.single_row):
+            rule = replace(rule, mixed=_mixed_steps(rule, ctx, batch, tokens, 0, n_seq))
     finally:
-        for s in range(max(n_seq, 1)):
+        for s in range(max(n_seq, 1) + shadow):
             ctx.try_seq_rm(s, -1, -1)
     return replace(rule, seconds=round(time.perf_counter() - t0, 3))
 
@@ -244,18 +255,81 @@ def _with_gen_rows(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequen
     return replace(rule, gen_rows=limit)
 
 
+def _mixed_steps(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequence[int],
+                 g: int, s: int) -> bool:
+    """Whether mixed steps are exact: sequence ``g`` generating, shadow ``s`` rewriting.
+
+    ``g`` generates one row per step; between its decodes, its shadow ``s`` (a ``seq_cp``
+    of it, cut back to the prompt's settled end) receives the rows in canonical chunks
+    (:func:`nbkv.kv.invariance.block_chunk`), as the engine's mixed steps do. True if every
+    generated row's logits equal those of ``g`` generating alone, and the shadow, finished
+    as the next request finishes it, holds a from-scratch prefill's KV (the logits of rows
+    that read it).
+    """
+    p = PREFIX  # the prompt: one canonical chunk, settled to its end (a power of 2 >= align)
+    k = max(rule.min_chunk, -(-MIX_CHUNK // rule.align) * rule.align)
+    n = p + min(2 * k + k // 2 + 1, N_ROWS - p - FOLLOW)  # prompt + reply: 2+ chunks, a rest
+    units = list(tokens[:n])
+
+    def rows(seq: int, lo: int, hi: int, logits: bool = False) -> np.ndarray:
+        batch.clear()
+        for q in range(lo, hi):
+            batch.add(tokens[q], q, seq, logits)
+        ctx.decode(batch)
+        return np.stack([np.array(ctx.logits(i)) for i in range(hi - lo)] if logits
+                        else [np.zeros(0)])
+
+    def prompt(seq: int) -> None:
+        ctx.try_seq_rm(seq, -1, -1)
+        rows(seq, 0, p)
+
+    prompt(g)
+    alone = [rows(g, q, q + 1, True) for q in range(p, n)]
+    ctx.try_seq_rm(s, -1, -1)
+    for lo, hi in invariance.chunks(units, 0, n, rule, N_ROWS):
+        rows(s, lo, hi)
+    ref = rows(s, n, n + FOLLOW, True)
+    prompt(g)
+    ctx.try_seq_rm(s, -1, -1)
+    shadow = None  # positions the shadow holds, once it exists
+    for q in range(p, n):
+        if not _equal(rows(g, q, q + 1, True), alone[q - p]):
+            return False
+        held = units[: q + 1]
+        start = p if shadow is None else shadow
+        take = invariance.block_chunk(held, start, rule, k)
+        if take:
+            if shadow is None:  # the copy is queued; it runs at the start of the next decode
+                ctx.seq_cp(g, s)
+                if not ctx.try_seq_rm(s, p, -1):
+                    return False
+            rows(s, start, start + take)
+            shadow = start + take
+    keep = invariance.valid_start(units, shadow or p, rule)
+    if shadow is None:
+        ctx.seq_cp(g, s)
+    if not ctx.try_seq_rm(s, keep, -1):
+        return False
+    for lo, hi in invariance.chunks(units, keep, n, rule, N_ROWS):
+        rows(s, lo, hi)
+    return _equal(rows(s, n, n + FOLLOW, True), ref)
+
+
 def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, Any],
-              cache: bool = True, progress: Reporter = silent) -> PrefillRule:
+              cache: bool = True, progress: Reporter = silent,
+              shadow: bool = False) -> PrefillRule:
     """The rule of ``model`` in contexts with these ``settings``, measured or cached.
 
     It is measured in a temporary context with ``settings`` (:class:`~nbkv.llama.backend.Context`
     keywords: threads, KV types, flash attention) and ``n_seq`` sequences; ``cache=False``
     measures again (and stores the new result). A cached measurement of fewer sequences is
-    completed by the generation test alone. ``progress`` is told each step.
+    completed by the generation test alone. ``progress`` is told each step. ``shadow``: also
+    prove mixed steps (the engine has a shadow sequence beside its ``n_seq`` slots).
     """
     n_seq = max(1, min(n_seq, GEN_MAX + 1))
     key = cache_key(gguf_fingerprint(model.path),
-                    key_settings(settings, can_trim, model.params.n_gpu_layers))
+                    {**key_settings(settings, can_trim, model.params.n_gpu_layers),
+                     "shadow": shadow})
     known = cached_entry(key) if cache else None
     if known is not None:
         rule = for_sequences(*known, n_seq)
@@ -263,11 +337,12 @@ def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, A
             return rule
     total = steps(n_seq) - (steps(1) if known is not None else 0)
     with Task(progress, WHAT, WHY, total=total, tick=1.0) as task:
-        ctx = Context(model, 256 * n_seq, n_seq, N_ROWS, **settings)
+        ctx = Context(model, 256 * (n_seq + shadow), n_seq + shadow, N_ROWS, **settings)
         batch = Batch(N_ROWS)
         try:
             rule = measure(ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim,
-                           task=task, grouping=known[0] if known is not None else None)
+                           task=task, grouping=known[0] if known is not None else None,
+                           shadow=shadow)
         finally:
             batch.close()
             ctx.close()
@@ -453,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 else "the variants DIFFER"))
                 status |= 0 if same else 1
                 continue
-            from nbkv.kv.slot_kv import probe_memory
+            from nbkv.kv.slot_kv import PLAIN, SWA, classify, probe_memory
 
             ctx = Context(model, 256, 1, N_ROWS)
             batch = Batch(N_ROWS)
@@ -466,8 +541,10 @@ def main(argv: list[str] | None = None) -> int:
             settings = {"n_threads": default_threads(), "flash_attn": FLASH_ATTN["off"],
                         "type_k": kv_type_id("f16"), "type_v": kv_type_id("f16")}
             t0 = time.perf_counter()
+            # ... with the shadow sequence of its default exact mode (rewrite="auto")
+            shadow = classify(model) in (PLAIN, SWA)
             rule = calibrate(model, n_seq=args.slots, can_trim=can_trim, settings=settings,
-                             cache=not args.fresh, progress=default_reporter()
+                             cache=not args.fresh, shadow=shadow, progress=default_reporter()
                              if sys.stderr.isatty() else PlainLines(sys.stderr, every=5.0))
             print(f"{model.path.name}: {rule.describe()} ({time.perf_counter() - t0:.1f} s; "
                   f"cached in {cache_dir() / FILE})")

@@ -19,7 +19,10 @@ multiple of ``align`` (a *block* row) or after it (a *remainder* row). Block row
 change class when the run grows: they are *settled*. Remainder rows are exact for this very
 prompt, but the next turn computes them again (at most ``align - 1`` rows, plus enough
 settled rows to give the new chunk ``threshold`` rows). Generated tokens are one-row
-decodes: exact when :attr:`PrefillRule.single_row` holds, else rewritten (see the engine).
+decodes: exact when :attr:`PrefillRule.single_row` holds, else rewritten (see the engine):
+in idle time, or while the reply is generated, in a *shadow* sequence that receives its
+settled rows in chunks (:func:`block_chunk`) between generation decodes
+(:attr:`PrefillRule.mixed`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class PrefillRule:
     exact: bool = True  # the rule was proven on this model and build
     single_row: bool = False  # a one-row decode computes a row as a batched prefill does
     gen_rows: int = 0  # most sequences one generation decode may hold (0: no limit found)
+    mixed: bool = False  # a shadow sequence's chunks between generation decodes stay exact
     reason: str = ""  # why not exact, in plain words
     table: tuple[tuple[int, bool], ...] = field(default=(), compare=False)  # rows -> equal
     seconds: float = field(default=0.0, compare=False)  # how long the calibration took
@@ -55,8 +59,11 @@ class PrefillRule:
             how = f"prefill in {self.align}-aligned chunks of {self.threshold}+ rows"
         else:
             how = f"prefill in chunks of {self.threshold}+ rows"
-        reply = ("replies need no rewrite" if self.single_row
-                 else "replies rewritten as a batch")
+        if self.single_row:
+            reply = "replies need no rewrite"
+        else:
+            reply = ("replies rewritten as a batch; mixed steps: "
+                     + ("yes" if self.mixed else "no"))
         return f"exact: yes, {how}; {reply}"
 
     def to_json(self) -> dict[str, Any]:
@@ -178,6 +185,24 @@ def next_chunk(units: Sequence[Any], pos: int, rule: PrefillRule, cap: int,
             n = s - pos
             break
     return n
+
+
+def block_chunk(units: Sequence[Any], pos: int, rule: PrefillRule, cap: int) -> int:
+    """Rows a chunk from ``pos`` may take now, of a run that is still growing (0: not yet).
+
+    The run is a reply being generated. ``pos`` is a multiple of ``align`` from its run's
+    start (a settled position). The chunk holds a multiple of ``align`` rows, at least
+    ``threshold`` and at most ``cap``, so that every row of it is a block row, settled
+    whatever the run grows into: a canonical prefill of the finished run computes each of
+    them exactly so.
+    """
+    if pos >= len(units) or not _text(units[pos]):
+        return 0
+    a = rule.align
+    if (pos - run_start(units, pos)) % a:
+        raise ValueError(f"position {pos} is not on its run's {a}-row grid")
+    n = min(run_end(units, pos) - pos, cap) // a * a
+    return n if n >= rule.threshold else 0
 
 
 def chunks(units: Sequence[Any], start: int, end: int, rule: PrefillRule, cap: int

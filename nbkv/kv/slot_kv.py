@@ -362,6 +362,19 @@ class SlotKV:
             return 0
         return self.trim_to(n)
 
+    def swap(self, other: SlotKV) -> None:
+        """Exchange sequences with ``other``: each then holds what the other held.
+
+        Nothing is copied: the two objects trade their llama.cpp sequence and its
+        bookkeeping (a shadow that rewrote a reply takes the slot's place this way).
+        """
+        if other.ctx is not self.ctx or other.memory != self.memory:
+            raise ValueError("only sequences of one context and memory class can be swapped")
+        for name in ("seq_id", "tokens", "settled", "exact_len", "checkpoints", "last_restore"):
+            mine = getattr(self, name)
+            setattr(self, name, getattr(other, name))
+            setattr(other, name, mine)
+
     def checkpoint(self) -> bool:
         """Save a checkpoint at the current end, where the memory needs them.
 

@@ -31,6 +31,7 @@ class MemoryPlan:
     recurrent_layers: int
     type_k: str
     type_v: str
+    shadow: int = 0  # sequences beside the slots, as large as one (nbkv.engine.shadow)
 
     @property
     def per_slot(self) -> int:
@@ -39,8 +40,8 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """Bytes all slots take."""
-        return self.per_slot * self.n_slots
+        """Bytes all slots take (and the shadow sequence, if any)."""
+        return self.per_slot * (self.n_slots + self.shadow)
 
     def describe(self) -> str:
         """``4 slots x 4096 tokens: 90.0 MiB per slot (22.5 KiB per token, f16/f16), 360 MiB``."""
@@ -50,8 +51,9 @@ class MemoryPlan:
                          f"(K {self.type_k}, V {self.type_v})")
         if self.recurrent_layers:
             parts.append(f"{self.state_bytes_per_slot / 2**20:.2f} MiB recurrent state")
-        return (f"{self.n_slots} slots x {self.n_ctx} tokens: {_mib(self.per_slot)} per slot "
-                f"({', '.join(parts)}), {_mib(self.total)} in all")
+        shadow = " (+1 for the reply rewrite)" if self.shadow else ""
+        return (f"{self.n_slots} slots{shadow} x {self.n_ctx} tokens: {_mib(self.per_slot)} "
+                f"per slot ({', '.join(parts)}), {_mib(self.total)} in all")
 
 
 def _mib(n: float) -> str:
@@ -65,11 +67,13 @@ def _per_layer(value: Any, n_layer: int) -> list[int]:
 
 
 def plan(meta: dict[str, Any], n_slots: int, n_ctx: int, type_k: str = "f16",
-         type_v: str = "f16", recurrent: bool = False, hybrid: bool = False) -> MemoryPlan:
+         type_v: str = "f16", recurrent: bool = False, hybrid: bool = False,
+         shadow: int = 0) -> MemoryPlan:
     """The plan for a model with GGUF metadata ``meta`` (as ``read_metadata`` reads it).
 
     ``recurrent``/``hybrid`` come from llama.cpp (``llama_model_is_recurrent`` / ``_hybrid``):
-    a hybrid model's recurrent layers are those with no KV heads.
+    a hybrid model's recurrent layers are those with no KV heads. ``shadow``: sequences of
+    one slot's size beside the slots (counted in :attr:`MemoryPlan.total`).
     """
     arch = str(meta.get("general.architecture", ""))
 
@@ -95,7 +99,7 @@ def plan(meta: dict[str, Any], n_slots: int, n_ctx: int, type_k: str = "f16",
     n_recurrent = sum(1 for a in attn if not a)
     state = n_recurrent * (_state_r(get, n_embd) + _state_s(get, n_embd)) * STATE_BYTES
     return MemoryPlan(n_slots, n_ctx, per_token, state, n_layer - n_recurrent, n_recurrent,
-                      type_k, type_v)
+                      type_k, type_v, shadow if not (recurrent or hybrid) else 0)
 
 
 def _state_r(get: Any, n_embd: int) -> int:

@@ -107,6 +107,10 @@ def actions(r: RequestRecord) -> list[tuple[str, str]]:
         out.append((f"{r.replayed_tokens} tokens from the cache",
                     "the reply's tokens, given again as the cache held them: nothing was "
                     "decoded"))
+    if r.rewrite_mixed:
+        out.append((f"rewrote {r.rewrite_mixed} while replying",
+                    "reply tokens recomputed as a batch during generation (exact mode, "
+                    "requests back to back): the next turn need not read them again"))
     if r.draft_tokens:
         out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
                     "speculative guesses of the next token that proved right"))
