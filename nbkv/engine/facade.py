@@ -9,11 +9,12 @@ prefill, generation, the idle reply rewrite); :mod:`nbkv.kv.spc` keeps system pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
@@ -273,6 +274,21 @@ class Engine(TemplatedAPI, ChatAPI):
         self.scheduler.submit(job)
         s = ChatStream(self, job)
         return s if stream else s.result()
+
+    @contextlib.contextmanager
+    def hold_admission(self) -> Iterator[None]:
+        """Queue requests without admitting them; on exit, they are admitted in one pass.
+
+        Requests sent inside the ``with`` block wait in the queue; when it ends, the
+        scheduler admits them together, in the order they were sent, in one admission pass
+        (what concurrent callers get when they arrive within one decode step). Tests use it
+        to make "several admissions in one pass" happen on purpose, not by timing.
+        """
+        self.scheduler.hold(True)
+        try:
+            yield
+        finally:
+            self.scheduler.hold(False)
 
     def slots(self) -> tuple[SlotInfo, ...]:
         """An immutable snapshot of every slot."""

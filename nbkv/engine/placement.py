@@ -5,6 +5,15 @@ Runs on the scheduler thread. The slot table decides (:mod:`nbkv.kv.slot_table`,
 the system prompt's state restored (SPC), the slot trimmed back to where a canonical prefill
 of the prompt may begin (:mod:`nbkv.kv.invariance`), or to a checkpoint on memory that cannot be
 cut. Then the request's record is started.
+
+The KV operations of one admission, in this order: the conversation the slot held is parked
+(a read of its state); a parked conversation is restored into it (a whole-state write); a
+donor's prefix is copied into it; the system prompt's state is loaded (SPC, never with a
+copy); it is trimmed (metadata, or a checkpoint's recurrent state). llama.cpp runs the data
+part of a copy at the next decode (:meth:`nbkv.llama.backend.Context.seq_cp`), so across
+the requests admitted in one scheduler pass a slot with a copy queued from or into it takes
+no state write until then: a request whose plan would restore a state into it waits for the
+next pass, one decode step later (:func:`must_wait`).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ def start(sched: Scheduler, job: Job) -> bool:
     while True:
         plan = table.place(snaps, p, job.session, cache=cfg.cache,
                            min_tokens=cfg.cache_min_tokens, parked=parked)
-        if plan is None:
+        if plan is None or must_wait(sched, plan):
             return False
         t0 = time.perf_counter()
         entry = lot.take(plan.parked) if plan.parked is not None else None
@@ -157,6 +166,17 @@ def start(sched: Scheduler, job: Job) -> bool:
               len(p.tokens), reuse, len(job.todo))
     sched.events.publish(RequestStarted(job.record))
     return True
+
+
+def must_wait(sched: Scheduler, plan: policy.Plan) -> bool:
+    """``plan`` would write a state into a slot that a queued copy still reads or fills.
+
+    A restore of a parked conversation, a system prompt's state (SPC) or a checkpoint (on
+    memory that cannot be cut) into the slot; the request waits for the next pass.
+    """
+    kv = sched.table[plan.slot].kv
+    return kv.copy_queued and (plan.parked is not None or sched.settings.cache == "spc"
+                               or sched.res.memory.checkpoints)
 
 
 def segments(sched: Scheduler, job: Job, n: int) -> tuple[Segment, ...]:

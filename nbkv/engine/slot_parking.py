@@ -94,7 +94,7 @@ def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
                                   else f"session {session!r} is not parked")
     done = []
     for info in wanted:
-        free = [s for s in table if not s.pending]
+        free = [s for s in table if not s.pending and not s.kv.copy_queued]
         if not free:
             break
         slot = next((s for s in free if not s.tokens), None) or min(
