@@ -57,7 +57,10 @@ def start(sched: Scheduler, job: Job) -> bool:
         if plan is None or must_wait(sched, plan):
             return False
         t0 = time.perf_counter()
-        entry = lot.take(plan.parked) if plan.parked is not None else None
+        info = next((i for i in parked if i.key == plan.parked), None)
+        taken = info is not None and policy.takes_parked(info, job.session, p.tokens)
+        # its own session takes an entry back; any other conversation restores a copy
+        entry = None if info is None else lot.take(info.key) if taken else lot.borrow(info.key)
         if plan.parked is None or entry is not None:
             break
         parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
@@ -82,11 +85,11 @@ def start(sched: Scheduler, job: Job) -> bool:
     kv.last_restore = None
     with sched.cv:
         slot.pending = True
-    parked_to = ""
+    parked_to = None
     park_s = 0.0
     restored = None
     try:
-        if plan.evicted is not None and plan.evicted != job.session:
+        if displaced(slot, plan, job.session):
             t_park = time.perf_counter()
             parked_to = park_slot(sched, slot)  # before the slot is cut, copied over or reused
             park_s = time.perf_counter() - t_park
@@ -119,7 +122,7 @@ def start(sched: Scheduler, job: Job) -> bool:
         kv.resync()
         with sched.cv:
             slot.pending = False
-        if entry is not None and lot is not None:  # taken from the lot: not lost
+        if entry is not None and taken and lot is not None:  # taken from the lot: not lost
             lot.park(entry)
         raise
     checkpoint_pos = kv.last_restore
@@ -130,8 +133,13 @@ def start(sched: Scheduler, job: Job) -> bool:
     donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
     why = table.reason(job.id, p, job.session, own, table[donor].tokens if donor is not None
                        else (), reuse=reuse, wanted=target, donor_session=donor_session,
-                       can_trim=sched.res.memory.can_trim, cache=cfg.cache, restored=restored)
-    table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to))
+                       can_trim=sched.res.memory.can_trim, cache=cfg.cache, restored=restored,
+                       kept_from=snaps[plan.slot].session)
+    if parked_to is not None:  # whose conversation was parked, and how much of it
+        plan = replace(plan, evicted=snaps[plan.slot].session,
+                       evicted_tokens=parked_to.n_tokens)
+    table.claim(slot, job.id, job.session, p, reuse, plan.evicted,
+                parked=parked_to is not None)
     job.slot = slot
     job.reuse = reuse
     job.todo = list(p.tokens[reuse:])
@@ -156,7 +164,7 @@ def start(sched: Scheduler, job: Job) -> bool:
         restored_from=entry.tier if entry is not None and reuse else "",
         restored_tokens=reuse if entry is not None else 0,
         restored_session=entry.session if entry is not None and reuse else None,
-        evicted_parked=parked_to, park_s=park_s,
+        evicted_parked=parked_to.tier if parked_to is not None else "", park_s=park_s,
         reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
         rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact)
     if reply_cached and reply_reused < reply_cached:
@@ -166,6 +174,23 @@ def start(sched: Scheduler, job: Job) -> bool:
               len(p.tokens), reuse, len(job.todo))
     sched.events.publish(RequestStarted(job.record))
     return True
+
+
+def displaced(slot: EngineSlot, plan: policy.Plan, session: str | None) -> bool:
+    """``slot`` holds a conversation that serving ``plan`` would take over: park it first.
+
+    Any conversation but the session's own (which the new one supersedes): another
+    session's, even one the request carries on in place (a fork at its end: the fork may
+    later be edited or cut). An unnamed conversation that an unnamed request carries on in
+    place is that request's own.
+    """
+    if not (slot.tokens or slot.redo):
+        return False
+    if slot.session is not None:
+        return slot.session != session
+    held = slot.msg_ends[-1] if slot.msg_ends else len(slot.tokens) + len(slot.redo)
+    continued = plan.donor is None and plan.parked is None and plan.reuse >= held
+    return not (session is None and continued)
 
 
 def must_wait(sched: Scheduler, plan: policy.Plan) -> bool:

@@ -95,6 +95,7 @@ class Whereabouts:
     by_session: str | None = None
     by_request: int | None = None
     slot: int | None = None  # the slot that was taken
+    first: str | None = None  # hash of the lost conversation's first message
 
 
 @dataclass(frozen=True)
@@ -147,13 +148,15 @@ def explain(
     can_trim: bool,
     cache: str = "imc",
     restored: Restored | None = None,
+    kept_from: str | None = None,
 ) -> Reason:
     """The reason for a request placed with ``reuse`` tokens of KV kept.
 
     ``own`` is the session's slot if it still holds the conversation; ``trace`` what
     happened to that slot; ``wanted`` what the placement would have kept on memory that can
     be cut anywhere (``reuse`` is less when a checkpoint had to be restored further back).
-    ``restored`` is the parked conversation put back into the slot first, if any.
+    ``restored`` is the parked conversation put back into the slot first, if any;
+    ``kept_from`` whose conversation the slot held when the prompt keeps its start in place.
     """
     who = f"session {session}" if session is not None else "this request"
     if cache != "imc":
@@ -169,6 +172,8 @@ def explain(
     if restored is not None:
         return _restored(who, session, trace, restored, tokens, ends, roles, reuse, wanted,
                          can_trim)
+    if trace is not None and trace.first is not None and tuple(hashes[:1]) != (trace.first,):
+        trace = None  # a new conversation: what became of the old one does not explain it
     if trace is not None and trace.fate in (EVICTED, PARKED):
         gone = (" and its conversation parked, but the parked copy was gone (over the "
                 "parking budget, or unreadable)" if trace.fate == PARKED else "")
@@ -186,9 +191,11 @@ def explain(
         if donor_session is not None:
             return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
                                   f"shared start) were copied from {donor_session}'s slot")
-        extra = (f"; the slot it got began with the same {reuse} tokens (e.g. the chat "
-                 "template's opening), so those were kept" if reuse else "")
-        return Reason(FIRST, f"nothing of {who} was cached{extra}")
+        if reuse:  # the start it shares with the conversation the slot held, kept in place
+            held = f"{kept_from}'s conversation" if kept_from else "another conversation"
+            return Reason(COPIED, f"{who} was not cached; the slot it got held {held}, whose "
+                                  f"first {reuse} tokens it shares, so those were kept")
+        return Reason(FIRST, f"nothing of {who} was cached")
     div = _branch(own, tokens, ends, roles)
     if div is None:
         code, text = CONTINUED, f"everything cached for {who} was reused"
