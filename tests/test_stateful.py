@@ -59,13 +59,13 @@ OWN = [f"You are a {who}. Answer in one short sentence." for who in
        ("pirate", "chef", "poet", "doctor", "judge", "robot", "farmer", "pilot")]
 QUESTIONS = ["What is a CPU?", "And memory?", "Why is a cache fast?", "Name a fruit.",
              "What should I read?", "Summarize."]
-KIB = 1 << 10
-#: engine settings an example runs under: (slots, park_ram, park_dir?, park_disk)
+#: engine settings an example runs under: (slots, park_ram, park_dir?, park_disk), budgets in
+#: KV positions (a short conversation holds 40 to 120)
 CONFIGS = [
-    (2, None, False, None),  # RAM only, default budget
-    (2, 40 * KIB, True, 400 * KIB),  # a small RAM and disk: evictions happen
+    (2, None, False, None),  # RAM only, the default budget
+    (2, 150, True, 400),  # a small RAM and disk: evictions happen on both
     (3, 0, True, None),  # every parked conversation on disk
-    (2, 40 * KIB, False, None),  # RAM only, small: evictions are drops
+    (2, 150, False, None),  # RAM only and small: evictions are drops
 ]
 
 
@@ -98,8 +98,14 @@ class Pool:
         self.oracle = Oracle(self.off)
 
     def open(self, config, n_slots=None):
-        slots, ram, disk, disk_bytes = config
-        where = {"park_ram": ram, "park_disk": disk_bytes}
+        slots, ram, disk, disk_positions = config
+        plan = self.off.plan  # what a parked position costs, and a recurrent state
+        per, extra = plan.kv_bytes_per_token, 9 * plan.state_bytes_per_slot  # + checkpoints
+
+        def size(positions, entries):
+            return None if positions is None else int(positions * per + entries * extra)
+
+        where = {"park_ram": size(ram, 2), "park_disk": size(disk_positions, 4)}
         if disk:
             where["park_dir"] = str(self.root / "park")
         self.engine = Engine(self.path, n_slots=n_slots or slots, n_ctx=N_CTX,
@@ -175,7 +181,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _listen(self):
         self.drops_at_open = self.e.stats().get("parking_drops", 0)
-        self.heard = []
+        self.heard, self.applied = [], 0
         self.unsub = self.e.subscribe(
             lambda ev: isinstance(ev, ParkingDropped) and self.heard.append(ev))
 
@@ -405,8 +411,9 @@ class EngineMachine(RuleBasedStateMachine):
     def reopen(self, n_slots):
         if self.e.memory.kind != "plain":
             n_slots = self.config[0]  # only plain states move between slot counts
+        self.pool.close()  # what close() could not spill is announced: heard here
         self.unsub()
-        self.pool.close()
+        self.apply_drops()
         self.e = self.pool.open(self.config, n_slots)
         self.pool.config = None  # another slot count: the next example opens its own
         self._listen()
@@ -466,14 +473,20 @@ class EngineMachine(RuleBasedStateMachine):
         need = len(c.prompt) - self.slack
         return any(common_prefix(i.tokens, c.prompt) >= need for i in self.e.parked())
 
+    def apply_drops(self):
+        """Conversations an announced eviction may have named are excused until they
+        return (an unnamed drop names every unnamed conversation)."""
+        for d in self.heard[self.applied:]:
+            for c in self.convs.values():
+                if c.session == d.session or (d.session is None and c.session is None):
+                    c.excused = c.excused or f"announced: {d.why}"
+        self.applied = len(self.heard)
+
     @invariant()
     def nothing_silently_lost(self):
         if self.e is None:
             return
-        for d in self.heard:
-            for c in self.convs.values():
-                if c.session == d.session or (d.session is None and c.session is None):
-                    c.excused = c.excused or f"announced: {d.why}"
+        self.apply_drops()
         lost = [c.name for c in self.convs.values() if not c.excused and not self.held(c)]
         assert not lost, f"lost without a word: {lost}"
 
