@@ -49,8 +49,8 @@ class EngineLike(Protocol):
     def explain(self, request: int | None = None) -> Any:
         """Why request ``request`` (default: the latest) reused what it did."""
 
-    def clear(self, slot: int | None = None) -> None:
-        """Empty one slot, or all."""
+    def clear(self, slot: int | None = None) -> str | None:
+        """Empty one slot, or all; may say what it emptied."""
 
     def close(self) -> None:
         """Release the engine."""

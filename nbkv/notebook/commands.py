@@ -218,9 +218,9 @@ def clear(ws: Workspace, args: Any) -> Any:
     if args.target is not None and args.all:
         raise InvalidRequestError("%kvcache clear: give a slot or --all, not both")
     if args.target is None and not args.all and not parked:  # too much to lose to a bare one
-        raise InvalidRequestError("%kvcache clear: name a slot (%kvcache clear 0), clear "
-                                  "every slot with %kvcache clear --all, or the parked "
-                                  "conversations with %kvcache clear --parked")
+        raise InvalidRequestError("%kvcache clear: name a slot (%kvcache clear 0) or clear "
+                                  "every slot with %kvcache clear --all (the parked "
+                                  "conversations: %kvcache clear --parked)")
     if parked and not hasattr(engine, "clear_parked"):
         raise InvalidRequestError("%kvcache clear --parked needs the in-kernel engine")
     if parked and args.target is None and not args.all:

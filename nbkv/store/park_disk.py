@@ -222,7 +222,9 @@ class DiskTier:
         return len(self._index)
 
     def infos(self) -> list[ParkedInfo]:
-        """Every entry's light view."""
+        """Every entry's light view (entries of a deleted directory are announced lost)."""
+        if self._index and not (self.dir / ENTRIES).is_dir():
+            self._usable()
         return [r.info for r in self._index.values()]
 
     @property
@@ -288,6 +290,9 @@ class DiskTier:
         """The entry ``key``, every byte checked; None (and the entry deleted) if it fails."""
         rec = self._index.get(key)
         if rec is None:
+            return None
+        if not rec.path.exists() and not (self.dir / ENTRIES).is_dir():
+            self._usable()  # the directory was deleted: its entries are announced lost
             return None
         try:
             body = self._body(rec.path)
