@@ -256,3 +256,19 @@ def test_a_namespace_is_never_seen_unlocked(tmp_path):
     assert tier.dir.is_dir()  # the second engine found it locked: left alone
     tier.close()
     other.close()
+
+
+def test_entries_sharing_a_blob_are_both_taken_over(tmp_path):
+    """Found by the stateful test (lfm2): two entries with the same checkpoint (a shared
+    system prompt) share its blob; the first one taken over moved it, and the second was
+    then deleted as corrupt ("blob missing"): lost without a word."""
+    shared = ((2, buf(64, 3)),)
+    first = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
+    for s, fill in (("a", 1), ("b", 2)):
+        first.park(ParkedEntry(s, (1, 2, 3, 4), ("h1", "h2"), (2, 4), buf(100, fill), shared))
+    first.close()
+    again = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
+    assert names(again) == ["a", "b"] and again.stats()["skipped_corrupt"] == 0
+    for info in again.entries():
+        assert bytes(again.take(info.key).checkpoints[0][1]) == bytes(buf(64, 3))
+    again.close()

@@ -27,7 +27,7 @@ from nbkv.core.events import RequestStarted, Segment
 from nbkv.engine.slot_parking import park_slot, restore_into
 from nbkv.kv import invariance, policy, reasons
 from nbkv.kv.segments import prompt_segments
-from nbkv.kv.slot_kv import SlotKV, trim_valid
+from nbkv.kv.slot_kv import SWA, SlotKV, trim_valid
 from nbkv.llama.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ def start(sched: Scheduler, job: Job) -> bool:
     snaps = table.snapshots()
     lot = sched.parking if cfg.cache == "imc" else None
     parked = list(lot.entries()) if lot is not None else []
+    if sched.res.memory.kind == SWA:  # longer than the window: it would come back unproven
+        parked = [i for i in parked if i.n_tokens <= sched.res.memory.n_swa]
     while True:
         plan = table.place(snaps, p, job.session, cache=cfg.cache,
                            min_tokens=cfg.cache_min_tokens, parked=parked)
@@ -130,11 +132,15 @@ def start(sched: Scheduler, job: Job) -> bool:
     # the previous reply, as generated, against its re-tokenization in this prompt
     reply_cached = max(prev_len - prev_prompt_len, 0) if donor is None else 0
     reply_reused = min(max(reuse - prev_prompt_len, 0), reply_cached)
+    if not reuse:  # a copy or a restore that kept nothing is not one: say what was done
+        donor, restored = None, None
     donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
+    still_parked = job.session is not None and lot is not None and (
+        lot.find(job.session) is not None or (entry is not None and taken))
     why = table.reason(job.id, p, job.session, own, table[donor].tokens if donor is not None
                        else (), reuse=reuse, wanted=target, donor_session=donor_session,
                        can_trim=sched.res.memory.can_trim, cache=cfg.cache, restored=restored,
-                       kept_from=snaps[plan.slot].session)
+                       kept_from=snaps[plan.slot].session, still_parked=still_parked)
     if parked_to is not None:  # whose conversation was parked, and how much of it
         plan = replace(plan, evicted=snaps[plan.slot].session,
                        evicted_tokens=parked_to.n_tokens)
@@ -162,7 +168,7 @@ def start(sched: Scheduler, job: Job) -> bool:
         restore_s=restore_s, segments=segments(sched, job, len(p.tokens)),
         media_chunks=p.image_chunks, checkpoint_pos=checkpoint_pos,
         restored_from=entry.tier if entry is not None and reuse else "",
-        restored_tokens=reuse if entry is not None else 0,
+        restored_tokens=reuse if entry is not None and reuse else 0,
         restored_session=entry.session if entry is not None and reuse else None,
         evicted_parked=parked_to.tier if parked_to is not None else "", park_s=park_s,
         reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,

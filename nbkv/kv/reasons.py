@@ -116,6 +116,11 @@ class Restored:
     cached: Cached  # what it held
 
 
+def _whose(session: str | None) -> str:
+    """``bob's``, or ``an unnamed`` for a request without a session."""
+    return f"{session}'s" if session is not None else "an unnamed"
+
+
 def _unit_is_media(u: Any) -> bool:
     return not isinstance(u, int)
 
@@ -149,6 +154,7 @@ def explain(
     cache: str = "imc",
     restored: Restored | None = None,
     kept_from: str | None = None,
+    still_parked: bool = False,
 ) -> Reason:
     """The reason for a request placed with ``reuse`` tokens of KV kept.
 
@@ -156,7 +162,8 @@ def explain(
     happened to that slot; ``wanted`` what the placement would have kept on memory that can
     be cut anywhere (``reuse`` is less when a checkpoint had to be restored further back).
     ``restored`` is the parked conversation put back into the slot first, if any;
-    ``kept_from`` whose conversation the slot held when the prompt keeps its start in place.
+    ``kept_from`` whose conversation the slot held when the prompt keeps its start in place;
+    ``still_parked``: the session's conversation is parked, but could not serve this prompt.
     """
     who = f"session {session}" if session is not None else "this request"
     if cache != "imc":
@@ -175,9 +182,12 @@ def explain(
     if trace is not None and trace.first is not None and tuple(hashes[:1]) != (trace.first,):
         trace = None  # a new conversation: what became of the old one does not explain it
     if trace is not None and trace.fate in (EVICTED, PARKED):
-        gone = (" and its conversation parked, but the parked copy was gone (over the "
-                "parking budget, or unreadable)" if trace.fate == PARKED else "")
-        return Reason(EVICTED, f"{who}'s slot was taken by {trace.by_session}'s request "
+        gone = ""
+        if trace.fate == PARKED:
+            gone = (" and its conversation parked, but the parked state could not serve this "
+                    "prompt" if still_parked else " and its conversation parked, but the "
+                    "parked copy was gone (over the parking budget, or unreadable)")
+        return Reason(EVICTED, f"{who}'s slot was taken by {_whose(trace.by_session)} request "
                                f"#{trace.by_request}{gone}, so its conversation was read "
                                f"again{copied}")
     if trace is not None and trace.fate == CLEARED:
@@ -188,7 +198,7 @@ def explain(
                                 f"cache started empty, so the conversation was read again"
                                 f"{copied}")
     if own is None:
-        if donor_session is not None:
+        if donor_session is not None and reuse:
             return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
                                   f"shared start) were copied from {donor_session}'s slot")
         if reuse:  # the start it shares with the conversation the slot held, kept in place
@@ -251,7 +261,7 @@ def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Resto
     when = ""
     if trace is not None and trace.fate == PARKED:
         slot = f"slot {trace.slot}" if trace.slot is not None else "its slot"
-        when = f" when {trace.by_session}'s request #{trace.by_request} took {slot}"
+        when = f" when {_whose(trace.by_session)} request #{trace.by_request} took {slot}"
     text = f"{who}'s conversation was parked{when}; restored {amount} from {where}"
     if not reuse:
         text = (f"{who}'s conversation was parked{when}, but its state from {where} could not "

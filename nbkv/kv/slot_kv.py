@@ -372,7 +372,7 @@ class SlotKV:
         self.ctx.state_set(self.seq_id, state)
         self.tokens = list(tokens)
         self.settled = self.exact_len = len(self.tokens)
-        if not self.verify():
+        if not self.verify() or not self._layout_proven():  # see put_back
             self.clear()
             return
         self.checkpoint()
@@ -383,7 +383,15 @@ class SlotKV:
                           self.exact_len, self.checkpoints.copy())
 
     def put_back(self, snap: KVSnapshot) -> None:
-        """Restore a :meth:`snapshot` of this slot (its KV, tokens and checkpoints)."""
+        """Restore a :meth:`snapshot` of this slot (its KV, tokens and checkpoints).
+
+        On sliding-window memory a state longer than the window comes back with only the
+        window's cells of the SWA layers (llama.cpp saves no masked cell), packed at the
+        start of the stream where a prefill puts each position in its own cell. Attention
+        then sums over its cells in another grouping, and extending such a slot does not
+        always give a prefill's logits: it is served as unproven (``settled`` 0) until the
+        idle rewrite has prefilled it again.
+        """
         self.clear()
         self.ctx.state_set(self.seq_id, snap.state)
         self.tokens = list(snap.tokens)
@@ -394,6 +402,15 @@ class SlotKV:
         if not self.verify():
             log.error("seq %d: a snapshot did not restore; clearing the slot", self.seq_id)
             self.clear()
+        elif not self._layout_proven():
+            log.debug("seq %d: restored sliding-window state keeps only its window; "
+                      "unproven until prefilled again", self.seq_id)
+            self.settled = self.exact_len = 0
+
+    def _layout_proven(self) -> bool:
+        """Every position sits where a prefill puts it (sliding window: no cell missing)."""
+        return self.memory.kind != SWA or not self.tokens or \
+            self.ctx.seq_pos_min(self.seq_id) == 0
 
     def clear(self) -> None:
         """Empty the sequence."""

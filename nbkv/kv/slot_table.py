@@ -209,7 +209,7 @@ class SlotTable(Generic[S]):
                own: SlotInfo | None, source: Sequence[Any], *, reuse: int, wanted: int,
                donor_session: str | None = None, can_trim: bool = True,
                cache: str = "imc", restored: reasons.Restored | None = None,
-               kept_from: str | None = None) -> reasons.Reason:
+               kept_from: str | None = None, still_parked: bool = False) -> reasons.Reason:
         """Why ``request`` reuses ``reuse`` positions; keeps the comparison for explain()."""
         cached = (reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None
                   else None)
@@ -218,7 +218,8 @@ class SlotTable(Generic[S]):
             else None, own=cached, tokens=prompt.tokens, hashes=prompt.hashes,
             ends=prompt.ends, roles=[m["role"] for m in prompt.messages], reuse=reuse,
             wanted=wanted, donor_session=donor_session, dropped=prompt.dropped,
-            can_trim=can_trim, cache=cache, restored=restored, kept_from=kept_from)
+            can_trim=can_trim, cache=cache, restored=restored, kept_from=kept_from,
+            still_parked=still_parked)
         if restored is not None:
             source = restored.cached.tokens
         self.compared[request] = (tuple(own.tokens if own is not None else source),

@@ -181,8 +181,8 @@ class Put:
     why: str = ""  # why it was not written
 
 
-#: ``on_lost(info, why)``: an entry left the disk other than by take or delete
-LostCallback = Callable[[ParkedInfo, str], None]
+#: ``on_lost(info, why, corrupt)``: an entry left the disk other than by take or delete
+LostCallback = Callable[[ParkedInfo, str, bool], None]
 
 
 class DiskTier:
@@ -280,9 +280,12 @@ class DiskTier:
                      victim.info.session or "-", victim.info.n_tokens)
             self.delete(victim.info.key)
             gone.append(victim.info)
-            if self.on_lost is not None:
-                self.on_lost(victim.info, "over the disk budget")
+            self._tell(victim.info, "over the disk budget")
         return tuple(gone)
+
+    def _tell(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
+        if self.on_lost is not None:
+            self.on_lost(info, why, corrupt)
 
     # ------------------------------------------------------------------ reading
 
@@ -314,6 +317,7 @@ class DiskTier:
         except (RestoreError, OSError) as e:
             self._skip(rec.path, str(e))
             self.delete(key)
+            self._tell(rec.info, f"unreadable: {e}", corrupt=True)
             return None
         return entry
 
@@ -419,14 +423,15 @@ class DiskTier:
             self._sweep()  # entries whose manifests survive elsewhere keep their blobs
             ok = True
         for info in lost:
-            if self.on_lost is not None:
-                self.on_lost(info, "its file was deleted from the parking directory")
+            self._tell(info, "its file was deleted from the parking directory")
         return ok
 
     def _adopt_orphans(self) -> None:
         """Take over the servable entries of namespaces whose engine is gone."""
         spaces = [(p, False) for p in sorted((self.root / ENGINES).iterdir())
-                  if p.is_dir() and p != self.dir]
+                  if p.is_dir() and p != self.dir
+                  # a hidden one is being made (not yet locked), unless a killed one
+                  and (not p.name.startswith(".") or _older_than(p, LEGACY_TMP_AGE))]
         if (self.root / ENTRIES).is_dir():
             spaces.append((self.root, True))  # nbkv 0.1's layout
         for ns, legacy in spaces:
@@ -488,11 +493,13 @@ class DiskTier:
         """Move one manifest and its blobs from ``ns`` into this namespace."""
         for name in body["blobs"]:
             src, dst = ns / BLOBS / name, self.dir / BLOBS / name
+            if dst.exists():  # moved with an entry adopted before (blobs are shared)
+                continue
             if not src.is_file():
                 self._skip(path, f"blob {name} is missing")
+                self._tell(info_from_json(body["entry"], self.n_vocab, DISK),
+                           f"unreadable: blob {name} is missing", corrupt=True)
                 return False
-            if dst.exists():
-                continue
             if name in stays:  # an entry left behind names it too
                 shutil.copyfile(src, dst)
             else:

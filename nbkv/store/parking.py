@@ -188,13 +188,14 @@ class ParkingLot:
             self._announce(entry.info(RAM), why)
         return False
 
-    def _lost(self, info: ParkedInfo, why: str) -> None:
-        """The disk tier lost an entry (its budget, its directory deleted)."""
+    def _lost(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
+        """The disk tier lost an entry (its budget, its directory deleted, corrupt)."""
         self._order.pop(info.key, None)
-        self._announce(info, why)
+        self._announce(info, why, count=not corrupt)  # corrupt ones: skipped_corrupt
 
-    def _announce(self, info: ParkedInfo, why: str) -> None:
-        self._counts["drops"] += 1
+    def _announce(self, info: ParkedInfo, why: str, count: bool = True) -> None:
+        if count:
+            self._counts["drops"] += 1
         d = Dropped(info.session, info.key, info.n_tokens, info.tier, why, time.time())
         self.dropped.append(d)
         log.info("parked conversation %s dropped: %s", d, why)
