@@ -263,8 +263,10 @@ class EngineMachine(RuleBasedStateMachine):
             assert rec.reused_tokens >= want, (
                 f"{c.name} got back {rec.reused_tokens} of the {kept} tokens held for it "
                 f"({rec.reason}: {rec.reason_text})")
-        elif kind != "sliding-window" and kept >= len(c.prompt) and c.prompt:
-            # checkpoints: at least the previous prompt, whose end has one
+        elif kind != "sliding-window" and c.prompt and len(prompt) > len(c.prompt) \
+                and kept >= len(c.prompt):
+            # checkpoints: a next turn keeps at least the previous prompt (its reply's end
+            # has one); a re-run or an edit goes back to the checkpoint before its cut
             assert rec.reused_tokens >= len(c.prompt) - self.slack, (c.name, rec.reason_text)
         if alone and rec.evicted_parked:
             found = [i for i in self.e.parked() if i.session == rec.evicted_session
