@@ -272,3 +272,17 @@ def test_entries_sharing_a_blob_are_both_taken_over(tmp_path):
     for info in again.entries():
         assert bytes(again.take(info.key).checkpoints[0][1]) == bytes(buf(64, 3))
     again.close()
+
+
+def test_a_sessions_newer_conversation_is_never_replaced_by_an_older_one(lot):
+    """Found by the stateful test (gemma3): an edit, then an unpark of the session's older
+    parked conversation into a second slot, then park(all=True): the older one, parked
+    last, replaced the newer one."""
+    newer = lot.park(entry("c2", used_at=20.0, fill=1))
+    kept = lot.park(entry("c2", used_at=10.0, fill=2))
+    assert kept.key == newer.key and len(lot) == 1
+    assert bytes(lot.borrow(newer.key).state) == bytes(buf(1000, 1))
+    again = lot.park(entry("c2", used_at=30.0, fill=3))  # newer still: it replaces
+    assert again.key != newer.key and len(lot) == 1
+    forced = lot.import_([entry("c2", used_at=5.0, fill=4)])  # a restore asks by name
+    assert forced[0].key not in (newer.key, again.key) and len(lot) == 1

@@ -143,3 +143,28 @@ def test_reason_words_for_a_copy_of_nothing_and_an_unnamed_evictor():
     assert why.code == reasons.EVICTED and "an unnamed request #7" in why.text
     assert "could not serve this prompt" in why.text and "gone" not in why.text
 
+
+
+def test_unparking_an_older_conversation_of_an_edited_session_loses_nothing(gemma3):
+    """Found (gemma3): c2 forks an unnamed conversation, everything is parked, c2 edits its
+    last turn (its old conversation stays parked), ``unpark("c2")`` brings the old one back
+    into the other slot, ``park(all=True)``: the old one, parked last, replaced c2's newer
+    conversation in the lot: lost without a word."""
+    from nbkv.kv.policy import common_prefix
+
+    e, off = gemma3
+    e.clear(parked=True)
+    c1 = [{"role": "system", "content": "You are a chef. Answer in one short sentence."},
+          {"role": "user", "content": "What is a CPU?"}]
+    c1.append(e.chat(c1, max_tokens=2, temperature=0).message)
+    c2 = [*c1, {"role": "user", "content": "Name a fruit."}]
+    e.chat(c2, session="c2", max_tokens=2, temperature=0)
+    e.park(all=True)
+    edited = [*c1[:-2], {"role": "user", "content": "What is a CPU? Briefly."}]
+    r = e.chat(edited, session="c2", max_tokens=2, temperature=0)
+    assert r.text == off.chat(edited, max_tokens=2, temperature=0).text
+    latest = e.tokenize_prompt(edited)
+    e.unpark("c2")
+    e.park(all=True)
+    held = [i.tokens for i in e.parked()] + [s.tokens for s in e.slots()]
+    assert any(common_prefix(t, latest) >= len(latest) - 3 for t in held)

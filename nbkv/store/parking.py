@@ -19,7 +19,10 @@ The lot's rules:
   :attr:`ParkingLot.dropped` (session, tokens, why) and passed to ``on_drop``.
 - Least recently used leaves first, by the wall clock of its last use in a slot
   (``used_at``), so the order holds across restarts and restores.
-- At most one entry per session: parking a session again replaces its older entry.
+- At most one entry per session, its most recently used conversation: parking a session
+  again replaces its older entry (an older conversation of a session whose newer one is
+  parked is not parked: the newer one stands for it). A restore's entries replace the
+  current ones: they were asked for by name.
 
 Pure bookkeeping over opaque buffers: no model, no llama.cpp; safe to call from any thread.
 """
@@ -140,6 +143,9 @@ class ParkingLot:
     def park(self, entry: ParkedEntry, drop: bool = True) -> ParkedInfo | None:
         """Park ``entry`` (it gets a new ``key``); returns where it went, None if not kept.
 
+        An older conversation of a session whose newer one is parked is not parked: the
+        newer entry's info is returned.
+
         Entries leaving RAM to make room spill to disk, or are dropped (announced) without
         one; an entry larger than the whole RAM budget goes straight to disk. With
         ``drop=False`` an entry that fits nowhere is not dropped but handed back (None, and
@@ -151,8 +157,13 @@ class ParkingLot:
                 self._counts["parks"] += 1
             return info
 
-    def _park(self, entry: ParkedEntry, drop: bool = True) -> ParkedInfo | None:
+    def _park(self, entry: ParkedEntry, drop: bool = True, force: bool = False
+              ) -> ParkedInfo | None:
         if entry.session is not None:
+            newer = self.find(entry.session)
+            if newer is not None and not force and (newer.used_at, newer.last_used) > (
+                    entry.used_at, entry.last_used):
+                return newer  # an older conversation of a session: its newer one stands
             self.drop_session(entry.session)  # its older conversation: superseded
         n = next(self._seq)
         entry.key = f"{entry.session if entry.session is not None else '-'}#{n}"
@@ -342,7 +353,7 @@ class ParkingLot:
                 self.clear()
             out = []
             for e in sorted(entries, key=lambda e: (e.used_at, e.last_used)):
-                info = self._park(e)
+                info = self._park(e, force=True)  # the save's, asked for by name
                 self._counts["parks"] += 1
                 out.append(info)
             return out
