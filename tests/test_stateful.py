@@ -47,6 +47,7 @@ from conftest import assert_consistent
 from nbkv import Engine
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import ParkingDropped
+from nbkv.engine.placement import REPLY_TAIL
 from nbkv.kv import reasons
 from nbkv.kv.policy import common_prefix
 
@@ -193,8 +194,10 @@ class EngineMachine(RuleBasedStateMachine):
 
     @property
     def slack(self):
+        """The canonical cut: positions a prefill grouping may read again; on memory that
+        cannot be cut, back to the checkpoint a few positions before a prompt's end."""
         rule = self.e.prefill_rule
-        return rule.min_chunk + rule.align
+        return rule.min_chunk + rule.align + (REPLY_TAIL if self.e.memory.checkpoints else 0)
 
     @property
     def on_disk(self):
