@@ -506,7 +506,8 @@ class Engine(TemplatedAPI, ChatAPI):
         if self.scheduler.closed:
             return
         lot = self.parking
-        if lot is not None and lot.disk is not None:  # what the slots and RAM hold, on disk
+        on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
+        if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
             try:
                 self.scheduler.call(lambda: (settle_all(self.scheduler),
                                              spill_all(self.scheduler)))
