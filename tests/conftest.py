@@ -48,7 +48,7 @@ MAX_TOKENS = 12
 settings.register_profile("nbkv", max_examples=int(os.environ.get("NBKV_STATEFUL", 30)),
                           stateful_step_count=12, derandomize=True, deadline=None,
                           print_blob=True)
-settings.register_profile("long", max_examples=300, stateful_step_count=40, derandomize=False,
+settings.register_profile("long", max_examples=150, stateful_step_count=40, derandomize=False,
                           deadline=None, print_blob=True)
 settings.load_profile("nbkv")
 
