@@ -441,7 +441,8 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
 
 KILLED = """
     import json, sys, time
-    from nbkv import Engine, blobstore, persist
+    from nbkv import Engine
+    from nbkv.store import blobstore, persist
     from nbkv.notebook.sessions import SessionStore
 
     model_path, save, phase = sys.argv[1:4]
@@ -536,11 +537,9 @@ def test_round_trip_on_other_memory_classes(family, tmp_path):
             ra = a.chat(m, session="h", max_tokens=MAX, temperature=0)
             rb = b.chat(m, session="h", max_tokens=MAX, temperature=0)
             assert ra.text == rb.text
-            if edit and a.memory.kind == "sliding-window":
-                # llama.cpp saves only the window of the SWA layers: a restored slot extends
-                # exactly, but cannot go back further than the window, so it rebuilds
-                assert rb.record.reused_tokens == 0 < ra.record.reused_tokens
-                continue
+            # sliding window: llama.cpp saves only the window of the SWA layers, so the
+            # restored slot was unproven until the idle rewrite (here: the probe above, which
+            # waits for it) prefilled it again; then it goes back like the original
             assert rb.record.reused_tokens == ra.record.reused_tokens > 0
             assert rb.record.checkpoint_pos == ra.record.checkpoint_pos
         if checkpointed:
