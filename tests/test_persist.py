@@ -531,9 +531,8 @@ def test_round_trip_on_other_memory_classes(family, tmp_path):
         assert np.array_equal(np.array(b.probe(got.index, PROBE)), want_probe)
         # the next turn, and an edited last question (back to a restored checkpoint)
         msgs = restored["h"].messages
-        for edit, m in enumerate((
-                msgs + [{"role": "user", "content": QUESTIONS[2]}],
-                msgs[:-2] + [{"role": "user", "content": "Tell me about disks."}])):
+        for m in (msgs + [{"role": "user", "content": QUESTIONS[2]}],
+                  msgs[:-2] + [{"role": "user", "content": "Tell me about disks."}]):
             ra = a.chat(m, session="h", max_tokens=MAX, temperature=0)
             rb = b.chat(m, session="h", max_tokens=MAX, temperature=0)
             assert ra.text == rb.text
