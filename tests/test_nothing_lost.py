@@ -20,6 +20,7 @@ from nbkv import Engine
 from nbkv.core.events import ParkingDropped
 from nbkv.kv.reasons import COPIED, FIRST, RESTORED
 from nbkv.llama.models import default_model_path
+from nbkv.ui.figures import summary
 
 SHARED = ("You are a helpful librarian. You recommend one book at a time and explain your "
           "choice in a single short sentence.")
@@ -283,7 +284,7 @@ def test_the_numbers_said_are_the_numbers_kept(clean, oracle, tier):
     rec = e.history[-1]
     assert rec.evicted_session == "ann"
     assert rec.evicted_tokens == parked(e)["ann"].n_tokens  # "took ann's slot (N parked)"
-    assert f"({rec.evicted_tokens} tokens parked)" in rec.summary()
+    assert f"({rec.evicted_tokens} tokens parked)" in summary(rec)
     say(e, oracle, a, QUESTIONS[1], "ann")  # back; its reply not yet rewritten
     n = next(s.n_tokens for s in e.slots() if s.session == "ann")
     said = e.park("ann")

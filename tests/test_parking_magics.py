@@ -27,6 +27,13 @@ class Parker:
         self.calls.append(("unpark", session, all))
         return f"restored {session or 'every conversation'}"
 
+    def parked(self):
+        return ()
+
+    def clear_parked(self):
+        self.calls.append(("clear_parked",))
+        return "forgot 1 parked conversation(s)"
+
 
 class Loaded(Exception):
     """Raised by the stand-in loader with the engine arguments it was given."""
@@ -99,13 +106,13 @@ def test_parse_bytes_refuses_what_is_not_a_size():
             parse_bytes(bad, "--park-ram")
 
 
-class Clearer:
+class Clearer(Parker):
     """An engine that clears and parks: records the calls; a real parking lot."""
 
     def __init__(self):
         from nbkv.store.parking import ParkedEntry, ParkingLot
 
-        self.calls = []
+        super().__init__()
         self.parking = ParkingLot(ram_bytes=1500)
         for s in ("ann", "bob"):  # the second evicts the first: an announced drop
             self.parking.park(ParkedEntry(s, (1, 2, 3), ("h",), (3,), bytes(1000)))
@@ -116,10 +123,6 @@ class Clearer:
     def clear(self, slot=None, parked=False):
         self.calls.append(("clear", slot, parked))
         return f"cleared {'every idle slot' if slot is None else f'slot {slot}'}"
-
-    def clear_parked(self):
-        self.calls.append(("clear_parked",))
-        return "forgot 1 parked conversation(s)"
 
 
 def test_clear_keeps_or_forgets_the_parked_conversations(magics):

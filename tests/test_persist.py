@@ -19,8 +19,7 @@ import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture, run_py
 from nbkv import Engine
-from nbkv.core.errors import RestoreError, SaveError
-from nbkv.engine.state import EngineBusy
+from nbkv.core.errors import EngineBusy, RestoreError, SaveError
 from nbkv.kv import policy
 from nbkv.kv.oracle import scratch_logits
 from nbkv.notebook.sessions import SessionStore

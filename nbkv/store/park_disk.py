@@ -18,19 +18,20 @@ leaves either a whole entry or none. Nothing is pickled.
 Opening a directory makes the engine's namespace (under a hidden name, renamed into place
 once its lock is held, so nobody sees it unlocked) and looks at the others. A namespace whose
 lock nobody holds is orphaned: its engine was closed, or its process died. Its entries that
-this engine can serve (same model, context, KV layout and build; another number of slots on
-plain attention, whose states are re-addressed when read) are adopted: moved into this
-engine's namespace, keeping their order of use. Entries of another identity are left where
-they are. What an orphaned namespace holds that none of its manifests names (the blobs and
-temporary files of a killed writer) is deleted, and an emptied one is removed. A namespace
-whose lock is held is never touched. The layout of nbkv 0.1 (``entries/`` and ``blobs/`` at
-the top, no lock) is treated as orphaned, its temporary files as a dead writer's once an
-hour old.
+this engine can serve (signed by this user's key, same model, context, KV layout and build;
+another number of slots on plain attention, whose states are re-addressed when read) are
+adopted: moved into this engine's namespace, keeping their order of use. Entries of another
+identity are left where they are. What an orphaned namespace holds that none of its
+manifests names (the blobs and temporary files of a killed writer) is deleted, and an
+emptied one is removed. A namespace whose lock is held is never touched. The layout of nbkv
+0.1 (``entries/`` and ``blobs/`` at the top, no lock) is treated as orphaned, its temporary
+files as a dead writer's once an hour old.
 
-An entry that fails a check when it is read (truncated, corrupt, edited) is skipped with a
-warning naming its file and why, and deleted. If the directory is deleted while the engine
-runs, it is made again at the next write, and the entries it held are reported lost; where
-it cannot be made again, :attr:`DiskTier.gone` says why and nothing is written.
+An entry that fails a check when it is read (truncated, corrupt, edited, not signed by this
+user's nbkv key) is never served: it is skipped with a warning naming its file and why, and
+deleted. If the directory is deleted while the engine runs, it is made again at the next
+write, and the entries it held are reported lost; where it cannot be made again,
+:attr:`DiskTier.gone` says why and nothing is written.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbkv.core.errors import RestoreError
+from nbkv.core.errors import RestoreError, UntrustedSaveError
 from nbkv.store.blobstore import (
     BLOB_NAME,
     BLOBS,
@@ -61,6 +62,7 @@ from nbkv.store.blobstore import (
     fsync_dir,
     manifest_text,
     sweep,
+    untrusted,
     write_blobs,
     write_file,
 )
@@ -344,6 +346,9 @@ class DiskTier:
                                f"{VERSION}")
         if body_checksum(body) != doc.get("checksum"):
             raise RestoreError("the manifest fails its checksum (corrupt or edited)")
+        why = untrusted(doc)
+        if why:  # never served: its KV could be anything (nbkv.store.signing)
+            raise UntrustedSaveError(f"not signed by your nbkv key: {why}")
         table = body.get("blobs")
         if not isinstance(table, dict) or not all(
                 BLOB_NAME.fullmatch(n) and isinstance(m, dict) and isinstance(m.get("size"), int)
