@@ -256,7 +256,7 @@ def test_kvcache_commands_render_html_and_text(loaded):
 
     assert str(loaded.run_line_magic("kvcache", "clear 1")).startswith("cleared slot 1")
     assert e.slots()[1].empty
-    assert "cleared every slot" in str(loaded.run_line_magic("kvcache", "clear --all"))
+    assert "cleared every idle slot" in str(loaded.run_line_magic("kvcache", "clear --all"))
     assert all(s.empty for s in e.slots())
     dash = loaded.run_line_magic("kvcache", "widget")
     try:
