@@ -44,7 +44,8 @@ QUESTIONS = [
 MAX_TOKENS = 12
 
 # the stateful simulation (tests/test_stateful.py): ``make test`` runs a fixed-seed, bounded
-# profile; ``pytest tests/test_stateful.py --hypothesis-profile=long`` explores further
+# profile; ``pytest tests/test_stateful.py --hypothesis-profile=long --timeout=0`` explores
+# further (about an hour: past pytest-timeout's 900 s)
 settings.register_profile("nbkv", max_examples=int(os.environ.get("NBKV_STATEFUL", 30)),
                           stateful_step_count=12, derandomize=True, deadline=None,
                           print_blob=True)
