@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from nbkv.core.errors import ContextOverflowError, MediaError
 from nbkv.kv.oracle import scratch_logits
@@ -41,6 +42,16 @@ QUESTIONS = [
 ]
 
 MAX_TOKENS = 12
+
+# the stateful simulation (tests/test_stateful.py): ``make test`` runs a fixed-seed, bounded
+# profile; ``pytest tests/test_stateful.py --hypothesis-profile=long --timeout=0`` explores
+# further (about an hour: past pytest-timeout's 900 s)
+settings.register_profile("nbkv", max_examples=int(os.environ.get("NBKV_STATEFUL", 30)),
+                          stateful_step_count=12, derandomize=True, deadline=None,
+                          print_blob=True)
+settings.register_profile("long", max_examples=150, stateful_step_count=40, derandomize=False,
+                          deadline=None, print_blob=True)
+settings.load_profile("nbkv")
 
 
 class QuietComm:

@@ -254,9 +254,9 @@ def test_kvcache_commands_render_html_and_text(loaded):
     magics = loaded.magics_manager.registry["Nbkv"]
     assert config["Nbkv.slots"] == repr(magics.slots) and config["Nbkv.max_tokens"] == "8"
 
-    assert str(loaded.run_line_magic("kvcache", "clear 1")) == "cleared slot 1"
+    assert str(loaded.run_line_magic("kvcache", "clear 1")).startswith("cleared slot 1")
     assert e.slots()[1].empty
-    assert "cleared every slot" in str(loaded.run_line_magic("kvcache", "clear --all"))
+    assert "cleared every idle slot" in str(loaded.run_line_magic("kvcache", "clear --all"))
     assert all(s.empty for s in e.slots())
     dash = loaded.run_line_magic("kvcache", "widget")
     try:

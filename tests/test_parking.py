@@ -37,12 +37,12 @@ def sessions(lot, tier=None):
     return {i.session for i in lot.entries() if tier is None or i.tier == tier}
 
 
-def files(d):
-    return sorted(p.name for p in (d / ENTRIES).iterdir())
+def files(lot):
+    return sorted(p.name for p in (lot.disk.dir / ENTRIES).iterdir())
 
 
-def blobs(d):
-    return sorted(p.name for p in (d / blobstore.BLOBS).iterdir())
+def blobs(lot):
+    return sorted(p.name for p in (lot.disk.dir / blobstore.BLOBS).iterdir())
 
 
 # ------------------------------------------------------------------ entries
@@ -140,13 +140,13 @@ def test_entries_leaving_ram_spill_to_disk_and_come_back_exact(tmp_path):
     st = lot.stats()
     assert st["spills"] == 1 and st["drops"] == 0
     assert st["disk_bytes"] == 1000 + 50 + 60  # the blobs' real sizes
-    assert len(files(tmp_path)) == 1 and len(blobs(tmp_path)) == 3
+    assert len(files(lot)) == 1 and len(blobs(lot)) == 3
     e = lot.take(infos[0].key)
     assert e.tier == DISK and e.tokens == tokens and e.checkpoints[1][0] == 5
     assert bytes(e.checkpoints[1][1]) == bytes(buf(60, 8))
     assert isinstance(e.state, ctypes.Array) and bytes(e.state) == bytes(buf(1000, ord("a")))
     assert e.segments[0].preview == "sys" and e.hashes == ("h1", "h2")
-    assert files(tmp_path) == [] and blobs(tmp_path) == []  # taken: deleted from disk
+    assert files(lot) == [] and blobs(lot) == []  # taken: deleted from disk
 
 
 def test_an_entry_larger_than_ram_goes_straight_to_disk(tmp_path):
@@ -160,7 +160,7 @@ def test_the_disk_budget_deletes_the_oldest_first(tmp_path):
     lot = ParkingLot(ram_bytes=0, disk_dir=tmp_path, disk_bytes=2500, identity=IDENTITY)
     for i, s in enumerate("abc"):
         lot.park(entry(s, last_used=i))
-    assert sessions(lot, DISK) == {"b", "c"} and len(files(tmp_path)) == 2
+    assert sessions(lot, DISK) == {"b", "c"} and len(files(lot)) == 2
     assert lot.park(entry("huge", n_bytes=3000)) is None  # larger than the whole budget
     assert sessions(lot) == {"b", "c"} and lot.stats()["disk_bytes"] == 2000
 
@@ -170,15 +170,16 @@ def test_a_blob_two_entries_share_stays_until_neither_names_it(tmp_path):
     shared = ((2, buf(64, 3)),)  # the same checkpoint (a shared system prompt)
     a = lot.park(entry("a", n_bytes=100, fill=1, cps=shared))
     b = lot.park(entry("b", n_bytes=100, fill=2, cps=shared))
-    assert len(blobs(tmp_path)) == 3 and lot.stats()["disk_bytes"] == 264
+    assert len(blobs(lot)) == 3 and lot.stats()["disk_bytes"] == 264
     assert lot.drop(a.key)
-    assert len(blobs(tmp_path)) == 2
+    assert len(blobs(lot)) == 2
     assert bytes(lot.take(b.key).checkpoints[0][1]) == bytes(buf(64, 3))
 
 
 def test_a_new_process_finds_what_was_parked(tmp_path):
     lot = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
     key = lot.park(entry("a", last_used=3)).key
+    lot.close()  # its engine closed (or its process ended): the entries are taken over
     again = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=dict(IDENTITY))
     (info,) = again.entries()
     assert (info.key, info.session, info.tier, info.nbytes) == (key, "a", DISK, 1000)
@@ -212,8 +213,8 @@ def corrupt_manifest(d, how):
 def test_a_damaged_or_foreign_disk_entry_is_skipped_named_and_deleted(tmp_path, caplog, how):
     lot = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
     key = lot.park(entry("a")).key
-    path = tmp_path / ENTRIES / entry_file(key)
-    (corrupt_blob if how in ("truncated", "flipped") else corrupt_manifest)(tmp_path, how)
+    path = lot.disk.dir / ENTRIES / entry_file(key)
+    (corrupt_blob if how in ("truncated", "flipped") else corrupt_manifest)(lot.disk.dir, how)
     with caplog.at_level(logging.WARNING, logger="nbkv"):
         assert lot.take(key) is None
     msg = " ".join(r.getMessage() for r in caplog.records)
@@ -223,17 +224,25 @@ def test_a_damaged_or_foreign_disk_entry_is_skipped_named_and_deleted(tmp_path, 
     if isinstance(how, dict):
         assert next(iter(how)) in msg  # names what differs
     assert lot.stats()["skipped_corrupt"] == 1 and lot.entries() == ()
-    assert files(tmp_path) == [] and blobs(tmp_path) == []
+    assert files(lot) == [] and blobs(lot) == []
 
 
-def test_a_foreign_entry_found_at_start_is_never_listed(tmp_path, caplog):
-    ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY).park(entry("a"))
-    (tmp_path / ENTRIES / ("0" * 32 + ".json")).write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="nbkv"):
+def test_another_engines_entries_are_left_alone_and_junk_of_a_closed_one_is_swept(tmp_path,
+                                                                                 caplog):
+    first = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
+    first.park(entry("a"))
+    kept = files(first)
+    first.close()
+    (first.disk.dir / ENTRIES / ("0" * 32 + ".json")).write_text("{not json")
+    with caplog.at_level(logging.INFO, logger="nbkv"):
         other = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity={**IDENTITY, "n_ctx": 9})
-    assert other.entries() == () and other.stats()["skipped_corrupt"] == 2
+    # another context size: not served, and not deleted either; the junk file is
+    assert other.entries() == () and other.stats()["skipped_corrupt"] == 1
     assert "n_ctx: parked with 512, this engine has 9" in caplog.text
-    assert files(tmp_path) == [] and blobs(tmp_path) == []
+    assert files(first) == kept and len(blobs(first)) == 1
+    other.close()
+    back = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)  # served again
+    assert [i.session for i in back.entries()] == ["a"]
 
 
 # ------------------------------------------------------------------ saves
@@ -253,8 +262,8 @@ def test_export_and_import_round_trip_through_the_save_format(tmp_path):
     fresh = ParkingLot(ram_bytes=10_000)
     fresh.park(entry("old"))
     decoded = fresh.decode(doc["parked"], blobstore.Reader(save, doc["blobs"]))
-    placed = fresh.import_(decoded)
-    assert [p.session for p in placed] == ["a", "b"] and sessions(fresh) == {"a", "b"}
+    placed = fresh.import_(decoded)  # beside what was parked: nothing is lost to a restore
+    assert [p.session for p in placed] == ["a", "b"] and sessions(fresh) == {"a", "b", "old"}
     a = fresh.take(fresh.find("a").key)
     assert bytes(a.state) == bytes(buf(1000, ord("a"))) and bytes(a.checkpoints[0][1]) == bytes(
         buf(10, 4))
@@ -288,39 +297,3 @@ def test_the_policy_reads_the_lots_entries():
     plan = policy.select(busy, tuple(range(300)) + (7,), ["h1", "h2", "h3"], "alice",
                          parked=lot.entries())
     assert plan.parked == key and plan.reuse == 300 and plan.evicted == "bob"
-
-
-# ------------------------------------------------------------------ spills off the caller's thread
-
-
-def test_background_spills_are_written_by_the_spill_thread(tmp_path, monkeypatch):
-    """The engine's lot: park() hands the spill to a thread of its own, so the request that
-    parked goes on; listing, taking and the figures wait for the write."""
-    import threading
-
-    from nbkv.store.park_disk import DiskTier
-
-    writers, release = [], threading.Event()
-    put = DiskTier.put
-
-    def slow_put(self, e):
-        writers.append(threading.current_thread().name)
-        assert release.wait(10)  # the write is under way ...
-        return put(self, e)
-
-    monkeypatch.setattr(DiskTier, "put", slow_put)
-    lot = ParkingLot(ram_bytes=1500, disk_dir=tmp_path, identity=IDENTITY,
-                     background_spills=True)
-    lot.park(entry("a", last_used=1))
-    assert lot.park(entry("b", last_used=2)).tier == RAM  # "a" leaves RAM: returns at once
-    assert files(tmp_path) == []  # ... while it is being written
-    release.set()
-    assert sessions(lot, DISK) == {"a"} and sessions(lot, RAM) == {"b"}
-    assert writers == ["nbkv-spill"] and len(files(tmp_path)) == 1
-    assert lot.stats()["spills"] == 1
-    back = lot.take(next(i.key for i in lot.entries() if i.session == "a"))
-    assert back.tier == DISK and bytes(back.state) == bytes(buf(1000, ord("a")))
-    # one larger than the disk budget is dropped at once, not sent
-    small = ParkingLot(ram_bytes=0, disk_dir=tmp_path / "s", disk_bytes=500,
-                       identity=IDENTITY, background_spills=True)
-    assert small.park(entry("c")) is None and small.stats()["drops"] == 1

@@ -27,6 +27,13 @@ class Parker:
         self.calls.append(("unpark", session, all))
         return f"restored {session or 'every conversation'}"
 
+    def parked(self):
+        return ()
+
+    def clear_parked(self):
+        self.calls.append(("clear_parked",))
+        return "forgot 1 parked conversation(s)"
+
 
 class Loaded(Exception):
     """Raised by the stand-in loader with the engine arguments it was given."""
@@ -97,3 +104,41 @@ def test_parse_bytes_refuses_what_is_not_a_size():
     for bad in ("", "-1G", "2X", "G"):
         with pytest.raises(InvalidRequestError):
             parse_bytes(bad, "--park-ram")
+
+
+class Clearer(Parker):
+    """An engine that clears and parks: records the calls; a real parking lot."""
+
+    def __init__(self):
+        from nbkv.store.parking import ParkedEntry, ParkingLot
+
+        super().__init__()
+        self.parking = ParkingLot(ram_bytes=1500)
+        for s in ("ann", "bob"):  # the second evicts the first: an announced drop
+            self.parking.park(ParkedEntry(s, (1, 2, 3), ("h",), (3,), bytes(1000)))
+
+    def parked(self):
+        return self.parking.entries()
+
+    def clear(self, slot=None, parked=False):
+        self.calls.append(("clear", slot, parked))
+        return f"cleared {'every idle slot' if slot is None else f'slot {slot}'}"
+
+
+def test_clear_keeps_or_forgets_the_parked_conversations(magics):
+    eng = magics.store.engine = Clearer()
+    assert "sessions keep their messages" in str(magics.kvcache("clear --all"))
+    magics.kvcache("clear --all --parked")
+    assert str(magics.kvcache("clear --parked")) == "forgot 1 parked conversation(s)"
+    assert eng.calls == [("clear", None, False), ("clear", None, True), ("clear_parked",)]
+    with pytest.raises(UsageError, match="--parked"):
+        magics.kvcache("clear")
+
+
+def test_kvcache_parked_lists_the_lot_and_what_it_dropped(magics):
+    magics.store.engine = Clearer()
+    table = magics.kvcache("parked")
+    assert [r[0] for r in table.rows] == ["bob"] and "RAM" in table.rows[0][1]
+    assert "dropped: ann (3 tokens, ram): over the RAM budget (no disk tier)" in table.note
+    magics.store.engine = object()
+    assert "parking is off" in str(magics.kvcache("parked"))

@@ -492,6 +492,12 @@ def test_sigkill_mid_save_leaves_the_previous_save(engine, model_path, tmp_path,
     assert np.array_equal(np.array(engine.probe(s.index, PROBE)),
                           fresh_probe(engine.model, s.tokens, PROBE))
     assert_consistent(engine)
+    # the next save sweeps what the killed one left at once (every writer holds the lock:
+    # under it, a temporary file is a dead writer's), not an hour later
+    engine.save(save, store)
+    left = [f.name for f in (*save.iterdir(), *(save / persist.BLOBS).iterdir())
+            if f.name.endswith(".tmp")]
+    assert left == []
 
 
 # -- other memory classes: checkpoints are saved too ------------------------------------------

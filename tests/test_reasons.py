@@ -82,12 +82,17 @@ def test_first_continued_copied_edited_system_evicted_cleared(engine):
     # two slots, three sessions: carol takes the least recently used one
     rec, _, _ = ask(engine, "carol", [user("Name a colour.")])
     victim = rec.evicted_session
-    assert rec.reason == reasons.FIRST and victim in ("alice", "bob")
+    assert victim in ("alice", "bob")
+    if rec.reused_tokens:  # it kept the template's opening it shares with the victim's slot
+        assert rec.reason == reasons.COPIED and f"held {victim}'s conversation" in \
+            rec.reason_text
+    else:
+        assert rec.reason == reasons.FIRST
     assert f"took {victim}'s slot" in Figures(rec).text()
-    carol_request = rec.id
+    assert victim in {i.session for i in engine.parked()}  # parked, not lost
+    # the victim starts another conversation: its old one being parked does not explain it
     rec, _, _ = ask(engine, victim, [user("Name a shape.")])
-    assert rec.reason == reasons.EVICTED
-    assert f"taken by carol's request #{carol_request}" in rec.reason_text
+    assert rec.reason != reasons.EVICTED and "taken" not in rec.reason_text
 
     slot = next(s.index for s in engine.slots() if s.session == "carol")
     engine.clear(slot)

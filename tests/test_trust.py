@@ -119,12 +119,14 @@ def test_a_key_that_cannot_be_made_gives_a_temporary_one(tmp_path, monkeypatch, 
 
 
 def test_an_unsigned_or_foreign_parked_entry_is_never_served(tmp_path, monkeypatch, caplog):
+    first = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
+    key = first.park(entry("a")).key
+    first.close()
+    # the next engine takes over a closed one's entries: signed by this key, listed
     lot = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
-    key = lot.park(entry("a")).key
-    again = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
-    assert [i.session for i in again.entries()] == ["a"]  # signed by this key: listed
+    assert [i.session for i in lot.entries()] == ["a"]
     # relabelled by someone without the key: the checksum is right, the signature is not
-    f = tmp_path / ENTRIES / entry_file(key)
+    f = lot.disk.dir / ENTRIES / entry_file(key)
     doc = json.loads(f.read_text())
     doc["body"]["entry"]["session"] = "b"
     f.write_text(json.dumps({"checksum": blobstore.body_checksum(doc["body"]),
@@ -132,13 +134,15 @@ def test_an_unsigned_or_foreign_parked_entry_is_never_served(tmp_path, monkeypat
     with caplog.at_level(logging.WARNING, logger="nbkv"):
         assert lot.take(key) is None
     assert "not signed by your nbkv key" in caplog.text and lot.entries() == ()
-    # signed, but by another user's key: skipped when another engine opens the directory
+    # signed, but by another user's key: skipped when another engine takes the directory over
     lot.park(entry("c"))
+    lot.close()
     monkeypatch.setenv(signing.KEY_ENV, str(tmp_path / "other_key"))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="nbkv"):
         other = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
     assert other.entries() == () and "signed by another key" in caplog.text
+    other.close()
 
 
 def test_a_remote_save_is_signed_and_an_unsigned_one_refused(tmp_path):
@@ -211,6 +215,7 @@ def test_trusting_a_forged_save_recomputes_every_slot_before_serving(engine, gen
     d = tmp_path / "forged"
     shutil.copytree(genuine[0], d)
     unsigned(d, relabel)
+    engine.clear(parked=True)  # clear() keeps what is parked: nothing is, before the restore
     store = SessionStore()
     rep = engine.restore(d, store, trust=True)
     assert rep.untrusted is not None and "not signed" in rep.untrusted

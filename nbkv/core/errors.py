@@ -53,6 +53,16 @@ class DecodeError(NbkvError, RuntimeError):
     """llama_decode failed (for example: no room left in the KV cache)."""
 
 
+class KVOrderError(DecodeError):
+    """A sequence's KV was to be read or written while a prefix copy from or into it waits.
+
+    llama.cpp runs the data part of a copy between sequences at the next ``llama_decode``; a
+    state written into its source (or read from its destination) before then would make the
+    copy carry the wrong KV. The engine orders its work so this never happens; the error is
+    the guard that stops a wrong order before it serves anything.
+    """
+
+
 class MediaError(NbkvError, ValueError):
     """An image could not be read or used.
 

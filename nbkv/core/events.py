@@ -218,7 +218,22 @@ class SlotsChanged:
     reason: str
 
 
-Event = Union[RequestStarted, Progress, RequestFinished, SlotRewritten, SlotsChanged]
+@dataclass(frozen=True)
+class ParkingDropped:
+    """A parked conversation left the parking lot without its session taking it back.
+
+    A budget evicted it, its file was deleted, or it could not be written (``why``).
+    """
+
+    session: str | None
+    key: str
+    tokens: int
+    tier: str  # where it was: "ram" or "disk"
+    why: str
+
+
+Event = Union[RequestStarted, Progress, RequestFinished, SlotRewritten, SlotsChanged,
+              ParkingDropped]
 Subscriber = Callable[[Event], None]
 
 

@@ -49,8 +49,8 @@ class EngineLike(Protocol):
     def explain(self, request: int | None = None) -> Any:
         """Why request ``request`` (default: the latest) reused what it did."""
 
-    def clear(self, slot: int | None = None) -> None:
-        """Empty one slot, or all."""
+    def clear(self, slot: int | None = None) -> str | None:
+        """Empty one slot, or all; may say what it emptied."""
 
     def close(self) -> None:
         """Release the engine."""
@@ -96,6 +96,9 @@ class Parks(Protocol):
 
     def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Bring parked conversations back into slots now."""
+
+    def clear_parked(self) -> str:
+        """Forget every parked conversation (RAM and disk); the slots stay as they are."""
 
 
 @runtime_checkable

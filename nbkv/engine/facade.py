@@ -9,18 +9,19 @@ prefill, generation, the idle reply rewrite); :mod:`nbkv.kv.spc` keeps system pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from nbkv.core import validate
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from nbkv.core.config import DEFAULTS, EngineSettings
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
-from nbkv.core.events import EventBus, SlotsChanged
+from nbkv.core.events import EventBus, ParkingDropped, SlotsChanged
 from nbkv.core.progress import Reporter
 from nbkv.core.progress import resolve as resolve_progress
 from nbkv.core.requests import SamplingParams
@@ -33,7 +34,7 @@ from nbkv.engine.native import Resources, close_at_exit
 from nbkv.engine.rewrite import settle_all
 from nbkv.engine.scheduler import EngineSlot, Scheduler, ServeSettings
 from nbkv.engine.shadow import Shadow
-from nbkv.engine.slot_parking import park_sessions, unpark_sessions
+from nbkv.engine.slot_parking import park_sessions, spill_all, unpark_sessions
 from nbkv.kv import reasons
 from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
@@ -44,7 +45,7 @@ from nbkv.media.embeddings import EmbeddingCache
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt, PromptBuilder
 from nbkv.prompt.textstream import TextStream
-from nbkv.store.parking import ParkedInfo, ParkingLot, parking_stats
+from nbkv.store.parking import Dropped, ParkedInfo, ParkingLot, parking_stats
 
 log = logging.getLogger("nbkv")
 
@@ -138,7 +139,9 @@ class Engine(TemplatedAPI, ChatAPI):
             conversation a request takes a slot from is kept, and restored when a prompt
             starts with it. ``park_ram`` bytes of RAM (default the smaller of a quarter of
             the free RAM and 4 GiB; least recently used leave first); ``park_dir`` an optional
-            disk tier they spill to, within ``park_disk`` bytes. ``park_ram=0`` without a
+            disk tier they spill to, within ``park_disk`` bytes (several engines may share
+            one: each writes its own namespace; :meth:`close` spills the slots and RAM there,
+            and the next engine opening it takes them over). ``park_ram=0`` without a
             ``park_dir`` turns parking off.
     """
 
@@ -264,7 +267,7 @@ class Engine(TemplatedAPI, ChatAPI):
         if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
                                       {**self.identity(), "n_slots": self.n_slots},
-                                      self.model.n_vocab, background_spills=True)
+                                      self.model.n_vocab, self._parking_dropped)
         shadow = None
         if self.res.shadow_seq is not None:
             shadow = Shadow(SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints))
@@ -325,6 +328,21 @@ class Engine(TemplatedAPI, ChatAPI):
         s = ChatStream(self, job)
         return s if stream else s.result()
 
+    @contextlib.contextmanager
+    def hold_admission(self) -> Iterator[None]:
+        """Queue requests without admitting them; on exit, they are admitted in one pass.
+
+        Requests sent inside the ``with`` block wait in the queue; when it ends, the
+        scheduler admits them together, in the order they were sent, in one admission pass
+        (what concurrent callers get when they arrive within one decode step). Tests use it
+        to make "several admissions in one pass" happen on purpose, not by timing.
+        """
+        self.scheduler.hold(True)
+        try:
+            yield
+        finally:
+            self.scheduler.hold(False)
+
     def slots(self) -> tuple[SlotInfo, ...]:
         """An immutable snapshot of every slot."""
         return self.table.snapshots()
@@ -347,6 +365,9 @@ class Engine(TemplatedAPI, ChatAPI):
         self.events.publish(SlotsChanged("unparked"))
         return text
 
+    def _parking_dropped(self, d: Dropped) -> None:
+        self.events.publish(ParkingDropped(d.session, d.key, d.n_tokens, d.tier, d.why))
+
     def _parking_lot(self) -> ParkingLot:
         if self.parking is None:
             raise InvalidRequestError("parking is off for this engine (cache mode "
@@ -358,23 +379,50 @@ class Engine(TemplatedAPI, ChatAPI):
         return self.res.identity(self.n_ctx, self.hardware.type_k, self.hardware.type_v,
                                  self.flash_attn)
 
-    def clear(self, slot: int | None = None) -> None:
-        """Empty one slot (or all, and the system prompt cache). A busy slot can't be cleared."""
+    def clear(self, slot: int | None = None, *, parked: bool = False) -> str:
+        """Empty one slot (or every idle one, and the system prompt cache); says what went.
+
+        Parked conversations stay parked unless ``parked`` (then they are forgotten too,
+        in RAM and on disk). A busy slot can't be cleared.
+        """
         if slot is not None:
             self.table.index(slot)
 
-        def do() -> None:
+        def do() -> tuple[list[str], int, int]:
             with self.table.lock:
                 targets = self.table.clear_targets(slot)
+                gone = [f"{s.session or f'slot {s.index}'} ({len(s.tokens):,} tokens)"
+                        for s in targets if s.tokens]
                 self.table.cleared(targets)
                 for s in targets:
                     s.reset()
+            spc = 0
             if slot is None:
+                spc = len(self.spc)
                 self.spc.clear()
-                if self.parking is not None:
-                    self.parking.clear()
-        self.scheduler.call(do)
+            forgot = self.parking.clear() if parked and self.parking is not None else 0
+            return gone, spc, forgot
+
+        gone, spc, forgot = self.scheduler.call(do)
         self.events.publish(SlotsChanged("cleared"))
+        what = (f"slot {slot}" if slot is not None else "every idle slot") + (
+            f": {', '.join(gone)}" if gone else " (empty)")
+        if spc:
+            what += f"; {spc} system prompt(s)"
+        kept = len(self.parking) if self.parking is not None else 0
+        if parked:
+            what += f"; {forgot} parked conversation(s)"
+        elif kept:
+            what += (f"; {kept} parked conversation(s) kept (clear(parked=True) forgets "
+                     "them)")
+        return "cleared " + what
+
+    def clear_parked(self) -> str:
+        """Forget every parked conversation, in RAM and on disk; the slots stay as they are."""
+        lot = self._parking_lot()
+        n = self.scheduler.call(lot.clear)
+        self.events.publish(SlotsChanged("cleared"))
+        return f"forgot {n} parked conversation(s)"
 
     def probe(self, slot: int, token: int) -> list[float]:
         """Logits the model gives ``token`` appended to ``slot``'s cached tokens (KV unchanged).
@@ -544,7 +592,17 @@ class Engine(TemplatedAPI, ChatAPI):
         """
         if self.scheduler.closed:
             return
+        lot = self.parking
+        on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
+        if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
+            try:
+                self.scheduler.call(lambda: (settle_all(self.scheduler),
+                                             spill_all(self.scheduler)))
+            except Exception:  # noqa: BLE001 - closing must not fail
+                log.exception("could not spill the parked conversations to disk at close")
         self.scheduler.stop()
+        if lot is not None:
+            lot.close()
         self.spc.clear()
         self.events.publish(SlotsChanged("closed"))
 

@@ -5,6 +5,15 @@ Runs on the scheduler thread. The slot table decides (:mod:`nbkv.kv.slot_table`,
 the system prompt's state restored (SPC), the slot trimmed back to where a canonical prefill
 of the prompt may begin (:mod:`nbkv.kv.invariance`), or to a checkpoint on memory that cannot be
 cut. Then the request's record is started.
+
+The KV operations of one admission, in this order: the conversation the slot held is parked
+(a read of its state); a parked conversation is restored into it (a whole-state write); a
+donor's prefix is copied into it; the system prompt's state is loaded (SPC, never with a
+copy); it is trimmed (metadata, or a checkpoint's recurrent state). llama.cpp runs the data
+part of a copy at the next decode (:meth:`nbkv.llama.backend.Context.seq_cp`), so across
+the requests admitted in one scheduler pass a slot with a copy queued from or into it takes
+no state write until then: a request whose plan would restore a state into it waits for the
+next pass, one decode step later (:func:`must_wait`).
 """
 
 from __future__ import annotations
@@ -49,10 +58,13 @@ def start(sched: Scheduler, job: Job) -> bool:
     while True:
         plan = table.place(snaps, p, job.session, cache=cfg.cache,
                            min_tokens=cfg.cache_min_tokens, parked=parked, judge=judge)
-        if plan is None:
+        if plan is None or must_wait(sched, plan):
             return False
         t0 = time.perf_counter()
-        entry = lot.take(plan.parked) if plan.parked is not None else None
+        info = next((i for i in parked if i.key == plan.parked), None)
+        taken = info is not None and policy.takes_parked(info, job.session, p.tokens)
+        # its own session takes an entry back; any other conversation restores a copy
+        entry = None if info is None else lot.take(info.key) if taken else lot.borrow(info.key)
         if plan.parked is None or entry is not None:
             break
         parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
@@ -80,11 +92,11 @@ def start(sched: Scheduler, job: Job) -> bool:
     kv.last_restore = None
     with sched.cv:
         slot.pending = True
-    parked_to = ""
+    parked_to = None
     park_s = 0.0
     restored = None
     try:
-        if plan.evicted is not None and plan.evicted != job.session:
+        if displaced(slot, plan, job.session):
             t_park = time.perf_counter()
             parked_to = park_slot(sched, slot)  # before the slot is cut, copied over or reused
             park_s = time.perf_counter() - t_park
@@ -124,7 +136,7 @@ def start(sched: Scheduler, job: Job) -> bool:
         kv.resync()
         with sched.cv:
             slot.pending = False
-        if entry is not None and lot is not None:  # taken from the lot: not lost
+        if entry is not None and taken and lot is not None:  # taken from the lot: not lost
             lot.park(entry)
         raise
     if entry is not None:  # its state is in the slot now: the next park reuses its memory
@@ -136,7 +148,11 @@ def start(sched: Scheduler, job: Job) -> bool:
     # the previous reply, as generated, against its re-tokenization in this prompt
     reply_cached = max(prev_len - prev_prompt_len, 0) if donor is None else 0
     reply_reused = min(max(reuse - prev_prompt_len, 0), reply_cached)
+    if not reuse:  # a copy or a restore that kept nothing is not one: say what was done
+        donor, restored = None, None
     donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
+    still_parked = job.session is not None and lot is not None and (
+        lot.find(job.session) is not None or (entry is not None and taken))
     if memo is not None:
         why = replay.reason(memo)
         table.compare(job.id, kv.tokens, p.tokens)
@@ -144,7 +160,11 @@ def start(sched: Scheduler, job: Job) -> bool:
         why = table.reason(job.id, p, job.session, own, table[donor].tokens
                            if donor is not None else (), reuse=reuse, wanted=target,
                            donor_session=donor_session, can_trim=checkpoint_pos is None,
-                           cache=cfg.cache, restored=restored)
+                           cache=cfg.cache, restored=restored,
+                           kept_from=snaps[plan.slot].session, still_parked=still_parked)
+    if parked_to is not None:  # whose conversation was parked, and how much of it
+        plan = replace(plan, evicted=snaps[plan.slot].session,
+                       evicted_tokens=parked_to.n_tokens)
     kept = None
     if memo is not None:  # the slot's messages stay: its own, or those of the parked entry
         kept = (entry.hashes, entry.msg_ends) if entry is not None else (slot.hashes,
@@ -152,8 +172,8 @@ def start(sched: Scheduler, job: Job) -> bool:
         if entry is not None:
             with sched.cv:
                 slot.segments = tuple(entry.segments)
-    table.claim(slot, job.id, job.session, p, reuse, plan.evicted, parked=bool(parked_to),
-                keep=kept)
+    table.claim(slot, job.id, job.session, p, reuse, plan.evicted,
+                parked=parked_to is not None, keep=kept)
     job.memo = memo
     job.slot = slot
     job.reuse = reuse
@@ -175,9 +195,10 @@ def start(sched: Scheduler, job: Job) -> bool:
         restore_s=restore_s, segments=segments(sched, job, len(p.tokens)),
         media_chunks=p.image_chunks, checkpoint_pos=checkpoint_pos,
         restored_from=entry.tier if entry is not None and reuse else "",
-        restored_tokens=(len(kv) if memo is not None else reuse) if entry is not None else 0,
+        restored_tokens=((len(kv) if memo is not None else reuse)
+                         if entry is not None and reuse else 0),
         restored_session=entry.session if entry is not None and reuse else None,
-        evicted_parked=parked_to, park_s=park_s,
+        evicted_parked=parked_to.tier if parked_to is not None else "", park_s=park_s,
         reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
         rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact)
     if reply_cached and reply_reused < reply_cached:
@@ -203,6 +224,34 @@ def checkpoint_wanted(every_cut: bool, ends: list[int], n: int) -> tuple[int, ..
     """
     every = range(CHECKPOINT_INTERVAL, n, CHECKPOINT_INTERVAL) if every_cut else ()
     return (*ends, *every, n - REPLY_TAIL, n)
+
+
+def displaced(slot: EngineSlot, plan: policy.Plan, session: str | None) -> bool:
+    """``slot`` holds a conversation that serving ``plan`` would take over: park it first.
+
+    Any conversation but the session's own (which the new one supersedes): another
+    session's, even one the request carries on in place (a fork at its end: the fork may
+    later be edited or cut). An unnamed conversation that an unnamed request carries on in
+    place is that request's own.
+    """
+    if not (slot.tokens or slot.redo):
+        return False
+    if slot.session is not None:
+        return slot.session != session
+    held = slot.msg_ends[-1] if slot.msg_ends else len(slot.tokens) + len(slot.redo)
+    continued = plan.donor is None and plan.parked is None and plan.reuse >= held
+    return not (session is None and continued)
+
+
+def must_wait(sched: Scheduler, plan: policy.Plan) -> bool:
+    """``plan`` would write a state into a slot that a queued copy still reads or fills.
+
+    A restore of a parked conversation, a system prompt's state (SPC) or a checkpoint (on
+    memory that cannot be cut) into the slot; the request waits for the next pass.
+    """
+    kv = sched.table[plan.slot].kv
+    return kv.copy_queued and (plan.parked is not None or sched.settings.cache == "spc"
+                               or sched.res.memory.checkpoints)
 
 
 def segments(sched: Scheduler, job: Job, n: int) -> tuple[Segment, ...]:

@@ -121,6 +121,7 @@ class Scheduler:
         self.active: list[Job] = []
         self.control: list[tuple[Callable[[], Any], Future]] = []
         self.closed = False
+        self.held = 0  # hold_admission() depth: requests queue but are not admitted
         #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
         self.images: OrderedDict[str, Any] = OrderedDict()
         #: replies a re-run of the same prompt and settings may be answered with
@@ -235,7 +236,20 @@ class Scheduler:
                 slot_parking.prepark(self, slot)
         return True
 
+    def hold(self, on: bool) -> None:
+        """Hold admission (``on``), or release one hold: see ``Engine.hold_admission``."""
+        with self.cv:
+            self.held += 1 if on else -1
+            self.cv.notify_all()
+
     def _admit(self) -> None:
+        """Admit queued requests in order, each into its slot (:func:`placement.start`).
+
+        One pass: a request that finds no slot free, or whose plan must wait for a queued
+        copy to run (:func:`nbkv.engine.placement.must_wait`), stays queued for the next.
+        """
+        if self.held:
+            return
         now = time.monotonic()
         for job in list(self.queue):
             if job.cancel.is_set():
@@ -358,6 +372,8 @@ class Scheduler:
         if slot is not None and self.res.ctx.ptr:  # a guessed position may follow
             try:
                 slot.kv.resync()
+                if slot.kv.copy_queued and not self.active:  # ended before its first decode
+                    slot.kv.run_queued_copy()  # ... and none is coming to run the copy
             except BaseException:  # noqa: BLE001 - the request must still end
                 log.exception("slot[%d]: could not trim past its tokens", slot.index)
                 slot.reset()

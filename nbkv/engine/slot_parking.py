@@ -22,7 +22,7 @@ from nbkv.kv import policy
 from nbkv.kv.reach import restore_point
 from nbkv.kv.slot_kv import SWA, KVSnapshot, trim_valid
 from nbkv.kv.slot_table import SlotState
-from nbkv.store.parked import ParkedEntry
+from nbkv.store.parked import ParkedEntry, ParkedInfo
 
 if TYPE_CHECKING:
     from nbkv.engine.scheduler import EngineSlot, Scheduler
@@ -30,11 +30,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("nbkv")
 
 
-def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
-    """Park what ``slot`` holds and empty it; returns the tier ("ram", "disk") or ""."""
+def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True) -> ParkedInfo | None:
+    """Park what ``slot`` holds; returns the entry (None: nothing to park, or not kept).
+
+    The slot is left as it is for the caller to reuse or empty, less the tail of a reply
+    whose rewrite had not run. ``drop=False``: an entry no tier can hold is not dropped, and
+    stays in the slot (:meth:`nbkv.store.parking.ParkingLot.park`).
+    """
     lot, kv = sched.parking, slot.kv
     if lot is None or not (kv.tokens or slot.redo):
-        return ""
+        return None
     t0 = time.perf_counter()
     exact = sched.settings.exact
     at = resume_point(sched, slot) if kv.memory.kind == SWA else None
@@ -49,16 +54,17 @@ def park_slot(sched: Scheduler, slot: EngineSlot) -> str:
             trim_valid(kv, list(kv.tokens), kv.settled, sched.res.rule)
     n = len(kv)
     if not n or not kv.verify():
-        return ""
+        return None
     k = sum(1 for e in slot.msg_ends if e <= n)
     segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
     snap = take_preparked(sched, slot) or kv.snapshot()
     info = lot.park(ParkedEntry.from_snapshot(
         snap, session=slot.session, hashes=slot.hashes[:k], msg_ends=slot.msg_ends[:k],
-        segments=segments, last_request=slot.last_request, last_used=slot.last_used))
+        segments=segments, last_request=slot.last_request, last_used=slot.last_used,
+        used_at=slot.used_at), drop=drop)
     log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
-              info.tier if info else "nowhere (over budget)", 1000 * (time.perf_counter() - t0))
-    return info.tier if info is not None else ""
+              info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
+    return info
 
 
 def resume_point(sched: Scheduler, slot: EngineSlot) -> int | None:
@@ -154,22 +160,38 @@ def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:
 
 
 def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
-    """Park ``session``'s idle slot (every idle slot that holds something with ``every``)."""
+    """Park ``session``'s idle slot (every idle slot that holds something with ``every``).
+
+    A conversation no tier can hold stays in its slot (said so). The figures are the
+    parked entry's: a reply whose rewrite had not run is cut back to its proven part.
+    """
     done = []
     for s in sched.table:
         if s.pending or not s.tokens or not (every or s.session == session):
             continue
-        who, n = s.session, len(s.tokens)
-        tier = park_slot(sched, s)
+        who, n = s.session or f"slot {s.index}", len(s.tokens)
+        info = park_slot(sched, s, drop=False)
+        if info is None:
+            done.append(f"{who}: stays in slot {s.index} (no parking tier could hold its "
+                        f"{n:,} tokens{_why_not(sched)})")
+            continue
         with sched.cv:
             s.reset()
-        done.append(f"{who or f'slot {s.index}'}: {n:,} tokens to {tier or 'nowhere'}")
+        cut = n - info.n_tokens
+        note = (f" ({cut} token{'s' if cut != 1 else ''} of its last reply, not yet "
+                "rewritten, left out: its next turn reads them again)" if cut > 0 else "")
+        done.append(f"{who}: {info.n_tokens:,} tokens to {info.tier}{note}")
     if not done:
         raise InvalidRequestError("no idle slot holds a conversation" if every
                                   else f"no idle slot holds session {session!r}")
     st = sched.parking.stats()
     return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
             f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
+
+
+def _why_not(sched: Scheduler) -> str:
+    gone = sched.parking.stats()["disk_gone"]
+    return f"; the disk tier is gone: {gone}" if gone else ""
 
 
 def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
@@ -185,7 +207,7 @@ def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
                                   else f"session {session!r} is not parked")
     done = []
     for info in wanted:
-        free = [s for s in table if not s.pending]
+        free = [s for s in table if not s.pending and not s.kv.copy_queued]
         if not free:
             break
         slot = next((s for s in free if not s.tokens), None) or min(
@@ -197,9 +219,28 @@ def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
         with sched.cv:
             slot.reset()
         n = restore_into(slot, entry)
-        if n:
-            table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
-                                        tuple(entry.msg_ends), tuple(entry.segments), 0,
-                                        entry.last_request, None))
-        done.append(f"{entry.session}: {n:,} tokens from {entry.tier} into slot {slot.index}")
+        who = entry.session or "an unnamed conversation"
+        if not n:
+            lot.park(entry)  # llama.cpp refused the state: it stays parked
+            done.append(f"{who}: could not be restored into slot {slot.index} (still parked)")
+            continue
+        table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
+                                    tuple(entry.msg_ends), tuple(entry.segments), 0,
+                                    entry.last_request, None, entry.used_at))
+        done.append(f"{who}: {n:,} tokens from {entry.tier} into slot {slot.index}")
     return "unparked " + ("; ".join(done) or "nothing")
+
+
+def spill_all(sched: Scheduler) -> int:
+    """Before a close: park every idle slot's conversation, then write RAM's to disk.
+
+    The slots are left as they are (the engine is closing); rewrite their replies first
+    (``settle_all``) to park them whole. Returns the entries written.
+    """
+    lot = sched.parking
+    if lot is None or lot.disk is None:
+        return 0
+    for s in sched.table:
+        if not s.pending and (s.tokens or s.redo):
+            park_slot(sched, s)
+    return lot.spill_all()

@@ -18,6 +18,7 @@ from nbkv.engine.rewrite import settle_all, settling_slot
 from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import EngineState, SlotState
 from nbkv.kv.spc import SavedPrompt
+from nbkv.store.parked import ParkedEntry
 
 if TYPE_CHECKING:
     from nbkv.engine.scheduler import EngineSlot, Scheduler
@@ -49,13 +50,15 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
                  ) -> list[Recomputation]:
     """Replace every slot's content: ``placed`` gives each state its slot; all or nothing.
 
-    States go in oldest first, so that the LRU clock orders them as they were. On any
-    failure every slot is put back as it was and :class:`RestoreError` says why.
+    States go in oldest first, so that the LRU clock orders them as they were. What the
+    slots held before is parked (with a parking lot). On any failure every slot is put back
+    as it was and :class:`RestoreError` says why.
     ``recompute`` (an untrusted save): each placed slot's KV is then replaced by a full
     prefill of its tokens, in the same scheduler call, so no request sees the saved KV.
     """
     if sched.active or any(s.pending for s in sched.table):
         raise RestoreError("the engine is serving requests: restore when it is idle")
+    settle_all(sched)  # what is parked below is proven KV
     backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))
               for s in sched.table]
     try:
@@ -82,6 +85,14 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     sched.spc.clear()
     for key, entry in spc:
         sched.spc.put(key, entry.state, entry.tokens)
+    if sched.parking is not None:  # what the slots held is parked, not lost
+        for _, snap, state in backup:
+            if snap is not None:
+                sched.parking.park(ParkedEntry.from_snapshot(
+                    snap, session=state.session, hashes=state.hashes,
+                    msg_ends=state.msg_ends, segments=state.segments,
+                    last_request=state.last_request, last_used=state.last_used,
+                    used_at=state.used_at))
     return [recompute_slot(sched, i) for i, _ in placed] if recompute else []
 
 
@@ -102,6 +113,7 @@ def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
                 state.msg_ends)
             s.segments, s.last_used, s.last_request = (state.segments, state.last_used,
                                                        state.last_request)
+            s.used_at = state.used_at
 
 
 def held_state(state: SlotState, n: int) -> SlotState:

@@ -288,3 +288,18 @@ def _tail_allowance(slot: SlotLike) -> int:
     if not slot.msg_ends:
         return 0
     return max(len(slot.tokens) - slot.msg_ends[-1], 0)
+
+
+def takes_parked(entry: ParkedLike, session: str | None, tokens: Sequence[Any]) -> bool:
+    """A request restoring parked ``entry`` takes it out of the lot (else it reads a copy).
+
+    Its own session takes its conversation back; an unnamed request takes an unnamed entry
+    only when its prompt carries all of it on. Any other conversation that starts the same
+    way (a shared system prompt) restores a copy and leaves the entry parked.
+    """
+    if entry.session is not None:
+        return entry.session == session
+    if session is not None:
+        return False
+    end = entry.msg_ends[-1] if entry.msg_ends else len(entry.tokens)
+    return common_prefix(entry.tokens, tokens) >= end

@@ -64,6 +64,7 @@ class Whereabouts:
     by_session: str | None = None
     by_request: int | None = None
     slot: int | None = None  # the slot that was taken
+    first: str | None = None  # hash of the lost conversation's first message
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class Restored:
     session: str | None  # whose conversation it was
     tier: str  # where it was parked: "ram" or "disk"
     cached: Cached  # what it held
+
+
+def _whose(session: str | None) -> str:
+    """``bob's``, or ``an unnamed`` for a request without a session."""
+    return f"{session}'s" if session is not None else "an unnamed"
 
 
 def _unit_is_media(u: Any) -> bool:
@@ -116,13 +122,17 @@ def explain(
     can_trim: bool,
     cache: str = "imc",
     restored: Restored | None = None,
+    kept_from: str | None = None,
+    still_parked: bool = False,
 ) -> Reason:
     """The reason for a request placed with ``reuse`` tokens of KV kept.
 
     ``own`` is the session's slot if it still holds the conversation; ``trace`` what
     happened to that slot; ``wanted`` what the placement would have kept on memory that can
     be cut anywhere (``reuse`` is less when a checkpoint had to be restored further back).
-    ``restored`` is the parked conversation put back into the slot first, if any.
+    ``restored`` is the parked conversation put back into the slot first, if any;
+    ``kept_from`` whose conversation the slot held when the prompt keeps its start in place;
+    ``still_parked``: the session's conversation is parked, but could not serve this prompt.
     """
     who = f"session {session}" if session is not None else "this request"
     if cache != "imc":
@@ -138,10 +148,15 @@ def explain(
     if restored is not None:
         return _restored(who, session, trace, restored, tokens, ends, roles, reuse, wanted,
                          can_trim)
+    if trace is not None and trace.first is not None and tuple(hashes[:1]) != (trace.first,):
+        trace = None  # a new conversation: what became of the old one does not explain it
     if trace is not None and trace.fate in (EVICTED, PARKED):
-        gone = (" and its conversation parked, but the parked copy was gone (over the "
-                "parking budget, or unreadable)" if trace.fate == PARKED else "")
-        return Reason(EVICTED, f"{who}'s slot was taken by {trace.by_session}'s request "
+        gone = ""
+        if trace.fate == PARKED:
+            gone = (" and its conversation parked, but the parked state could not serve this "
+                    "prompt" if still_parked else " and its conversation parked, but the "
+                    "parked copy was gone (over the parking budget, or unreadable)")
+        return Reason(EVICTED, f"{who}'s slot was taken by {_whose(trace.by_session)} request "
                                f"#{trace.by_request}{gone}, so its conversation was read "
                                f"again{copied}")
     if trace is not None and trace.fate == CLEARED:
@@ -152,12 +167,14 @@ def explain(
                                 f"cache started empty, so the conversation was read again"
                                 f"{copied}")
     if own is None:
-        if donor_session is not None:
+        if donor_session is not None and reuse:
             return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
                                   f"shared start) were copied from {donor_session}'s slot")
-        extra = (f"; the slot it got began with the same {reuse} tokens (e.g. the chat "
-                 "template's opening), so those were kept" if reuse else "")
-        return Reason(FIRST, f"nothing of {who} was cached{extra}")
+        if reuse:  # the start it shares with the conversation the slot held, kept in place
+            held = f"{kept_from}'s conversation" if kept_from else "another conversation"
+            return Reason(COPIED, f"{who} was not cached; the slot it got held {held}, whose "
+                                  f"first {reuse} tokens it shares, so those were kept")
+        return Reason(FIRST, f"nothing of {who} was cached")
     div = _branch(own, tokens, ends, roles)
     if donor_session is not None:  # the own slot lost to another's (it served less)
         what = (f"{who}'s own slot served less of this prompt than {donor_session}'s, so "
@@ -220,7 +237,7 @@ def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Resto
     when = ""
     if trace is not None and trace.fate == PARKED:
         slot = f"slot {trace.slot}" if trace.slot is not None else "its slot"
-        when = f" when {trace.by_session}'s request #{trace.by_request} took {slot}"
+        when = f" when {_whose(trace.by_session)} request #{trace.by_request} took {slot}"
     text = f"{who}'s conversation was parked{when}; restored {amount} from {where}"
     if not reuse:
         text = (f"{who}'s conversation was parked{when}, but its state from {where} could not "

@@ -342,12 +342,15 @@ class SlotKV:
 
         With non-unified KV, llama.cpp only *queues* the buffer copy of the attention layers
         and runs it at the start of the next ``llama_decode``: until then the metadata is
-        copied but the data is not. Nothing here reads or writes attention data in between
-        (a trim edits metadata; a checkpoint restore on hybrid and recurrent memory writes
-        only the recurrent state, which is copied at once), and a prefill decode always
-        follows before anything is read. That is why a copy of sliding-window memory never
-        goes back to a checkpoint (its checkpoints are attention cells): when the copy cannot
-        be cut at ``n`` directly, the slot is emptied instead.
+        copied but the data is not (:attr:`copy_queued`). Nothing here reads or writes
+        attention data in between (a trim edits metadata; a checkpoint restore on hybrid and
+        recurrent memory writes only the recurrent state, which is copied at once); the
+        caller must not write the donor's state, nor read this one's, before the next decode
+        (the scheduler's admission order, :mod:`nbkv.engine.placement`; a request that ends
+        before its first decode runs the copy with :meth:`run_queued_copy`). That is why a
+        copy of sliding-window memory never goes back to a checkpoint (its checkpoints are
+        attention cells): when the copy cannot be cut at ``n`` directly, the slot is emptied
+        instead.
         """
         self.clear()
         self.ctx.seq_cp(donor.seq_id, self.seq_id)
@@ -374,6 +377,33 @@ class SlotKV:
             mine = getattr(self, name)
             setattr(self, name, getattr(other, name))
             setattr(other, name, mine)
+
+    @property
+    def copy_queued(self) -> bool:
+        """A prefix copy from or into this sequence waits for the next decode."""
+        return self.ctx.copy_queued(self.seq_id)
+
+    def run_queued_copy(self) -> None:
+        """Make llama.cpp run the queued copies now: decode one throwaway position, drop it.
+
+        For a request that ended before its first decode, with a copy into its slot still
+        queued (nothing else may decode soon). Memory that can be cut keeps its positions
+        (the throwaway one goes after them); other memory is emptied first.
+        """
+        if not self.ctx.queued_copies:
+            return
+        if not self.memory.can_trim:
+            self.clear()
+        n = len(self.tokens)
+        batch = Batch(1)
+        try:
+            batch.add(int(self.tokens[-1]) if n and isinstance(self.tokens[-1], int) else 0,
+                      n, self.seq_id, False)
+            self.ctx.decode(batch)
+        finally:
+            batch.close()
+            if not self.ctx.try_seq_rm(self.seq_id, n, -1) or not self.verify():
+                self.clear()
 
     def checkpoint(self) -> bool:
         """Save a checkpoint at the current end, where the memory needs them.

@@ -89,6 +89,7 @@ class TableSlot:
     pending: bool = False
     segments: tuple[Segment, ...] = ()
     last_request: int | None = None
+    used_at: float = 0.0  # wall clock of the last use (parked entries keep it: LRU order)
 
     @property
     def tokens(self) -> Sequence[Any]:
@@ -123,6 +124,7 @@ class SlotState:
     last_used: int
     last_request: int | None
     kv: Any
+    used_at: float = 0.0  # wall clock of the last use
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,8 @@ class SlotTable(Generic[S]):
     def reason(self, request: int, prompt: Prompt, session: str | None,
                own: SlotInfo | None, source: Sequence[Any], *, reuse: int, wanted: int,
                donor_session: str | None = None, can_trim: bool = True,
-               cache: str = "imc", restored: reasons.Restored | None = None
-               ) -> reasons.Reason:
+               cache: str = "imc", restored: reasons.Restored | None = None,
+               kept_from: str | None = None, still_parked: bool = False) -> reasons.Reason:
         """Why ``request`` reuses ``reuse`` positions; keeps the comparison for explain()."""
         cached = (reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None
                   else None)
@@ -228,7 +230,8 @@ class SlotTable(Generic[S]):
             else None, own=cached, tokens=prompt.tokens, hashes=prompt.hashes,
             ends=prompt.ends, roles=[m["role"] for m in prompt.messages], reuse=reuse,
             wanted=wanted, donor_session=donor_session, dropped=prompt.dropped,
-            can_trim=can_trim, cache=cache, restored=restored)
+            can_trim=can_trim, cache=cache, restored=restored, kept_from=kept_from,
+            still_parked=still_parked)
         if restored is not None:
             source = restored.cached.tokens
         self.compare(request, own.tokens if own is not None else source, prompt.tokens)
@@ -259,7 +262,7 @@ class SlotTable(Generic[S]):
                 self.whereabouts[evicted] = reasons.Whereabouts(
                     self.whereabouts.get(evicted, reasons.Whereabouts(0)).request,
                     reasons.PARKED if parked else reasons.EVICTED, session, request,
-                    slot.index)
+                    slot.index, slot.hashes[0] if slot.hashes else None)
             if session is not None:
                 self.whereabouts[session] = reasons.Whereabouts(request)
             slot.session = session
@@ -269,6 +272,7 @@ class SlotTable(Generic[S]):
                 slot.hashes = [h for h, e in zip(prompt.hashes, prompt.ends) if e <= reuse]
                 slot.msg_ends = list(prompt.ends[: len(slot.hashes)])
             slot.last_used = self.tick()
+            slot.used_at = time.time()
             slot.last_request = request
 
     def replied(self, slot: S, prompt: Prompt, reply: str, n: int) -> None:
@@ -285,6 +289,7 @@ class SlotTable(Generic[S]):
         else:
             slot.hashes, slot.msg_ends = full, list(prompt.ends[: len(full)])
         slot.last_used = self.tick()
+        slot.used_at = time.time()
 
     def cleared(self, slots: Iterable[S]) -> None:
         """Note that the conversations in ``slots`` were cleared by the user (lock held)."""
@@ -312,7 +317,7 @@ class SlotTable(Generic[S]):
     def state_of(self, slot: S, kv: Any) -> SlotState:
         """``slot``'s bookkeeping with ``kv``, for a save or a park."""
         return SlotState(slot.index, slot.session, tuple(slot.hashes), tuple(slot.msg_ends),
-                         slot.segments, slot.last_used, slot.last_request, kv)
+                         slot.segments, slot.last_used, slot.last_request, kv, slot.used_at)
 
     def adopt(self, slot: S, state: SlotState) -> None:
         """Give ``slot`` the bookkeeping of ``state`` (its KV is already in place)."""
@@ -322,6 +327,7 @@ class SlotTable(Generic[S]):
             slot.msg_ends = list(state.msg_ends)
             slot.segments = tuple(state.segments)
             slot.last_used = self.tick()
+            slot.used_at = state.used_at or time.time()
             slot.last_request = None
 
     # ------------------------------------------------------------------ records

@@ -18,7 +18,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from nbkv.core.errors import DecodeError, ModelLoadError, ModelNotFoundError
+from nbkv.core.errors import DecodeError, KVOrderError, ModelLoadError, ModelNotFoundError
 from nbkv.llama.gguf_header import check_complete
 from nbkv.llama.models import display_name
 from nbkv.llama.state_buffers import StateBuffers
@@ -445,12 +445,19 @@ class Context:
         self.n_batch = llama_cpp.llama_n_batch(ptr)
         self.n_seq_max = n_seq_max
         self.buffers = StateBuffers()
+        #: ``(src, dst)`` of the copies whose data llama.cpp runs at the next decode
+        self.queued_copies: list[tuple[int, int]] = []
 
     def decode(self, batch: Batch) -> None:
         """Run the model on ``batch``; raise :class:`DecodeError` on failure."""
         rc = llama_cpp.llama_decode(self.ptr, batch.raw)
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc} on a batch of {batch.n} tokens")
+        self.queued_copies.clear()  # a decode starts by running them
+
+    def copy_queued(self, seq: int) -> bool:
+        """A copy from or into ``seq`` waits for the next decode (see :meth:`seq_cp`)."""
+        return any(seq in pair for pair in self.queued_copies)
 
     def logits(self, index: int) -> ctypes.Array:
         """Logits row of batch position ``index`` from the last decode (a view, not a copy)."""
@@ -477,9 +484,16 @@ class Context:
     def seq_cp(self, src: int, dst: int) -> None:
         """Copy all of sequence ``src`` into ``dst``.
 
-        Only whole sequences: with non-unified KV a partial range aborts the process.
+        Only whole sequences: with non-unified KV a partial range aborts the process. The
+        cells' metadata is copied at once, but llama.cpp *queues* the data of the attention
+        layers (a whole-stream copy) and runs it at the start of the next ``llama_decode``.
+        Until then ``src``'s state must not be written, nor ``dst``'s read or written: the copy
+        would carry, or be overwritten by, other KV. :meth:`state_get` and :meth:`state_set`
+        refuse that with :class:`KVOrderError`; :meth:`copy_queued` tells the caller to wait.
         """
         llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        if src != dst and not self.params.kv_unified:
+            self.queued_copies.append((src, dst))
 
     def state_get(self, seq: int, partial: bool = False) -> ctypes.Array:
         """The state of sequence ``seq``, as a ctypes byte array (restored without copies).
@@ -488,6 +502,9 @@ class Context:
         the recurrent state, or the sliding-window layers' window: a *checkpoint*. A whole
         state is written into a buffer handed back by :meth:`recycle` when one fits.
         """
+        if any(dst == seq for _, dst in self.queued_copies):
+            raise KVOrderError(f"sequence {seq}'s state was read while a copy into it waits for "
+                               "the next decode")
         flags = STATE_PARTIAL if partial else 0
         size = llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         buf = None if partial else self.buffers.take(size)
@@ -512,8 +529,13 @@ class Context:
         """Load a state from :meth:`state_get` into sequence ``seq``.
 
         A whole state goes into an empty sequence; a partial one over a sequence that holds
-        at least the positions it was taken at (trim past them afterwards).
+        at least the positions it was taken at (trim past them afterwards). A partial state
+        (the recurrent part, which a copy takes at once) may go into the destination of a
+        queued copy; nothing may go into its source (:meth:`seq_cp`).
         """
+        if any(src == seq or (dst == seq and not partial) for src, dst in self.queued_copies):
+            raise KVOrderError(f"a state was to be written into sequence {seq} while a copy "
+                               "from or into it waits for the next decode")
         size = ctypes.sizeof(state)
         flags = STATE_PARTIAL if partial else 0
         if llama_cpp.llama_state_seq_set_data_ext(self.ptr, state, size, seq, flags) != size:
@@ -560,6 +582,8 @@ class Context:
         finally:
             if not causal:
                 llama_cpp.llama_set_causal_attn(self.ptr, True)
+        if rc == 0:
+            self.queued_copies.clear()
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc} on {k} input embeddings "
                               f"(sequence {seq}, position {int(pos[0, 0])})")

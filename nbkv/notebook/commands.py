@@ -19,6 +19,7 @@ from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.protocol import Parks, Verifiable
 from nbkv.ui import display as disp
+from nbkv.ui import vocabulary as vocab
 from nbkv.ui.figures import ExplainReport
 from nbkv.ui.views import LoadProgress
 
@@ -283,17 +284,50 @@ def verify(ws: Workspace, args: Any) -> Any:
 
 
 def clear(ws: Workspace, args: Any) -> Any:
-    """Empty one slot, or (``--all``) every slot and the system prompt cache."""
+    """Empty one slot, or (``--all``) every slot and the system prompt cache.
+
+    ``--parked`` forgets the parked conversations too (alone: only them); without it they
+    stay parked, and the message says so.
+    """
     engine = ws.engine()
+    parked = bool(getattr(args, "parked", False))
     if args.target is not None and args.all:
         raise InvalidRequestError("%kvcache clear: give a slot or --all, not both")
-    if args.target is None and not args.all:  # too much to lose to a bare command
+    if args.target is None and not args.all and not parked:  # too much to lose to a bare one
         raise InvalidRequestError("%kvcache clear: name a slot (%kvcache clear 0) or clear "
-                                  "every slot with %kvcache clear --all")
+                                  "every slot with %kvcache clear --all (the parked "
+                                  "conversations: %kvcache clear --parked)")
+    if parked and not isinstance(engine, Parks):
+        raise InvalidRequestError("%kvcache clear --parked needs the in-kernel engine")
+    if parked and args.target is None and not args.all:
+        return disp.Message(engine.clear_parked())
     slot = _number(args.target, "clear: slot must be a number")
-    engine.clear(slot)
-    return disp.Message(f"cleared slot {slot}" if slot is not None else
-                        "cleared every slot (sessions keep their messages)")
+    said = engine.clear(slot, parked=True) if parked else engine.clear(slot)
+    what = f"slot {slot}" if slot is not None else "every slot"
+    return disp.Message((said or f"cleared {what}") + " (sessions keep their messages)")
+
+
+def parked(ws: Workspace, args: Any) -> Any:
+    """The parked conversations (tier, tokens, bytes), and the latest ones dropped and why."""
+    engine = ws.engine()
+    lot = getattr(engine, "parking", None)
+    if lot is None:
+        return disp.Message("parking is off for this engine (nothing is parked)")
+    rows = tuple((i.session or "(unnamed)", vocab.tier_words(i.tier), f"{i.n_tokens:,}",
+                  f"{i.nbytes / 2**20:.1f} MiB") for i in engine.parked())
+    st = lot.stats()
+    notes = [f"{len(rows)} parked; RAM {st['ram_bytes'] / 2**20:.1f} of "
+             f"{st['ram_budget'] / 2**20:.0f} MiB"]
+    if lot.disk is not None:
+        notes.append(f"disk {st['disk_bytes'] / 2**20:.1f} of {st['disk_budget'] / 2**20:.0f} "
+                     f"MiB in {lot.disk.dir}")
+        if st["disk_gone"]:
+            notes.append(f"the disk tier is gone: {st['disk_gone']}")
+    dropped = list(lot.dropped)[-10:]
+    if dropped:
+        notes.append("dropped: " + "; ".join(str(d) for d in reversed(dropped)))
+    return disp.Table("parked conversations", ("session", "where", "tokens", "size"), rows,
+                      note="; ".join(notes))
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -410,7 +444,8 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "history": (history, frozenset({"last"}), False),
     "explain": (explain, frozenset(), True),
     "verify": (verify, frozenset(), True),
-    "clear": (clear, frozenset({"all"}), True),
+    "clear": (clear, frozenset({"all", "parked"}), True),
+    "parked": (parked, frozenset(), False),
     "park": (park, frozenset({"all"}), True),
     "unpark": (unpark, frozenset({"all"}), True),
     "widget": (widget, frozenset(), False),

@@ -228,6 +228,8 @@ class Nbkv(Magics, Settings):
               help="load: where parked conversations go when they leave RAM (Nbkv.park_dir)")
     @argument("--all", action="store_true",
               help="clear: every slot; park, unpark: every conversation")
+    @argument("--parked", action="store_true",
+              help="clear: forget the parked conversations too (alone: only them)")
     @argument("-n", "--last", type=int, metavar="N", help="history: records shown (20)")
     @line_magic
     @usage_errors
@@ -242,8 +244,9 @@ class Nbkv(Magics, Settings):
                         [--park-ram BYTES] [--park-dir DIR]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
-          %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR] [--trust]
-          %kvcache park [SESSION | --all] | unpark [SESSION | --all]
+          %kvcache clear SLOT | clear --all [--parked] | clear --parked
+          %kvcache save [DIR] | restore [DIR] [--trust]
+          %kvcache parked | park [SESSION | --all] | unpark [SESSION | --all]
           %kvcache widget | report [FILE] | unload | config
         """
         args = parse_argstring(self.kvcache, line)

@@ -143,10 +143,21 @@ def write_blobs(root: Path, blobs: Blobs, on_blob: Callable[[int], object] | Non
     return written
 
 
-def sweep(root: Path, keep: set[str]) -> int:
+TMP_AGE = 3600.0  # a temporary file this old is a dead writer's, where no lock says so
+
+
+def stale_by_age(f: Path) -> bool:
+    """A temporary file older than :data:`TMP_AGE` (when nothing better proves it stale)."""
+    return time.time() - f.stat().st_mtime > TMP_AGE
+
+
+def sweep(root: Path, keep: set[str], stale_tmp: Callable[[Path], bool] = stale_by_age
+          ) -> int:
     """Delete the blobs under ``root/blobs`` not in ``keep``, and stale temporary files.
 
-    Call it only once no manifest names the others any more. Returns the files deleted.
+    Call it only once no manifest names the others any more. ``stale_tmp(file)`` says
+    whether a temporary file is a dead writer's (default: an hour old; a caller holding the
+    directory's lock knows every one is). Returns the files deleted.
     """
     gone = 0
     bdir = root / BLOBS
@@ -154,7 +165,7 @@ def sweep(root: Path, keep: set[str]) -> int:
         return 0
     for f in bdir.iterdir():
         try:
-            stale = f.name.endswith(".tmp") and time.time() - f.stat().st_mtime > 3600
+            stale = f.name.endswith(".tmp") and stale_tmp(f)
             if (BLOB_NAME.fullmatch(f.name) and f.name not in keep) or stale:
                 f.unlink()
                 gone += 1

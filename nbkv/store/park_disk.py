@@ -1,33 +1,53 @@
-"""The disk tier of the parking lot: parked conversations in the save format.
+"""The disk tier of the parking lot: parked conversations in the save format, per engine.
 
-A parking directory holds::
+A parking directory may be shared by several engines, in one process or in several (two
+notebooks of a project with the same ``--park-dir``). Each engine writes only under its own
+namespace::
 
-    entries/<32 hex>.json   one manifest per parked conversation: the engine identity it
-                            was parked under, the entry's record
-                            (:func:`nbkv.store.parked.entry_json`) and the checksum and
-                            size of each of its blobs; the manifest carries its own
-                            checksum too
-    blobs/<sha256>.bin      its state and checkpoints, named by content (shared blobs once)
+    engines/<id>/lock                   held (``flock``) by the engine while it is open
+    engines/<id>/entries/<32 hex>.json  one manifest per parked conversation: the engine
+                                        identity it was parked under, the entry's record
+                                        (:func:`nbkv.store.parked.entry_json`) and the
+                                        checksum and size of each of its blobs; the
+                                        manifest carries its own checksum too
+    engines/<id>/blobs/<sha256>.bin     its state and checkpoints, named by content
 
 Everything is written atomically (temporary file, fsync, rename), blobs first, so a crash
 leaves either a whole entry or none. Nothing is pickled.
 
-Opening a directory lists what an earlier process left there: each manifest is read and
-checked (checksum, signature, identity: model, per-slot context, KV layout...); the blobs
-are checked only when an entry is taken. An entry that fails any check is never served: it
-is skipped with a warning naming its file and why, and deleted. One engine per directory at
-a time.
+Opening a directory makes the engine's namespace (under a hidden name, renamed into place
+once its lock is held, so nobody sees it unlocked) and looks at the others. A namespace whose
+lock nobody holds is orphaned: its engine was closed, or its process died. Its entries that
+this engine can serve (signed by this user's key, same model, context, KV layout and build;
+another number of slots on plain attention, whose states are re-addressed when read) are
+adopted: moved into this engine's namespace, keeping their order of use. Entries of another
+identity are left where they are. What an orphaned namespace holds that none of its
+manifests names (the blobs and temporary files of a killed writer) is deleted, and an
+emptied one is removed. A namespace whose lock is held is never touched. The layout of nbkv
+0.1 (``entries/`` and ``blobs/`` at the top, no lock) is treated as orphaned, its temporary
+files as a dead writer's once an hour old.
+
+An entry that fails a check when it is read (truncated, corrupt, edited, not signed by this
+user's nbkv key) is never served: it is skipped with a warning naming its file and why, and
+deleted. If the directory is deleted while the engine runs, it is made again at the next
+write, and the entries it held are reported lost; where it cannot be made again,
+:attr:`DiskTier.gone` says why and nothing is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
+import os
 import re
+import secrets
 import shutil
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,13 +74,17 @@ from nbkv.store.parked import (
     entry_json,
     info_from_json,
 )
+from nbkv.store.save_checks import restream
 
 log = logging.getLogger("nbkv.store.parking")
 
 FORMAT = "nbkv-parked"
 VERSION = 1
 ENTRIES = "entries"
+ENGINES = "engines"
+LOCK = "lock"
 _ENTRY_FILE = re.compile(r"[0-9a-f]{32}\.json")
+LEGACY_TMP_AGE = 3600.0  # nbkv 0.1's layout has no lock: a temporary file this old is stale
 GIB = 1 << 30
 
 
@@ -94,32 +118,102 @@ def differences(parked: Any, mine: Mapping[str, Any]) -> list[str]:
             for k in sorted(set(parked) | set(mine)) if parked.get(k) != mine.get(k)]
 
 
+def servable(parked: Any, mine: Mapping[str, Any]) -> tuple[list[str], int | None]:
+    """What keeps an entry parked under identity ``parked`` from this engine, if anything.
+
+    Returns the differences (none: servable) and, when the entry was parked with another
+    number of slots on plain attention (its state is then re-addressed when read), that
+    number.
+    """
+    if not isinstance(parked, dict):
+        return ["no engine identity"], None
+    theirs, ours = parked.get("n_slots"), mine.get("n_slots")
+    diffs = differences({k: v for k, v in parked.items() if k != "n_slots"},
+                        {k: v for k, v in mine.items() if k != "n_slots"})
+    if diffs or theirs == ours:
+        return diffs, None
+    if mine.get("memory") == "plain" and isinstance(theirs, int) and theirs > 0:
+        return [], theirs
+    return [f"n_slots: parked with {theirs!r}, this engine has {ours!r} (only plain "
+            "attention states move between slot counts)"], None
+
+
+def _flock(fd: int, blocking: bool = False) -> bool:
+    """Take an exclusive ``flock`` on ``fd``; False when another holder has it."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: every other namespace looks live
+        return not blocking
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _orphaned(ns: Path, legacy: bool) -> Iterator[bool]:
+    """Hold ``ns``'s lock if nobody does (its engine is gone); yields whether it is held."""
+    target = ns / ENTRIES if legacy else ns / LOCK
+    try:
+        fd = os.open(target, os.O_RDONLY if legacy else os.O_RDWR)
+    except OSError:  # no lock file: a namespace being made, or not one at all
+        yield False
+        return
+    try:
+        yield _flock(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class _Record:
     info: ParkedInfo
     path: Path
     blobs: dict[str, int]  # name -> size
+    slots_from: int | None = None  # parked with this many slots: re-addressed when read
+
+
+@dataclass(frozen=True)
+class Put:
+    """What :meth:`DiskTier.put` did: whether it wrote the entry, and what it evicted."""
+
+    written: bool
+    evicted: tuple[ParkedInfo, ...] = ()
+    why: str = ""  # why it was not written
+
+
+#: ``on_lost(info, why, corrupt)``: an entry left the disk other than by take or delete
+LostCallback = Callable[[ParkedInfo, str, bool], None]
 
 
 class DiskTier:
-    """Parked entries under ``root``, at most ``budget`` bytes of blobs (oldest go first).
+    """An engine's parked entries under ``root``, at most ``budget`` bytes of blobs.
 
-    ``identity`` describes the engine (model fingerprint, n_ctx per slot, memory class, KV
-    types, llama.cpp build...): written into every entry and compared on every read.
-    ``n_vocab`` bounds the token ids an entry may hold.
+    ``identity`` describes the engine (model fingerprint, n_ctx per slot, number of slots,
+    memory class, KV types, llama.cpp build...): written into every entry and compared on
+    every read. ``n_vocab`` bounds the token ids an entry may hold. ``on_lost`` hears of
+    every entry that leaves other than by :meth:`take` or :meth:`delete` (the budget, a
+    deleted directory); call :meth:`close` to release the namespace for others to adopt.
     """
 
     def __init__(self, root: str | Path, budget: int | None = None,
-                 identity: Mapping[str, Any] | None = None, n_vocab: int = 1 << 31) -> None:
+                 identity: Mapping[str, Any] | None = None, n_vocab: int = 1 << 31,
+                 on_lost: LostCallback | None = None) -> None:
         self.root = Path(root).expanduser()
-        (self.root / ENTRIES).mkdir(parents=True, exist_ok=True)
-        (self.root / BLOBS).mkdir(exist_ok=True)
         self.budget = default_disk_budget(self.root) if budget is None else int(budget)
         self.identity = _canon(identity or {})
         self.n_vocab = n_vocab
-        self.skipped = 0  # entries found corrupt or foreign, and deleted
+        self.on_lost = on_lost
+        self.skipped = 0  # entries found corrupt, and deleted
+        self.adopted = 0  # entries taken over from engines that were closed
+        self.gone: str | None = None  # why the directory cannot be written, if it cannot
         self._index: dict[str, _Record] = {}
-        self._scan()
+        self._fd: int | None = None
+        self.dir = self._make_namespace()
+        self._closer = weakref.finalize(self, _close_fd, self._fd)
+        self._adopt_orphans()
+        self._fit_budget()
 
     # ------------------------------------------------------------------ what is there
 
@@ -130,7 +224,9 @@ class DiskTier:
         return len(self._index)
 
     def infos(self) -> list[ParkedInfo]:
-        """Every entry's light view."""
+        """Every entry's light view (entries of a deleted directory are announced lost)."""
+        if self._index and not (self.dir / ENTRIES).is_dir():
+            self._usable()
         return [r.info for r in self._index.values()]
 
     @property
@@ -141,48 +237,57 @@ class DiskTier:
             sizes.update(r.blobs)
         return sum(sizes.values())
 
+    def close(self) -> None:
+        """Release the namespace: another engine opening the directory may adopt it."""
+        self._closer()
+
     # ------------------------------------------------------------------ writing
 
-    def put(self, entry: ParkedEntry) -> bool:
-        """Write ``entry``, deleting the oldest entries to stay in budget; False if it cannot.
+    def put(self, entry: ParkedEntry) -> Put:
+        """Write ``entry``, then delete the oldest entries to stay within the budget.
 
-        An entry larger than the whole budget, or one the file system refuses, is not
-        written (a warning says why).
+        Not written (a :class:`Put` saying why): an entry larger than the whole budget, one
+        the file system refuses, or any while the directory is :attr:`gone`.
         """
         blobs = Blobs()
         record = entry_json(entry, blobs)
         sizes = {n: len(mv) for n, mv in blobs.data.items()}
         if sum(sizes.values()) > self.budget:
-            log.info("parked entry %s (%d bytes) is larger than the disk budget (%d): dropped",
-                     entry.key, sum(sizes.values()), self.budget)
-            return False
+            return Put(False, why=f"larger than the whole disk budget "
+                                  f"({sum(sizes.values()):,} > {self.budget:,} bytes)")
+        if not self._usable():
+            return Put(False, why=f"the disk tier is gone: {self.gone}")
         self.delete(entry.key)
-        while self._index and self._growth(sizes) + self.used > self.budget:
-            oldest = min(self._index.values(), key=lambda r: r.info.last_used)
-            log.debug("disk budget: deleting parked entry %s", oldest.info.key)
-            self.delete(oldest.info.key)
         body = {"format": FORMAT, "version": VERSION, "identity": self.identity,
                 "created": time.time(), "entry": record, "blobs": blobs.table()}
-        path = self.root / ENTRIES / entry_file(entry.key)
+        path = self.dir / ENTRIES / entry_file(entry.key)
         try:
-            write_blobs(self.root, blobs)
+            write_blobs(self.dir, blobs)
             write_file(path, [manifest_text(body).encode()])
             fsync_dir(path.parent)
         except OSError as e:
-            log.warning("could not write parked entry %s to %s: %s (dropped)", entry.key,
-                        path, e)
             path.unlink(missing_ok=True)
             self._sweep()
-            return False
+            return Put(False, why=f"could not write it to {path.parent}: {e}")
         self._index[entry.key] = _Record(entry.info(DISK), path, sizes)
-        return True
+        return Put(True, self._fit_budget(keep=entry.key))
 
-    def _growth(self, sizes: Mapping[str, int]) -> int:
-        """Bytes that blobs ``sizes`` add to the directory (some may be there already)."""
-        have: set[str] = set()
-        for r in self._index.values():
-            have.update(r.blobs)
-        return sum(n for name, n in sizes.items() if name not in have)
+    def _fit_budget(self, keep: str | None = None) -> tuple[ParkedInfo, ...]:
+        """Delete the least recently used entries (not ``keep``) until within the budget."""
+        gone = []
+        while self.used > self.budget and len(self._index) > (keep is not None):
+            victim = min((r for k, r in self._index.items() if k != keep),
+                         key=lambda r: (r.info.used_at, r.info.last_used))
+            log.info("disk budget: parked entry %s (%s, %d tokens) deleted", victim.info.key,
+                     victim.info.session or "-", victim.info.n_tokens)
+            self.delete(victim.info.key)
+            gone.append(victim.info)
+            self._tell(victim.info, "over the disk budget")
+        return tuple(gone)
+
+    def _tell(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
+        if self.on_lost is not None:
+            self.on_lost(info, why, corrupt)
 
     # ------------------------------------------------------------------ reading
 
@@ -191,15 +296,30 @@ class DiskTier:
         rec = self._index.get(key)
         if rec is None:
             return None
+        if not rec.path.exists() and not (self.dir / ENTRIES).is_dir():
+            self._usable()  # the directory was deleted: its entries are announced lost
+            return None
         try:
             body = self._body(rec.path)
-            entry = entry_from_json(body.get("entry"), Reader(self.root, body["blobs"]),
-                                    self.n_vocab)
+            diffs, _ = servable(body.get("identity"), self.identity)
+            if diffs:
+                raise RestoreError("parked by another engine: " + "; ".join(diffs))
+            read = Reader(self.dir, body["blobs"])
+            state = None
+            if rec.slots_from is not None:
+                n_now, n_then = int(self.identity["n_slots"]), rec.slots_from
+
+                def state(name: str) -> Any:
+                    data = restream(bytes(read(name)), n_then, n_now)
+                    return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+
+            entry = entry_from_json(body.get("entry"), read, self.n_vocab, state)
             if entry.key != key:
                 raise RestoreError(f"it holds entry {entry.key!r}, not {key!r}")
         except (RestoreError, OSError) as e:
             self._skip(rec.path, str(e))
             self.delete(key)
+            self._tell(rec.info, f"unreadable: {e}", corrupt=True)
             return None
         return entry
 
@@ -209,8 +329,9 @@ class DiskTier:
         self.delete(key)
         return entry
 
-    def _body(self, path: Path) -> dict[str, Any]:
-        """The checked body of an entry manifest (format, checksum, identity)."""
+    @staticmethod
+    def _body(path: Path) -> dict[str, Any]:
+        """The checked body of an entry manifest (format, version, checksum, blob table)."""
         try:
             doc = json.loads(path.read_text())
         except FileNotFoundError:
@@ -228,9 +349,6 @@ class DiskTier:
         why = untrusted(doc)
         if why:  # never served: its KV could be anything (nbkv.store.signing)
             raise UntrustedSaveError(f"not signed by your nbkv key: {why}")
-        diffs = differences(body.get("identity"), self.identity)
-        if diffs:
-            raise RestoreError("parked by another engine: " + "; ".join(diffs))
         table = body.get("blobs")
         if not isinstance(table, dict) or not all(
                 BLOB_NAME.fullmatch(n) and isinstance(m, dict) and isinstance(m.get("size"), int)
@@ -264,23 +382,154 @@ class DiskTier:
         keep: set[str] = set()
         for r in self._index.values():
             keep.update(r.blobs)
-        sweep(self.root, keep)
+        # writes here are this engine's, one at a time: a temporary file left is a failed one
+        sweep(self.dir, keep, stale_tmp=lambda f: True)
+        for f in (self.dir / ENTRIES).glob(".*.tmp"):
+            f.unlink(missing_ok=True)
 
-    def _scan(self) -> None:
-        """Index what an earlier process parked here; skip (and delete) what fails."""
-        for path in sorted((self.root / ENTRIES).iterdir()):
+    # ------------------------------------------------------------------ the namespace
+
+    def _make_namespace(self) -> Path:
+        """Create and lock this engine's namespace; returns its directory."""
+        engines = self.root / ENGINES
+        engines.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode())
+        name = f"{digest.hexdigest()[:12]}-{os.getpid()}-{secrets.token_hex(4)}"
+        new = engines / f".{name}.new"
+        (new / ENTRIES).mkdir(parents=True)
+        (new / BLOBS).mkdir()
+        self._fd = os.open(new / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        _flock(self._fd, blocking=True)
+        os.rename(new, engines / name)
+        fsync_dir(engines)
+        return engines / name
+
+    def _usable(self) -> bool:
+        """Make the namespace again if it was deleted; False (and :attr:`gone`) if it cannot."""
+        if (self.dir / ENTRIES).is_dir() and (self.dir / BLOBS).is_dir() \
+                and (self.dir / LOCK).exists():
+            self.gone = None
+            return True
+        lost = [r.info for r in self._index.values() if not r.path.exists()]
+        for info in lost:
+            self._index.pop(info.key, None)
+        try:
+            self._closer()  # the old lock (a finalizer runs once)
+            self.dir = self._make_namespace()
+            self._closer = weakref.finalize(self, _close_fd, self._fd)
+        except OSError as e:
+            self.gone = f"{self.root} cannot be written ({e})"
+            log.warning("parking directory: %s; parked conversations stay in RAM", self.gone)
+            ok = False
+        else:
+            self.gone = None
+            log.warning("parking directory %s was deleted: made again (%d parked "
+                        "entries lost with it)", self.root, len(lost))
+            self._sweep()  # entries whose manifests survive elsewhere keep their blobs
+            ok = True
+        for info in lost:
+            self._tell(info, "its file was deleted from the parking directory")
+        return ok
+
+    def _adopt_orphans(self) -> None:
+        """Take over the servable entries of namespaces whose engine is gone."""
+        spaces = [(p, False) for p in sorted((self.root / ENGINES).iterdir())
+                  if p.is_dir() and p != self.dir
+                  # a hidden one is being made (not yet locked), unless a killed one
+                  and (not p.name.startswith(".") or _older_than(p, LEGACY_TMP_AGE))]
+        if (self.root / ENTRIES).is_dir():
+            spaces.append((self.root, True))  # nbkv 0.1's layout
+        for ns, legacy in spaces:
+            with _orphaned(ns, legacy) as mine:
+                if mine:
+                    try:
+                        self._adopt(ns, legacy)
+                    except OSError as e:  # another process's files: leave them
+                        log.warning("parking directory: could not adopt %s: %s", ns, e)
+
+    def _adopt(self, ns: Path, legacy: bool) -> None:
+        """Move ``ns``'s servable entries here; clean what no manifest of it names."""
+        found: list[tuple[Path, dict[str, Any], int | None]] = []
+        stays: set[str] = set()  # blobs the entries left behind name
+        for path in sorted((ns / ENTRIES).iterdir()):
             if not _ENTRY_FILE.fullmatch(path.name):
-                if path.name.endswith(".tmp") and time.time() - path.stat().st_mtime > 3600:
-                    path.unlink(missing_ok=True)
                 continue
             try:
                 body = self._body(path)
-                info = info_from_json(body.get("entry"), self.n_vocab, DISK)
-                if path.name != entry_file(info.key) or info.key in self._index:
-                    raise RestoreError(f"misnamed (it holds entry {info.key!r})")
-            except RestoreError as e:
+                info_from_json(body.get("entry"), self.n_vocab, DISK)
+            except RestoreError as e:  # its engine is gone: nobody else reads it
                 self._skip(path, str(e))
                 continue
-            sizes = {n: m["size"] for n, m in body["blobs"].items()}
-            self._index[info.key] = _Record(info, path, sizes)
-        self._sweep()
+            diffs, slots_from = servable(body.get("identity"), self.identity)
+            if diffs:
+                log.info("parked entry %s left alone: %s", path, "; ".join(diffs))
+                stays.update(body["blobs"])
+                continue
+            found.append((path, body, slots_from))
+        numbers = [_number(k) for k in self._index]
+        for path, body, slots_from in sorted(found, key=lambda f: (
+                f[1]["entry"].get("used_at", 0), f[1]["entry"].get("last_used", 0))):
+            key = str(body["entry"]["key"])
+            if key in self._index:
+                number = max([*numbers, _number(key)]) + 1
+                numbers.append(number)
+                key = f"{key.rpartition('#')[0] or '-'}#{number}"
+                body["entry"]["key"] = key
+            if self._move(ns, path, body, key, stays):
+                info = info_from_json(body["entry"], self.n_vocab, DISK)
+                target = self.dir / ENTRIES / entry_file(key)
+                self._index[key] = _Record(info, target, {
+                    n: m["size"] for n, m in body["blobs"].items()}, slots_from)
+                self.adopted += 1
+        tmp_ok = (lambda f: _older_than(f, LEGACY_TMP_AGE)) if legacy else (lambda f: True)
+        for d in (ns / ENTRIES, ns):
+            for f in d.iterdir():
+                if f.name.endswith(".tmp") and tmp_ok(f):
+                    f.unlink(missing_ok=True)
+        sweep(ns, stays, stale_tmp=tmp_ok)
+        if not legacy and not any((ns / ENTRIES).iterdir()):
+            shutil.rmtree(ns, ignore_errors=True)
+        if self.adopted:
+            log.info("parking directory %s: %d entries taken over from engines that were "
+                     "closed", self.root, self.adopted)
+
+    def _move(self, ns: Path, path: Path, body: dict[str, Any], key: str,
+              stays: set[str]) -> bool:
+        """Move one manifest and its blobs from ``ns`` into this namespace."""
+        for name in body["blobs"]:
+            src, dst = ns / BLOBS / name, self.dir / BLOBS / name
+            if dst.exists():  # moved with an entry adopted before (blobs are shared)
+                continue
+            if not src.is_file():
+                self._skip(path, f"blob {name} is missing")
+                self._tell(info_from_json(body["entry"], self.n_vocab, DISK),
+                           f"unreadable: blob {name} is missing", corrupt=True)
+                return False
+            if name in stays:  # an entry left behind names it too
+                shutil.copyfile(src, dst)
+            else:
+                os.replace(src, dst)
+        write_file(self.dir / ENTRIES / entry_file(key), [manifest_text(body).encode()])
+        path.unlink(missing_ok=True)
+        return True
+
+
+def _number(key: str) -> int:
+    tail = key.rpartition("#")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
+def _older_than(f: Path, seconds: float) -> bool:
+    try:
+        return time.time() - f.stat().st_mtime > seconds
+    except OSError:
+        return False
+
+
+def _close_fd(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)  # releases the flock
+        except OSError:
+            pass
+

@@ -42,6 +42,7 @@ class ParkedInfo:
     tier: str  # RAM or DISK
     settled: int = -1  # leading positions whose KV stays exact whatever follows (-1: all)
     checkpoints: tuple[int, ...] = ()  # positions of its checkpoints
+    used_at: float = 0.0  # wall clock of its last use in a slot: LRU order across processes
 
     def __post_init__(self) -> None:
         if self.settled < 0:
@@ -76,6 +77,7 @@ class ParkedEntry:
     last_request: int | None = None
     last_used: int = 0
     key: str = ""
+    used_at: float = 0.0  # wall clock (time.time()) of its last use in a slot
     nbytes: int = field(default=0, init=False)
     tier: str = field(default=RAM, init=False)  # where it was when taken back
 
@@ -103,16 +105,19 @@ class ParkedEntry:
     @classmethod
     def from_snapshot(cls, snap: Any, *, session: str | None, hashes: Sequence[str],
                       msg_ends: Sequence[int], segments: Sequence[Segment] = (),
-                      last_request: int | None = None, last_used: int = 0) -> ParkedEntry:
+                      last_request: int | None = None, last_used: int = 0,
+                      used_at: float = 0.0) -> ParkedEntry:
         """An entry from a :class:`~nbkv.kv.slot_kv.KVSnapshot` and the slot's bookkeeping."""
         return cls(session, snap.tokens, hashes, msg_ends, snap.state, snap.checkpoints,
-                   segments, snap.settled, snap.exact_len, last_request, last_used)
+                   segments, snap.settled, snap.exact_len, last_request, last_used,
+                   used_at=used_at)
 
     def info(self, tier: str) -> ParkedInfo:
         """The light view of this entry, in ``tier``."""
         return ParkedInfo(self.key, self.session, tuple(self.tokens), tuple(self.hashes),
                           tuple(self.msg_ends), self.last_used, self.nbytes, tier,
-                          self.settled or 0, tuple(pos for pos, _ in self.checkpoints))
+                          self.settled or 0, tuple(pos for pos, _ in self.checkpoints),
+                          self.used_at)
 
 
 # -- the save format -----------------------------------------------------------------------
@@ -125,7 +130,7 @@ def entry_json(e: ParkedEntry, blobs: Blobs) -> dict[str, Any]:
         "n_tokens": len(e.tokens), "hashes": list(e.hashes), "msg_ends": list(e.msg_ends),
         "segments": [segment_json(g) for g in e.segments], "settled": e.settled,
         "exact_len": e.exact_len, "last_request": e.last_request, "last_used": e.last_used,
-        "nbytes": e.nbytes, "state": blobs.add(e.state),
+        "used_at": e.used_at, "nbytes": e.nbytes, "state": blobs.add(e.state),
         "checkpoints": [{"pos": pos, "blob": blobs.add(d)} for pos, d in e.checkpoints],
     }
 
@@ -145,6 +150,7 @@ def _fields(d: Any, n_vocab: int) -> dict[str, Any]:
             "settled": int(d["settled"]), "exact_len": int(d["exact_len"]),
             "last_request": None if req is None else int(req),
             "last_used": int(d["last_used"]),
+            "used_at": float(d.get("used_at", 0.0)),  # saves of nbkv 0.1 lack it
         }
         if int(d["n_tokens"]) != len(tokens):
             raise RestoreError(f"parked entry {out['key']}: {len(tokens)} tokens, its record "
@@ -167,7 +173,7 @@ def info_from_json(d: Any, n_vocab: int, tier: str) -> ParkedInfo:
         raise RestoreError(f"parked entry {f['key']}: malformed checkpoints") from e
     return ParkedInfo(f["key"], f["session"], tuple(f["tokens"]), tuple(f["hashes"]),
                       tuple(f["msg_ends"]), f["last_used"], size, tier,
-                      min(f["settled"], len(f["tokens"])), cps)
+                      min(f["settled"], len(f["tokens"])), cps, f["used_at"])
 
 
 def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
@@ -184,7 +190,7 @@ def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
         buf = (state or read)(d["state"])
         entry = ParkedEntry(f["session"], f["tokens"], f["hashes"], f["msg_ends"], buf, cps,
                             f["segments"], f["settled"], f["exact_len"], f["last_request"],
-                            f["last_used"], f["key"])
+                            f["last_used"], f["key"], f["used_at"])
     except (KeyError, TypeError, ValueError) as e:
         raise RestoreError(f"parked entry {f['key']}: {e}") from e
     if state is None and entry.nbytes != d.get("nbytes"):

@@ -8,20 +8,35 @@ instead of losing it; a later prompt that starts with its tokens restores it int
 - RAM: ``ram_bytes`` of states, least recently used entries leave first, counted in bytes.
 - Disk (optional ``disk_dir``): entries that leave RAM spill there, in the save format
   (:mod:`nbkv.store.park_disk`), within their own byte budget; without a disk tier they are dropped.
-  With ``background_spills`` (the engine's lot) a spill is written by a thread of its own:
-  the request that parked the entry goes on (its prefill, its reply) while the entry is
-  checksummed and written; listing or taking entries waits for the writes in progress.
 
-At most one entry per session: parking a session again replaces its older entry. Pure
-bookkeeping over opaque buffers: no model, no llama.cpp; safe to call from any thread.
+The lot's rules:
+
+- An entry leaves the lot only when its own session takes it back (:meth:`ParkingLot.take`),
+  when a budget evicts it, or when the user clears the lot. Another conversation that
+  starts with the same tokens (a shared system prompt) restores a copy
+  (:meth:`ParkingLot.borrow`) and leaves the entry in place.
+- Every eviction is announced: counted in ``drops``, logged, kept in
+  :attr:`ParkingLot.dropped` (session, tokens, why) and passed to ``on_drop``.
+- Least recently used leaves first, by the wall clock of its last use in a slot
+  (``used_at``), so the order holds across restarts and restores.
+- At most one entry per session, its most recently used conversation: parking a session
+  again replaces its older entry (an older conversation of a session whose newer one is
+  parked is not parked: the newer one stands for it). A restore's entries replace the
+  current ones: they were asked for by name.
+
+Pure bookkeeping over opaque buffers: no model, no llama.cpp; safe to call from any thread.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +46,7 @@ from nbkv.store.blobstore import Blobs
 from nbkv.store.park_disk import DiskTier
 from nbkv.store.parked import DISK, RAM, TIERS, ParkedEntry, ParkedInfo, entry_from_json, entry_json
 
-__all__ = ["DISK", "RAM", "TIERS", "ParkedEntry", "ParkedInfo", "ParkingLot",
+__all__ = ["DISK", "RAM", "TIERS", "Dropped", "ParkedEntry", "ParkedInfo", "ParkingLot",
            "default_ram_budget", "parking_stats"]
 
 log = logging.getLogger("nbkv.store.parking")
@@ -44,35 +59,53 @@ def default_ram_budget() -> int:
     return min(free_memory() // 4, 4 * GIB)
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A parked conversation that left the lot without its session taking it back."""
+
+    session: str | None
+    key: str
+    n_tokens: int
+    tier: str  # where it was: RAM or DISK
+    why: str
+    at: float  # wall clock
+
+    def __str__(self) -> str:
+        return (f"{self.session or 'an unnamed conversation'} ({self.n_tokens:,} tokens, "
+                f"{self.tier}): {self.why}")
+
+
+#: evictions kept for ``%kvcache parked``
+DROPS_KEPT = 50
+
+
 class ParkingLot:
     """Parked conversations in two tiers, within byte budgets.
 
     ``identity`` describes the engine (model fingerprint, ``n_ctx`` per slot, number of
     slots, memory class, KV types, llama.cpp build...): every disk entry records it and one
-    parked under another identity is never served. ``n_vocab`` bounds the token ids of
-    entries read back. Opening an existing ``disk_dir`` lists what an earlier process
-    parked there.
+    parked under another identity is never served (:mod:`nbkv.store.park_disk`). ``n_vocab``
+    bounds the token ids of entries read back. Opening a ``disk_dir`` takes over what engines
+    that were closed parked there. ``on_drop`` is called with each :class:`Dropped`.
     """
 
     def __init__(self, ram_bytes: int | None = None, disk_dir: str | Path | None = None,
                  disk_bytes: int | None = None, identity: Mapping[str, Any] | None = None,
-                 n_vocab: int = 1 << 31, background_spills: bool = False) -> None:
+                 n_vocab: int = 1 << 31, on_drop: Callable[[Dropped], Any] | None = None
+                 ) -> None:
         for name, value in (("ram_bytes", ram_bytes), ("disk_bytes", disk_bytes)):
             if value is not None and value < 0:
                 raise InvalidRequestError(f"{name} must be >= 0, not {value}")
         self.ram_bytes = default_ram_budget() if ram_bytes is None else int(ram_bytes)
-        #: spills are written by a thread of their own (the engine's lot); else in park()
-        self.background = background_spills
         self.n_vocab = n_vocab
-        self.disk = (DiskTier(disk_dir, disk_bytes, identity, n_vocab)
-                     if disk_dir is not None else None)
+        self.on_drop = on_drop
+        self.dropped: deque[Dropped] = deque(maxlen=DROPS_KEPT)
         self._ram: dict[str, ParkedEntry] = {}
         self._order: dict[str, int] = {}  # key -> when it was parked (LRU ties)
         self._lock = threading.RLock()
-        self._written = threading.Condition(self._lock)  # a spill was written (or dropped)
-        self._spilling: dict[str, ParkedEntry] = {}  # on their way to disk, oldest first
-        self._writer: threading.Thread | None = None
         self._counts = {"parks": 0, "restores": 0, "spills": 0, "drops": 0}
+        self.disk = (DiskTier(disk_dir, disk_bytes, identity, n_vocab, self._lost)
+                     if disk_dir is not None else None)
         start = max((self._number(i.key) for i in self.disk.infos()), default=0) \
             if self.disk is not None else 0
         self._seq = itertools.count(start + 1)
@@ -82,11 +115,10 @@ class ParkingLot:
     def entries(self) -> tuple[ParkedInfo, ...]:
         """Every parked conversation, most recently used first."""
         with self._lock:
-            self.flush()
             out = [e.info(RAM) for e in self._ram.values()]
             if self.disk is not None:
                 out += self.disk.infos()
-        return tuple(sorted(out, key=lambda i: (-i.last_used, i.key)))
+        return tuple(sorted(out, key=lambda i: (-i.used_at, -i.last_used, i.key)))
 
     def find(self, session: str) -> ParkedInfo | None:
         """The entry parked for ``session``, if any."""
@@ -94,8 +126,11 @@ class ParkingLot:
 
     def __len__(self) -> int:
         with self._lock:
-            self.flush()
             return len(self._ram) + (len(self.disk) if self.disk is not None else 0)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._ram or (self.disk is not None and key in self.disk)
 
     @property
     def ram_used(self) -> int:
@@ -105,105 +140,92 @@ class ParkingLot:
 
     # ------------------------------------------------------------------ parking
 
-    def park(self, entry: ParkedEntry) -> ParkedInfo | None:
-        """Park ``entry`` (it gets a new ``key``); returns where it went, None if dropped.
+    def park(self, entry: ParkedEntry, drop: bool = True) -> ParkedInfo | None:
+        """Park ``entry`` (it gets a new ``key``); returns where it went, None if not kept.
 
-        Entries leaving RAM to make room spill to disk, or are dropped without a disk tier;
-        one larger than the whole RAM budget goes straight to disk (or is dropped).
+        An older conversation of a session whose newer one is parked is not parked: the
+        newer entry's info is returned.
+
+        Entries leaving RAM to make room spill to disk, or are dropped (announced) without
+        one; an entry larger than the whole RAM budget goes straight to disk. With
+        ``drop=False`` an entry that fits nowhere is not dropped but handed back (None, and
+        nothing announced): the caller keeps it where it is.
         """
         with self._lock:
-            self._counts["parks"] += 1
-            return self._park(entry)
+            info = self._park(entry, drop)
+            if info is not None or drop:
+                self._counts["parks"] += 1
+            return info
 
-    def _park(self, entry: ParkedEntry) -> ParkedInfo | None:
+    def _park(self, entry: ParkedEntry, drop: bool = True, force: bool = False
+              ) -> ParkedInfo | None:
         if entry.session is not None:
-            self.drop_session(entry.session)
+            newer = self.find(entry.session)
+            if newer is not None and not force and (newer.used_at, newer.last_used) > (
+                    entry.used_at, entry.last_used):
+                return newer  # an older conversation of a session: its newer one stands
+            self.drop_session(entry.session)  # its older conversation: superseded
         n = next(self._seq)
         entry.key = f"{entry.session if entry.session is not None else '-'}#{n}"
         self._order[entry.key] = n
         if entry.nbytes > self.ram_bytes:
-            return entry.info(DISK) if self._spill(entry) else None
+            return entry.info(DISK) if self._spill(entry, drop) else None
         self._ram[entry.key] = entry
         while self.ram_used > self.ram_bytes:
-            victim = min(self._ram.values(), key=lambda e: (e.last_used, self._order[e.key]))
+            victim = min(self._ram.values(), key=self._lru)
             del self._ram[victim.key]
-            self._spill(victim)
+            self._spill(victim, drop or victim is not entry)
         if entry.key in self._ram:
             return entry.info(RAM)
-        if entry.key in self._spilling or (self.disk is not None and entry.key in self.disk):
-            return entry.info(DISK)
-        return None
+        return entry.info(DISK) if self.disk is not None and entry.key in self.disk else None
 
-    def _spill(self, entry: ParkedEntry) -> bool:
-        """Send an entry leaving RAM to disk (written by the spill thread); False: dropped."""
-        if self.disk is None or entry.nbytes > self.disk.budget:
-            self._dropped(entry)
-            return False
-        if not self.background:
-            return self._write(entry)
-        self._spilling[entry.key] = entry
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_spills, name="nbkv-spill",
-                                            daemon=True)
-            self._writer.start()
-        return True
+    def _lru(self, e: ParkedEntry) -> tuple[float, int, int]:
+        return (e.used_at, e.last_used, self._order.get(e.key, 0))
 
-    def _dropped(self, entry: ParkedEntry) -> None:
-        self._counts["drops"] += 1
-        self._order.pop(entry.key, None)
-        log.info("parked entry %s (%d tokens, %d bytes) dropped: over the parking budget",
-                 entry.key, len(entry.tokens), entry.nbytes)
-
-    def _write_spills(self) -> None:
-        """The spill thread: write the entries on their way to disk, oldest first, then end.
-
-        It holds the lot while it writes one (the disk tier is one thread's at a time); the
-        scheduler meanwhile prefills and decodes, which does not touch the lot.
-        """
-        while True:
-            with self._lock:
-                if not self._spilling or self.disk is None:
-                    self._writer = None
-                    self._written.notify_all()
-                    return
-                key = next(iter(self._spilling))
-                self._write(self._spilling[key])
-                del self._spilling[key]
-                self._written.notify_all()
-
-    def _write(self, entry: ParkedEntry) -> bool:
-        """Write an entry to the disk tier (lock held); False when it is dropped."""
-        assert self.disk is not None
-        try:
-            ok = self.disk.put(entry)
-        except Exception:  # noqa: BLE001 - the entry is dropped, parking goes on
-            log.exception("writing parked entry %s to disk failed", entry.key)
-            ok = False
-        if ok:
-            self._counts["spills"] += 1
-            log.debug("parked entry %s spilled to disk", entry.key)
+    def _spill(self, entry: ParkedEntry, drop: bool = True) -> bool:
+        """Move an entry leaving RAM to disk; False when it is dropped (or handed back)."""
+        if self.disk is not None:
+            put = self.disk.put(entry)
+            if put.written:
+                self._counts["spills"] += 1
+                log.debug("parked entry %s spilled to disk", entry.key)
+                return True
+            why = put.why
         else:
-            self._dropped(entry)
-        return ok
+            why = ("larger than the whole RAM budget" if entry.nbytes > self.ram_bytes else
+                   "over the RAM budget") + " (no disk tier)"
+        self._order.pop(entry.key, None)
+        if drop:
+            self._announce(entry.info(RAM), why)
+        return False
 
-    def flush(self) -> None:
-        """Wait until every spill on its way to disk is written."""
-        with self._lock:
-            while self._spilling:
-                self._written.wait()
+    def _lost(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
+        """The disk tier lost an entry (its budget, its directory deleted, corrupt)."""
+        self._order.pop(info.key, None)
+        self._announce(info, why, count=not corrupt)  # corrupt ones: skipped_corrupt
+
+    def _announce(self, info: ParkedInfo, why: str, count: bool = True) -> None:
+        if count:
+            self._counts["drops"] += 1
+        d = Dropped(info.session, info.key, info.n_tokens, info.tier, why, time.time())
+        self.dropped.append(d)
+        log.info("parked conversation %s dropped: %s", d, why)
+        if self.on_drop is not None:
+            try:
+                self.on_drop(d)
+            except Exception:  # noqa: BLE001 - a listener must not break the lot
+                log.exception("parking: on_drop failed")
 
     # ------------------------------------------------------------------ taking back
 
     def take(self, key: str) -> ParkedEntry | None:
         """Remove and return the entry ``key`` (``entry.tier`` says where it was).
 
-        A disk entry is read and every byte checked first; one that fails (truncated,
-        corrupt, parked by another model or with another ``n_ctx``) is skipped with a
-        warning naming its file, deleted, and None is returned: the caller rebuilds.
+        For the entry's own session. A disk entry is read and every byte checked first;
+        one that fails (truncated, corrupt, edited) is skipped with a warning naming its
+        file, deleted, and None is returned: the caller rebuilds.
         """
         with self._lock:
-            if key in self._spilling:
-                self.flush()  # taken back from disk, as listed
             entry = self._ram.pop(key, None)
             if entry is not None:
                 entry.tier = RAM
@@ -216,13 +238,26 @@ class ParkingLot:
                 self._counts["restores"] += 1
             return entry
 
+    def borrow(self, key: str) -> ParkedEntry | None:
+        """The entry ``key``, left in the lot: another conversation restores a copy of it."""
+        with self._lock:
+            entry = self._ram.get(key)
+            if entry is not None:
+                entry = copy.copy(entry)  # the buffers are never written: shared
+                entry.tier = RAM
+            elif self.disk is not None and key in self.disk:
+                entry = self.disk.read(key)
+                if entry is not None:
+                    entry.tier = DISK
+            if entry is not None:
+                self._counts["restores"] += 1
+            return entry
+
     def drop(self, key: str) -> bool:
         """Forget the entry ``key`` (not counted as a budget drop)."""
         with self._lock:
             self._order.pop(key, None)
             if self._ram.pop(key, None) is not None:
-                return True
-            if self._spilling.pop(key, None) is not None:
                 return True
             return self.disk is not None and self.disk.delete(key)
 
@@ -232,28 +267,47 @@ class ParkingLot:
             keys = [i.key for i in self.entries() if i.session == session]
             return sum(self.drop(k) for k in keys)
 
-    def clear(self) -> None:
-        """Forget every entry, in RAM and on disk."""
+    def clear(self) -> int:
+        """Forget every entry, in RAM and on disk; returns how many there were."""
         with self._lock:
+            n = len(self)
             self._ram.clear()
-            self._spilling.clear()
             self._order.clear()
             if self.disk is not None:
                 self.disk.clear()
+            return n
+
+    def spill_all(self) -> int:
+        """With a disk tier, write every RAM entry to disk (oldest first); returns how many.
+
+        What the disk budget or the file system refuses is announced as dropped: the RAM
+        tier ends with the process (``Engine.close``).
+        """
+        with self._lock:
+            if self.disk is None:
+                return 0
+            moved = 0
+            for entry in sorted(self._ram.values(), key=self._lru):
+                del self._ram[entry.key]
+                moved += self._spill(entry)
+            return moved
+
+    def close(self) -> None:
+        """Release the disk tier's namespace, for another engine to take over."""
+        if self.disk is not None:
+            self.disk.close()
 
     # ------------------------------------------------------------------ figures
 
     def stats(self) -> dict[str, Any]:
-        """Parks, restores, spills, drops, corrupt entries skipped, bytes and entries by tier.
-
-        Spills on their way to disk are written first.
-        """
+        """Parks, restores, spills, drops, corrupt entries skipped, bytes and entries by tier."""
         with self._lock:
-            self.flush()
             disk = self.disk
             return {
                 **self._counts,
                 "skipped_corrupt": disk.skipped if disk is not None else 0,
+                "adopted": disk.adopted if disk is not None else 0,
+                "disk_gone": disk.gone if disk is not None else None,
                 "ram_bytes": self.ram_used,
                 "disk_bytes": disk.used if disk is not None else 0,
                 "ram_budget": self.ram_bytes,
@@ -269,12 +323,11 @@ class ParkingLot:
         Disk entries are read and checked (one that fails is skipped, as by :meth:`take`).
         """
         with self._lock:
-            self.flush()
             entries = list(self._ram.values())
             if self.disk is not None:
                 entries += [e for e in (self.disk.read(i.key) for i in self.disk.infos())
                             if e is not None]
-            return [entry_json(e, blobs) for e in sorted(entries, key=lambda e: e.last_used)]
+            return [entry_json(e, blobs) for e in sorted(entries, key=self._lru)]
 
     def decode(self, items: Any, read: Callable[[str], Any],
                state: Callable[[str], Any] | None = None) -> list[ParkedEntry]:
@@ -288,22 +341,27 @@ class ParkingLot:
             raise RestoreError("the save's parked entries are not a list")
         return [entry_from_json(d, read, self.n_vocab, state) for d in items]
 
-    def import_(self, entries: Iterable[ParkedEntry], replace: bool = True
+    def import_(self, entries: Iterable[ParkedEntry], replace: bool = False
                 ) -> list[ParkedInfo | None]:
-        """Park decoded entries (replacing every entry first when ``replace``), oldest first.
+        """Park decoded entries, least recently used first, beside those already parked.
 
-        Returns where each went (None: over the budgets, dropped).
+        ``replace`` forgets every entry first. Returns where each went (None: over the
+        budgets, dropped and announced).
         """
         with self._lock:
             if replace:
                 self.clear()
-            return [self._park(e) for e in sorted(entries, key=lambda e: e.last_used)]
+            out = []
+            for e in sorted(entries, key=lambda e: (e.used_at, e.last_used)):
+                info = self._park(e, force=True)  # the save's, asked for by name
+                self._counts["parks"] += 1
+                out.append(info)
+            return out
 
     @staticmethod
     def _number(key: str) -> int:
         tail = key.rpartition("#")[2]
         return int(tail) if tail.isdigit() else 0
-
 
 def parking_stats(lot: ParkingLot | None) -> dict[str, Any]:
     """The parking figures of ``%kvcache stats`` (empty without a parking lot)."""

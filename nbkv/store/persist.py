@@ -63,6 +63,7 @@ from nbkv.store.blobstore import (
     manifest_text,
     segment_from_json,
     segment_json,
+    stale_by_age,
     sweep,
     write_blobs,
     write_file,
@@ -143,7 +144,9 @@ class RestoreReport:
     nbytes: int
     seconds: float
     saved_at: float
-    parked: tuple[str, ...] = ()  # conversations parked: saved parked, or without a slot
+    parked: tuple[str, ...] = ()  # the save's conversations now parked (``engine.parked()``)
+    #: the save's conversations the parking lot could not hold: "name (why)"
+    not_parked: tuple[str, ...] = ()
     untrusted: str | None = None  # why the save is not trusted (restored with trust=True)
     recomputed: tuple[Any, ...] = ()  # untrusted: each slot's Recomputation
     left_out: tuple[str, ...] = ()  # untrusted: what was not restored from it
@@ -155,6 +158,7 @@ class RestoreReport:
         drop = (f"; not enough slots, dropped the least recently used: "
                 f"{', '.join(self.dropped)}" if self.dropped else "")
         drop += (f"; parked: {', '.join(self.parked)}" if self.parked else "")
+        drop += (f"; not kept: {', '.join(self.not_parked)}" if self.not_parked else "")
         if self.untrusted is not None:
             drop += (f". An untrusted save ({self.untrusted}), restored because you trust it: "
                      + (self.trust_note or "every slot was recomputed by a full prefill "
@@ -286,7 +290,7 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
             "index": s.index, "session": s.session, "tokens": encode_units(kv.tokens),
             "n_tokens": len(kv.tokens), "settled": kv.settled,
             "exact_len": kv.exact_len, "hashes": list(s.hashes),
-            "msg_ends": list(s.msg_ends), "last_used": s.last_used,
+            "msg_ends": list(s.msg_ends), "last_used": s.last_used, "used_at": s.used_at,
             "state": blobs.add(kv.state), "checkpoints": cps,
             "segments": [segment_json(g) for g in s.segments], "nbytes": kv.nbytes,
         })
@@ -327,8 +331,9 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
         "blobs": blobs.table(),
     }
     total = sum(len(mv) for mv in blobs.data.values())
-    with _locked(root, exclusive=True), _bytes_task(progress, total, f"saving to {root}") as done:
-        written = _write(root, body, blobs, done)
+    with _locked(root, exclusive=True) as locked, \
+            _bytes_task(progress, total, f"saving to {root}") as done:
+        written = _write(root, body, blobs, locked, done)
     rep = SaveReport(root, tuple(reports), tuple(cap.busy), len(spc_json), len(emb_json),
                      tuple(s["name"] for s in sess_json),
                      sum(len(mv) for mv in blobs.data.values()), written,
@@ -343,21 +348,21 @@ def _locked(root: Path, exclusive: bool) -> Any:
     """Hold ``root``'s lock file: one writer, or readers, at a time (across processes too).
 
     Without it, a save's clean-up could delete blobs that another save's new manifest (or a
-    restore reading the old one) still needs.
+    restore reading the old one) still needs. Yields whether the lock is held.
     """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX: no lock between processes
-        yield
+        yield False
         return
     try:
         fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:  # a read-only save can still be restored
-        yield
+        yield False
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
+        yield True
     finally:
         os.close(fd)
 
@@ -373,7 +378,7 @@ def _bytes_task(progress: Reporter | bool | None, total: int, what: str
         yield lambda n: task.advance(n / 2**20)
 
 
-def _write(root: Path, body: dict[str, Any], blobs: Blobs,
+def _write(root: Path, body: dict[str, Any], blobs: Blobs, locked: bool = False,
            on_blob: Callable[[int], None] | None = None) -> int:
     try:
         written = write_blobs(root, blobs, on_blob)
@@ -382,9 +387,32 @@ def _write(root: Path, body: dict[str, Any], blobs: Blobs,
     except OSError as e:
         raise SaveError(f"could not write the save to {root}: {e} (the previous save there, "
                         "if any, is intact)") from e
-    # only now may blobs the new manifest does not name go: no manifest names them any more
-    sweep(root, set(blobs.data))
+    # only now may blobs the new manifest does not name go: no manifest names them any more;
+    # every writer holds the lock, so under it a temporary file is a killed save's
+    stale = (lambda f: True) if locked else _dead_writer
+    sweep(root, set(blobs.data), stale_tmp=stale)
+    for f in root.glob(f".{MANIFEST}.*.tmp"):
+        if stale(f):
+            f.unlink(missing_ok=True)
     return written
+
+
+def _dead_writer(f: Path) -> bool:
+    """A temporary file (``.NAME.PID.THREAD.tmp``) whose writing process has ended, or old."""
+    parts = f.name.split(".")
+    try:
+        pid = int(parts[-3])
+    except (IndexError, ValueError):
+        return stale_by_age(f)
+    if pid == os.getpid():
+        return False  # a thread of this process may be writing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return stale_by_age(f)
 
 
 # -- restore ---------------------------------------------------------------------------------
@@ -399,6 +427,7 @@ class _Plan:
     sessions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # state_dict()s
     parked: list[ParkedEntry] = field(default_factory=list)  # for the engine's parking lot
     replies: list[ReplyMemo] = field(default_factory=list)  # replies the saved KV holds
+    not_parked: list[str] = field(default_factory=list)  # saved parked, parking off
     nbytes: int = 0
 
 
@@ -413,6 +442,7 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
 
     n_vocab = engine.model.n_vocab
     n_saved = body.get("n_slots")
+    created = float(body.get("created", 0.0))
 
     def state(name: Any) -> Any:
         buf = read(name)
@@ -443,17 +473,24 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
                     raise RestoreError(f"slot {s['index']}: checkpoint at {pos} is outside it")
                 cps.append((pos, read(c["blob"])))
             segments = tuple(segment_from_json(g) for g in s["segments"])
+            used_at = float(s.get("used_at", created))  # saves of nbkv 0.1 lack it
             if i >= engine.n_slots:  # more slots saved than there are: park the rest
                 plan.parked.append(ParkedEntry(
                     s["session"], tokens, hashes, ends, state(s["state"]), cps, segments,
-                    settled, exact_len, None, int(s["last_used"])))
+                    settled, exact_len, None, int(s["last_used"]), used_at=used_at))
                 continue
             plan.slots.append(SlotState(
                 int(s["index"]), s["session"], tuple(hashes), tuple(ends), segments,
                 int(s["last_used"]), None,
-                KVSnapshot.of(state(s["state"]), tokens, settled, exact_len, cps)))
+                KVSnapshot.of(state(s["state"]), tokens, settled, exact_len, cps), used_at))
         if lot is not None:
-            plan.parked[:0] = lot.decode(body.get("parked", []), read, state)
+            saved_parked = lot.decode(body.get("parked", []), read, state)
+            for e in saved_parked:
+                e.used_at = e.used_at or created
+            plan.parked[:0] = saved_parked
+        else:
+            plan.not_parked = [f"{e.get('session') or '-'} (parking is off)"
+                               for e in body.get("parked", []) if isinstance(e, dict)]
         for e in body.get("spc", []):
             plan.spc.append((str(e["key"]), SavedPrompt(
                 state(e["state"]), tuple(decode_units(e["tokens"], n_vocab)))))
@@ -525,8 +562,11 @@ def restore(engine: Persistable, path: str | os.PathLike | None = None,
     recomputed = engine.import_state(list(zip(where, plan.slots)), plan.spc,
                                      recompute=why is not None)
     engine.import_replies(plan.replies)
-    if engine.parking is not None:
-        engine.parking.import_(sorted(plan.parked, key=lambda e: e.last_used))
+    if engine.parking is not None:  # beside what is parked; over the budgets: announced
+        engine.parking.import_(plan.parked)
+        for e in plan.parked:
+            if e.key not in engine.parking:
+                plan.not_parked.append(f"{e.session or '-'} (over the parking budget)")
     placed = sorted((SlotSave(i, st.session, len(st.kv.tokens), st.kv.nbytes)
                      for i, st in zip(where, plan.slots)), key=lambda p: p.index)
     proj = engine.projector
@@ -540,8 +580,9 @@ def restore(engine: Persistable, path: str | os.PathLike | None = None,
     rep = RestoreReport(root, tuple(placed), tuple(plan.dropped), len(plan.spc),
                         len(plan.embeddings), tuple(n for n, _ in plan.sessions), plan.nbytes,
                         time.perf_counter() - t0, float(body.get("created", 0.0)),
-                        tuple(e.session or "-" for e in plan.parked), why,
-                        tuple(recomputed or ()), left_out)
+                        tuple(e.session or "-" for e in plan.parked
+                              if engine.parking is not None and e.key in engine.parking),
+                        tuple(plan.not_parked), why, tuple(recomputed or ()), left_out)
     engine.last_restore = rep
     engine.events.publish(SlotsChanged("restored"))
     log.info("%s", rep)
