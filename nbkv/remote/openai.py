@@ -9,6 +9,7 @@ from typing import Any
 
 from nbkv.core.api import request_totals
 from nbkv.core.errors import (
+    IncompleteReplyError,
     InvalidRequestError,
     ServerUnsupportedError,
 )
@@ -37,15 +38,31 @@ class OpenAIEngine(RemoteBase):
 
     def __init__(self, client: ServerClient, model: str | None = None) -> None:
         super().__init__(client)
-        self.model_name = model or ""
-        if not self.model_name:
-            try:
-                models = client.get("/v1/models", timeout=10.0)
-                data = models.get("data") or [] if isinstance(models, dict) else []
-                self.model_name = data[0]["id"] if data else ""
-            except ServerUnsupportedError:
-                pass
+        models = self._probe(client)
+        self.model_name = model or (str(models[0].get("id") or "") if models else "")
         self.reports_cache: bool | None = None  # does usage carry cached_tokens?
+
+    @staticmethod
+    def _probe(client: ServerClient) -> list[dict[str, Any]]:
+        """The server's ``/v1/models`` list; refuse a server that is not OpenAI-compatible.
+
+        A plain web server (a static file server, a notebook server) would otherwise be
+        accepted here and fail at the first chat with an HTTP error that says nothing useful.
+        """
+        hint = ("is it an OpenAI-compatible LLM server (vLLM, SGLang, llama-server)? Check "
+                "the URL and port")
+        try:
+            models = client.get("/v1/models", timeout=10.0)
+        except ServerUnsupportedError as e:
+            raise ServerUnsupportedError(
+                f"{client.url} is not an OpenAI-compatible server: GET /v1/models answered "
+                f"HTTP {e.status}; {hint}", e.status) from e
+        data = models.get("data") if isinstance(models, dict) else None
+        if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+            raise ServerUnsupportedError(
+                f"{client.url} is not an OpenAI-compatible server: GET /v1/models answered "
+                f"{str(models)[:60]!r}, not a model list; {hint}")
+        return data
 
     @property
     def n_slots(self) -> int:
@@ -86,18 +103,28 @@ class OpenAIEngine(RemoteBase):
         self.events.publish(RequestStarted(RequestRecord(
             job.id, job.session, "server", -1, 0, 0, 0, 0, started_at=time.time())))
         usage: dict[str, Any] = {}
-        finish, error = "cancelled", None
+        finish, error, ended = "cancelled", None, False
         try:
             for ev in self._events(job, "/v1/chat/completions", body):
                 for choice in ev.get("choices") or ():
                     self._delta(job, (choice.get("delta") or {}).get("content") or "")
                     if choice.get("finish_reason"):
                         finish = "length" if choice["finish_reason"] == "length" else "stop"
+                        ended = True
                 if ev.get("usage"):
                     usage = ev["usage"]
+            ended = ended or bool(job.stream is not None and job.stream.done)
         except BaseException as e:
             error = e
             finish = "cancelled" if isinstance(e, KeyboardInterrupt) else "error"
+        if error is None and not ended and not job.cancel.is_set():
+            # the connection closed before the final event: the reply is cut short, not done
+            error = IncompleteReplyError(
+                f"{self.url}/v1/chat/completions: the answer ended without its final event "
+                f"(no finish_reason, no [DONE]): the server stopped or dropped the connection "
+                f"after {len(job.text)} characters; the partial reply is on this error's "
+                f".text", text=job.text)
+            finish = "error"
         now = time.perf_counter()
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
