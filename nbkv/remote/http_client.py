@@ -133,6 +133,11 @@ class ServerClient:
                 "exceed" in message.lower() or "too long" in message.lower()):
             n = info.get("n_prompt_tokens")
             cap = info.get("n_ctx")
+            if not isinstance(n, int) or not isinstance(cap, int):  # vLLM says it in words
+                cap_m = re.search(r"maximum context length is (\d+)", message)
+                n_m = re.search(r"(?:contains at least|requested) (\d+)", message)
+                if cap_m and n_m:
+                    n, cap = int(n_m.group(1)), int(cap_m.group(1))
             if isinstance(n, int) and isinstance(cap, int):
                 return ContextOverflowError(n, cap)
             return ServerError(f"the server refused a prompt that does not fit its context: "

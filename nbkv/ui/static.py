@@ -18,6 +18,7 @@ from typing import Any
 from nbkv.core.events import GENERATED, PREFILLED, REUSED, RequestRecord, Segment
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import engine_label, legend_html, size_text, slots_label
+from nbkv.ui.map_rows import held_caption, held_text, map_rows, map_title, row_labels
 from nbkv.ui.palette import (
     CAPACITY,
     CARD_BORDER,
@@ -314,18 +315,23 @@ def _svg(width: int, height: int, body: str, cls: str, label: str) -> str:
 
 def kvmap_svg(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, RequestRecord],
               running: Mapping[int, Any] | None = None, fit: bool = True,
-              width: int = 720) -> str:
-    """Every slot's KV positions: who wrote each span, and what the latest request did."""
-    running = running or {}
+              width: int = 720, server: bool = False, block_size: int | None = None) -> str:
+    """Every slot's KV positions: who wrote each span, and what the latest request did.
+
+    ``server``: the rows are sessions on a server that keeps its own cache (their latest
+    request, cut at the server's ``block_size``; a band marks what it holds now).
+    """
+    running = {} if server else (running or {})
     left, right_pad, top, row, gap = 110, 12, 30, 20, 4
     rows: list[str] = []
     used = 0
     for s in slots:
         segs = running[s.index].record.segments if s.index in running else s.segments
         used = max(used, s.n_tokens, *(seg.end for seg in segs))
-        rec = latest(s, running.get(s.index), last_by_slot.get(s.index))
+        rec = None if server else latest(s, running.get(s.index), last_by_slot.get(s.index))
         if rec is not None and rec.trimmed_tokens:
             used = max(used, rec.reused_tokens + rec.trimmed_tokens)
+    n_ctx = max(n_ctx, used)  # a server that did not say its length
     right = min(n_ctx, max(int(used * 1.15) + 1, n_ctx // 8)) if fit else n_ctx
     right = max(right, 1)
     pw = width - left - right_pad
@@ -334,8 +340,8 @@ def kvmap_svg(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Reque
     for s in slots:
         run = running.get(s.index)
         segs = run.record.segments if run is not None else s.segments
-        rec = latest(s, run, last_by_slot.get(s.index))
-        for label, is_request in ((f"slot {s.index}", False), (f"slot {s.index} · request", True)):
+        rec = None if server else latest(s, run, last_by_slot.get(s.index))
+        for label, is_request in zip(row_labels(s, server), (False, True)):
             rows.append(_text(left - 6, y + row / 2 + 4, label, "end"))
             rows.append(_rect(left, y, pw, row, CAPACITY))
             if not is_request:
@@ -350,11 +356,16 @@ def kvmap_svg(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Reque
                                     f'y2="{y + row + 2}" stroke="{INK}" stroke-width="2">'
                                     f"<title>{vocab.MARKS['checkpoint-mark'].words} at "
                                     f"{pos}</title></line>")
+                if s.server_cached:
+                    rows.append(_rect(x(0), y, x(s.server_cached) - x(0), row * 0.2,
+                                      vocab.MARKS["server-held"].color,
+                                      held_text(s, block_size), ' class="nbkv-server-held"'))
             else:
                 for name, seg in states(segs, run):
                     rows.append(_rect(x(seg.start), y, x(seg.end) - x(seg.start), row,
                                       STATE_COLORS.get(name, NEUTRAL),
-                                      _hover(seg, vocab.STATES.get(name))))
+                                      _hover(seg, vocab.STATES.get(name)),
+                                      f' stroke="{PAPER}"' if server else ""))
                 if rec is not None and rec.trimmed_tokens:
                     a, b = rec.reused_tokens, rec.reused_tokens + rec.trimmed_tokens
                     rows.append(_rect(x(a), y + row * 0.6, x(b) - x(a), row * 0.25,
@@ -374,9 +385,11 @@ def kvmap_svg(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Reque
         f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{y}" stroke="{RULE}"/>'
         + _text(x(t), y + 12, f"{int(t)}", "middle", 10, MUTED)
         for t in _range(0, right, step))
-    title = (f"KV positions per slot (capacity {n_ctx}"
-             + (f", showing 0–{right})" if right < n_ctx else ")"))
+    title = map_title(n_ctx, right, server, block_size)
     body = (_text(left, 18, title, size=13, color=INK) + ticks + "".join(rows))
+    if server and any(s.server_cached is not None for s in slots):
+        y += 16
+        body += _text(left, y + 12, held_caption(), size=10, color=MUTED)
     return _svg(width, y + 20, body, "nbkv-kvmap-svg", title)
 
 
@@ -578,7 +591,9 @@ def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: 
     slots = engine.slots()
     parts = [header_html(engine, len(running)), legend_html(),
              cards_html(slots, last, running, parked_of(engine))]
-    if engine.n_slots:
-        parts.append(kvmap_svg(slots, engine.n_ctx, last, running))
+    rows, server = map_rows(engine)
+    if rows or engine.n_slots:
+        parts.append(kvmap_svg(rows, engine.n_ctx, last, running, server=server,
+                               block_size=getattr(engine, "block_size", None)))
     parts.append(timeline_svg(engine.history))
     return frame("".join(parts) + extra, "nbkv-dashboard-static", caption)

@@ -37,7 +37,7 @@ class CacheDashboard(W.VBox):
         self.legend = W.HTML(legend_html())
         parts = [self.header, self.legend, self.slots, self.kvmap, self.timeline,
                  self.conversations]
-        if not engine.n_slots:  # a server that manages its own slots: no KV map to draw
+        if not engine.n_slots and not hasattr(engine, "cache_rows"):  # no KV map to draw
             parts.remove(self.kvmap)
         super().__init__(parts, **kw)
         self.interval = interval

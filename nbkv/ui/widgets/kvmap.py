@@ -21,6 +21,7 @@ from nbkv.core.events import GENERATED, PREFILLED, REUSED, Segment
 from nbkv.ui import static
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import legend_html
+from nbkv.ui.map_rows import held_caption, held_text, map_rows, map_title, row_labels
 from nbkv.ui.palette import CAPACITY, COLORS, INK, MEDIA_COLOR, PAPER, ROLE_COLORS
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
 
@@ -34,11 +35,10 @@ BARS = {**{role: (vocab.ROLES[role].words if role in vocab.ROLES else role, colo
         "image": (vocab.ROLES["image"].words, MEDIA_COLOR),
         **{state: (vocab.STATES[state].words, STATE_COLORS[state])
            for state in (REUSED, PREFILLED, TODO, GENERATED)},
-        "trimmed": (vocab.STATES["trimmed"].words, STATE_COLORS["trimmed"])}
-
-
-def _label(slot: int, row: str) -> str:
-    return f"slot {slot}" if row == "messages" else f"slot {slot} · request"
+        "trimmed": (vocab.STATES["trimmed"].words, STATE_COLORS["trimmed"]),
+        "held": (vocab.MARKS["server-held"].words, vocab.MARKS["server-held"].color)}
+#: thin bands over a row: (width, offset) in row units
+BANDS = {"trimmed": (0.25, 0.15), "held": (0.2, -0.4)}
 
 
 class KVMap(FeedView, W.VBox):
@@ -46,7 +46,9 @@ class KVMap(FeedView, W.VBox):
 
     With ``fit`` (default) the x axis spans the positions in use (at least an eighth of the
     capacity) rather than the whole capacity, so short conversations stay legible. A redraw
-    sends only the traces that changed.
+    sends only the traces that changed. For a server that keeps its own cache
+    (OpenAI-compatible: vLLM) the rows are sessions, their latest request cut at the server's
+    block size, with a band over what the server holds now (its KV cache events).
     """
 
     segments = Int(0, help="Bars drawn at the last redraw")
@@ -54,8 +56,10 @@ class KVMap(FeedView, W.VBox):
 
     def __init__(self, engine: Any, feed: Feed | None = None, **kw: Any) -> None:
         self.engine = engine
-        n, cap = engine.n_slots, engine.n_ctx
-        self.labels = [_label(i, row) for i in range(n) for row in ("messages", "request")]
+        rows, server = map_rows(engine)
+        cap = max(engine.n_ctx, 1)
+        self.labels = [label for s in rows for label in row_labels(s, server)]
+        n = len(rows)
         # the legend sits above the plot, so the x axis's numbers are never under it
         self.figure = go.FigureWidget(layout=dict(
             height=120 + 52 * n, margin=dict(l=110, r=10, t=64, b=30), barmode="overlay",
@@ -71,12 +75,12 @@ class KVMap(FeedView, W.VBox):
                             marker_color=CAPACITY, hoverinfo="skip", showlegend=False)
         self.traces: dict[str, Any] = {}
         for code, (words, color) in BARS.items():
-            trimmed = code == "trimmed"
+            width, offset = BANDS.get(code, (0.8, None))
             self.traces[code] = self.figure.add_bar(
                 name=words, orientation="h", y=[], x=[], base=[], customdata=[],
                 marker=dict(color=color, line=dict(color=PAPER, width=1)),
-                width=0.25 if trimmed else 0.8, offset=0.15 if trimmed else None,
-                hovertemplate=HOVER, showlegend=code != "other").data[-1]
+                width=width, offset=offset, hovertemplate=HOVER,
+                showlegend=code not in ("other", "held")).data[-1]
         # hybrid and recurrent models: where a slot can go back to (nbkv.kv.slot_kv)
         self.traces["checkpoint"] = self.figure.add_scatter(
             name=vocab.MARKS["checkpoint-mark"].words, mode="markers", x=[], y=[],
@@ -92,7 +96,12 @@ class KVMap(FeedView, W.VBox):
             name="not verified", mode="markers", x=[], y=[], customdata=[],
             marker=dict(symbol="x", size=12, color=COLORS["trimmed"]),
             hovertemplate="%{customdata}<extra>not verified</extra>").data[-1]
-        self._sent: dict[tuple[str, str], Any] = {}  # what each trace shows now
+        # what each trace shows now (the rows drawn at creation included)
+        n_labels = len(self.labels)
+        self._sent: dict[tuple[str, str], Any] = {
+            ("yaxis", "categoryarray"): self.labels, ("layout", "height"): 120 + 26 * n_labels,
+            ("capacity", "y"): self.labels, ("capacity", "x"): [cap] * n_labels,
+            ("capacity", "base"): [0] * n_labels}
         self.note = W.HTML()
         super().__init__([self.figure, self.note], **kw)
         self.add_class("nbkv-kvmap")
@@ -106,17 +115,25 @@ class KVMap(FeedView, W.VBox):
         diverged: list[tuple[int, str, str]] = []
         marks: list[tuple[int, str]] = []
         unverified: list[tuple[str, str]] = []
-        for s in self.engine.slots():
+        rows, server = map_rows(self.engine)
+        labels = [label for s in rows for label in row_labels(s, server)]
+        block = getattr(self.engine, "block_size", None)
+        for s in rows:
+            top, bottom = row_labels(s, server)
             if not s.verified:
-                unverified.append((_label(s.index, "messages"), html.escape(s.note)))
-            marks.extend((pos, _label(s.index, "messages")) for pos in s.checkpoints)
-            run = state.running_on(s.index)
+                unverified.append((top, html.escape(s.note)))
+            marks.extend((pos, top) for pos in s.checkpoints)
+            # a server's session row shows its latest finished request (no slot to follow)
+            run = None if server else state.running_on(s.index)
             segs = run.record.segments if run is not None else s.segments
-            top, bottom = _label(s.index, "messages"), _label(s.index, "request")
             for seg in static.messages(segs):
                 shade = 1.0 if seg.message % 2 == 0 else 0.7
                 bars[static.role_key(seg)].append((top, seg.start, seg.end, _hover(seg), shade))
-            rec = static.latest(s, run, state.last_by_slot.get(s.index))
+            if s.server_cached:
+                bars["held"].append((top, 0, s.server_cached, [
+                    "-", vocab.MARKS["server-held"].words, 0, s.server_cached,
+                    html.escape(held_text(s, block))], 1.0))
+            rec = None if server else static.latest(s, run, state.last_by_slot.get(s.index))
             for state_name, seg in static.states(segs, run):
                 bars[state_name].append((bottom, seg.start, seg.end, _hover(seg), 1.0))
             if rec is not None and rec.divergence is not None:
@@ -128,14 +145,19 @@ class KVMap(FeedView, W.VBox):
                 bars["trimmed"].append((bottom, a, b, ["-", vocab.STATES["trimmed"].words, a, b,
                                                        html.escape(static.trimmed_text(rec))],
                                         1.0))
-        cap = self.engine.n_ctx
-        used = max((r[2] for rows in bars.values() for r in rows), default=0)
+        used = max((r[2] for spans in bars.values() for r in spans), default=0)
+        cap = max(self.engine.n_ctx, used, 1)  # a server that did not say its length
         right = min(cap, max(int(used * 1.15) + 1, cap // 8)) if self.fit else cap
         layout = self.figure.layout
+        capacity = self.figure.data[0]
         updates: list[tuple[str, Any, str, Any]] = [
             ("xaxis", layout.xaxis, "range", [0, right]),
-            ("title", layout.title, "text", f"KV positions per slot (capacity {cap}"
-             + (f", showing 0–{right})" if right < cap else ")"))]
+            ("title", layout.title, "text", map_title(cap, right, server, block)),
+            ("yaxis", layout.yaxis, "categoryarray", labels),
+            ("layout", layout, "height", 120 + 26 * len(labels)),
+            ("capacity", capacity, "y", labels),
+            ("capacity", capacity, "x", [cap] * len(labels)),
+            ("capacity", capacity, "base", [0] * len(labels))]
         for name, rows in bars.items():
             t = self.traces[name]
             updates += [(name, t, "y", [r[0] for r in rows]),
@@ -161,7 +183,9 @@ class KVMap(FeedView, W.VBox):
         self.segments = sum(len(rows) for rows in bars.values())
         self.note.value = "engine closed" if state.closed else "".join(
             f'<div class="nbkv-unverified" style="color:{COLORS["trimmed"]};font-size:12px">'
-            f"✗ {label}: not verified: {note}</div>" for label, note in unverified)
+            f"✗ {label}: not verified: {note}</div>" for label, note in unverified) + (
+            f'<div style="font-size:11px">{html.escape(held_caption())}</div>'
+            if server and any(s.server_cached is not None for s in rows) else "")
 
     def static_html(self) -> str:
         """The map as inline SVG, with its legend (the saved notebook's fallback)."""
@@ -169,9 +193,10 @@ class KVMap(FeedView, W.VBox):
         if state.closed:
             return static.frame("engine closed", "nbkv-kvmap-static")
         running = {run.record.slot: run for run in state.running.values()}
+        rows, server = map_rows(self.engine)
         return static.frame(legend_html() + static.kvmap_svg(
-            self.engine.slots(), self.engine.n_ctx, state.last_by_slot, running, self.fit),
-            "nbkv-kvmap-static")
+            rows, self.engine.n_ctx, state.last_by_slot, running, self.fit, server=server,
+            block_size=getattr(self.engine, "block_size", None)), "nbkv-kvmap-static")
 
 
 def _hover(seg: Segment) -> list[Any]:
