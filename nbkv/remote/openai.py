@@ -212,7 +212,8 @@ class OpenAIEngine(RemoteBase):
     def cached_now(self, messages: Sequence[Mapping[str, Any]]) -> int | None:
         """How many tokens of ``messages``' prompt the server would reuse now (None: unknown).
 
-        As its KV cache events tell: whole blocks, never the last prompt token. The prompt is tokenized by the server (``/tokenize``, with the generation prompt).
+        As its KV cache events tell: whole blocks, never the last prompt token. The prompt is
+        tokenized by the server (``/tokenize``, with the generation prompt).
         """
         if self.listener is None or not self.has_tokenize:
             return None
