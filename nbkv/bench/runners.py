@@ -311,8 +311,11 @@ class OpenAIRunner:
 
     def __init__(self, url: str, max_tokens: int = MAX_TOKENS) -> None:
         from nbkv.remote.connect import connect
+        from nbkv.remote.openai import OpenAIEngine
 
-        self.engine = connect(url, kind="openai")
+        engine = connect(url, kind="openai")
+        assert isinstance(engine, OpenAIEngine)
+        self.engine = engine
         self.max_tokens = max_tokens
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:

@@ -107,7 +107,7 @@ class KVEventListener:
         self.gaps = 0  # batches missed (sequence numbers skipped)
         self.restarts = 0  # times the numbering started again (the server restarted)
         self.ready = threading.Event()  # set once the replay (if any) is done
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVTIMEO, 200)  # the thread checks for close() this often

@@ -269,7 +269,8 @@ class OpenAIEngine(RemoteBase):
             job.id, job.session, "server", -1, 0, 0, 0, 0, started_at=time.time())))
         usage: dict[str, Any] = {}
         prompt_ids: list[int] | None = None
-        finish, error, ended = "cancelled", None, False
+        error: BaseException | None = None
+        finish, ended = "cancelled", False
         try:
             for ev in self._events(job, "/v1/chat/completions", body):
                 if isinstance(ev.get("prompt_token_ids"), list):

@@ -158,13 +158,13 @@ class KVMap(FeedView, W.VBox):
             ("capacity", capacity, "y", labels),
             ("capacity", capacity, "x", [cap] * len(labels)),
             ("capacity", capacity, "base", [0] * len(labels))]
-        for name, rows in bars.items():
+        for name, spans in bars.items():
             t = self.traces[name]
-            updates += [(name, t, "y", [r[0] for r in rows]),
-                        (name, t, "base", [r[1] for r in rows]),
-                        (name, t, "x", [r[2] - r[1] for r in rows]),
-                        (name, t, "customdata", [r[3] for r in rows]),
-                        (name, t.marker, "opacity", [r[4] for r in rows] if rows else None)]
+            updates += [(name, t, "y", [r[0] for r in spans]),
+                        (name, t, "base", [r[1] for r in spans]),
+                        (name, t, "x", [r[2] - r[1] for r in spans]),
+                        (name, t, "customdata", [r[3] for r in spans]),
+                        (name, t.marker, "opacity", [r[4] for r in spans] if spans else None)]
         for name, points in (("checkpoint", [(x, y, None) for x, y in marks]),
                              ("divergence", diverged),
                              ("not verified", [(0, y, note) for y, note in unverified])):
@@ -180,7 +180,7 @@ class KVMap(FeedView, W.VBox):
                 for key, obj, prop, value in changed:
                     setattr(obj, prop, value)
                     self._sent[(key, prop)] = value
-        self.segments = sum(len(rows) for rows in bars.values())
+        self.segments = sum(len(spans) for spans in bars.values())
         self.note.value = "engine closed" if state.closed else "".join(
             f'<div class="nbkv-unverified" style="color:{COLORS["trimmed"]};font-size:12px">'
             f"✗ {label}: not verified: {note}</div>" for label, note in unverified) + (
