@@ -372,7 +372,8 @@ class OpenAIEngine(RemoteBase):
         ends: list[int] = []
         for k in range(1, len(msgs) + 1):
             key = hashlib.sha256(json.dumps(msgs[:k], sort_keys=True).encode()).hexdigest()
-            end = self._ends.get(key)
+            with self._cv:  # requests on other threads share the table
+                end = self._ends.get(key)
             if end is None:
                 try:
                     ids = self.client.post("/tokenize", {
@@ -385,9 +386,11 @@ class OpenAIEngine(RemoteBase):
                     return None
                 if list(prompt_ids[:len(ids)]) != list(ids):
                     return None
-                end = self._ends[key] = len(ids)
-                while len(self._ends) > ENDS_KEPT:
-                    self._ends.popitem(last=False)
+                end = len(ids)
+                with self._cv:
+                    self._ends[key] = end
+                    while len(self._ends) > ENDS_KEPT:
+                        self._ends.popitem(last=False)
             ends.append(end)
         return tuple(ends)
 
