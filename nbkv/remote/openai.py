@@ -38,9 +38,9 @@ from nbkv.core.events import (
     SlotsChanged,
 )
 from nbkv.core.messages import normalize
+from nbkv.core.requests import SamplingParams
 from nbkv.kv.segments import message_segments
 from nbkv.kv.slot_table import SlotInfo
-from nbkv.llama.sampling import SamplingParams
 from nbkv.media.messages import contains_images
 from nbkv.remote.base import RemoteBase, RemoteJob
 from nbkv.remote.http_client import ServerClient

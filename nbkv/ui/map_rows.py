@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbkv.core.protocol import ServerCacheRows
 from nbkv.ui import vocabulary as vocab
 
 
@@ -19,7 +20,7 @@ def map_rows(engine: Any) -> tuple[tuple[Any, ...], bool]:
     The engine's slots; or, for a server that manages its own cache (OpenAI-compatible),
     one row per session (``cache_rows()``).
     """
-    if engine.n_slots or not hasattr(engine, "cache_rows"):
+    if engine.n_slots or not isinstance(engine, ServerCacheRows):
         return tuple(engine.slots()), False
     return tuple(engine.cache_rows()), True
 
