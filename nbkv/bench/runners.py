@@ -311,3 +311,31 @@ class RemoteRunner:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class OpenAIRunner:
+    """nbkv's OpenAI-compatible engine on a server that keeps its own prefix cache (vLLM).
+
+    The server chooses what to reuse: whole blocks of its prefix cache, shared by every
+    session (no slots to pin).
+    """
+
+    def __init__(self, url: str, max_tokens: int = MAX_TOKENS) -> None:
+        from nbkv.remote.connect import connect
+        from nbkv.remote.openai import OpenAIEngine
+
+        engine = connect(url, kind="openai")
+        assert isinstance(engine, OpenAIEngine)
+        self.engine = engine
+        self.max_tokens = max_tokens
+
+    def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
+        res = self.engine.chat(messages, session=session, max_tokens=self.max_tokens,
+                               temperature=0)
+        r = res.record
+        return {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "reused": r.reused_tokens,
+                "prefilled": r.prefilled_tokens, "server_prefill_s": 0.0, "slot": -1,
+                "verified": r.verified, "text": res.text}
+
+    def close(self) -> None:
+        self.engine.close()

@@ -129,3 +129,16 @@ class ServerUnsupportedError(ServerError):
 
 class TemplateMismatchError(TemplateError):
     """The kernel's rendering or tokenization of a conversation differs from the server's."""
+
+
+class IncompleteReplyError(ServerError):
+    """A server's streamed answer ended before its final event: the reply is cut short.
+
+    No ``finish_reason``, ``[DONE]`` or ``stop`` came: the server stopped, crashed or dropped
+    the connection mid-reply. An incomplete reply is not a result: :attr:`text` keeps what
+    arrived, for the user; ``%%chat`` does not store it as the assistant's turn.
+    """
+
+    def __init__(self, message: str, text: str = "") -> None:
+        self.text = text
+        super().__init__(message)

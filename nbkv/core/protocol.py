@@ -73,6 +73,14 @@ class ServerBacked(Protocol):
 
 
 @runtime_checkable
+class ServerCacheRows(Protocol):
+    """A remote engine that maps its conversations onto the server's cache (the KV map)."""
+
+    def cache_rows(self) -> tuple[Any, ...]:
+        """Per session, what its latest request left in the server's cache (``SlotInfo``)."""
+
+
+@runtime_checkable
 class Verifiable(Protocol):
     """An engine whose KV can be read back and recomputed (the in-kernel one)."""
 

@@ -54,6 +54,9 @@ class SlotInfo:
     #: remote engines: False when the server's slot differs from what nbkv expects
     verified: bool = True
     note: str = ""  # ... and why
+    #: OpenAI-compatible servers (a row per session): leading positions the server's prefix
+    #: cache holds now, from its KV cache events (None: not followed)
+    server_cached: int | None = None
 
     @property
     def n_tokens(self) -> int:

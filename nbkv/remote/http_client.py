@@ -18,6 +18,7 @@ import httpx
 
 from nbkv.core.errors import (
     ContextOverflowError,
+    InvalidRequestError,
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
@@ -34,9 +35,16 @@ class ServerClient:
 
     def __init__(self, url: str, api_key: str | None = None, *,
                  read_timeout: float = READ_TIMEOUT) -> None:
-        url = url.rstrip("/")
-        if not re.match(r"^https?://", url):
-            url = "http://" + url
+        if not isinstance(url, str) or not url.strip():
+            raise InvalidRequestError(f"the server's URL must be a non-empty str, not {url!r}")
+        url = url.strip().rstrip("/")
+        scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url)
+        if scheme is None:
+            url = "http://" + url  # host:port, as llama-server and vLLM print it
+        elif scheme.group(1).lower() not in ("http", "https"):
+            raise InvalidRequestError(
+                f"{url}: a serving engine speaks HTTP; give an http:// or https:// URL, "
+                f"not {scheme.group(1)}://")
         self.url = url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # idle connections are dropped before the server's own keep-alive limit (llama-server:
@@ -125,6 +133,11 @@ class ServerClient:
                 "exceed" in message.lower() or "too long" in message.lower()):
             n = info.get("n_prompt_tokens")
             cap = info.get("n_ctx")
+            if not isinstance(n, int) or not isinstance(cap, int):  # vLLM says it in words
+                cap_m = re.search(r"maximum context length is (\d+)", message)
+                n_m = re.search(r"(?:contains at least|requested) (\d+)", message)
+                if cap_m and n_m:
+                    n, cap = int(n_m.group(1)), int(cap_m.group(1))
             if isinstance(n, int) and isinstance(cap, int):
                 return ContextOverflowError(n, cap)
             return ServerError(f"the server refused a prompt that does not fit its context: "
@@ -147,6 +160,7 @@ class EventStream:
         self._client = client
         self._path = path
         self.closed = False
+        self.done = False  # the server sent ``data: [DONE]``: the answer is complete
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
@@ -155,6 +169,7 @@ class EventStream:
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    self.done = True
                     return
                 event = json.loads(data)
                 if isinstance(event, dict) and "error" in event:

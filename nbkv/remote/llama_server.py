@@ -14,6 +14,7 @@ from typing import Any
 from nbkv.core.api import TemplatedAPI, request_totals, thrashing
 from nbkv.core.errors import (
     EngineClosedError,
+    IncompleteReplyError,
     MediaError,
     ServerError,
     ServerUnsupportedError,
@@ -411,8 +412,8 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
             error = e
             finish = "cancelled" if isinstance(e, KeyboardInterrupt) else "error"
         if error is None and not final and not job.cancel.is_set():
-            error = ServerError(f"{self.url}/completion: the answer ended without its final "
-                                f"event (the server stopped?)")
+            error = IncompleteReplyError(f"{self.url}/completion: the answer ended without "
+                                         f"its final event (the server stopped?)", job.text)
             finish = "error"
         now = time.perf_counter()
         t = final.get("timings") or {}

@@ -193,16 +193,21 @@ class LlamaServer:
 
     def tail(self, n: int = 15) -> str:
         """The last lines of the server's log."""
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n)
 
     def __enter__(self) -> LlamaServer:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def log_tail(path: str, n: int) -> str:
+    """The last ``n`` lines of a server's log file."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
 
 
 def main(argv: list[str] | None = None) -> int:

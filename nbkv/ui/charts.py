@@ -18,6 +18,7 @@ from typing import Any
 from nbkv.core.events import GENERATED, KEPT, PREFILLED, REUSED, RequestRecord, Segment
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.figures import ttft_text
+from nbkv.ui.map_rows import held_caption, held_text, map_title, row_labels
 from nbkv.ui.palette import (
     CAPACITY,
     COLORS,
@@ -203,7 +204,8 @@ BARS = {**{role: (vocab.ROLES[role].words if role in vocab.ROLES else role, colo
         "image": (vocab.ROLES["image"].words, MEDIA_COLOR),
         **{state: (vocab.STATES[state].words, STATE_COLORS[state])
            for state in (REUSED, PREFILLED, TODO, GENERATED)},
-        "trimmed": (vocab.STATES["trimmed"].words, STATE_COLORS["trimmed"])}
+        "trimmed": (vocab.STATES["trimmed"].words, STATE_COLORS["trimmed"]),
+        "held": (vocab.MARKS["server-held"].words, vocab.MARKS["server-held"].color)}
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,14 @@ class MapModel:
     #: (row, position, what the request did): where its prompt left the cached conversation
     divergences: list[tuple[str, int, str]] = field(default_factory=list)
     unverified: list[tuple[str, str]] = field(default_factory=list)  # remote slots: (row, why)
+    #: rows are a server's sessions (vLLM keeps its own cache), in blocks of ``block_size``
+    server: bool = False
+    block_size: int | None = None
+
+    @property
+    def title(self) -> str:
+        """The map's title: per slot, or per session in the server's blocks."""
+        return map_title(self.n_ctx, self.right, self.server, self.block_size)
 
     @property
     def segments(self) -> int:
@@ -248,17 +258,21 @@ def _bar(row: str, seg: Segment, shade: float = 1.0) -> Bar:
 
 
 def kvmap_model(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, RequestRecord],
-                running: Mapping[int, Any] | None = None, fit: bool = True) -> MapModel:
+                running: Mapping[int, Any] | None = None, fit: bool = True,
+                server: bool = False, block_size: int | None = None) -> MapModel:
     """What the map shows: per slot, its messages and what its latest request did to them.
 
     ``running`` maps a slot to the request in flight there (drawn as it progresses). With
     ``fit`` the map spans the positions in use (at least an eighth of the capacity).
+    ``server``: the rows are sessions on a server that keeps its own cache
+    (:func:`nbkv.ui.map_rows.map_rows`): their latest request, cut at the server's
+    ``block_size``, and a thin band over what the server holds of each now.
     """
-    running = running or {}
-    m = MapModel([], n_ctx, n_ctx)
+    running = {} if server else (running or {})
+    m = MapModel([], n_ctx, n_ctx, server=server, block_size=block_size)
     used = 0
     for s in slots:
-        top, bottom = row_label(s.index), row_label(s.index, True)
+        top, bottom = row_labels(s, server)
         m.rows += [top, bottom]
         if not getattr(s, "verified", True):
             m.unverified.append((top, getattr(s, "note", "")))
@@ -269,7 +283,11 @@ def kvmap_model(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Req
             m.bars[role_key(seg)].append(_bar(top, seg, 1.0 if seg.message % 2 == 0 else 0.7))
         for name, seg in states(segs, run):
             m.bars[name].append(_bar(bottom, seg))
-        rec = latest(s, run, last_by_slot.get(s.index))
+        if getattr(s, "server_cached", None):
+            m.bars["held"].append(Bar(top, 0, s.server_cached, "-",
+                                      vocab.MARKS["server-held"].words,
+                                      held_text(s, block_size)))
+        rec = None if server else latest(s, run, last_by_slot.get(s.index))
         if rec is not None and rec.divergence is not None:
             m.divergences.append((bottom, rec.divergence.position,
                                   f"request {rec.id}: {vocab.reason_line(rec)}"))
@@ -279,15 +297,17 @@ def kvmap_model(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Req
                                          trimmed_text(rec)))
         used = max(used, s.n_tokens)
     used = max([used] + [b.end for rows in m.bars.values() for b in rows])
+    m.n_ctx = n_ctx = max(n_ctx, used)  # a server that did not say its length
     m.right = max(min(n_ctx, max(int(used * 1.15) + 1, n_ctx // 8)) if fit else n_ctx, 1)
     return m
 
 
 def kvmap_svg(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, RequestRecord],
               running: Mapping[int, Any] | None = None, fit: bool = True,
-              width: int = 720) -> str:
+              width: int = 720, server: bool = False, block_size: int | None = None) -> str:
     """Every slot's KV positions: who wrote each span, and what the latest request did."""
-    return draw_kvmap(kvmap_model(slots, n_ctx, last_by_slot, running, fit), width)
+    return draw_kvmap(kvmap_model(slots, n_ctx, last_by_slot, running, fit, server,
+                                  block_size), width)
 
 
 def draw_kvmap(m: MapModel, width: int = 720) -> str:
@@ -311,6 +331,10 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
             if name == "trimmed":  # a thin band under the request row
                 out.append(svg_rect(x(b.start), ys[b.row] + row * 0.6, x(b.end) - x(b.start),
                                  row * 0.25, color, b.text, ' class="nbkv-trimmed"'))
+                continue
+            if name == "held":  # a thin band over a server session's row
+                out.append(svg_rect(x(b.start), ys[b.row], x(b.end) - x(b.start), row * 0.2,
+                                    color, b.text, ' class="nbkv-server-held"'))
                 continue
             shade = f' fill-opacity="{b.shade}"' if b.shade != 1.0 else ""
             title = (f"{words} · message {b.message} · {b.role} · tokens {b.start}–{b.end}: "
@@ -336,9 +360,11 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
         f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{y}" stroke="{RULE}"/>'
         + svg_text(x(t), y + 12, f"{int(t)}", "middle", 10, MUTED)
         for t in steps(0, right, step))
-    title = (f"KV positions per slot (capacity {m.n_ctx}"
-             + (f", showing 0–{right})" if right < m.n_ctx else ")"))
+    title = m.title
     body = svg_text(left, 18, title, size=13, color=INK) + ticks + "".join(out)
+    if m.bars["held"]:
+        y += 16
+        body += svg_text(left, y + 12, held_caption(), size=10, color=MUTED)
     return svg_root(width, int(y + 20), body, "nbkv-kvmap-svg", title)
 
 

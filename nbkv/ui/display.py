@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.protocol import ServerBacked
+from nbkv.core.protocol import ServerBacked, ServerCacheRows
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.palette import (
     COLORS,
@@ -407,8 +407,7 @@ def slots_table(engine: Engine) -> Table:
         for s in slots
     )
     if not slots:
-        return Table("slots", ("",), (), note="slots are managed by the server: nbkv sees "
-                                              "its sessions and what each request reused")
+        return server_sessions_table(engine)
     return Table("slots", ("slot", "session", "messages", "tokens",
                            *(("server holds (/slots)",) if server else ()), "LRU", "pending",
                            "images", "checkpoints", f"KV map (positions 0–{span})"), rows,
@@ -417,6 +416,27 @@ def slots_table(engine: Engine) -> Table:
                  html_note=f'<div style="color:{MUTED};font-size:90%">LRU 1 = most recently '
                            "used, evicted last. KV map: one span per message.</div>"
                            + legend_html("strips"))
+
+
+def server_sessions_table(engine: Any) -> Table:
+    """A server that keeps its own cache (vLLM): per session, what its latest request left."""
+    rows = engine.cache_rows() if isinstance(engine, ServerCacheRows) else ()
+    note = "slots are managed by the server: nbkv sees its sessions and what each request reused"
+    if not rows:
+        return Table("slots", ("",), (), note=note)
+    block = getattr(engine, "block_size", None)
+    cap = max((s.capacity for s in rows), default=1) or 1
+    span = min(cap, max(max(s.n_tokens for s in rows) * 5 // 4, cap // 8, 1))
+    live = any(s.server_cached is not None for s in rows)
+    out = tuple(
+        (s.session or "-", len(s.msg_ends) or "?", s.n_tokens,
+         *((s.server_cached if s.server_cached is not None else "-",) if live else ()),
+         kv_strip(s, span=span)) for s in rows)
+    held = f"{vocab.MARKS['server-held'].words} (KV events)"
+    note += (f"; the server caches whole blocks of {block} tokens" if block else "")
+    return Table("sessions on the server", ("session", "messages", "tokens its latest request "
+                 "left", *((held,) if live else ()), f"KV map (positions 0–{span})"), out,
+                 note=note + ". " + LEGEND_TEXT)
 
 
 def _server_slot(info: dict[str, Any] | None) -> str:

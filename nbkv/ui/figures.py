@@ -75,7 +75,8 @@ def actions(r: RequestRecord) -> list[tuple[str, str]]:
     restored = vocab.restored(r)
     if restored and r.reason == RESTORED:
         what, restored = restored, ""
-    out.append((f"slot {r.slot}: {what}", vocab.reason_line(r)))
+    where = f"slot {r.slot}: " if r.slot >= 0 else ""  # -1: a server's own cache
+    out.append((f"{where}{what}", vocab.reason_line(r)))
     if restored:
         out.append((restored, vocab.EVENTS[RESTORED].tip))
     if donor:

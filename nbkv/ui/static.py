@@ -34,6 +34,7 @@ from nbkv.ui.charts import (  # noqa: F401 - the charts, re-exported for the pag
     trimmed_text,
 )
 from nbkv.ui.display import engine_label, legend_html, size_text, slots_label
+from nbkv.ui.map_rows import map_rows
 from nbkv.ui.palette import (
     CARD_BORDER,
     COLORS,
@@ -206,7 +207,9 @@ def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: 
     slots = engine.slots()
     parts = [header_html(engine, len(running)), legend_html(),
              cards_html(slots, last, running, parked_of(engine))]
-    if engine.n_slots:
-        parts.append(kvmap_svg(slots, engine.n_ctx, last, running))
+    rows, server = map_rows(engine)
+    if rows or engine.n_slots:
+        parts.append(kvmap_svg(rows, engine.n_ctx, last, running, server=server,
+                               block_size=getattr(engine, "block_size", None)))
     parts.append(timeline_svg(engine.history))
     return frame("".join(parts) + extra, "nbkv-dashboard-static", caption)

@@ -152,6 +152,10 @@ MARKS = _table(
     Term("took-slot", "took another conversation's slot",
          "this request's slot held another conversation, which was dropped to make room",
          COLORS["trimmed"], "x", ("evictions",)),
+    Term("server-held", "held by the server now",
+         "a serving engine that keeps its own prefix cache (vLLM) still holds these blocks "
+         "of the conversation, as its KV cache events say: the next turn can reuse them",
+         COLORS["reused"]),
     Term("nothing-reused", "reused nothing",
          "a request that reused no cached token (the salvage chart marks it at 0)", NEUTRAL,
          "", ("nothing reused",)),

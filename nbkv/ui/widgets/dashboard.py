@@ -8,6 +8,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Float, observe, validate
 
+from nbkv.core.protocol import ServerCacheRows
 from nbkv.ui import static
 from nbkv.ui.display import legend_html
 from nbkv.ui.palette import ERROR
@@ -44,7 +45,7 @@ class CacheDashboard(Displayed, W.VBox):
         self.hider = W.HTML()
         parts = [self.hider, self.header, self.legend, self.slots, self.kvmap, self.timeline,
                  self.conversations]
-        if not engine.n_slots:  # a server that manages its own slots: no KV map to draw
+        if not engine.n_slots and not isinstance(engine, ServerCacheRows):  # no KV map to draw
             parts.remove(self.kvmap)
         super().__init__(parts, **kw)
         self.interval = interval

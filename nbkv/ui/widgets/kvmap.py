@@ -20,6 +20,7 @@ from traitlets import Bool, Int
 from nbkv.ui import charts, static
 from nbkv.ui.charts import BARS, MapModel  # noqa: F401 - the map's bars, for callers
 from nbkv.ui.display import legend_html
+from nbkv.ui.map_rows import map_rows
 from nbkv.ui.palette import COLORS
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
 from nbkv.ui.widgets.snapshot import register
@@ -31,7 +32,10 @@ class KVMap(FeedView, W.VBox):
     With ``fit`` (default) the x axis spans the positions in use (at least an eighth of the
     capacity) rather than the whole capacity, so short conversations stay legible.
     :attr:`model` is what it shows (:class:`nbkv.ui.charts.MapModel`). Alone (its own feed),
-    the map carries the legend; in a dashboard the dashboard does.
+    the map carries the legend; in a dashboard the dashboard does. For a server that keeps
+    its own cache (OpenAI-compatible: vLLM) the rows are sessions, their latest request cut
+    at the server's block size, with a band over what the server holds now (its KV cache
+    events).
     """
 
     label = "KV map"
@@ -57,8 +61,9 @@ class KVMap(FeedView, W.VBox):
     def render(self, state: LiveState) -> None:
         """Redraw from the slot snapshots and the requests in flight (sent if it changed)."""
         running = {run.record.slot: run for run in state.running.values()}
-        m = charts.kvmap_model(self.engine.slots(), self.engine.n_ctx, state.last_by_slot,
-                               running, self.fit)
+        rows, server = map_rows(self.engine)
+        m = charts.kvmap_model(rows, self.engine.n_ctx, state.last_by_slot, running, self.fit,
+                               server, getattr(self.engine, "block_size", None))
         self.model = m
         with self.hold_sync():
             self.view.value = charts.draw_kvmap(m)  # an unchanged value sends nothing
@@ -74,9 +79,10 @@ class KVMap(FeedView, W.VBox):
         if state.closed:
             return static.frame("engine closed", "nbkv-kvmap-static")
         running = {run.record.slot: run for run in state.running.values()}
+        rows, server = map_rows(self.engine)
         return static.frame(legend_html() + static.kvmap_svg(
-            self.engine.slots(), self.engine.n_ctx, state.last_by_slot, running, self.fit),
-            "nbkv-kvmap-static")
+            rows, self.engine.n_ctx, state.last_by_slot, running, self.fit, server=server,
+            block_size=getattr(self.engine, "block_size", None)), "nbkv-kvmap-static")
 
     def close(self) -> None:
         """Close the map and its parts."""

@@ -1,0 +1,138 @@
+"""Remote engines facing servers that misbehave or are not LLM servers (issue 32, items 6, 9).
+
+Each fake server is a real HTTP server on 127.0.0.1 in a thread of this process (no model,
+no mocks of nbkv), stopped at the end of its test: a stream cut short, a static file server.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from IPython.core.error import UsageError
+
+import nbkv
+from conftest import ipython_shell
+from nbkv.core.errors import (
+    IncompleteReplyError,
+    InvalidRequestError,
+    ServerError,
+    ServerUnsupportedError,
+)
+from nbkv.notebook.sessions import STORE
+
+
+@contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` on 127.0.0.1 at a free port, in a thread; its URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        t.join(10)
+
+
+class CutShort(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server whose streamed answer stops after two deltas: no
+    ``finish_reason``, no ``[DONE]``, the connection closed (a crash mid-reply)."""
+
+    protocol_version = "HTTP/1.0"  # the answer ends when the connection closes
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _json(self, code: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        else:
+            self._json(404, {"error": {"message": "Not Found"}})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for piece in ("Hel", "lo"):
+            chunk = {"choices": [{"index": 0, "delta": {"content": piece},
+                                  "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+
+
+def test_a_stream_that_ends_early_is_a_named_error_keeping_the_partial_text():
+    with serving(CutShort) as url:
+        e = nbkv.connect(url)
+        try:
+            assert e.kind == "openai" and e.model_name == "fake"
+            with pytest.raises(IncompleteReplyError, match="without its final event") as ei:
+                e.chat([{"role": "user", "content": "Hi"}], "ann", max_tokens=8)
+            assert isinstance(ei.value, ServerError)  # as the llama-server path names it
+            assert ei.value.text == "Hello"  # the partial reply, for the user
+            rec = e.history[-1]
+            assert rec.finish_reason == "error" and "IncompleteReplyError" in rec.error
+            stream = e.chat([{"role": "user", "content": "Hi"}], "ann", stream=True)
+            with pytest.raises(IncompleteReplyError):
+                for _ in stream:
+                    pass
+            assert stream.text == "Hello"
+        finally:
+            e.close()
+
+
+def test_chat_magic_does_not_store_a_cut_reply_as_the_assistants_turn():
+    ip = ipython_shell()
+    ip.run_line_magic("load_ext", "nbkv")
+    ip.run_line_magic("config", "Nbkv.frontend = 'terminal'")
+    STORE.clear()
+    try:
+        with serving(CutShort) as url:
+            assert "OpenAI-compatible" in str(ip.run_line_magic("kvcache", f"connect {url}"))
+            with pytest.raises((UsageError, IncompleteReplyError), match="final event"):
+                ip.run_cell_magic("chat", "ann --max-tokens 8", "Hello!")
+            assert nbkv.session("ann").messages == []  # no truncated "Hello" as a reply
+            ip.run_line_magic("kvcache", "unload")
+    finally:
+        ip.run_line_magic("unload_ext", "nbkv")
+        ip.config.pop("Nbkv", None)
+        STORE.clear()
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "file:///tmp/x", "ws://127.0.0.1:1"])
+def test_connect_to_a_url_that_is_not_http_is_refused_by_name(url):
+    with pytest.raises(InvalidRequestError, match="http:// or https://") as ei:
+        nbkv.connect(url)
+    assert "http://ftp" not in str(ei.value) and "http://file" not in str(ei.value)
+
+
+def test_connect_refuses_a_server_that_is_not_openai_compatible(tmp_path):
+    (tmp_path / "index.html").write_text("<h1>files</h1>")
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None  # type: ignore[attr-defined]
+    with serving(handler) as url:  # type: ignore[arg-type]
+        for kind in (None, "openai"):
+            with pytest.raises(ServerUnsupportedError,
+                               match="not an OpenAI-compatible server.*/v1/models"):
+                nbkv.connect(url, kind=kind)
+        (tmp_path / "v1").mkdir()
+        (tmp_path / "v1" / "models").write_text("<html>a page, not a model list</html>")
+        with pytest.raises(ServerUnsupportedError, match="not a model list"):
+            nbkv.connect(url)
