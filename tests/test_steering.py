@@ -129,7 +129,10 @@ def test_rewrite_route_rebuilds_a_reply_as_a_batch():
     held = list(range(10, 70))  # 50 prompt rows + a 10-token reply
     steps = steering.rewrite_route(held, 50, Q4_1)
     assert steps == [Step(50, 0, 50, 50), Step(60, 0, 50, 60)]
-    assert steering.rewrite_route(held, 60, Q4_1) is None  # nothing to gain
+    held = list(range(10, 210))  # 50 + a 150-token reply: in pieces of 64 rows
+    steps = steering.rewrite_route(held, 50, Q4_1)
+    assert [(s.start, s.end) for s in steps] == [(50, 50), (50, 114), (114, 178), (178, 200)]
+    assert steering.rewrite_route(held, 200, Q4_1) is None  # nothing to gain
     assert steering.rewrite_route([*held[:-1], -1], 50, Q4_1) is None  # unknown rows
 
 
@@ -169,7 +172,8 @@ def test_steered_requests_are_exact_and_the_recorded_prefix_is_true(data):
         elif op == "other":
             prompt = data.draw(st.lists(st.integers(3, 99), min_size=1, max_size=70))
         elif op == "rewrite":
-            steps = steering.rewrite_route(held, settled, rule, ubatch=ubatch)
+            steps = steering.rewrite_route(held, settled, rule, ubatch=ubatch,
+                                           chunk=data.draw(st.sampled_from([8, 16, 64])))
             if steps:
                 run(server, steps, held)
                 held, settled = held + [steps[-1].junk], steps[-1].settled

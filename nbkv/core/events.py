@@ -84,6 +84,7 @@ class RequestRecord:
     #: the reply is proven bit-identical to a from-scratch one (exact mode, and a prefill
     #: grouping calibrated as batch-invariant on this model and build)
     exact: bool = True
+    exact_note: str = ""  # ... why not, when a remote engine knows (its figures line says)
     capacity: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -209,9 +210,10 @@ class RequestRecord:
         if not r.verified:
             out.append(("not verified", r.note or "the server's figures differ from nbkv's"))
         if not r.exact:
-            out.append(("not proven exact", "nbkv could not prove on this model and build that "
-                        "a reply from cache equals one computed from scratch "
-                        "(%kvcache status says why)"))
+            out.append((f"not proven exact: {r.exact_note}" if r.exact_note
+                        else "not proven exact",
+                        "nbkv could not prove on this model and build that a reply from "
+                        "cache equals one computed from scratch (%kvcache status says why)"))
         ending = vocab.ending(r)
         if ending:
             out.append((ending, r.error or vocab.ENDINGS[r.finish_reason].tip))

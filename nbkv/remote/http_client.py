@@ -53,6 +53,19 @@ class ServerClient:
         """``POST path`` with a JSON body (and query ``params``): the decoded JSON answer."""
         return self._call("POST", path, body, timeout, params)
 
+    def head_of(self, path: str, header: str, timeout: float | None = None) -> str | None:
+        """``GET path``: the value of one response header (None when absent)."""
+        kw: dict[str, Any] = {}
+        if timeout is not None:
+            kw["timeout"] = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
+        try:
+            resp = self._again(lambda: self._http.get(path, **kw))
+        except httpx.HTTPError as e:
+            raise self._transport_error(e, path) from e
+        if resp.status_code >= 400:
+            raise self._status_error(resp, path)
+        return resp.headers.get(header)
+
     def stream(self, path: str, body: dict[str, Any]) -> EventStream:
         """``POST path`` and read the answer as server-sent events (``data: {...}``)."""
         try:

@@ -116,6 +116,7 @@ class OpenAIEngine(RemoteBase):
             decode_s=(now - job.t_first) if job.t_first else 0.0, finish_reason=finish,
             started_at=time.time(), verified=cached is not None, note=note,
             reason="server", reason_text="the server chose what to reuse (its own prefix cache)",
+            exact=False, exact_note="the server reuses its own prefix cache unseen",
             error=None if error is None else f"{type(error).__name__}: {error}")
         job.record = rec
         if error is not None:

@@ -77,7 +77,8 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
         size = int(out.get("n_written", 0))
         nbytes += size
         slots_json.append({"index": index, "session": session, "file": name,
-                           "tokens": tokens, "hashes": list(st.hashes),
+                           "tokens": tokens, "settled": engine.settled_of(index),
+                           "hashes": list(st.hashes),
                            "msg_ends": list(st.msg_ends),
                            "segments": [segment_json(g) for g in st.segments]})
         reports.append(SlotSave(index, session, len(tokens), size))
@@ -163,7 +164,7 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     engine.import_slots([SlotState(
         s["index"], s["session"], tuple(s["hashes"]), tuple(s["msg_ends"]),
         tuple(segment_from_json(g) for g in s.get("segments", ())), 0, None, tuple(s["tokens"]))
-        for s in saved])
+        for s in saved], {s["index"]: int(s.get("settled", 0)) for s in saved})
     for sess in body.get("sessions") or ():
         store.get(sess["name"]).load_state(sess)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), (), 0, 0,

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.policy import common_prefix
@@ -35,6 +36,8 @@ from nbkv.kv.policy import common_prefix
 UBATCH = 256
 #: junk tokens, tried in order: the first that differs from the prompt's token there
 JUNK = (0, 1, 2)
+#: rows per idle-time rewrite request: what a new request may have to wait for
+REWRITE_CHUNK = 64
 #: most steering requests before a real request (each is one more round trip)
 MAX_STEPS = 4
 #: llama-server's ``--slot-prompt-similarity`` default: a request keeping no more than this
@@ -162,41 +165,49 @@ def fresh_route(tokens: Sequence[int], rule: PrefillRule, *, ubatch: int = UBATC
 
 
 def rewrite_route(held: Sequence[int], settled: int, rule: PrefillRule, *,
-                  ubatch: int = UBATCH) -> list[Step] | None:
+                  ubatch: int = UBATCH, chunk: int = REWRITE_CHUNK) -> list[Step] | None:
     """Idle-time steps that make more of ``held`` canonical (a reply's rows), or None.
 
-    Cut back to the settled prefix, then prefill the rest as a batch with a junk row after
-    it: the server's form of the kernel's rewrite of a reply (nbkv.engine.rewrite).
+    Cut back to the settled prefix, then prefill the rest as a batch, ``chunk`` rows per
+    request (what a new request may have to wait for), each with a junk row after it: the
+    server's form of the kernel's rewrite of a reply (:mod:`nbkv.engine.rewrite`).
     """
     h = len(held)
     if h == 0 or settled >= h or any(t < 0 for t in held):
         return None
-    c = settled // rule.align * rule.align
-    gain = settles(c, h, rule, junk=True, ubatch=ubatch)
-    if gain is None or gain <= settled:
+    a = rule.align
+    c = settled // a * a
+    if settles(c, h, rule, junk=True, ubatch=ubatch) <= settled:  # type: ignore[operator]
         return None
-    last = Step(h, junk_for((), h), c, gain)
-    return [Step(c, junk_for(held, c), c, c), last]
+    step = max(chunk // a * a, rule.min_chunk)
+    steps = [Step(c, junk_for(held, c), c, c)]
+    pos = c
+    while pos < h:
+        end = h if h - pos < step + rule.threshold else pos + step
+        got = settles(pos, end, rule, junk=True, ubatch=ubatch)
+        steps.append(Step(end, junk_for(held, end), pos, got if got is not None else pos))
+        pos = end
+    return steps
 
 
 # -- what the server may have copied into its host-memory prompt cache -----------------------
 
 
-@dataclass(frozen=True)
+@dataclass
 class Offered:
     """A state one of nbkv's slots held when the server may have saved it to ``--cache-ram``."""
 
-    tokens: tuple[int, ...]
+    tokens: tuple[Any, ...]
     settled: int  # its canonical prefix
     session: str | None
     hashes: tuple[str, ...] = ()
     msg_ends: tuple[int, ...] = ()
     last_used: int = 0
+    key: str = ""  # a name for the policy (nbkv.kv.policy.ParkedLike)
 
-    @property
-    def key(self) -> str:
-        """A name for the policy (``nbkv.kv.policy.ParkedLike``)."""
-        return f"server-ram:{hash(self.tokens) & 0xFFFFFFFF:08x}:{len(self.tokens)}"
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = f"server-ram:{hash(self.tokens) & 0xFFFFFFFF:08x}:{len(self.tokens)}"
 
 
 class Ledger:
@@ -232,6 +243,16 @@ class Ledger:
         """The states, oldest first."""
         return list(self._states.values())
 
+    def fits(self, sent: Sequence[int], cached: int) -> list[Offered]:
+        """The states a restore that left ``cached`` rows of ``sent`` may have come from."""
+        sent = tuple(sent)
+        out = []
+        for s in self._states.values():
+            k = common_prefix(s.tokens, sent)
+            if k == cached or (cached == len(sent) - 1 and k == len(sent)):
+                out.append(s)
+        return out
+
     def proven(self, sent: Sequence[int], cached: int) -> int:
         """Canonical rows of a restore that left ``cached`` rows of ``sent`` in the slot.
 
@@ -240,12 +261,36 @@ class Ledger:
         proven up to the shortest canonical prefix among them (0 when none fits: a state
         nbkv does not know, e.g. from another client).
         """
-        sent = tuple(sent)
-        fits = [s.settled for s in self._states.values()
-                if common_prefix(s.tokens, sent) == cached
-                or (cached == len(sent) - 1 and common_prefix(s.tokens, sent) == len(sent))]
+        fits = [s.settled for s in self.fits(sent, cached)]
         return min(min(fits), cached) if fits else 0
 
     def forget(self) -> None:
         """The server's cache is gone (a restart)."""
         self._states.clear()
+
+
+def observed(sent: Sequence[int], told: int, held: Sequence[int], settled: int,
+             rule: PrefillRule, *, junk: bool, ubatch: int = UBATCH,
+             proven: int | None = None) -> tuple[int, bool]:
+    """What a request did to the slot, from the rows the server says it kept (``told``).
+
+    ``held`` and ``settled``: the slot before the request. ``proven``: when the server kept
+    more rows than the slot shared with ``sent`` (it loaded a state from its prompt cache),
+    how many of them are proven canonical (:meth:`Ledger.proven`); None when no cache can
+    explain it. Returns the slot's canonical prefix afterwards, and whether every row the
+    request used was canonical (for the real request: its reply is exact).
+    """
+    end = len(sent) - (1 if junk else 0)
+    shared = common_prefix(held, sent)
+    if told > shared:
+        if proven is None or proven < told:
+            return min(proven or 0, told, settled) // rule.align * rule.align, False
+    elif told > settled:
+        return settled, False  # the server kept rows nbkv knows are not canonical
+    if junk:
+        got = settles(told, end, rule, junk=True, ubatch=ubatch)
+        return (told if got is None else got), True
+    after = settles(told, end, rule, junk=False, ubatch=ubatch)
+    if after is None:
+        return told // rule.align * rule.align, False
+    return after, True
