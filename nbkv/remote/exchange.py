@@ -60,6 +60,7 @@ class Exchange:
         self.engine, self.job, self.p, self.slot = engine, job, prompt, slot
         self.out = Outcome()
         self.sent_held: list[int] = []  # what the slot held when the completion was sent
+        self.failed_before = slot.failed  # the error that left the slot unknown, if any
 
     # ---------------------------------------------------------------- exact mode: steering
 
@@ -73,7 +74,7 @@ class Exchange:
         assert rule is not None
         tokens = list(self.p.tokens)
         guard = eng.facts.has_cache is not False
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() - out.steer_s  # (after a restore asked for first)
         try:
             for _ in range(steering.MAX_STEPS + 1):
                 held, settled = (slot.held, slot.settled) if slot.known else ([], 0)
@@ -103,7 +104,9 @@ class Exchange:
         tokens = list(self.p.tokens)
         sent = tokens[:upto] + [steering.junk_for(tokens, upto)]
         had = policy.common_prefix(self.slot.held, sent) if self.slot.known else 0
+        t0 = time.perf_counter()
         told = self.send_step(sent, False)
+        self.out.steer_s += time.perf_counter() - t0
         if told > had:
             self.out.restored = min(told, self.slot.settled)
 
@@ -261,13 +264,14 @@ class Exchange:
         absorbed, reread = reply_rows(prev_len, prev_prompt_len, plan.reuse, reused,
                                       settled_before) if told is not None else (0, 0)
         why_more: dict[str, Any] = {}
-        if expected is None and record.reason == reasons.FIRST and slot.failed:
+        failed = self.failed_before
+        if expected is None and record.reason == reasons.FIRST and failed:
             why_more = dict(reason=reasons.CONTINUED, reason_text=(
                 f"slot {slot.index}'s content was not known after its last request failed "
-                f"({slot.failed}); the server still held {told} tokens of this prompt and "
+                f"({failed}); the server still held {told} tokens of this prompt and "
                 f"reused them")) if told else dict(reason_text=(
                     f"slot {slot.index}'s content was not known after its last request "
-                    f"failed ({slot.failed}), so the conversation was read again"))
+                    f"failed ({failed}), so the conversation was read again"))
         elif (record.reason == reasons.RELOADED or restarted) and eng.restart_note:
             who = f"session {job.session}" if job.session is not None else "this request"
             why_more = dict(reason=reasons.RELOADED, divergence=None,

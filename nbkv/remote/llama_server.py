@@ -394,7 +394,8 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
         log.warning("%s", note)
         self.restart_note = note.split(" (")[0]
         with self._cv:
-            lost = [s.session for s in self.table.slots if s.session and s.held]
+            # (a slot whose last request failed in the restart keeps its session, no tokens)
+            lost = [s.session for s in self.table.slots if s.session and (s.held or s.failed)]
             for s in self.table.slots:
                 if s.pending:
                     continue
@@ -601,6 +602,12 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
             entry.tokens, entry.hashes, entry.msg_ends)) if entry is not None else None)
         why = self.table.reason(job.id, p, job.session, own, slot.tokens, reuse=plan.reuse,
                                 wanted=plan.reuse, restored=restored)
+        if self.facts.has_cache is not False and slot.known and slot.held:
+            # the server may copy the slot's conversation to its cache as this request
+            # starts: noted under its own session, before the slot changes hands
+            self.ledger.offer(Offered(tuple(slot.held), slot.settled, slot.session,
+                                      tuple(slot.hashes), tuple(slot.msg_ends),
+                                      slot.last_used))
         self.table.claim(slot, job.id, job.session, p, plan.reuse, plan.evicted,
                          parked=bool(self.facts.has_cache))
         record = self.table.record(

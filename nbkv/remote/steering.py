@@ -232,9 +232,9 @@ class Ledger:
         if not state.tokens or any(t < 0 for t in state.tokens):
             return
         old = self._states.pop(state.tokens, None)
-        if old is not None and old.settled < state.settled:
-            state = Offered(state.tokens, old.settled, state.session, state.hashes,
-                            state.msg_ends, state.last_used)
+        if old is not None:  # its first owner keeps it (a request may have claimed the slot)
+            state = Offered(old.tokens, min(old.settled, state.settled), old.session,
+                            old.hashes, old.msg_ends, max(old.last_used, state.last_used))
         self._states[state.tokens] = state
         while len(self._states) > self.size:
             self._states.popitem(last=False)
