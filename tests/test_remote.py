@@ -147,9 +147,10 @@ def test_another_client_on_a_pinned_slot_is_flagged_not_verified(remote, srv):
     again = remote.chat([{"role": "user", "content": "Count to three."}, first.message,
                          {"role": "user", "content": "Again."}], "ann", max_tokens=4)
     rec = again.record
-    assert not rec.verified and "expected" in rec.note
+    assert not rec.verified and "nbkv expects" in rec.note and "another client" in rec.note
     assert "not verified" in rec.summary()
     assert rec.reused_tokens < first.record.prompt_tokens  # nothing was silently assumed
+    assert rec.exact  # what the slot held was not known: rebuilt, so the reply is exact
 
 
 def test_slot_cards_and_kv_map_follow_the_server(remote, srv):
@@ -318,9 +319,10 @@ def test_a_restore_from_the_servers_cache_ram_is_told_from_a_plain_hit(tmp_path_
         assert r.evicted_session not in (None, r.session)
         assert r.restored_from == "server-ram" and r.reason == "restored", r.summary()
         assert r.reused_tokens == r.restored_tokens >= first.prompt_tokens
-        assert "--cache-ram" in r.reason_text
-        assert f"restored {r.reused_tokens} tokens from the server's RAM" in " ".join(
-            t for t, _ in r.actions())
+        assert "--cache-ram" in r.reason_text and r.restored_session == r.session
+        assert r.exact, r.summary()  # asked for at its canonical end, proven by the ledger
+        assert f"restored {r.session}'s {r.reused_tokens} tokens from the server's RAM" in \
+            " ".join(t for t, _ in r.actions())
 
 
 def test_a_new_connection_does_not_trust_what_the_server_already_holds(remote, srv):

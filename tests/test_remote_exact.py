@@ -198,7 +198,8 @@ def test_flags_the_server_does_not_state_are_said_on_every_record(oracle):
 
 
 def test_a_repeat_penalty_samples_as_in_the_kernel(oracle):
-    """repeat_penalty looks back over the same window on both sides (prompt tokens too)."""
+    """repeat_penalty looks back over the same window on both sides (the prompt's last
+    repeat_last_n tokens, then the reply's), on a fresh prompt and on a cached turn."""
     msgs = [{"role": "user", "content": "Write one sentence about a dog."}]
     with _server(cache_ram=0) as srv:
         e = nbkv.connect(srv.url)
@@ -207,6 +208,10 @@ def test_a_repeat_penalty_samples_as_in_the_kernel(oracle):
                 kw = dict(repeat_penalty=penalty, repeat_last_n=last_n, max_tokens=10)
                 got = e.chat(msgs, "dog", **kw)
                 assert got.text == oracle.chat(msgs, **kw).text, (penalty, last_n)
+                more = [*msgs, got.message, {"role": "user", "content": "And a cat?"}]
+                again = e.chat(more, "dog", **kw)
+                assert again.record.exact and again.record.reused_tokens > 0
+                assert again.text == oracle.chat(more, **kw).text, (penalty, last_n)
         finally:
             e.close()
 
@@ -216,20 +221,18 @@ def test_at_the_context_edge_both_engines_stop_alike(oracle):
     with _server(cache_ram=0) as srv:
         e = nbkv.connect(srv.url)
         try:
-            filler = "word " * 2000
-            toks = e.tokenize_prompt([{"role": "user", "content": filler}])
-            cut = len(toks) - (CTX - 2)
-            text = filler[: len(filler) - 5 * cut]
-            msgs = [{"role": "user", "content": text}]
-            n = len(e.tokenize_prompt(msgs))
-            while n > CTX - 2:
-                text = text[:-5]
-                msgs = [{"role": "user", "content": text}]
-                n = len(e.tokenize_prompt(msgs))
-            assert n == CTX - 2
-            got = e.chat(msgs, "edge", max_tokens=8)
-            want = oracle.chat(msgs, max_tokens=8)
-            assert got.record.generated_tokens == want.record.generated_tokens
+            def msgs(k):
+                return [{"role": "system", "content": "note " * k},
+                        {"role": "user", "content": "Write a sentence about the sea."}]
+
+            base = len(e.tokenize_prompt(msgs(10))) - 10  # one token per " note"
+            k = CTX - 2 - base
+            while len(e.tokenize_prompt(msgs(k))) > CTX - 2:
+                k -= 1
+            assert len(e.tokenize_prompt(msgs(k))) == CTX - 2
+            got = e.chat(msgs(k), "edge", max_tokens=8)
+            want = oracle.chat(msgs(k), max_tokens=8)
+            assert got.record.generated_tokens == want.record.generated_tokens == 2
             assert got.text == want.text
             assert got.record.finish_reason == want.record.finish_reason == "length"
         finally:

@@ -281,8 +281,9 @@ class Exchange:
             record, reused_tokens=reused,
             prefilled_tokens=int(t.get("prompt_n", len(p.tokens) - reused)) if final else 0,
             trimmed_tokens=max(prev_len - reused, 0),
-            generated_tokens=int(t.get("predicted_n", len(job.generated))) if final
-            else len(job.generated),
+            # (llama-server counts the end-of-generation token it sampled; the kernel does not)
+            generated_tokens=max(int(t.get("predicted_n", len(job.generated))) - (
+                final.get("stop_type") == "eos"), 0) if final else len(job.generated),
             ttft_s=(job.t_first - job.t_submit) if job.t_first else 0.0,
             prefill_s=float(t.get("prompt_ms", 0.0)) / 1000,
             decode_s=float(t.get("predicted_ms", 0.0)) / 1000 if final else (
