@@ -102,7 +102,8 @@ class Settler:
                         return False
                 if eng.waiting() or eng.closed:
                     return False
-                eng.steer_slot(slot, [*held[: step.end], step.junk], False, slot.session)
+                junk = step.junk if step.junk is not None else steering.junk_for(held, step.end)
+                eng.steer_slot(slot, [*held[: step.end], junk], False, slot.session)
         finally:
             seen = eng.watch.read()  # the slot's last task is nbkv's own, not another client's
             if seen is not None:
