@@ -74,8 +74,8 @@ class ServerChecks:
                     continue  # a request came or went while the answer was on its way
                 s = self.table.slots[i]
                 s.server_tokens = v.n_tokens
-                if s.pending or not s.known:
-                    continue
+                if s.pending or not s.known or s.rewriting:
+                    continue  # (nbkv's own tasks run there now)
                 note = self._differs(s, v)
                 if note and (s.verified or s.note != note):
                     s.verified, s.note, changed = False, note, True

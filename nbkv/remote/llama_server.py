@@ -87,6 +87,7 @@ class _Slot(TableSlot):
     settled: int = 0  # leading positions of ``held`` whose KV is canonical (exact mode)
     junk: bool = False  # ``held`` ends with a steering request's junk token
     failed: str = ""  # the error that left the slot's content unknown
+    rewriting: bool = False  # its reply is being rewritten on the server (nbkv.remote.settle)
     known: bool = True  # False after a failure: the server's content is not known
     verified: bool = True
     note: str = ""

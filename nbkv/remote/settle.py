@@ -95,6 +95,8 @@ class Settler:
         t0 = time.perf_counter()
         held = list(slot.held[:-1] if slot.junk else slot.held)
         request = slot.last_request
+        with eng._cv:
+            slot.rewriting = True
         try:
             for step in steps:
                 with eng._cv:
@@ -108,6 +110,8 @@ class Settler:
             seen = eng.watch.read()  # the slot's last task is nbkv's own, not another client's
             if seen is not None:
                 eng.watch.note_own(slot.index, seen.get(slot.index))
+            with eng._cv:
+                slot.rewriting = False
             eng._turn.release()
         s = time.perf_counter() - t0
         n = len(held) - steps[0].start
