@@ -15,10 +15,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from nbkv.engine.facade import ChatResult, ChatStream, Engine, SlotInfo
+    from nbkv.core.streams import ChatResult, ChatStream
+    from nbkv.engine.facade import Engine
+    from nbkv.kv.slot_table import SlotInfo
     from nbkv.notebook.sessions import current_engine, session
     from nbkv.remote.connect import connect
-    from nbkv.ui.page import report
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -35,6 +36,20 @@ def unload_ipython_extension(ipython: Any) -> None:
     unload(ipython)
 
 
+def report(engine: Any = None, explain_last: int = 3) -> Any:
+    """The cache of ``engine`` (default: the loaded one) on one self-contained page.
+
+    ``nbkv.report().to_html("cache.html")``; in a notebook it shows inline.
+    """
+    from nbkv.ui.page import report as page
+
+    if engine is None:
+        from nbkv.notebook.sessions import STORE
+
+        engine = STORE.require_engine()
+    return page(engine, explain_last)
+
+
 def __getattr__(name: str):
     # the engine pulls in llama_cpp; import it only when asked for
     if name in ("Engine", "ChatResult", "ChatStream", "SlotInfo"):
@@ -45,10 +60,6 @@ def __getattr__(name: str):
         from nbkv.remote.connect import connect
 
         return connect
-    if name == "report":
-        from nbkv.ui.page import report
-
-        return report
     if name in ("session", "current_engine"):
         from nbkv.notebook import sessions
 

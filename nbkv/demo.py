@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from nbkv.engine.facade import Engine
+from nbkv.ui.figures import summary
 
 SYSTEM = (
     "You are a concise assistant in a notebook tutorial about prompt caching. Answer in one "
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             for delta in stream:
                 print(delta, end="", flush=True)
             msgs.append({"role": "assistant", "content": stream.text})
-            print(f"\n    -> {stream.record.summary()}\n")
+            print(f"\n    -> {summary(stream.record)}\n")
         s = engine.stats()
         print(f"{s['requests']} requests: {s['reused_tokens']}/{s['prompt_tokens']} prompt "
               f"tokens served from cache ({s['salvage_pct']:.0f}%), "

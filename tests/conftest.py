@@ -68,6 +68,21 @@ def model_path():
     return str(default_model_path())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def signing_key(tmp_path_factory):
+    """Saves and parked entries are signed with the test run's own key, never the user's
+    (``$NBKV_SIGNING_KEY``: subprocesses and kernels the tests start use it too)."""
+    from nbkv.store.signing import KEY_ENV
+
+    old = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = str(tmp_path_factory.mktemp("signing") / "signing_key")
+    yield os.environ[KEY_ENV]
+    if old is None:
+        os.environ.pop(KEY_ENV, None)
+    else:
+        os.environ[KEY_ENV] = old
+
+
 def run_py(code, *args, timeout=300):
     """Run ``code`` (dedented) in a new Python process with ``args``; returns the JSON its
     last output line holds (the process must succeed)."""

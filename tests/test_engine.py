@@ -15,6 +15,7 @@ from nbkv import Engine
 from nbkv.core.errors import ContextOverflowError, InvalidRequestError, NbkvError, TemplateError
 from nbkv.core.events import GENERATED, PREFILLED, REUSED, Progress, RequestFinished
 from nbkv.kv import policy
+from nbkv.ui.figures import summary
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +252,7 @@ def test_events_and_history(engine):
     r = res.record
     assert r.prompt_tokens == r.reused_tokens + r.prefilled_tokens
     assert r.ttft_s > 0 and r.finish_reason in ("stop", "length")
-    assert "reused" in r.summary()
+    assert "reused" in summary(r)
     stats = engine.stats()
     assert stats["requests"] >= 1 and 0 <= stats["salvage_pct"] <= 100
 

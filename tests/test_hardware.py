@@ -10,9 +10,10 @@ import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, scratch_reply
 from nbkv import Engine
+from nbkv.core.config import HardwareOptions
 from nbkv.core.errors import InsufficientMemoryError, InvalidRequestError
 from nbkv.llama import memplan
-from nbkv.llama.hardware import HardwareOptions, devices, gpu_offload, kv_type_id
+from nbkv.llama.hardware import devices, gpu_offload, kv_type_id
 from nbkv.ui.display import status_table
 
 MAX = 8

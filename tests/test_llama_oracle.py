@@ -19,6 +19,7 @@ from llama_cpp import Llama
 from conftest import SYSTEM
 from nbkv import Engine
 from nbkv.kv import policy
+from nbkv.ui.figures import summary
 
 N_BATCH = 256  # nbkv's default n_batch (= n_ubatch); Llama gets the same
 N_CTX = 2048  # per slot in nbkv; Llama's one sequence gets the same
@@ -130,7 +131,7 @@ def ask(engine, llm, messages, session):
 
     expected, reason = llama_reply(llm, prompt)
     text = llm.detokenize(expected).decode("utf-8", errors="replace")
-    assert result.text == text, f"{session}: nbkv and llama.cpp replies differ ({rec.summary()})"
+    assert result.text == text, f"{session}: nbkv and llama.cpp replies differ ({summary(rec)})"
     assert result.finish_reason == reason
     assert rec.generated_tokens == len(expected)
     # every generated token but a length-stopped reply's last one has been decoded into KV

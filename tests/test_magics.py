@@ -16,7 +16,7 @@ from conftest import assert_consistent, ipython_shell
 from nbkv.core.events import Progress
 from nbkv.notebook.sessions import STORE
 from nbkv.ui import vocabulary
-from nbkv.ui.figures import Figures
+from nbkv.ui.figures import Figures, actions
 
 SYSTEM = "You are a concise assistant. Answer in one short sentence."
 
@@ -463,7 +463,7 @@ def test_figures_say_what_happened_in_plain_words():
     assert 'title="carol&#x27;s cached conversation was dropped to make room"' in html
     # a long line wraps between fields, never inside one
     fields = re.findall(r'<span class="nbkv-field" title="[^"]*" style="([^"]*)">', html)
-    assert len(fields) == len(Figures(took).record.actions())
+    assert len(fields) == len(actions(took))
     assert all("white-space:nowrap" in style for style in fields)
     # the first token's time explains itself: its parts add up to it
     assert ("first token 500 ms = waited (for a free slot, or the step in progress: e.g. the "

@@ -19,8 +19,7 @@ import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, picture, run_py
 from nbkv import Engine
-from nbkv.core.errors import RestoreError, SaveError
-from nbkv.engine.state import EngineBusy
+from nbkv.core.errors import EngineBusy, RestoreError, SaveError
 from nbkv.kv import policy
 from nbkv.kv.oracle import scratch_logits
 from nbkv.notebook.sessions import SessionStore
@@ -441,7 +440,8 @@ def test_autosave_is_bounded_and_gives_way_to_requests(engine, tmp_path):
 
 KILLED = """
     import json, sys, time
-    from nbkv import Engine, blobstore, persist
+    from nbkv import Engine
+    from nbkv.store import blobstore, persist
     from nbkv.notebook.sessions import SessionStore
 
     model_path, save, phase = sys.argv[1:4]

@@ -17,7 +17,7 @@ from nbkv.core.errors import ContextOverflowError, InvalidRequestError
 from nbkv.kv import reasons
 from nbkv.kv.policy import common_prefix
 from nbkv.prompt import templates
-from nbkv.ui.figures import ExplainReport, Figures
+from nbkv.ui.figures import ExplainReport, Figures, actions, summary
 
 MAX = 3
 
@@ -247,14 +247,14 @@ def test_the_figures_line_says_what_was_restored_from_where_and_how_fast():
                         reason_text="...", restored_from="ram", restored_tokens=1204,
                         restored_session="alice", restore_s=0.004, evicted_session="carol",
                         evicted_tokens=300, evicted_parked="ram")
-    line = rec.summary()
+    line = summary(rec)
     assert line.startswith("slot 0: restored alice's 1,204 tokens from RAM in 4 ms")
     assert "took carol's slot (300 tokens parked)" in line
     assert vocabulary.bar(rec) is vocabulary.EVENTS["restored"]
     assert vocabulary.event(rec).words == "restored"
     other = RequestRecord(10, "bob", "hash-extend", 0, 10, 5, 5, 0, reason=reasons.OVERFLOW,
                           restored_from="disk", restored_tokens=5, restore_s=0.02)
-    texts = [t for t, _ in other.actions()]
+    texts = [t for t, _ in actions(other)]
     assert "restored 5 tokens from disk in 20 ms" in texts
     assert vocabulary.bar(other).code == "restored" != vocabulary.event(other).code
     assert vocabulary.took(RequestRecord(11, "x", "miss", 0, 1, 0, 1, 0, evicted_session="y",

@@ -28,6 +28,7 @@ from nbkv.core.errors import (
 )
 from nbkv.notebook.sessions import STORE, SessionStore
 from nbkv.remote.server import LlamaServer, binary, free_port
+from nbkv.ui.figures import actions, summary
 
 if binary() is None:
     if os.environ.get("NBKV_REQUIRE_SERVER"):
@@ -119,7 +120,7 @@ def test_three_sessions_on_two_slots_evict_by_lru(remote):
     recs = [r.record for r in conversation(remote, ("ann", "bob", "cat"), turns=2,
                                            max_tokens=4)]
     evicting = [r for r in recs if r.evicted_session is not None]
-    assert evicting, [r.summary() for r in recs]
+    assert evicting, [summary(r) for r in recs]
     assert {r.slot for r in recs} == {0, 1}
     returning = [r for r in recs[3:]]
     assert all(r.reason == "evicted" for r in returning)
@@ -148,7 +149,7 @@ def test_another_client_on_a_pinned_slot_is_flagged_not_verified(remote, srv):
                          {"role": "user", "content": "Again."}], "ann", max_tokens=4)
     rec = again.record
     assert not rec.verified and "nbkv expects" in rec.note and "another client" in rec.note
-    assert "not verified" in rec.summary()
+    assert "not verified" in summary(rec)
     assert rec.reused_tokens < first.record.prompt_tokens  # nothing was silently assumed
     assert rec.exact  # what the slot held was not known: rebuilt, so the reply is exact
 
@@ -317,12 +318,12 @@ def test_a_restore_from_the_servers_cache_ram_is_told_from_a_plain_hit(tmp_path_
     assert all(r.verified for r in recs) and not any(r.restored_from for r in recs[:3])
     for r, first in zip(recs[3:], recs):  # each comes back to a slot another session took
         assert r.evicted_session not in (None, r.session)
-        assert r.restored_from == "server-ram" and r.reason == "restored", r.summary()
+        assert r.restored_from == "server-ram" and r.reason == "restored", summary(r)
         assert r.reused_tokens == r.restored_tokens >= first.prompt_tokens
         assert "--cache-ram" in r.reason_text and r.restored_session == r.session
-        assert r.exact, r.summary()  # asked for at its canonical end, proven by the ledger
+        assert r.exact, summary(r)  # asked for at its canonical end, proven by the ledger
         assert f"restored {r.session}'s {r.reused_tokens} tokens from the server's RAM" in \
-            " ".join(t for t, _ in r.actions())
+            " ".join(t for t, _ in actions(r))
 
 
 def test_a_new_connection_does_not_trust_what_the_server_already_holds(remote, srv):

@@ -18,6 +18,7 @@ import nbkv
 from nbkv import Engine
 from nbkv.core.errors import ServerTimeoutError
 from nbkv.remote.server import LlamaServer, binary
+from nbkv.ui.figures import summary
 
 if binary() is None:
     if os.environ.get("NBKV_REQUIRE_SERVER"):
@@ -61,9 +62,9 @@ def test_two_processes_on_one_server_without_cache_ram(exact):
                         {"role": "user", "content": "Tell me about cats."}], "mine",
                        max_tokens=4)
             rec = r.record
-            assert not rec.restored_from and rec.reason != "restored", rec.summary()
-            assert not rec.verified and "another client" in rec.note, rec.summary()
-            assert "not verified" in rec.summary()
+            assert not rec.restored_from and rec.reason != "restored", summary(rec)
+            assert not rec.verified and "another client" in rec.note, summary(rec)
+            assert "not verified" in summary(rec)
             if exact:  # rebuilt, since what the slot holds is not known: exact again
                 assert rec.exact and rec.reused_tokens == 0
             # the next turn here is nbkv's own again
@@ -91,7 +92,7 @@ def test_a_server_restarted_between_turns_is_noticed_and_named(tmp_path):
             assert e.save(tmp_path / "save") is not None  # nothing stale to trip over
             r = e.chat([*msgs, first.message, {"role": "user", "content": "How long is it?"}],
                        "ann", max_tokens=6)
-            assert r.record.reason == "reloaded", r.record.summary()
+            assert r.record.reason == "reloaded", summary(r.record)
             assert "server restarted" in r.record.reason_text
             assert r.record.verified and r.record.exact
         finally:
@@ -110,7 +111,7 @@ def test_a_restart_is_noticed_by_the_next_request_without_a_poll(tmp_path):
             r = e.chat([*msgs, first.message, {"role": "user", "content": "And a lake?"}],
                        "ann", max_tokens=6)
             # told apart from another client: the request names the restart
-            assert r.record.reason == "reloaded", r.record.summary()
+            assert r.record.reason == "reloaded", summary(r.record)
             assert "server restarted" in r.record.reason_text
             assert e.slots()[r.record.slot].verified
         finally:
@@ -150,11 +151,11 @@ def test_restores_from_the_servers_cache_ram_are_restores_not_thrashing():
     assert not st["thrashing"], st["advice"]
     returning = recs[3:]
     assert all(r.restored_from == "server-ram" for r in returning), [
-        r.summary() for r in returning]
+        summary(r) for r in returning]
     assert all(r.strategy != "miss" for r in returning)
-    assert all(r.exact and r.verified for r in recs), [r.summary() for r in recs]
+    assert all(r.exact and r.verified for r in recs), [summary(r) for r in recs]
     took = [r for r in recs if r.evicted_session]
-    assert took and all("parked" in r.summary() and "gone" not in r.summary() for r in took)
+    assert took and all("parked" in summary(r) and "gone" not in summary(r) for r in took)
     assert st["reused_tokens"] >= kernel["reused_tokens"] * 0.9
 
 

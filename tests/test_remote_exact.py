@@ -17,6 +17,7 @@ import pytest
 import nbkv
 from nbkv import Engine
 from nbkv.remote.server import LlamaServer, binary
+from nbkv.ui.figures import summary
 
 if binary() is None:
     if os.environ.get("NBKV_REQUIRE_SERVER"):
@@ -62,8 +63,8 @@ def test_the_lighthouse_keeper_and_a_regenerate_equal_cache_off(oracle):
                       "Will you warn the ships?", "What happens at dawn?"):
                 conv.append({"role": "user", "content": q})
                 r = e.chat(conv, "keeper", max_tokens=MAX_TOKENS)
-                assert r.record.exact, r.record.summary()
-                assert r.text == _want(oracle, memo, conv), r.record.summary()
+                assert r.record.exact, summary(r.record)
+                assert r.text == _want(oracle, memo, conv), summary(r.record)
                 conv.append(r.message)
             e.settle()  # the last reply's KV rewritten as a batch, in idle time
             s = e.slots()[r.record.slot]
@@ -77,7 +78,7 @@ def test_the_lighthouse_keeper_and_a_regenerate_equal_cache_off(oracle):
             assert again.record.exact and again.text == r.text == _want(
                 oracle, memo, planets[:-1])
             assert again.record.reused_tokens >= again.record.prompt_tokens - 2
-            assert "not proven exact" not in again.record.summary()
+            assert "not proven exact" not in summary(again.record)
         finally:
             e.close()
 
@@ -101,12 +102,12 @@ def _run_flows(e, oracle, rng, n_requests, memo):
         rec = res.record
         if rec.finish_reason == "cancelled":
             return
-        assert rec.verified, rec.summary()
+        assert rec.verified, summary(rec)
         if rec.exact:
             exact += 1
-            assert res.text == _want(oracle, memo, msgs), (rec.summary(), msgs)
+            assert res.text == _want(oracle, memo, msgs), (summary(rec), msgs)
         else:
-            assert "not proven exact: " in rec.summary()  # and says why
+            assert "not proven exact: " in summary(rec)  # and says why
 
     while done < n_requests:
         op = rng.choice(("turn", "turn", "turn", "regenerate", "edit", "concurrent",
@@ -184,7 +185,7 @@ def test_flags_the_server_does_not_state_are_said_on_every_record(oracle):
             assert e.rule is None and "does not report how it computes" in e.why_not_exact
             r = e.chat([{"role": "user", "content": "Hi!"}], "ann", max_tokens=4)
             assert not r.record.exact
-            assert "not proven exact: llama-server does not report" in r.record.summary()
+            assert "not proven exact: llama-server does not report" in summary(r.record)
             assert any(k == "exact" and v.startswith("no (") for k, v in e.describe())
         finally:
             e.close()
@@ -192,7 +193,7 @@ def test_flags_the_server_does_not_state_are_said_on_every_record(oracle):
         e = nbkv.connect(srv.url, exact=False)
         try:
             r = e.chat([{"role": "user", "content": "Hi!"}], "ann", max_tokens=4)
-            assert not r.record.exact and "exact=False" in r.record.summary()
+            assert not r.record.exact and "exact=False" in summary(r.record)
         finally:
             e.close()
 

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine
+from nbkv.ui.figures import summary
 
 # a reply that quotes the conversation: prompt-lookup guesses get accepted
 ECHO = [
@@ -53,7 +54,7 @@ def test_cached_replies_with_guesses_equal_fresh_ones_and_guesses_pay(engines, m
     assert all(0 <= r.draft_accepted <= r.draft_tokens for r in recs)
     without = two_turns(off, temperature=0)
     assert all(r.record.draft_tokens == 0 for r in without)
-    assert "guessed" in recs[0].summary()
+    assert "guessed" in summary(recs[0])
     stats = on.stats()
     assert stats["draft_accepted"] == sum(r.draft_accepted for r in recs)
     assert 0 < stats["draft_acceptance_pct"] <= 100

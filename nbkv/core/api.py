@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from nbkv.core import validate
+from nbkv.core.codes import FIRST, MISS
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import EventBus, RequestRecord, Subscriber
 from nbkv.core.streams import AsyncChatStream, ChatResult, ChatStream
-from nbkv.kv.policy import MISS
 
 
 class ChatAPI:
@@ -122,7 +122,7 @@ class TemplatedAPI:
         """The prompt text the template makes of ``messages``."""
         from nbkv.core.messages import normalize
 
-        return self.template.render(normalize(messages), add_generation_prompt)
+        return str(self.template.render(normalize(messages), add_generation_prompt))
 
     def tokenize_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The exact prompt tokens a request with ``messages`` feeds the model."""
@@ -130,19 +130,22 @@ class TemplatedAPI:
 
 
 def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
-    """Totals over records: requests by strategy and event, tokens, restores of parked ones."""
-    from nbkv.ui.vocabulary import counts
+    """Totals over records: requests by strategy and event, tokens, restores of parked ones.
 
+    ``events`` counts requests by reason code (:mod:`nbkv.core.codes`), most frequent first.
+    """
     prompt = sum(r.prompt_tokens for r in history)
     reused = sum(r.reused_tokens for r in history)
     by: dict[str, int] = {}
+    events: dict[str, int] = {}
     for r in history:
         by[r.strategy] = by.get(r.strategy, 0) + 1
+        events[r.reason or FIRST] = events.get(r.reason or FIRST, 0) + 1
     ttfts = [r.ttft_s for r in history if r.ttft_s > 0]
     return {
         "requests": len(history),
         "strategies": by,
-        "events": counts(history),
+        "events": dict(sorted(events.items(), key=lambda kv: -kv[1])),
         "prompt_tokens": prompt,
         "reused_tokens": reused,
         "prefilled_tokens": sum(r.prefilled_tokens for r in history),

@@ -69,6 +69,10 @@ class ProjectorError(ModelLoadError):
     """
 
 
+class EngineBusy(NbkvError):
+    """An opportunistic export (autosave) found the engine serving or rewriting."""
+
+
 class SaveError(NbkvError, OSError):
     """A save could not be written (the directory is not writable, the disk is full...).
 
@@ -81,6 +85,15 @@ class RestoreError(NbkvError):
 
     The save is corrupt or incomplete, from another model, for other settings, or from a
     newer nbkv: the message says what differs.
+    """
+
+
+class UntrustedSaveError(RestoreError):
+    """A save (or parked entry) is not signed by this user's key; nothing was restored.
+
+    It was written by someone else, by an nbkv that did not sign saves yet, or edited since
+    it was signed. ``engine.restore(path, trust=True)`` (``%kvcache restore --trust``)
+    restores it anyway, recomputing every slot from its tokens before serving it.
     """
 
 

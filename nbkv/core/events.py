@@ -10,16 +10,47 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Union
-
-from nbkv.kv.reasons import RESTORED, Divergence
-from nbkv.ui import vocabulary as vocab
+from typing import Any, Union
 
 log = logging.getLogger("nbkv.core.events")
 
 REUSED, PREFILLED, GENERATED = "reused", "prefilled", "generated"
+WINDOW = 12  # units kept on each side of a divergence, for its excerpts
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where the new prompt first differs from the best cached candidate.
+
+    ``position`` is the first KV position that differs; ``message`` the index (and ``role``)
+    of the new prompt's message holding it; ``cached`` and ``new`` are the units around it
+    (``WINDOW`` before it, up to ``WINDOW`` from it), token ids or image units.
+    """
+
+    position: int
+    message: int
+    role: str
+    cached: tuple[Any, ...]
+    new: tuple[Any, ...]
+    start: int  # position of cached[0] and new[0]
+
+    def excerpts(self, detokenize: Callable[[Sequence[Any]], str]) -> tuple[str, str]:
+        """``("…Tuesday 21 Nov…", "…Wednesday 22 Nov…")``: both sides, as text."""
+        k = self.position - self.start
+
+        def side(units: tuple[Any, ...]) -> str:
+            before, after = detokenize(units[:k]), detokenize(units[k:])
+            return "…" + " ".join(before.split())[-40:] + "⟨" + " ".join(after.split())[:40] + "…"
+
+        return side(self.cached), side(self.new)
+
+    def describe(self, detokenize: Callable[[Sequence[Any]], str]) -> str:
+        """``message 0 (system), token 41: cached "…" → new "…"``."""
+        old, new = self.excerpts(detokenize)
+        return (f"message {self.message} ({self.role}), token {self.position}: "
+                f"cached {old!r} → new {new!r}")
 
 
 @dataclass(frozen=True)
@@ -132,96 +163,6 @@ class RequestRecord:
     def read_s(self) -> float:
         """Of the first-token time: reading this prompt's own new tokens (prefill)."""
         return max(self.prefill_s - self.rewrite_absorbed_s - self.first_decode_s, 0.0)
-
-    def ttft_parts(self) -> list[tuple[str, float]]:
-        """The first-token time in parts that add up to it, in plain words."""
-        # what a request waits for is a free slot, or the scheduler's step in progress: with
-        # no pause between cells, the rewrite of the previous reply (README, Exactness)
-        waited = ("waited (for a free slot, or the step in progress: e.g. the rewrite of the "
-                  "previous reply)" if self.wait_s >= 0.02 else "waited")
-        parts = [(waited, self.wait_s), ("restored", self.restore_s)]
-        if self.rewrite_absorbed:
-            parts.append((f"re-read the previous reply ({self.rewrite_absorbed} tokens, "
-                          "its rewrite had not run yet)", self.rewrite_absorbed_s))
-        n = self.prefilled_tokens - self.rewrite_absorbed
-        parts += [(f"read the prompt ({n} new tokens)", self.read_s),
-                  ("first token", self.first_decode_s)]
-        rest = self.ttft_s - sum(s for _, s in parts)  # a remote engine times less of it
-        if rest > 0.0005:
-            parts.append(("elsewhere (a server's queue, HTTP)", rest))
-        return parts
-
-    def ttft_text(self) -> str:
-        """``first token 95 ms = waited 2 ms + restored 0 ms + read ... + first token 1 ms``."""
-        split = " + ".join(f"{what} {s * 1000:.0f} ms" for what, s in self.ttft_parts())
-        return (f"time from the request to the first reply token: {self.ttft_s * 1000:.0f} ms"
-                f" = {split}")
-
-    def actions(self) -> list[tuple[str, str]]:
-        """What happened, as ``(text, explanation)`` pairs in plain words (the figures line).
-
-        The words come from :mod:`nbkv.ui.vocabulary`, as on every other surface.
-        """
-        r = self
-        out: list[tuple[str, str]] = []
-        event = vocab.event(r)
-        what = event.words
-        copied = vocab.EVENTS["copied"].words
-        donor = ""
-        if r.donor_slot is not None:
-            who = f"{r.donor_session}'s" if r.donor_session else f"slot {r.donor_slot}'s"
-            donor = f"{copied} from {who} slot"
-            if r.reason == "copied":
-                what, donor = donor, ""
-        restored = vocab.restored(r)
-        if restored and r.reason == RESTORED:
-            what, restored = restored, ""
-        out.append((f"slot {r.slot}: {what}", vocab.reason_line(r)))
-        if restored:
-            out.append((restored, vocab.EVENTS[RESTORED].tip))
-        if donor:
-            out.append((donor, vocab.EVENTS["copied"].tip))
-        took = vocab.took(r)
-        if took:
-            out.append((took, f"{r.evicted_session}'s cached conversation was "
-                              + ("parked to make room (it is restored when it comes back)"
-                                 if r.evicted_parked else "dropped to make room")))
-        out.append((f"reused {r.reused_tokens}/{r.prompt_tokens} ({r.salvage_pct:.0f}%)",
-                    "prompt tokens whose KV was already in the slot: not computed again"))
-        out.append((f"read {r.prefilled_tokens} new", vocab.STATES["prefilled"].tip))
-        if r.encoder_runs:
-            out.append(("image encoded" if r.encoder_runs == 1
-                        else f"{r.encoder_runs} images encoded",
-                        "the vision encoder ran on a picture it had not seen"))
-        elif r.embedding_cache_hits:
-            out.append(("image from cache",
-                        "the picture's embeddings were cached: no encoder run"))
-        if r.reprefilled_tokens and r.reason != "checkpoint":
-            out.append((f"re-read {r.reprefilled_tokens}",
-                        "matched tokens read again: prompt tokens are read in groups that "
-                        "give the same numbers as a fresh start, or the memory cannot be cut "
-                        "exactly there"))
-        out.append((f"first token {r.ttft_s * 1000:.0f} ms", r.ttft_text()))
-        if r.generated_tokens > 1:
-            out.append((f"{r.decode_tps:.0f} tok/s", "reply tokens per second"))
-        if r.draft_tokens:
-            out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
-                        "speculative guesses of the next token that proved right"))
-        if not r.verified:
-            out.append(("not verified", r.note or "the server's figures differ from nbkv's"))
-        if not r.exact:
-            out.append((f"not proven exact: {r.exact_note}" if r.exact_note
-                        else "not proven exact",
-                        "nbkv could not prove on this model and build that a reply from "
-                        "cache equals one computed from scratch (%kvcache status says why)"))
-        ending = vocab.ending(r)
-        if ending:
-            out.append((ending, r.error or vocab.ENDINGS[r.finish_reason].tip))
-        return out
-
-    def summary(self) -> str:
-        """The one-line figures shown after a reply (the notebook view and the terminal)."""
-        return " · ".join(text for text, _ in self.actions())
 
 
 @dataclass(frozen=True)

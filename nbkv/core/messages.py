@@ -13,6 +13,9 @@ Message = dict[str, Any]
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
+#: Content-part types that carry an image (:mod:`nbkv.media.messages` takes them out).
+IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
+
 
 def normalize(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
     """Validate ``messages`` and return plain-dict copies (callers' objects are never mutated)."""
@@ -40,6 +43,47 @@ def normalize(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
                 f"messages[{i}] ({role}) content is {type(content).__name__}: expected a "
                 "string or a list of content parts"
             )
+        if isinstance(content, (list, tuple)) and not content:
+            raise InvalidRequestError(
+                f"messages[{i}] ({role}) content is an empty list: give a string, or at "
+                "least one content part"
+            )
+        out.append(dict(m))
+    return out
+
+
+def for_template(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
+    """``messages`` as a chat template takes them: a list of text parts becomes its text.
+
+    Every part is checked first: a text part needs a str ``text``, and a part of another
+    type than text or image raises :class:`InvalidRequestError` naming it (a template would
+    fail on it with a ``TypeError`` of its own). A list that holds an image is left as it
+    is. Text parts are joined as :func:`nbkv.media.messages.extract_images` joins them.
+    """
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            texts: list[str] = []
+            image = False
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if isinstance(part, str):
+                    texts.append(part)
+                elif kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise InvalidRequestError(f"{where}: a text part needs a str 'text', "
+                                                  f"not {part.get('text')!r}")
+                    texts.append(part["text"])
+                elif kind in IMAGE_PART_TYPES or not isinstance(part, Mapping):
+                    image = True  # a raw picture (PIL, array, bytes) counts as one
+                else:
+                    raise InvalidRequestError(
+                        f"{where}: unknown content part type {kind!r} (expected 'text', or "
+                        f"an image: {', '.join(repr(t) for t in sorted(IMAGE_PART_TYPES))})")
+            if not image:
+                m = {**m, "content": "".join(texts)}
         out.append(dict(m))
     return out
 

@@ -11,12 +11,17 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from nbkv.core.events import RequestRecord
+from nbkv.core.requests import Request
 
-if TYPE_CHECKING:
-    from nbkv.engine.facade import Engine, _Job
+
+class Waker(Protocol):
+    """What a stream needs of its engine: a nudge when it cancels its request."""
+
+    def wake(self) -> None:
+        """Let the engine look at its requests now."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class ChatStream:
     the request's named error) as soon as the stream is closed.
     """
 
-    def __init__(self, engine: Engine, job: _Job) -> None:
+    def __init__(self, engine: Waker, job: Request) -> None:
         self._engine = engine
         self._job = job
         self.request_id = job.id  # the ``id`` of this request's events and record

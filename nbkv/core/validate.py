@@ -8,6 +8,8 @@ though Python lets it stand for 1.
 from __future__ import annotations
 
 import numbers
+import os
+from pathlib import Path
 from typing import Any
 
 from nbkv.core.errors import InvalidRequestError
@@ -29,7 +31,7 @@ def seconds(name: str, value: Any, optional: bool = False) -> Any:
     """``value`` if it is a number of seconds ``> 0`` (or None when ``optional``), else an error."""
     if value is None and optional:
         return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         none = " or None" if optional else ""
         raise InvalidRequestError(f"{name} must be a number of seconds > 0{none}, not "
                                   f"{value!r}")
@@ -41,3 +43,53 @@ def session_name(value: Any) -> Any:
     if value is not None and not (isinstance(value, str) and value):
         raise InvalidRequestError(f"session must be a non-empty str or None, not {value!r}")
     return value
+
+
+def path(name: str, value: Any, optional: bool = True) -> Any:
+    """``value`` if it is a non-empty path (``str`` or ``os.PathLike``), or None when optional.
+
+    ``""`` is refused: it would quietly mean the current directory.
+    """
+    if value is None and optional:
+        return value
+    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes) \
+            or not os.fspath(value):
+        none = ", or None" if optional else ""
+        raise InvalidRequestError(f"{name} must be a non-empty path (str or os.PathLike)"
+                                  f"{none}, not {value!r}")
+    return value
+
+
+def directory(name: str, value: Any, optional: bool = True) -> Any:
+    """``value`` if it names a directory that exists or can be made and written, else an error.
+
+    Refused: a path that is a file, one under a file, one whose nearest existing directory
+    this process may not write.
+    """
+    if path(name, value, optional) is None:
+        return value
+    target = Path(value).expanduser()
+    try:
+        probe = target
+        while not probe.exists():
+            if probe.parent == probe:
+                break
+            probe = probe.parent
+        if not probe.is_dir():
+            where = "is a file" if probe == target else f"lies under the file {probe}"
+            raise InvalidRequestError(f"{name} {str(value)!r} {where}: give a directory")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            what = "is" if probe == target else f"would be made in {probe}, which is"
+            raise InvalidRequestError(f"{name} {str(value)!r} {what} not writable")
+    except OSError as e:
+        raise InvalidRequestError(f"{name} {str(value)!r} cannot be used: {e}") from e
+    return value
+
+
+def token(name: str, value: Any, n_vocab: int) -> int:
+    """``value`` if it is a token id of a vocabulary of ``n_vocab`` tokens, else an error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not 0 <= int(value) < n_vocab:
+        raise InvalidRequestError(f"{name} must be a token id in 0..{n_vocab - 1}, not "
+                                  f"{value!r}")
+    return int(value)

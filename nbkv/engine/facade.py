@@ -16,10 +16,12 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nbkv.core import validate
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
-from nbkv.core.config import DEFAULTS, EngineConfig, check_engine_args
+from nbkv.core.config import DEFAULTS, EngineSettings
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
 from nbkv.core.events import EventBus, SlotsChanged
+from nbkv.core.requests import SamplingParams
 from nbkv.core.streams import ChatResult, ChatStream
 from nbkv.engine import state as engine_state
 from nbkv.engine import verify
@@ -34,8 +36,7 @@ from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable
 from nbkv.kv.spc import SavedPrompt, SystemPromptStore
-from nbkv.llama.hardware import HardwareOptions
-from nbkv.llama.sampling import SamplingParams
+from nbkv.llama.hardware import offload_warnings
 from nbkv.media.embeddings import EmbeddingCache
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt, PromptBuilder
@@ -75,7 +76,7 @@ class Engine(TemplatedAPI, ChatAPI):
             from the same prompt prefilled at once: ``exact=True`` refuses it. With quantized
             K and V the kernel is per-token and exactness holds.
         type_k, type_v: KV cache types: ``"f16"`` (default), ``"q8_0"`` (about half the
-            memory), ``"q4_0"``, ... (:data:`nbkv.llama.hardware.KV_TYPES`); a quantized V cache
+            memory), ``"q4_0"``, ... (:data:`nbkv.core.config.KV_TYPE_SIZES`); a quantized V cache
             needs ``flash_attn="on"``.
         n_gpu_layers: layers offloaded to a GPU: ``None`` (default) is all of them when the
             llama.cpp build has a GPU backend, else 0; with ``main_gpu``, ``split_mode``
@@ -158,10 +159,6 @@ class Engine(TemplatedAPI, ChatAPI):
         park_dir: str | None = None,
         park_disk: int | None = None,
     ) -> None:
-        check_engine_args(n_slots=n_slots, n_ctx=n_ctx, cache_min_tokens=cache_min_tokens,
-                          n_batch=n_batch, n_threads=n_threads, spc_max_entries=spc_max_entries,
-                          max_checkpoints=max_checkpoints, wait_timeout=wait_timeout,
-                          history_size=history_size, park_ram=park_ram, park_disk=park_disk)
         if system_prompt_cache and cache == "imc":
             raise InvalidRequestError(
                 "the System Prompt Cache and the Incremental Message Cache are mutually "
@@ -169,34 +166,32 @@ class Engine(TemplatedAPI, ChatAPI):
             )
         if system_prompt_cache:
             cache = "spc"
-        if calibration not in ("cached", "fresh"):
-            raise InvalidRequestError(
-                f"calibration must be 'cached' or 'fresh', not {calibration!r}")
-        # validated now; a size left to the memory plan (None) is filled in after the load
-        config = EngineConfig(DEFAULTS.n_slots if n_slots is None else n_slots,
-                              DEFAULTS.n_ctx if n_ctx is None else n_ctx, cache,
-                              cache_min_tokens, overflow)
-        hw = HardwareOptions(n_gpu_layers, main_gpu, split_mode,
-                             tuple(tensor_split) if tensor_split else None, flash_attn,
-                             type_k, type_v, use_mmap, use_mlock)
-        hw.check_exact(exact)
-        for warning in hw.warnings:
+        # every setting checked at once, before anything loads (nbkv.core.config)
+        self.settings = settings = EngineSettings.from_kwargs(
+            model_path=model_path, n_slots=n_slots, n_ctx=n_ctx, cache=cache,
+            cache_min_tokens=cache_min_tokens, overflow=overflow, n_batch=n_batch,
+            n_threads=n_threads, template=template, spc_max_entries=spc_max_entries,
+            history_size=history_size, wait_timeout=wait_timeout, exact=exact,
+            speculative=speculative, max_checkpoints=max_checkpoints, mmproj=mmproj,
+            trust_projector=trust_projector, check_memory=check_memory,
+            calibration=calibration, park_ram=park_ram, park_dir=park_dir, park_disk=park_disk,
+            n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, split_mode=split_mode,
+            tensor_split=tensor_split, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+            use_mmap=use_mmap, use_mlock=use_mlock)
+        hw = settings.hardware
+        for warning in offload_warnings(hw):
             log.warning("%s", warning)
             warnings.warn(warning, stacklevel=2)
         self.hardware = hw
-        self.flash_attn = hw.resolved_flash_attn(exact)
+        self.flash_attn = settings.flash_attn
         self.exact = exact
         self.cache = cache
         self.cache_min_tokens = cache_min_tokens
         self.overflow = overflow
         self.wait_timeout = wait_timeout
         self.spc_max_entries = spc_max_entries
-        self.res = res = Resources(
-            model_path, config, sized=(n_slots is not None, n_ctx is not None), hw=hw,
-            flash_attn=self.flash_attn, n_batch=n_batch, n_threads=n_threads,
-            template=template, check_memory=check_memory, calibration=calibration,
-            mmproj=mmproj, embedding_cache=embedding_cache, trust_projector=trust_projector,
-            on_load_progress=on_load_progress)
+        self.res = res = Resources(settings, embedding_cache=embedding_cache,
+                                   on_load_progress=on_load_progress)
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
@@ -334,6 +329,7 @@ class Engine(TemplatedAPI, ChatAPI):
         probe (:func:`nbkv.kv.oracle.scratch_logits`); :meth:`verify` compares them.
         """
         index = self.table.index(slot)
+        token = validate.token("token", token, self.model.n_vocab)
         return self.scheduler.call(lambda: verify.probe(self.scheduler, index, token))
 
     def verify(self, slot: int | None = None, *, request: int | None = None,
@@ -354,6 +350,7 @@ class Engine(TemplatedAPI, ChatAPI):
                 raise InvalidRequestError(
                     f"slot {rec.slot} no longer holds request #{request}'s conversation")
             slot = rec.slot
+        probe = validate.token("probe", probe, self.model.n_vocab)
         targets = [self.table.index(slot)] if slot is not None else [
             s.index for s in self.slots() if not s.empty]
         return [verify.verify_slot(self.scheduler, i, probe) for i in targets]
@@ -402,13 +399,17 @@ class Engine(TemplatedAPI, ChatAPI):
                                                                      only_if_idle))
 
     def import_state(self, placed: Sequence[tuple[int, SlotState]],
-                     spc: Sequence[tuple[str, SavedPrompt]] = ()) -> None:
+                     spc: Sequence[tuple[str, SavedPrompt]] = (), recompute: bool = False
+                     ) -> list[Any]:
         """Replace every slot with ``placed`` (slot index, state) and the SPC with ``spc``.
 
         All or nothing: on failure the slots are as they were and
-        :class:`~nbkv.core.errors.RestoreError` says why.
+        :class:`~nbkv.core.errors.RestoreError` says why. ``recompute``: then replace each
+        placed slot's KV by a full prefill of its tokens before any request can use it (an
+        untrusted save); returns a :class:`~nbkv.engine.recompute.Recomputation` per slot.
         """
-        self.scheduler.call(lambda: engine_state.import_state(self.scheduler, placed, spc))
+        return self.scheduler.call(lambda: engine_state.import_state(
+            self.scheduler, placed, spc, recompute))
 
     def save(self, path: str | None = None, sessions: Any = None) -> Any:
         """Save the slots, system prompts, image embeddings and sessions to disk.
@@ -422,16 +423,19 @@ class Engine(TemplatedAPI, ChatAPI):
 
         return save(self, path, sessions)
 
-    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+    def restore(self, path: str | None = None, sessions: Any = None, *,
+                trust: bool = False) -> Any:
         """Replace the slots and caches with a save (from this or an earlier process).
 
         Checks everything first: a save from another model, projector, llama.cpp build or
         ``n_ctx``, or a corrupt one, raises :class:`~nbkv.core.errors.RestoreError` and leaves
         the engine unchanged. With fewer slots than saved, the most recently used are kept.
+        A save not signed by your key raises :class:`~nbkv.core.errors.UntrustedSaveError`;
+        ``trust=True`` restores it, recomputing every slot by a full prefill first.
         """
         from nbkv.store.persist import restore
 
-        return restore(self, path, sessions)
+        return restore(self, path, sessions, trust=trust)
 
     def stats(self) -> dict[str, Any]:
         """Totals over the request history."""

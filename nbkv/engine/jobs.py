@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
-import queue
-import threading
-import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.events import RequestRecord
-from nbkv.llama.sampling import SamplingParams
+from nbkv.core.requests import Request, SamplingParams
 
 if TYPE_CHECKING:
     from nbkv.engine.drafts import NgramDrafter
@@ -18,28 +13,6 @@ if TYPE_CHECKING:
     from nbkv.llama.sampling import Sampler
     from nbkv.prompt.builder import Prompt
     from nbkv.prompt.textstream import TextStream
-
-
-class Request:
-    """What every engine's request has: its id, deadline, output queue and record.
-
-    ``out`` carries ``("delta", text)``, then ``("done", record)`` or ``("error", exc)``.
-    """
-
-    _ids = itertools.count(1)
-
-    def __init__(self, session: str | None, params: SamplingParams, timeout: float) -> None:
-        self.id = next(self._ids)
-        self.session = session
-        self.params = params
-        self.deadline = time.monotonic() + timeout
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancel = threading.Event()
-        self.done = threading.Event()
-        self.record: RequestRecord | None = None
-        self.t_submit = time.perf_counter()
-        self.t_first = 0.0
-        self.generated: list[int] = []
 
 
 class Job(Request):

@@ -21,15 +21,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from nbkv.core.config import EngineConfig
+from nbkv.core.config import DEFAULTS, EngineSettings, HardwareOptions
 from nbkv.core.errors import NbkvError
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import MemoryInfo, probe_memory
 from nbkv.llama import memplan
-from nbkv.llama.backend import Batch, Context, Model, default_threads
+from nbkv.llama.backend import Batch, Context, Model, default_threads, llama_cpp_version
 from nbkv.llama.gguf_header import gguf_fingerprint, read_metadata
-from nbkv.llama.hardware import FLASH_ATTN, SPLIT_MODES, HardwareOptions, kv_type_id
+from nbkv.llama.hardware import FLASH_ATTN, SPLIT_MODES, gpu_layers, kv_type_id
 from nbkv.llama.models import resolve_model_path
 from nbkv.prompt.templates import CHATML, ChatTemplate
 
@@ -46,18 +46,19 @@ class Resources:
     rule: PrefillRule
     projector: Any = None
 
-    def __init__(self, model_path: str | None, config: EngineConfig, *, sized: tuple[bool, bool],
-                 hw: HardwareOptions, flash_attn: str, n_batch: int, n_threads: int | None,
-                 template: str | None, check_memory: bool, calibration: str,
-                 mmproj: str | None, embedding_cache: Any, trust_projector: bool,
+    def __init__(self, settings: EngineSettings, *, embedding_cache: Any,
                  on_load_progress: Callable[[float], object] | None) -> None:
         self._closers: list[Callable[[], None]] = []
         self._lock = threading.Lock()
-        self.config = config
+        s = settings
+        # sizes left to the memory plan (None) start from the defaults, then are fitted
+        self.config = replace(s, n_slots=s.n_slots or DEFAULTS.n_slots,
+                              n_ctx=s.n_ctx or DEFAULTS.n_ctx)
         self.sized = ""
         try:
-            self._open(model_path, sized, hw, flash_attn, n_batch, n_threads, template,
-                       check_memory, calibration, mmproj, embedding_cache, trust_projector,
+            self._open(s.model_path, (s.n_slots is not None, s.n_ctx is not None), s.hardware,
+                       s.flash_attn, s.n_batch, s.n_threads, s.template, s.check_memory,
+                       s.calibration, s.mmproj, embedding_cache, s.trust_projector,
                        on_load_progress)
         except BaseException:
             self.close()
@@ -75,7 +76,7 @@ class Resources:
               ) -> None:
         path = resolve_model_path(model_path)
         self.model = self._own(Model(
-            path, hw.gpu_layers, on_load_progress, main_gpu=hw.main_gpu,
+            path, gpu_layers(hw), on_load_progress, main_gpu=hw.main_gpu,
             split_mode=SPLIT_MODES[hw.split_mode], tensor_split=hw.tensor_split,
             use_mmap=hw.use_mmap, use_mlock=hw.use_mlock))
         source = template or self.model.chat_template or CHATML
@@ -160,15 +161,13 @@ class Resources:
     def identity(self, n_ctx: int, type_k: str, type_v: str, flash_attn: str
                  ) -> dict[str, Any]:
         """The facts a saved or parked state depends on (compared field by field)."""
-        import llama_cpp
-
         proj = self.projector
         return {
             "model": {"name": self.model.path.name,
                       "fingerprint": gguf_fingerprint(self.model.path)},
             "projector": None if proj is None else {"name": proj.path.name,
                                                     "fingerprint": proj.identity},
-            "llama_cpp_python": llama_cpp.__version__,
+            "llama_cpp_python": llama_cpp_version(),
             "n_ctx": n_ctx,
             "memory": self.memory.kind,
             "kv": {

@@ -8,32 +8,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nbkv.core.errors import NbkvError, RestoreError
+from nbkv.core.errors import EngineBusy, NbkvError, RestoreError
+from nbkv.engine.recompute import Recomputation
+from nbkv.engine.recompute import recompute as recompute_slot
 from nbkv.engine.rewrite import settle_all, settling_slot
 from nbkv.kv.slot_kv import KVSnapshot
-from nbkv.kv.slot_table import SlotState
+from nbkv.kv.slot_table import EngineState, SlotState
 from nbkv.kv.spc import SavedPrompt
 
 if TYPE_CHECKING:
     from nbkv.engine.scheduler import EngineSlot, Scheduler
 
 log = logging.getLogger("nbkv")
-
-
-class EngineBusy(NbkvError):
-    """An opportunistic export (autosave) found the engine serving or rewriting."""
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """Every idle slot (``SlotState.kv`` a :class:`KVSnapshot`), busy slots, SPC entries."""
-
-    slots: tuple[SlotState, ...]
-    busy: tuple[int, ...]
-    spc: tuple[tuple[str, SavedPrompt], ...]
 
 
 def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
@@ -56,11 +44,14 @@ def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
 
 
 def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
-                 spc: Sequence[tuple[str, SavedPrompt]]) -> None:
+                 spc: Sequence[tuple[str, SavedPrompt]], recompute: bool = False
+                 ) -> list[Recomputation]:
     """Replace every slot's content: ``placed`` gives each state its slot; all or nothing.
 
     States go in oldest first, so that the LRU clock orders them as they were. On any
     failure every slot is put back as it was and :class:`RestoreError` says why.
+    ``recompute`` (an untrusted save): each placed slot's KV is then replaced by a full
+    prefill of its tokens, in the same scheduler call, so no request sees the saved KV.
     """
     if sched.active or any(s.pending for s in sched.table):
         raise RestoreError("the engine is serving requests: restore when it is idle")
@@ -87,6 +78,7 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     sched.spc.clear()
     for key, entry in spc:
         sched.spc.put(key, entry.state, entry.tokens)
+    return [recompute_slot(sched, i) for i, _ in placed] if recompute else []
 
 
 def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,

@@ -70,7 +70,7 @@ class _Probe:
         ctx, b, seq = self.ctx, self.batch, self.seq
         if keep is not None and not ctx.try_seq_rm(seq, keep if keep else -1, -1):
             raise RuntimeError("calibration: could not trim the sequence")
-        rows = []
+        rows: list[Any] = []
         for lo, hi in chunks:
             b.clear()
             for p in range(lo, hi):

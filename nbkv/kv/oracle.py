@@ -104,11 +104,3 @@ class Verification:
                      f"; first difference between positions {lo} and {hi}")
         note = "" if self.claimed else " (the engine did not claim it exact)"
         return f"differs: max |logit diff| {self.max_diff:.4g}{where}{note}"
-
-    def _repr_html_(self) -> str:
-        import html
-
-        from nbkv.ui.palette import COLORS
-
-        colour = "inherit" if self.identical else COLORS["trimmed"]
-        return f'<div style="color:{colour}">{html.escape(str(self))}</div>'

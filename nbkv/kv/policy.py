@@ -12,24 +12,35 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nbkv.core.codes import HASH_EXTEND, HASH_HIT, MISS, PREFIX_SALVAGE, common_prefix
+
 log = logging.getLogger("nbkv.kv.policy")
 
-HASH_HIT = "hash-hit"
-HASH_EXTEND = "hash-extend"
-PREFIX_SALVAGE = "prefix-salvage"
-MISS = "miss"
+__all__ = ["HASH_EXTEND", "HASH_HIT", "MISS", "PREFIX_SALVAGE", "common_prefix"]
 
 
 class SlotLike(Protocol):
-    """What the policy reads from a slot."""
+    """What the policy reads from a slot (read-only: snapshots are frozen)."""
 
-    index: int
-    tokens: Sequence[int]  # token ids held in KV positions 0..len-1
-    hashes: Sequence[str]  # cumulative hashes of the cached messages (see messages.prefix_hashes)
-    msg_ends: Sequence[int]  # tokens that must match for hashes[k] to count as verified
-    session: str | None
-    last_used: int  # logical clock, larger = more recent
-    pending: bool  # a request is building or generating in this slot
+    @property
+    def index(self) -> int: ...
+    @property
+    def tokens(self) -> Sequence[Any]:
+        """Token ids (or media units) held in KV positions 0..len-1."""
+    @property
+    def hashes(self) -> Sequence[str]:
+        """Cumulative hashes of the cached messages (see ``messages.prefix_hashes``)."""
+    @property
+    def msg_ends(self) -> Sequence[int]:
+        """Tokens that must match for ``hashes[k]`` to count as verified."""
+    @property
+    def session(self) -> str | None: ...
+    @property
+    def last_used(self) -> int:
+        """Logical clock, larger = more recent."""
+    @property
+    def pending(self) -> bool:
+        """A request is building or generating in this slot."""
 
 
 @dataclass(frozen=True)
@@ -50,26 +61,6 @@ class Plan:
     evicted_tokens: int = 0
     common_prefix: dict[int, int] = field(default_factory=dict)  # slot -> shared tokens
     parked: str | None = None  # key of the parked conversation restored into ``slot`` first
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two sequences (C-speed slice compares).
-
-    The one such function: token lists, hash lists and strings (template renderings) alike.
-    """
-    if not (isinstance(a, (str, tuple)) and type(a) is type(b)):
-        a, b = tuple(a), tuple(b)
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def reuse_limit(n_tokens: int) -> int:
@@ -180,7 +171,7 @@ def _match(cands: Sequence[Any], shared: dict[Any, int], ident: Callable[[Any], 
 
     ``shared[ident(c)]`` is candidate ``c``'s common token prefix with the prompt.
     """
-    best: tuple | None = None
+    best: tuple[Any, ...] | None = None
     for c in cands:
         if not c.hashes:
             continue
@@ -207,7 +198,7 @@ def _match(cands: Sequence[Any], shared: dict[Any, int], ident: Callable[[Any], 
     return c, 0
 
 
-def _from_slots(free: Sequence[SlotLike], tokens: tuple, hashes: Sequence[str],
+def _from_slots(free: Sequence[SlotLike], tokens: tuple[Any, ...], hashes: Sequence[str],
                 session: str | None, min_tokens: int, limit: int, shared: dict[int, int]
                 ) -> Plan:
     """The best plan among the slots alone (:func:`select`'s steps 1 to 3)."""

@@ -13,63 +13,32 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbkv.kv.policy import common_prefix
-from nbkv.ui.vocabulary import tier_words
+from nbkv.core.codes import (
+    CHECKPOINT,
+    CLEARED,
+    CONTINUED,
+    COPIED,
+    EDITED,
+    EVICTED,
+    FIRST,
+    IMAGE_CHANGED,
+    OVERFLOW,
+    PARKED,
+    REASONS,
+    RELOADED,
+    RESTORED,
+    SYSTEM_CHANGED,
+    TEMPLATE_DRIFT,
+    UNCACHED,
+    common_prefix,
+    tier_words,
+)
+from nbkv.core.events import WINDOW, Divergence
 
-FIRST = "first"  # the session's first request: nothing of it was cached
-CONTINUED = "continued"  # the conversation grew: everything cached was reused
-COPIED = "copied"  # a prefix was copied from another conversation's slot
-RELOADED = "reloaded"  # the engine was loaded again since the session's last request
-EVICTED = "evicted"  # another session's request took this session's slot
-CLEARED = "cleared"  # the user cleared the slot
-EDITED = "edited"  # an earlier message changed
-SYSTEM_CHANGED = "system-changed"  # the system prompt changed
-TEMPLATE_DRIFT = "template-drift"  # the same messages rendered to different tokens
-IMAGE_CHANGED = "image-changed"  # a different image at the same place
-OVERFLOW = "overflow"  # the oldest messages were dropped to fit the slot
-CHECKPOINT = "checkpoint"  # memory that cannot be cut: restored a checkpoint before the cut
-UNCACHED = "uncached"  # cache mode spc/off: conversations are not kept
-RESTORED = "restored"  # a parked conversation was put back into a slot
+__all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
+           "IMAGE_CHANGED", "OVERFLOW", "PARKED", "REASONS", "RELOADED", "RESTORED",
+           "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Divergence"]
 
-#: the codes of ``record.reason``; their words are in :data:`nbkv.ui.vocabulary.EVENTS`
-REASONS = (FIRST, CONTINUED, COPIED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
-           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED, RESTORED)
-#: a :class:`Whereabouts` fate (not a reason): the slot was taken and its conversation parked
-PARKED = "parked"
-WINDOW = 12  # units kept on each side of a divergence, for its excerpts
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Where the new prompt first differs from the best cached candidate.
-
-    ``position`` is the first KV position that differs; ``message`` the index (and ``role``)
-    of the new prompt's message holding it; ``cached`` and ``new`` are the units around it
-    (``WINDOW`` before it, up to ``WINDOW`` from it), token ids or image units.
-    """
-
-    position: int
-    message: int
-    role: str
-    cached: tuple[Any, ...]
-    new: tuple[Any, ...]
-    start: int  # position of cached[0] and new[0]
-
-    def excerpts(self, detokenize: Callable[[Sequence[Any]], str]) -> tuple[str, str]:
-        """``("…Tuesday 21 Nov…", "…Wednesday 22 Nov…")``: both sides, as text."""
-        k = self.position - self.start
-
-        def side(units: tuple[Any, ...]) -> str:
-            before, after = detokenize(units[:k]), detokenize(units[k:])
-            return "…" + " ".join(before.split())[-40:] + "⟨" + " ".join(after.split())[:40] + "…"
-
-        return side(self.cached), side(self.new)
-
-    def describe(self, detokenize: Callable[[Sequence[Any]], str]) -> str:
-        """``message 0 (system), token 41: cached "…" → new "…"``."""
-        old, new = self.excerpts(detokenize)
-        return (f"message {self.message} ({self.role}), token {self.position}: "
-                f"cached {old!r} → new {new!r}")
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def prompt_segments(p: Prompt, reuse: int, n: int, reply: str, marker: str = "\0
             if lo > pos:
                 split.append(replace(seg, start=pos, end=lo))
             split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h,
-                                 image_name=names.get(h, ""), embeddings=n_emb))
+                                 image_name=names.get(h or "", ""), embeddings=n_emb))
             pos = hi
         if pos < seg.end:
             split.append(replace(seg, start=pos, end=seg.end))

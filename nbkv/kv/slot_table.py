@@ -124,6 +124,15 @@ class SlotState:
     kv: Any
 
 
+@dataclass(frozen=True)
+class EngineState:
+    """Every idle slot (``SlotState.kv`` a :class:`KVSnapshot`), busy slots, SPC entries."""
+
+    slots: tuple[SlotState, ...]
+    busy: tuple[int, ...]
+    spc: tuple[tuple[str, Any], ...]  # (system prompt hash, nbkv.kv.spc.SavedPrompt)
+
+
 S = TypeVar("S", bound=TableSlot)
 
 

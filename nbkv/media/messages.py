@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from nbkv.core.errors import MediaError
+from nbkv.core.messages import IMAGE_PART_TYPES
 from nbkv.media.images import Image, load_image, png_data_url
 
 #: libmtmd's default media marker (``mtmd_default_marker()``); :mod:`nbkv.media.projector`
 #: checks it.
 MARKER = "<__media__>"
 
-#: Content-part types that carry an image.
-IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
 
 
 @dataclass(frozen=True)

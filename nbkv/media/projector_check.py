@@ -145,20 +145,20 @@ def _gguf_type_name(field: Any) -> str:
     import gguf
 
     t = field.types[0] if field.types else None
-    return {
+    names: dict[Any, str] = {
         gguf.GGUFValueType.UINT32: _U32, gguf.GGUFValueType.INT32: _I32,
         gguf.GGUFValueType.FLOAT32: _F32, gguf.GGUFValueType.BOOL: _BOOL,
         gguf.GGUFValueType.STRING: _STR, gguf.GGUFValueType.ARRAY: _ARR,
-    }.get(t, getattr(t, "name", "?").lower())
+    }
+    return names.get(t, getattr(t, "name", "?").lower())
 
 
 def _array_item_type(field: Any) -> str:
     import gguf
 
     t = field.types[-1] if len(field.types) > 1 else None
-    return {gguf.GGUFValueType.FLOAT32: _F32, gguf.GGUFValueType.INT32: _I32}.get(
-        t, getattr(t, "name", "?").lower()
-    )
+    names: dict[Any, str] = {gguf.GGUFValueType.FLOAT32: _F32, gguf.GGUFValueType.INT32: _I32}
+    return names.get(t, getattr(t, "name", "?").lower())
 
 
 def inspect_projector(
@@ -186,13 +186,14 @@ def inspect_projector(
     p = Path(path).expanduser()
     try:
         check_gguf(p)
-    except (ModelLoadError, FileNotFoundError) as e:
-        msg = str(e).replace("model file", "projector file")
-        raise ProjectorError(f"vision projector: {msg}") from e
+    except (ModelLoadError, FileNotFoundError) as err:
+        msg = str(err).replace("model file", "projector file")
+        raise ProjectorError(f"vision projector: {msg}") from err
     try:
         import gguf
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ProjectorError("checking a projector needs the gguf package: pip install gguf") from e
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ProjectorError("checking a projector needs the gguf package: pip install "
+                             "gguf") from err
     size = p.stat().st_size
     arch = _first_architecture(p)
     if arch is not None and arch != "clip":  # fast path: parsing a whole text model is slow
@@ -202,10 +203,10 @@ def inspect_projector(
     try:
         reader = gguf.GGUFReader(p)
         tensors = {t.name: t for t in reader.tensors}
-    except Exception as e:
+    except Exception as err:
         raise ProjectorError(
-            f"{p} is not a readable GGUF file (corrupt or truncated): {type(e).__name__}: {e}"
-        ) from e
+            f"{p} is not a readable GGUF file (corrupt or truncated): {type(err).__name__}: {err}"
+        ) from err
     for t in tensors.values():
         if t.data_offset + t.n_bytes > size:
             raise ProjectorError(
@@ -356,10 +357,10 @@ def inspect_projector(
                 f"{', '.join(repr(t) for t in missing)}, which every text model of its family "
                 f"has and {model.description} lacks: the projector belongs to another model"
             )
-        for t in DELIMITERS.get(ptype, ()):
-            if not _has_token(model, t):
+        for tok in DELIMITERS.get(ptype, ()):
+            if not _has_token(model, tok):
                 warnings.append(
-                    f"image delimiter {t!r} is not a token of the text model; it is fed as "
+                    f"image delimiter {tok!r} is not a token of the text model; it is fed as "
                     "plain text"
                 )
     for w in warnings:
@@ -661,7 +662,8 @@ def _check_rope_sections(model: Model) -> None:
             f"the text model ({model.description}) uses M-RoPE but has no "
             f"{arch}.rope.dimension_sections"
         )
-    n_rot = model.meta(f"{arch}.rope.dimension_count") or model.meta(f"{arch}.attention.key_length")
+    n_rot: Any = (model.meta(f"{arch}.rope.dimension_count")
+                  or model.meta(f"{arch}.attention.key_length"))
     if n_rot is None:
         heads = model.meta(f"{arch}.attention.head_count")
         width = model.meta(f"{arch}.embedding_length")

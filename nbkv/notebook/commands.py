@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.config import check_engine_args
+from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.core.protocol import Parks, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui.figures import ExplainReport
 from nbkv.ui.views import LoadProgress
@@ -105,11 +106,14 @@ def load(ws: Workspace, args: Any) -> Any:
     Every argument is checked first: a mistake leaves the current engine as it was.
     """
     _at_least_one(args, "slots", "ctx")
+    if args.trust and not args.restore:
+        raise InvalidRequestError("%kvcache load: --trust goes with --restore (it trusts the "
+                                  "save that --restore brings back)")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
                                        min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
                                        kv_type=args.kv_type, flash_attn=args.flash_attn,
                                        **_parking_options(args))
-    check_engine_args(**kwargs)
+    EngineSettings.from_kwargs(**kwargs)  # every setting checked before anything closes
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:
@@ -131,7 +135,7 @@ def load(ws: Workspace, args: Any) -> Any:
     ws.sync_autosave()
     summary = disp.status_table(engine, ws.store)
     notes = [engine.sized or None, *(str(w.message) for w in said),
-             _offer_restore(ws, engine, args.restore)]
+             _offer_restore(ws, engine, args.restore, args.trust)]
     progress.done(summary, note="\n".join(n for n in notes if n) or None)
     return None if ws.notebook else summary
 
@@ -156,14 +160,15 @@ def connect(ws: Workspace, args: Any) -> Any:
     return disp.status_table(engine, ws.store)
 
 
-def _offer_restore(ws: Workspace, engine: Engine, restore: bool) -> str | None:
+def _offer_restore(ws: Workspace, engine: Engine, restore: bool, trust: bool = False
+                   ) -> str | None:
     """After a load: restore the notebook's save (``--restore``), or say that one fits."""
     from nbkv.store import persist
 
     if not restore:
         return persist.offer(engine, ws.save_path())
     try:
-        return str(engine.restore(ws.save_path(), ws.store))
+        return str(engine.restore(ws.save_path(), ws.store, trust=trust))
     except NbkvError as e:
         return f"--restore: nothing restored: {e}"
 
@@ -194,7 +199,7 @@ def explain(ws: Workspace, args: Any) -> Any:
 def verify(ws: Workspace, args: Any) -> Any:
     """Recompute the slots (or request N's slot) from scratch: is the cached KV exact."""
     engine = ws.engine()
-    if not hasattr(engine, "verify"):
+    if not isinstance(engine, Verifiable):
         raise InvalidRequestError("%kvcache verify needs the in-kernel engine: a server's "
                                   "KV cannot be read back")
     request = _number(args.target, "verify: give a request number")
@@ -241,7 +246,7 @@ def _parking_options(args: Any) -> dict[str, Any]:
 def _parking(ws: Workspace, args: Any, verb: str) -> Any:
     """``%kvcache park|unpark [SESSION|--all]``: call ``engine.park``/``unpark``."""
     engine = ws.engine()
-    if not hasattr(engine, verb):
+    if not isinstance(engine, Parks):
         raise InvalidRequestError(f"%kvcache {verb} needs the in-kernel engine: a server "
                                   "keeps its slots to itself")
     if args.target is not None and args.all:
@@ -296,8 +301,9 @@ def save(ws: Workspace, args: Any) -> Any:
 
 
 def restore(ws: Workspace, args: Any) -> Any:
-    """Restore a save into the loaded engine (``%kvcache restore [DIR]``)."""
-    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store)))
+    """Restore a save into the loaded engine (``%kvcache restore [DIR] [--trust]``)."""
+    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store,
+                                                trust=args.trust)))
 
 
 def config(ws: Workspace, args: Any) -> Any:
@@ -313,8 +319,8 @@ def config(ws: Workspace, args: Any) -> Any:
 COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "status": (status, frozenset(), False),
     "load": (load, frozenset({"mmproj", "slots", "ctx", "mode", "min_tokens", "template",
-                              "restore", "gpu_layers", "kv_type", "flash_attn", "park_ram",
-                              "park_dir"}), True),
+                              "restore", "trust", "gpu_layers", "kv_type", "flash_attn",
+                              "park_ram", "park_dir"}), True),
     "connect": (connect, frozenset({"slots", "api_key_env"}), True),
     "slots": (slots, frozenset(), False),
     "stats": (stats, frozenset(), False),
@@ -329,5 +335,5 @@ COMMANDS: dict[str, tuple[Any, frozenset[str], bool]] = {
     "unload": (unload, frozenset(), False),
     "config": (config, frozenset(), False),
     "save": (save, frozenset(), True),
-    "restore": (restore, frozenset(), True),
+    "restore": (restore, frozenset({"trust"}), True),
 }

@@ -19,13 +19,13 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 from traitlets import observe
 
-from nbkv.core.config import CACHE_MODES
+from nbkv.core.config import CACHE_MODES, FLASH_ATTN_MODES, KV_TYPE_SIZES
 from nbkv.core.errors import DecodeError, NbkvError
-from nbkv.llama.hardware import FLASH_ATTN, KV_TYPES
 from nbkv.media.messages import contains_images, content_with_images
 from nbkv.notebook import commands
-from nbkv.notebook.sessions import STORE, CellRef, SessionStore
+from nbkv.notebook.sessions import STORE, CellRef, Session, SessionStore
 from nbkv.notebook.settings import Settings
+from nbkv.ui.conversation_view import session_html
 from nbkv.ui.views import chat_view
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -177,10 +177,13 @@ class Nbkv(Magics, Settings):
     @argument("--min-tokens", type=int, metavar="N", help="load: shortest salvageable prefix")
     @argument("--template", metavar="F", help="load: file with a Jinja2 chat template")
     @argument("--gpu-layers", type=int, metavar="N", help="load: layers offloaded to a GPU")
-    @argument("--kv-type", choices=tuple(KV_TYPES), help="load: K and V cache type")
-    @argument("--flash-attn", choices=tuple(FLASH_ATTN), help="load: flash attention")
+    @argument("--kv-type", choices=tuple(KV_TYPE_SIZES), help="load: K and V cache type")
+    @argument("--flash-attn", choices=FLASH_ATTN_MODES, help="load: flash attention")
     @argument("--restore", action="store_true",
               help="load: then restore this notebook's latest compatible save")
+    @argument("--trust", action="store_true",
+              help="restore, load --restore: restore a save not signed by your key, "
+                   "recomputing every slot by a full prefill before it is served")
     @argument("--park-ram", metavar="BYTES",
               help="load: RAM for parked conversations, e.g. 2G (Nbkv.park_ram)")
     @argument("--park-dir", metavar="DIR",
@@ -196,12 +199,12 @@ class Nbkv(Magics, Settings):
         ::
 
           %kvcache load [MODEL] [--mmproj F] [--slots N] [--ctx N] [--mode imc|spc|off]
-                        [--min-tokens N] [--template F] [--restore] [--gpu-layers N]
+                        [--min-tokens N] [--template F] [--restore [--trust]] [--gpu-layers N]
                         [--kv-type T] [--flash-attn auto|on|off] [--park-ram BYTES]
                         [--park-dir DIR]
           %kvcache connect URL [--slots N] [--api-key-env VAR]
           %kvcache [status] | slots | stats | history [-n N] | explain [N] | verify [N]
-          %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR]
+          %kvcache clear SLOT | clear --all | save [DIR] | restore [DIR] [--trust]
           %kvcache park [SESSION | --all] | unpark [SESSION | --all]
           %kvcache widget | report [FILE] | unload | config
         """
@@ -341,6 +344,8 @@ def load(ipython: Any) -> None:
     ipython.register_magics(magics)
     if magics.cells is not None:
         magics.cells.register()
+    # a session shows as its conversation view (the model itself knows no HTML)
+    ipython.display_formatter.formatters["text/html"].for_type(Session, session_html)
 
 
 def unload(ipython: Any) -> None:
@@ -359,3 +364,4 @@ def unload(ipython: Any) -> None:
         if inst in ipython.configurables:
             ipython.configurables.remove(inst)
         inst.store.close_engine()
+    ipython.display_formatter.formatters["text/html"].pop(Session, None)

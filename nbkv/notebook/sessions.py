@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import EventBus
+from nbkv.core.protocol import Exportable
 from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     LIVE,
     STALE,
@@ -41,6 +42,7 @@ from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     message_text,
     span_text,
 )
+from nbkv.store.protocols import use_default_sessions
 
 if TYPE_CHECKING:
     from nbkv.core.events import RequestRecord
@@ -314,16 +316,6 @@ class Session:
                 out.append(s)
         return out
 
-    def _repr_html_(self) -> str:
-        """The conversation view of this session and its forks."""
-        from nbkv.ui.conversation_view import conversation_html
-
-        engine = self.store.engine if self.store is not None else None
-        if engine is None:
-            return conversation_html([self, *self.forks()])
-        return conversation_html([self, *self.forks()], engine.slots(),
-                                 getattr(engine, "parked", tuple)())
-
     def __repr__(self) -> str:
         stale = sum(1 for t in self._turns if not t.live)
         return (f"Session({self.name!r}, {len(self.messages)} messages, {len(self._turns)} "
@@ -525,7 +517,7 @@ class SessionStore:
             saver.stop()
             self.autosaver = saver = None
         if saver is None and path is not None and engine is not None \
-                and hasattr(engine, "export_state"):  # an in-kernel engine
+                and isinstance(engine, Exportable):
             self.autosaver = Autosaver(engine, path, self, interval=interval)
 
     def close_engine(self) -> None:
@@ -552,6 +544,7 @@ class SessionStore:
 
 #: The kernel's store, shared by the magics, the widgets and ``nbkv.session()``.
 STORE = SessionStore()
+use_default_sessions(lambda: STORE)  # saves made without sessions= carry the kernel's
 
 
 def session(name: str | None = None) -> Session:

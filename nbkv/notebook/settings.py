@@ -11,8 +11,14 @@ from typing import Any
 from traitlets import Bool, Enum, Float, Int, Unicode, validate
 from traitlets.config import Configurable
 
-from nbkv.core.config import CACHE_MODES, DEFAULTS, OVERFLOW_POLICIES
-from nbkv.llama.hardware import FLASH_ATTN, KV_TYPES, SPLIT_MODES
+from nbkv.core.config import (
+    CACHE_MODES,
+    DEFAULTS,
+    FLASH_ATTN_MODES,
+    KV_TYPE_SIZES,
+    OVERFLOW_POLICIES,
+    SPLIT_MODE_NAMES,
+)
 
 
 class Settings(Configurable):
@@ -28,13 +34,13 @@ class Settings(Configurable):
                        "all when llama.cpp has a GPU backend, else 0)").tag(config=True)
     main_gpu = Int(0, min=0, help="The GPU that holds the model (split_mode 'none')"
                    ).tag(config=True)
-    split_mode = Enum(tuple(SPLIT_MODES), "layer", help="How layers are split across GPUs"
+    split_mode = Enum(SPLIT_MODE_NAMES, "layer", help="How layers are split across GPUs"
                       ).tag(config=True)
-    flash_attn = Enum(tuple(FLASH_ATTN), "off", help="Flash attention: 'auto', 'on' or 'off' "
+    flash_attn = Enum(FLASH_ATTN_MODES, "off", help="Flash attention: 'auto', 'on' or 'off' "
                       "(a quantized type_v needs 'on')").tag(config=True)
-    type_k = Enum(tuple(KV_TYPES), "f16", help="K cache type ('q8_0' about halves it)"
+    type_k = Enum(tuple(KV_TYPE_SIZES), "f16", help="K cache type ('q8_0' about halves it)"
                   ).tag(config=True)
-    type_v = Enum(tuple(KV_TYPES), "f16", help="V cache type (quantized needs flash_attn)"
+    type_v = Enum(tuple(KV_TYPE_SIZES), "f16", help="V cache type (quantized needs flash_attn)"
                   ).tag(config=True)
     use_mmap = Bool(True, help="Memory-map the weights").tag(config=True)
     use_mlock = Bool(False, help="Lock the weights in RAM").tag(config=True)

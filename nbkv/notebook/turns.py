@@ -8,15 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nbkv.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from nbkv.core.events import RequestRecord
-    from nbkv.notebook.sessions import Session
 
 LIVE, STALE = "live", "stale"
+
+
+class Session(Protocol):
+    """What a :class:`MessageList` needs of its session (``nbkv.notebook.sessions.Session``)."""
+
+    name: str
+    version: int
+    messages: Any  # assigning a list rebuilds the session's turns
 
 
 class Reply(str):

@@ -16,8 +16,9 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from nbkv.core.codes import common_prefix
 from nbkv.core.errors import TemplateError
-from nbkv.kv.policy import common_prefix
+from nbkv.core.messages import for_template
 
 #: Used only when a model ships no template at all.
 CHATML = (
@@ -81,10 +82,16 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
-        """Render ``messages``; ``extra`` variables (e.g. ``tools``) are passed to the template."""
+        """Render ``messages``; ``extra`` variables (e.g. ``tools``) are passed to the template.
+
+        A content list of text parts is rendered as its text
+        (:func:`~nbkv.core.messages.for_template`); a malformed part raises
+        :class:`~nbkv.core.errors.InvalidRequestError` first.
+        """
+        msgs = for_template(messages)
         try:
             return self._template.render(
-                messages=list(messages),
+                messages=msgs,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -107,7 +114,7 @@ class ChatTemplate:
         only its new messages instead of every prefix again. A remembered rendering is used
         only if ``full`` still starts with it, so time-dependent templates stay correct.
         """
-        out = []
+        out: list[Any] = []
         for k in range(1, len(messages) + 1):
             n = None
             key = keys[k - 1] if keys is not None else None

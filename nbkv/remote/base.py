@@ -19,10 +19,9 @@ from nbkv.core.events import (
     RequestRecord,
     SlotsChanged,
 )
+from nbkv.core.requests import Request, SamplingParams
 from nbkv.core.streams import ChatStream
-from nbkv.engine.jobs import Request
 from nbkv.kv import reasons
-from nbkv.llama.sampling import SamplingParams
 from nbkv.remote.http_client import EventStream, ServerClient
 
 log = logging.getLogger("nbkv.remote.connect")
@@ -164,11 +163,12 @@ class RemoteBase(ChatAPI):
 
         return save(self, path, sessions)  # refused: no state API
 
-    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
+    def restore(self, path: str | None = None, sessions: Any = None, *,
+                trust: bool = False) -> Any:
         """Not for this kind of server: it keeps its cache to itself."""
         from nbkv.store.persist import restore
 
-        return restore(self, path, sessions)  # refused: no state API
+        return restore(self, path, sessions, trust=trust)  # refused: no state API
 
 
     def explain(self, request: int | None = None) -> reasons.Explanation:

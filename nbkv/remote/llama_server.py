@@ -284,11 +284,15 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         self.settle()
         return save(self, path, sessions)
 
-    def restore(self, path: str | None = None, sessions: Any = None) -> Any:
-        """Bring a save back into the server's slots and nbkv's table, checked first."""
+    def restore(self, path: str | None = None, sessions: Any = None, *,
+                trust: bool = False) -> Any:
+        """Bring a save back into the server's slots and nbkv's table, checked first.
+
+        A save not signed by your key is refused unless ``trust``.
+        """
         from nbkv.remote.persist import restore
 
-        return restore(self, path, sessions)
+        return restore(self, path, sessions, trust=trust)
 
     def explain(self, request: int | None = None) -> reasons.Explanation:
         """Why request ``request`` (default: the latest) reused what it did."""

@@ -17,8 +17,8 @@ from nbkv.core.events import (
     RequestStarted,
 )
 from nbkv.core.messages import normalize
+from nbkv.core.requests import SamplingParams
 from nbkv.kv.slot_table import SlotInfo
-from nbkv.llama.sampling import SamplingParams
 from nbkv.remote.base import RemoteBase, RemoteJob
 from nbkv.remote.http_client import ServerClient
 

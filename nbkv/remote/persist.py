@@ -8,6 +8,11 @@ and build with the same slot size, asks the server to load each file
 (``action=restore``), and checks that it restored exactly the saved number of tokens; a
 slot that does not is erased again and the restore fails, naming it. The server may have
 restarted in between: the files are on its disk.
+
+``remote.json`` is signed like a local save (:mod:`nbkv.store.signing`): one signed by
+another key or by none is refused with :class:`UntrustedSaveError` unless ``trust=True``.
+Trusting one puts no forged KV in front of a request: the server matches every prompt
+against the tokens it restored itself, whatever nbkv's table says.
 """
 
 from __future__ import annotations
@@ -16,27 +21,66 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from nbkv.core.errors import RestoreError, SaveError, ServerError
+from nbkv.core.errors import RestoreError, SaveError, ServerError, UntrustedSaveError
 from nbkv.kv.slot_table import SlotState
-from nbkv.store.blobstore import fsync_dir, segment_from_json, segment_json, write_file
+from nbkv.store.blobstore import (
+    body_checksum,
+    fsync_dir,
+    manifest_text,
+    segment_from_json,
+    segment_json,
+    untrusted,
+    write_file,
+)
 from nbkv.store.persist import (
     RestoreReport,
     SaveReport,
     SlotSave,
     check_session_state,
-    default_path,
     kernel_sessions,
+    save_root,
+    untrusted_message,
 )
 
 if TYPE_CHECKING:
-    from nbkv.notebook.sessions import SessionStore
-    from nbkv.remote.connect import LlamaServerEngine
+    from nbkv.store.protocols import SessionStoreLike
+
+
+class LlamaServerEngine(Protocol):
+    """What a save needs of a llama-server engine (:class:`nbkv.remote.LlamaServerEngine`)."""
+
+    url: str
+    model_path: str
+    build_info: str
+    n_ctx: int
+    n_slots: int
+    client: Any
+    events: Any
+    last_save: Any
+    last_restore: Any
+
+    def export_slots(self) -> tuple[tuple[int, ...], list[SlotState]]:
+        """The busy slots, and each idle slot's bookkeeping."""
+
+    def settled_of(self, index: int) -> int:
+        """Leading positions of slot ``index`` whose KV is canonical."""
+
+    def import_slots(self, states: Sequence[SlotState],
+                     settled: Mapping[int, int] | None = None) -> None:
+        """Replace the slots' bookkeeping (``settled``: each slot's canonical prefix)."""
+
+    def busy_slots(self) -> list[int]:
+        """Slots serving a request now."""
+
+    def forget_slot(self, index: int, note: str) -> None:
+        """Forget what ``index`` holds (``note`` says why)."""
 
 FORMAT = "nbkv-remote-save"
-VERSION = 1
+VERSION = 2  # 2: checksummed and signed ({"checksum", "signature", "body"})
 MANIFEST = "remote.json"
 IDENTITY = ("model_path", "build_info", "n_ctx")
 
@@ -47,10 +91,10 @@ def _identity(engine: LlamaServerEngine) -> dict[str, Any]:
 
 
 def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
-         sessions: SessionStore | None = None) -> SaveReport:
+         sessions: SessionStoreLike | None = None) -> SaveReport:
     """Have the server save each idle slot, and write nbkv's table next to the notebook."""
     store = kernel_sessions(sessions)
-    root = Path(path).expanduser() if path is not None else default_path()
+    root = save_root(path)
     t0 = time.perf_counter()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -90,7 +134,7 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     created = time.time()
     body = {"format": FORMAT, "version": VERSION, "created": created, "url": engine.url,
             "server": _identity(engine), "slots": slots_json, "sessions": sess_json}
-    data = json.dumps(body, indent=1).encode()
+    data = manifest_text(body).encode()
     try:
         written = write_file(root / MANIFEST, [data])
         fsync_dir(root)
@@ -103,23 +147,19 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
 
 
 def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
-            sessions: SessionStore | None = None) -> RestoreReport:
-    """Load a remote save back into the server's slots and nbkv's table (checked first)."""
+            sessions: SessionStoreLike | None = None, *, trust: bool = False) -> RestoreReport:
+    """Load a remote save back into the server's slots and nbkv's table (checked first).
+
+    A save not signed by this user's key raises :class:`UntrustedSaveError` unless ``trust``.
+    """
     from nbkv.core.events import SlotsChanged
 
     store = kernel_sessions(sessions)
-    root = Path(path).expanduser() if path is not None else default_path()
+    root = save_root(path)
     t0 = time.perf_counter()
-    try:
-        body = json.loads((root / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise RestoreError(f"no remote-engine save at {root} ({MANIFEST} is missing)") from None
-    except (OSError, ValueError) as e:
-        raise RestoreError(f"{root / MANIFEST} is unreadable or corrupt: {e}") from e
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise RestoreError(f"{root / MANIFEST} is not an nbkv remote-engine save")
-    if body.get("version", 0) > VERSION:
-        raise RestoreError(f"the save is format {body.get('version')}, newer than this nbkv")
+    body, why = _read(root)
+    if why is not None and not trust:
+        raise UntrustedSaveError(untrusted_message(root, why))
     now = _identity(engine)
     diffs = [f"{k}: saved {body['server'].get(k)!r}, the server has {now[k]!r}"
              for k in IDENTITY if body.get("server", {}).get(k) != now[k]]
@@ -164,13 +204,45 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     engine.import_slots([SlotState(
         s["index"], s["session"], tuple(s["hashes"]), tuple(s["msg_ends"]),
         tuple(segment_from_json(g) for g in s.get("segments", ())), 0, None, tuple(s["tokens"]))
-        for s in saved], {s["index"]: int(s.get("settled", 0)) for s in saved})
+        # a save's canonical prefix is its claim: from a save not signed by this user's key
+        # it is not taken, so a trusted forgery can never make a reply claim to be exact
+        for s in saved], {s["index"]: int(s.get("settled", 0)) if why is None else 0
+                          for s in saved})
     for sess in body.get("sessions") or ():
         store.get(sess["name"]).load_state(sess)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), (), 0, 0,
                         tuple(x["name"] for x in body.get("sessions") or ()),
                         sum(p.nbytes for p in placed), time.perf_counter() - t0,
-                        float(body.get("created", 0.0)))
+                        float(body.get("created", 0.0)), untrusted=why,
+                        trust_note="the server matches each prompt against the tokens it "
+                                   "restored itself, so nbkv's table cannot make it serve KV "
+                                   "for other tokens; nothing restored is taken as canonical "
+                                   "(replies from it are not claimed exact)")
     engine.last_restore = rep
     engine.events.publish(SlotsChanged("restored"))
     return rep
+
+
+def _read(root: Path) -> tuple[dict[str, Any], str | None]:
+    """The checked body of ``root``'s ``remote.json``, and why it is untrusted (or None)."""
+    f = root / MANIFEST
+    try:
+        doc = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise RestoreError(f"no remote-engine save at {root} ({MANIFEST} is missing)") from None
+    except (OSError, ValueError) as e:
+        raise RestoreError(f"{f} is unreadable or corrupt: {e}") from e
+    why = None
+    if isinstance(doc, dict) and isinstance(doc.get("body"), dict):
+        body = doc["body"]
+        if body_checksum(body) != doc.get("checksum"):
+            raise RestoreError(f"{f} fails its checksum (corrupt or edited)")
+        why = untrusted(doc)
+    else:  # version 1: the body alone, unsigned
+        body = doc
+        why = "it is not signed (written by an nbkv that did not sign saves yet)"
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise RestoreError(f"{f} is not an nbkv remote-engine save")
+    if not isinstance(body.get("version", 0), int) or body.get("version", 0) > VERSION:
+        raise RestoreError(f"the save is format {body.get('version')}, newer than this nbkv")
+    return body, why

@@ -8,14 +8,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.errors import NbkvError
+from nbkv.core.errors import EngineBusy, NbkvError
 from nbkv.core.events import RequestFinished
-from nbkv.engine.state import EngineBusy
 from nbkv.store.persist import save
 
 if TYPE_CHECKING:
-    from nbkv.engine.facade import Engine
-    from nbkv.notebook.sessions import SessionStore
+    from nbkv.store.protocols import Persistable, SessionStoreLike
 
 log = logging.getLogger("nbkv")
 
@@ -28,8 +26,8 @@ class Autosaver:
     states are copied: a reply is never held up by it.
     """
 
-    def __init__(self, engine: Engine, path: str | os.PathLike | None = None,
-                 sessions: SessionStore | None = None, interval: float = 30.0,
+    def __init__(self, engine: Persistable, path: str | os.PathLike | None = None,
+                 sessions: SessionStoreLike | None = None, interval: float = 30.0,
                  quiet: float = 2.0) -> None:
         self.engine = engine
         self.path = path

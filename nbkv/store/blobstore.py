@@ -5,7 +5,8 @@ A blob is raw bytes in ``blobs/<sha256>.bin``; its name is checked against
 neither make nbkv read outside its directory nor run code (nothing is pickled). Every file
 is written to a temporary name, fsynced and renamed, so a crash leaves the old file or the
 new one, never half of one. A manifest is JSON carrying the SHA-256 of its own canonical
-body, and a table of every blob's checksum and size.
+body, a table of every blob's checksum and size, and an HMAC of the body under the user's
+key (:mod:`nbkv.store.signing`): only a manifest this user's nbkv wrote is trusted.
 
 Used by :mod:`nbkv.store.persist` (``%kvcache save``) and :mod:`nbkv.store.park_disk` (parked
 conversations on disk). A slot's position units (token ids and image runs) and its KV-map
@@ -29,6 +30,7 @@ from typing import Any
 from nbkv.core.errors import RestoreError
 from nbkv.core.events import Segment
 from nbkv.media.units import MediaKey, MediaUnit
+from nbkv.store import signing
 
 BLOBS = "blobs"
 BLOB_NAME = re.compile(r"[0-9a-f]{64}\.bin")
@@ -206,19 +208,35 @@ class Reader:
         return buf
 
 
-# -- checksummed JSON --------------------------------------------------------------------------
+# -- checksummed, signed JSON ------------------------------------------------------------------
+
+
+def canonical(body: dict[str, Any]) -> bytes:
+    """A manifest body's canonical JSON: what its checksum and signature cover."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def body_checksum(body: dict[str, Any]) -> str:
     """The SHA-256 of a manifest body's canonical JSON."""
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()
+    return hashlib.sha256(canonical(body)).hexdigest()
 
 
 def manifest_text(body: dict[str, Any]) -> str:
-    """A manifest file's text: the body and its checksum."""
-    return json.dumps({"checksum": body_checksum(body), "body": body}, indent=1,
+    """A manifest file's text: the body, its checksum, and its signature (this user's key).
+
+    The body names every blob's SHA-256, so the signature covers the blobs too.
+    """
+    return json.dumps({"checksum": body_checksum(body),
+                       "signature": signing.sign(canonical(body)), "body": body}, indent=1,
                       sort_keys=True)
+
+
+def untrusted(doc: dict[str, Any]) -> str | None:
+    """None when manifest ``doc`` is signed by this user's key, else why it is not.
+
+    Check its checksum first: a corrupt manifest is corrupt, not untrusted.
+    """
+    return signing.problem(canonical(doc["body"]), doc.get("signature"))
 
 
 # -- what a slot holds, as JSON ------------------------------------------------------------

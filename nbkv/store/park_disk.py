@@ -13,7 +13,7 @@ Everything is written atomically (temporary file, fsync, rename), blobs first, s
 leaves either a whole entry or none. Nothing is pickled.
 
 Opening a directory lists what an earlier process left there: each manifest is read and
-checked (its checksum, and the identity: model, per-slot context, KV layout...); the blobs
+checked (checksum, signature, identity: model, per-slot context, KV layout...); the blobs
 are checked only when an entry is taken. An entry that fails any check is never served: it
 is skipped with a warning naming its file and why, and deleted. One engine per directory at
 a time.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbkv.core.errors import RestoreError
+from nbkv.core.errors import RestoreError, UntrustedSaveError
 from nbkv.store.blobstore import (
     BLOB_NAME,
     BLOBS,
@@ -42,6 +42,7 @@ from nbkv.store.blobstore import (
     fsync_dir,
     manifest_text,
     sweep,
+    untrusted,
     write_blobs,
     write_file,
 )
@@ -224,6 +225,9 @@ class DiskTier:
                                f"{VERSION}")
         if body_checksum(body) != doc.get("checksum"):
             raise RestoreError("the manifest fails its checksum (corrupt or edited)")
+        why = untrusted(doc)
+        if why:  # never served: its KV could be anything (nbkv.store.signing)
+            raise UntrustedSaveError(f"not signed by your nbkv key: {why}")
         diffs = differences(body.get("identity"), self.identity)
         if diffs:
             raise RestoreError("parked by another engine: " + "; ".join(diffs))

@@ -16,6 +16,10 @@ content name; then the manifest is written the same way and renamed over the old
 then are blobs that no manifest names any more deleted. A crash at any point leaves the
 previous manifest and every blob it names in place.
 
+The manifest is signed with an HMAC under the user's key (:mod:`nbkv.store.signing`): a
+save signed by another key or by none is refused with :class:`UntrustedSaveError`, or,
+with ``trust=True``, restored with every slot recomputed from its tokens before it is served.
+
 Restore reads the manifest, checks it against the engine (model and projector fingerprints,
 llama.cpp build, per-slot context, KV layout, memory class) and reads and checksums every
 blob *before* touching the engine; any mismatch raises :class:`~nbkv.core.errors.RestoreError`
@@ -31,16 +35,16 @@ import ctypes
 import hashlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import numpy as np
 
-from nbkv.core.errors import NbkvError, RestoreError, SaveError
+from nbkv.core.errors import NbkvError, RestoreError, SaveError, UntrustedSaveError
 from nbkv.core.events import SlotsChanged
+from nbkv.core.protocol import Exportable
 from nbkv.kv.slot_kv import KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.kv.spc import SavedPrompt
@@ -61,6 +65,7 @@ from nbkv.store.blobstore import (
     write_file,
 )
 from nbkv.store.parked import ParkedEntry
+from nbkv.store.protocols import Persistable, SessionStoreLike, default_sessions
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
     FORMAT,
     MANIFEST,
@@ -70,14 +75,13 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
     default_path,
     describe_engine,
     offer,
+    open_manifest,
     read_manifest,
     restream,
+    save_root,
+    untrusted_message,
     uses_media,
 )
-
-if TYPE_CHECKING:
-    from nbkv.engine.facade import Engine
-    from nbkv.notebook.sessions import SessionStore
 
 log = logging.getLogger("nbkv")
 
@@ -136,6 +140,10 @@ class RestoreReport:
     seconds: float
     saved_at: float
     parked: tuple[str, ...] = ()  # conversations parked: saved parked, or without a slot
+    untrusted: str | None = None  # why the save is not trusted (restored with trust=True)
+    recomputed: tuple[Any, ...] = ()  # untrusted: each slot's Recomputation
+    left_out: tuple[str, ...] = ()  # untrusted: what was not restored from it
+    trust_note: str = ""  # untrusted: how its KV was made safe, when not by recomputing
 
     def __str__(self) -> str:
         per = ", ".join(f"slot {s.index} ({s.session or '-'}): {s.tokens} tokens"
@@ -143,6 +151,13 @@ class RestoreReport:
         drop = (f"; not enough slots, dropped the least recently used: "
                 f"{', '.join(self.dropped)}" if self.dropped else "")
         drop += (f"; parked: {', '.join(self.parked)}" if self.parked else "")
+        if self.untrusted is not None:
+            drop += (f". An untrusted save ({self.untrusted}), restored because you trust it: "
+                     + (self.trust_note or "every slot was recomputed by a full prefill "
+                        "before it could be served: "
+                        + ("; ".join(map(str, self.recomputed)) or "no slot")))
+            drop += (f"; not restored from it (rebuilt when next used): "
+                     f"{', '.join(self.left_out)}" if self.left_out else "")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.saved_at))
         return (f"restored the save of {when} from {self.path} in {self.seconds:.2f} s: "
                 f"{per}; {self.spc_entries} system prompt(s), {self.embeddings} image "
@@ -158,7 +173,7 @@ def _mb(n: int) -> str:
 
 def _require_local(engine: Any, what: str) -> None:
     """Only an engine with the state API (:meth:`nbkv.Engine.export_state`) saves here."""
-    if not hasattr(engine, "export_state"):
+    if not isinstance(engine, Exportable):
         err = SaveError if what == "save" else RestoreError
         raise err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
                   "nbkv.Engine or a llama-server engine can save and restore its slots; an "
@@ -168,12 +183,10 @@ def _require_local(engine: Any, what: str) -> None:
 def kernel_sessions(sessions: Any) -> Any:
     """``sessions``, or by default the kernel's store when nbkv's sessions are in use.
 
-    Looked up, not imported: the session store sits above persistence (it loads engines).
+    The session store sits above persistence (it loads engines): it registers itself
+    (:func:`nbkv.store.protocols.use_default_sessions`).
     """
-    if sessions is not None:
-        return sessions
-    mod = sys.modules.get("nbkv.notebook.sessions")
-    return mod.STORE if mod is not None else ()
+    return sessions if sessions is not None else default_sessions()
 
 
 def check_session_state(sessions: Any, name: str, state: Any) -> None:
@@ -235,8 +248,8 @@ def _unjson(value: Any, read: Any) -> Any:
 # -- save ------------------------------------------------------------------------------------
 
 
-def save(engine: Engine, path: str | os.PathLike | None = None,
-         sessions: SessionStore | None = None, *, only_if_idle: bool = False) -> SaveReport:
+def save(engine: Persistable, path: str | os.PathLike | None = None,
+         sessions: SessionStoreLike | None = None, *, only_if_idle: bool = False) -> SaveReport:
     """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
 
     Saved: each idle slot's state (and checkpoints), the system-prompt cache, the image
@@ -246,7 +259,7 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
     """
     _require_local(engine, "save")
     store = kernel_sessions(sessions)
-    root = Path(path).expanduser() if path is not None else default_path()
+    root = save_root(path)
     t0 = time.perf_counter()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -273,8 +286,8 @@ def save(engine: Engine, path: str | os.PathLike | None = None,
         })
         reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
     parked_json = engine.parking.export(blobs) if engine.parking is not None else []
-    for e in parked_json:
-        media.update(u["image"] for u in e["tokens"] if isinstance(u, dict))
+    for parked in parked_json:
+        media.update(u["image"] for u in parked["tokens"] if isinstance(u, dict))
     spc_json = []
     for key, entry in cap.spc:
         media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
@@ -366,7 +379,7 @@ class _Plan:
     nbytes: int = 0
 
 
-def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _Plan:
+def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any) -> _Plan:
     """Read and check every blob and record of a save; touches nothing in the engine."""
     table = body.get("blobs")
     if not isinstance(table, dict):
@@ -381,7 +394,7 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
         buf = read(name)
         if n_saved == engine.n_slots:
             return buf
-        data = restream(bytes(buf), int(n_saved), engine.n_slots)
+        data = restream(bytes(buf), int(cast(int, n_saved)), engine.n_slots)
         return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
     try:
@@ -434,10 +447,10 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
                 arrays.append(arr)
             plan.embeddings.append((str(e["image"]), arrays))
         for s in body.get("sessions", []):
-            state = _unjson(s, read)
+            session_state: dict[str, Any] = _unjson(s, read)
             # checked on a scratch session: the store changes only once all is read
-            check_session_state(sessions, str(s["name"]), state)
-            plan.sessions.append((str(s["name"]), state))
+            check_session_state(sessions, str(s["name"]), session_state)
+            plan.sessions.append((str(s["name"]), session_state))
     except RestoreError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -446,20 +459,29 @@ def _load(engine: Engine, root: Path, body: dict[str, Any], sessions: Any) -> _P
     return plan
 
 
-def restore(engine: Engine, path: str | os.PathLike | None = None,
-            sessions: SessionStore | None = None) -> RestoreReport:
+def restore(engine: Persistable, path: str | os.PathLike | None = None,
+            sessions: SessionStoreLike | None = None, *, trust: bool = False) -> RestoreReport:
     """Replace ``engine``'s slots and caches with the save at ``path``.
 
     The saved sessions' messages go back into ``sessions`` (default: the kernel's store).
     Everything is checked before the engine is touched; on any mismatch or corruption
     :class:`RestoreError` says what, and the engine and sessions are unchanged.
+
+    A save not signed by this user's key (:mod:`nbkv.store.signing`) raises
+    :class:`UntrustedSaveError`, unless ``trust``: then its sessions are restored, and each
+    text slot is recomputed by a full prefill of its tokens before any request can use it
+    (the report says whether the saved KV matched). Its other KV (system-prompt states,
+    parked conversations, image embeddings, slots that hold images) is left out and
+    rebuilt when next used.
     """
     _require_local(engine, "restore")
     store = kernel_sessions(sessions)
     t0 = time.perf_counter()
-    root = Path(path).expanduser() if path is not None else default_path()
+    root = save_root(path)
     with _locked(root, exclusive=False) if root.is_dir() else contextlib.nullcontext():
-        root, body = read_manifest(root)
+        root, body, why = open_manifest(root)
+        if why is not None and not trust:
+            raise UntrustedSaveError(untrusted_message(root, why))
         diffs = compare(engine, body)
         if diffs:
             raise RestoreError(f"the save at {root} does not fit this engine: "
@@ -467,8 +489,10 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
         plan = _load(engine, root, body, store)
     if uses_media(body) and engine.projector is None:
         raise RestoreError("the save holds images: load the engine with its vision projector")
+    left_out = _distrust(plan) if why is not None else ()
     where = _placement(plan.slots, engine.n_slots)
-    engine.import_state(list(zip(where, plan.slots)), plan.spc)
+    recomputed = engine.import_state(list(zip(where, plan.slots)), plan.spc,
+                                     recompute=why is not None)
     if engine.parking is not None:
         engine.parking.import_(sorted(plan.parked, key=lambda e: e.last_used))
     placed = sorted((SlotSave(i, st.session, len(st.kv.tokens), st.kv.nbytes)
@@ -484,11 +508,36 @@ def restore(engine: Engine, path: str | os.PathLike | None = None,
     rep = RestoreReport(root, tuple(placed), tuple(plan.dropped), len(plan.spc),
                         len(plan.embeddings), tuple(n for n, _ in plan.sessions), plan.nbytes,
                         time.perf_counter() - t0, float(body.get("created", 0.0)),
-                        tuple(e.session or "-" for e in plan.parked))
+                        tuple(e.session or "-" for e in plan.parked), why,
+                        tuple(recomputed or ()), left_out)
     engine.last_restore = rep
     engine.events.publish(SlotsChanged("restored"))
     log.info("%s", rep)
     return rep
+
+
+def _distrust(plan: _Plan) -> tuple[str, ...]:
+    """Leave out of ``plan`` the KV of an untrusted save that cannot be recomputed here.
+
+    Slots with images (an image is encoded by a request), system-prompt states, parked
+    conversations and image embeddings: each is rebuilt when next used. Returns what went.
+    """
+    out = []
+    keep = []
+    for st in plan.slots:
+        if any(isinstance(u, MediaUnit) for u in st.kv.tokens):
+            out.append(f"{st.session or f'slot {st.index}'}'s slot (it holds an image)")
+        else:
+            keep.append(st)
+    plan.slots = keep
+    if plan.parked:
+        out.append("parked " + ", ".join(e.session or "-" for e in plan.parked))
+    if plan.spc:
+        out.append(f"{len(plan.spc)} system prompt state(s)")
+    if plan.embeddings:
+        out.append(f"{len(plan.embeddings)} image embedding(s)")
+    plan.parked, plan.spc, plan.embeddings = [], [], []
+    return tuple(out)
 
 
 def _placement(slots: list[SlotState], n: int) -> list[int]:

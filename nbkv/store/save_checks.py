@@ -1,9 +1,10 @@
 """Reading a save's manifest and checking it against an engine before anything changes.
 
-:func:`read_manifest` checks the manifest's own checksum and format; :func:`compare` names
-every fact of the engine that differs from the save's (model, projector, build, ``n_ctx``,
-KV layout, memory class); :func:`restream` converts whole-sequence states between engines
-with different numbers of slots; :func:`offer` says after a load whether a save fits.
+:func:`read_manifest` checks the manifest's own checksum, format and signature (this user's
+key: :mod:`nbkv.store.signing`); :func:`compare` names every fact of the engine that differs
+from the save's (model, projector, build, ``n_ctx``, KV layout, memory class);
+:func:`restream` converts whole-sequence states between engines with different numbers of
+slots; :func:`offer` says after a load whether a save fits.
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.errors import RestoreError
-from nbkv.store.blobstore import (
-    body_checksum,
-)
+from nbkv.core.errors import InvalidRequestError, NbkvError, RestoreError, UntrustedSaveError
+from nbkv.store.blobstore import body_checksum, untrusted
 
 if TYPE_CHECKING:
-    from nbkv.engine.facade import Engine
+    from nbkv.store.protocols import Persistable
 
 log = logging.getLogger("nbkv")
 
@@ -52,7 +51,7 @@ def default_path(notebook: str | None = None) -> Path:
     return base / f"{stem}-{digest}"
 
 
-def describe_engine(engine: Engine) -> dict[str, Any]:
+def describe_engine(engine: Persistable) -> dict[str, Any]:
     """The facts a saved state depends on (compared field by field on restore)."""
     return engine.identity()
 
@@ -60,9 +59,49 @@ def describe_engine(engine: Engine) -> dict[str, Any]:
 
 
 
-def read_manifest(path: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
-    """The checked manifest of the save at ``path``: ``(directory, body)``."""
-    root = Path(path).expanduser() if path is not None else default_path()
+def save_root(path: Any) -> Path:
+    """The directory of a save: ``path``, or :func:`default_path` for None.
+
+    Anything but a non-empty path (``str`` or ``os.PathLike``) or None is refused: ``""``
+    would otherwise mean the current directory.
+    """
+    if path is None:
+        return default_path()
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes) \
+            or not os.fspath(path):
+        raise InvalidRequestError(f"a save's directory must be a non-empty path (str or "
+                                  f"os.PathLike), or None for the default, not {path!r}")
+    return Path(path).expanduser()
+
+
+def untrusted_message(root: Path, why: str) -> str:
+    """What :class:`UntrustedSaveError` says about the save at ``root``."""
+    return (f"the save at {root} is not trusted: {why}. Restore it only if you trust where "
+            "it came from: engine.restore(path, trust=True) or %kvcache restore --trust "
+            "recomputes every slot from its tokens (a full prefill) before serving it")
+
+
+def read_manifest(path: str | os.PathLike | None = None, trust: bool = False
+                  ) -> tuple[Path, dict[str, Any]]:
+    """The checked manifest of the save at ``path``: ``(directory, body)``.
+
+    A manifest not signed by this user's key raises :class:`UntrustedSaveError`, unless
+    ``trust``.
+    """
+    root, body, why = open_manifest(path)
+    if why is not None and not trust:
+        raise UntrustedSaveError(untrusted_message(root, why))
+    return root, body
+
+
+def open_manifest(path: str | os.PathLike | None = None
+                  ) -> tuple[Path, dict[str, Any], str | None]:
+    """The checked manifest at ``path``: ``(directory, body, why it is untrusted or None)``.
+
+    Its format, version and checksum are checked (:class:`RestoreError`); its signature is
+    reported, not enforced: the caller decides.
+    """
+    root = save_root(path)
     f = root / MANIFEST
     if not f.is_file():
         raise RestoreError(f"no save at {root} (no {MANIFEST})")
@@ -81,10 +120,10 @@ def read_manifest(path: str | os.PathLike | None = None) -> tuple[Path, dict[str
                            f"nbkv reads ({VERSION}): upgrade nbkv to restore it")
     if body_checksum(body) != doc.get("checksum"):
         raise RestoreError(f"the manifest {f} fails its checksum (corrupt or edited)")
-    return root, body
+    return root, body, untrusted(doc)
 
 
-def compare(engine: Engine, body: dict[str, Any]) -> list[str]:
+def compare(engine: Persistable, body: dict[str, Any]) -> list[str]:
     """What differs between the engine and a save's manifest (empty: compatible)."""
     mine, theirs = describe_engine(engine), body.get("engine") or {}
     diffs = []
@@ -116,11 +155,11 @@ def uses_media(body: dict[str, Any]) -> bool:
                for t in s.get("tokens", []))
 
 
-def compatible(engine: Engine, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
-    """The manifest of a save at ``path`` that ``engine`` can restore, else None (no raise)."""
+def compatible(engine: Persistable, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """The manifest of a trusted save at ``path`` that ``engine`` can restore, else None."""
     try:
         _, body = read_manifest(path)
-    except RestoreError:
+    except NbkvError:
         return None
     return None if compare(engine, body) else body
 
@@ -157,10 +196,13 @@ def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
     return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
 
 
-def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
+def offer(engine: Persistable, path: str | os.PathLike | None = None) -> str | None:
     """A line offering the save at ``path`` if ``engine`` can restore it, else None."""
-    body = compatible(engine, path)
-    if body is None:
+    try:
+        _, body, why = open_manifest(path)
+    except NbkvError:
+        return None
+    if compare(engine, body):
         return None
     try:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(body["created"])))
@@ -168,5 +210,9 @@ def offer(engine: Engine, path: str | os.PathLike | None = None) -> str | None:
         n = len(body["slots"])
     except (KeyError, TypeError, ValueError):
         return None
+    if why is not None:
+        return (f"a save of this notebook from {when} fits this engine ({n} slot(s); "
+                f"{sessions}), but {why}: if you trust it, %kvcache restore --trust brings "
+                "it back, recomputing every slot by a full prefill")
     return (f"a save of this notebook from {when} fits this engine ({n} slot(s); "
             f"{sessions}): %kvcache restore brings it back (or %kvcache load --restore)")

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from nbkv.core.codes import common_prefix
 from nbkv.core.messages import preview
-from nbkv.kv.policy import common_prefix
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.palette import (
     BRANCH_COLOR,
@@ -32,8 +32,35 @@ from nbkv.ui.palette import (
     TRACK,
 )
 
-if TYPE_CHECKING:
-    from nbkv.notebook.sessions import Session, Turn
+
+class Turn(Protocol):
+    """A turn as the view reads it (:class:`nbkv.notebook.turns.Turn`)."""
+
+    cell: Any  # the cell that sent it (``label``), or None
+    live: bool
+    state: str
+    source: str | None  # a fork's turn: the session it was copied from
+    user: Any  # the user's message
+    reply: str
+    record: Any  # its request's record, or None
+    stale_since: Any
+    runs: int
+
+    @property
+    def question(self) -> str:
+        """The user's message as text."""
+
+
+class Session(Protocol):
+    """A session as the view reads it (:class:`nbkv.notebook.sessions.Session`)."""
+
+    name: str
+    parent: tuple[str, int] | None  # (session, turn) it was forked from
+    system: Any
+
+    @property
+    def turns(self) -> Sequence[Any]:
+        """Its turns (each a :class:`Turn`), in cell order."""
 
 LEGEND = ("Each session's turns in the order their cells first ran; [n] is the cell's "
           "execution count. A stale turn was answered before an earlier turn was re-run: "
@@ -265,6 +292,19 @@ def conversation_html(sessions: Iterable[Session], slots: Sequence[Any] = (),
             f"<code>%%chat</code> cell</div>"
             f'<div class="nbkv-conversations-legend" style="color:{MUTED};font-size:11px;'
             f'margin-bottom:4px">{html.escape(LEGEND)}</div>{body}</div>')
+
+
+def session_html(session: Any) -> str:
+    """A session's conversation view, with its forks, and where each one sits in the cache.
+
+    What a notebook shows for a session (``nbkv.session("alice")`` as a cell's value): the
+    notebook layer registers it as IPython's HTML formatter for sessions.
+    """
+    engine = session.store.engine if session.store is not None else None
+    if engine is None:
+        return conversation_html([session, *session.forks()])
+    return conversation_html([session, *session.forks()], engine.slots(),
+                             getattr(engine, "parked", tuple)())
 
 
 # ---------------------------------------------------------------- text

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.protocol import ServerBacked
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.palette import (
     COLORS,
@@ -268,7 +269,7 @@ def checkpoints_text(slot: SlotInfo, used: bool) -> str:
 
 def engine_label(engine: Any) -> str:
     """What the engine runs: the model's name, and the server for a remote engine."""
-    if hasattr(engine, "describe"):
+    if isinstance(engine, ServerBacked):
         return f"{engine.kind} {engine.model_name} at {engine.url}"
     return engine.model.name
 
@@ -287,7 +288,7 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
                        "or %kvcache load PATH.gguf")
     s = engine.stats()
     names = [x.name for x in sessions]
-    if hasattr(engine, "describe"):  # a remote engine (nbkv.remote.connect)
+    if isinstance(engine, ServerBacked):
         unverified = s.get("not_verified")
         return Table("nbkv remote engine", ("", ""), (
             *engine.describe(),
@@ -452,6 +453,8 @@ def stats_table(engine: Engine) -> Table:
     # the parking rows when there is something to say (an engine that parks nothing: none)
     s = {k: size_text(v) if k.endswith("_bytes") and k in PARKING_STATS else v
          for k, v in s.items() if not (k in PARKING_STATS and not v)}
+    if isinstance(s.get("events"), dict):  # by reason code: in words
+        s["events"] = vocab.counts(s["events"])
     rows = tuple((labels.get(k, k), fmt(s[k])) for k in main if k in s)
     # "strategies" are how the policy found the slot: the events above say it in words
     hidden = {"advice", "thrashing", "returning_misses", "active_sessions", "strategies"}
@@ -484,7 +487,7 @@ def history_table(records: Sequence[RequestRecord], last: int = 20,
                     words)
 
     def took(r: RequestRecord) -> str:
-        return r.evicted_session if vocab.took(r) else ""
+        return (r.evicted_session or "") if vocab.took(r) else ""
 
     rows = tuple(
         (r.id, r.session or "-", *cell(r), event(r), r.slot, r.prompt_tokens,

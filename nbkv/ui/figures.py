@@ -10,7 +10,7 @@ import html
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbkv.kv.reasons import CONTINUED
+from nbkv.core.codes import CONTINUED, RESTORED
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import swatch
 from nbkv.ui.palette import (
@@ -31,6 +31,99 @@ if TYPE_CHECKING:
     from nbkv.kv.reasons import Explanation
 
 
+def ttft_parts(r: RequestRecord) -> list[tuple[str, float]]:
+    """The first-token time in parts that add up to it, in plain words."""
+    # what a request waits for is a free slot, or the scheduler's step in progress: with
+    # no pause between cells, the rewrite of the previous reply (README, Exactness)
+    waited = ("waited (for a free slot, or the step in progress: e.g. the rewrite of the "
+              "previous reply)" if r.wait_s >= 0.02 else "waited")
+    parts = [(waited, r.wait_s), ("restored", r.restore_s)]
+    if r.rewrite_absorbed:
+        parts.append((f"re-read the previous reply ({r.rewrite_absorbed} tokens, "
+                      "its rewrite had not run yet)", r.rewrite_absorbed_s))
+    n = r.prefilled_tokens - r.rewrite_absorbed
+    parts += [(f"read the prompt ({n} new tokens)", r.read_s),
+              ("first token", r.first_decode_s)]
+    rest = r.ttft_s - sum(s for _, s in parts)  # a remote engine times less of it
+    if rest > 0.0005:
+        parts.append(("elsewhere (a server's queue, HTTP)", rest))
+    return parts
+
+
+def ttft_text(r: RequestRecord) -> str:
+    """``first token 95 ms = waited 2 ms + restored 0 ms + read ... + first token 1 ms``."""
+    split = " + ".join(f"{what} {s * 1000:.0f} ms" for what, s in ttft_parts(r))
+    return (f"time from the request to the first reply token: {r.ttft_s * 1000:.0f} ms"
+            f" = {split}")
+
+
+def actions(r: RequestRecord) -> list[tuple[str, str]]:
+    """What happened, as ``(text, explanation)`` pairs in plain words (the figures line).
+
+    The words come from :mod:`nbkv.ui.vocabulary`, as on every other surface.
+    """
+    out: list[tuple[str, str]] = []
+    event = vocab.event(r)
+    what = event.words
+    copied = vocab.EVENTS["copied"].words
+    donor = ""
+    if r.donor_slot is not None:
+        who = f"{r.donor_session}'s" if r.donor_session else f"slot {r.donor_slot}'s"
+        donor = f"{copied} from {who} slot"
+        if r.reason == "copied":
+            what, donor = donor, ""
+    restored = vocab.restored(r)
+    if restored and r.reason == RESTORED:
+        what, restored = restored, ""
+    out.append((f"slot {r.slot}: {what}", vocab.reason_line(r)))
+    if restored:
+        out.append((restored, vocab.EVENTS[RESTORED].tip))
+    if donor:
+        out.append((donor, vocab.EVENTS["copied"].tip))
+    took = vocab.took(r)
+    if took:
+        out.append((took, f"{r.evicted_session}'s cached conversation was "
+                          + ("parked to make room (it is restored when it comes back)"
+                             if r.evicted_parked else "dropped to make room")))
+    out.append((f"reused {r.reused_tokens}/{r.prompt_tokens} ({r.salvage_pct:.0f}%)",
+                "prompt tokens whose KV was already in the slot: not computed again"))
+    out.append((f"read {r.prefilled_tokens} new", vocab.STATES["prefilled"].tip))
+    if r.encoder_runs:
+        out.append(("image encoded" if r.encoder_runs == 1
+                    else f"{r.encoder_runs} images encoded",
+                    "the vision encoder ran on a picture it had not seen"))
+    elif r.embedding_cache_hits:
+        out.append(("image from cache",
+                    "the picture's embeddings were cached: no encoder run"))
+    if r.reprefilled_tokens and r.reason != "checkpoint":
+        out.append((f"re-read {r.reprefilled_tokens}",
+                    "matched tokens read again: prompt tokens are read in groups that "
+                    "give the same numbers as a fresh start, or the memory cannot be cut "
+                    "exactly there"))
+    out.append((f"first token {r.ttft_s * 1000:.0f} ms", ttft_text(r)))
+    if r.generated_tokens > 1:
+        out.append((f"{r.decode_tps:.0f} tok/s", "reply tokens per second"))
+    if r.draft_tokens:
+        out.append((f"guessed {r.draft_accepted}/{r.draft_tokens} ahead",
+                    "speculative guesses of the next token that proved right"))
+    if not r.verified:
+        out.append(("not verified", r.note or "the server's figures differ from nbkv's"))
+    if not r.exact:
+        out.append((f"not proven exact: {r.exact_note}" if r.exact_note
+                    else "not proven exact",
+                    "nbkv could not prove on this model and build that a reply from "
+                    "cache equals one computed from scratch (%kvcache status says why)"))
+    ending = vocab.ending(r)
+    if ending:
+        out.append((ending, r.error or vocab.ENDINGS[r.finish_reason].tip))
+    return out
+
+
+def summary(r: RequestRecord) -> str:
+    """The one-line figures shown after a reply (the notebook view and the terminal)."""
+    return " · ".join(text for text, _ in actions(r))
+
+
 @dataclass(frozen=True)
 class Figures:
     """What a request did, in plain words, shown under its reply.
@@ -46,7 +139,14 @@ class Figures:
     def text(self) -> str:
         """The figures line, and the reason line when there is one to give."""
         why = self.why()
-        return self.record.summary() + (f"\n  why: {why}" if why else "")
+        return summary(self.record) + (f"\n  why: {why}" if why else "")
+
+    def ttft(self) -> str:
+        """The first-token time in parts that add up to it (:func:`ttft_text`)."""
+        return ttft_text(self.record)
+
+    def __str__(self) -> str:
+        return self.text()
 
     def why(self) -> str:
         """The reason in plain words, unless the request simply continued its conversation."""
@@ -65,7 +165,7 @@ class Figures:
         fields = " · ".join(
             f'<span class="nbkv-field" title="{html.escape(tip)}" '
             f'style="cursor:help;white-space:nowrap">{html.escape(text)}</span>'
-            for text, tip in r.actions())
+            for text, tip in actions(r))
         why = self.why()
         reused, read = vocab.STATES["reused"].words, vocab.STATES["prefilled"].words
         # the bar on the left, the fields and the why line in a column beside it

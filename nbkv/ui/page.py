@@ -71,10 +71,9 @@ def _section(title: str) -> str:
             f"{html.escape(title)}</h3>")
 
 
-def report(engine: Any = None, explain_last: int = 3) -> Report:
-    """The cache of ``engine`` (default: the loaded one) as a page: ``.to_html(path)``."""
-    if engine is None:
-        from nbkv.notebook.sessions import STORE
+def report(engine: Any, explain_last: int = 3) -> Report:
+    """The cache of ``engine`` as a page: ``.to_html(path)``.
 
-        engine = STORE.require_engine()
+    ``nbkv.report()`` finds the loaded engine when none is given.
+    """
     return Report(engine, explain_last)

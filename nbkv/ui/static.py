@@ -16,8 +16,10 @@ from dataclasses import replace
 from typing import Any
 
 from nbkv.core.events import GENERATED, PREFILLED, REUSED, RequestRecord, Segment
+from nbkv.core.protocol import Parks
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import engine_label, legend_html, size_text, slots_label
+from nbkv.ui.figures import ttft_text
 from nbkv.ui.palette import (
     CAPACITY,
     CARD_BORDER,
@@ -219,8 +221,7 @@ def cards_html(slots: Sequence[Any], last_by_slot: Mapping[int, RequestRecord],
 
 def parked_of(engine: Any) -> tuple[Any, ...]:
     """The engine's parked conversations (``engine.parked()``); none if it parks nothing."""
-    get = getattr(engine, "parked", None)
-    return tuple(get()) if callable(get) else ()
+    return tuple(engine.parked()) if isinstance(engine, Parks) else ()
 
 
 def shelf_html(parked: Sequence[Any]) -> str:
@@ -496,7 +497,7 @@ def timeline_svg(history: Sequence[RequestRecord], max_requests: int = 50,
             for i, r in enumerate(recs):
                 body.append(f'<circle cx="{cx(i):.1f}" cy="{yv(r.ttft_s * 1000):.1f}" r="3" '
                             f'fill="{NEUTRAL}"><title>{esc(request_text(r))}\n'
-                            f"{esc(r.ttft_text())}</title></circle>")
+                            f"{esc(ttft_text(r))}</title></circle>")
         y0 = top + h + 8
     every = max(1, n // 20)
     for i, r in enumerate(recs):

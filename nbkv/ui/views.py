@@ -12,16 +12,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from nbkv.core.events import Progress
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import Message, progress_html, progress_text
 from nbkv.ui.figures import Figures, TurnFigures
 from nbkv.ui.palette import NEUTRAL
-
-if TYPE_CHECKING:
-    from nbkv.notebook.sessions import PendingTurn, Reply
 
 
 class ChatView:
@@ -55,10 +52,13 @@ class ChatView:
         finally:
             unsubscribe()
 
-    def stream(self, turn: PendingTurn,
+    def stream(self, turn: Any,
                subscribe: Callable[[Callable[[Any], None]], Callable[[], None]],
-               show_figures: bool = True) -> tuple[Reply, bool]:
+               show_figures: bool = True) -> tuple[Any, bool]:
         """Show ``turn`` until its reply ends: progress, text, then the figures line.
+
+        ``turn`` is a :class:`nbkv.notebook.sessions.PendingTurn` (iterated for its text,
+        then its ``reply``); the reply is returned.
 
         A ``KeyboardInterrupt`` stops the reply (its partial text is kept in the session).
         Returns the reply and whether it was interrupted.

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from nbkv.core.codes import TIERS
 from nbkv.ui.palette import (
     COLORS,
     INK,
@@ -166,12 +167,12 @@ PARKING = _table(
     Term("parked", "parked",
          "a conversation whose slot another request took, kept (its KV state, checkpoints "
          "and messages) to be restored instead of read again", PARKED_COLOR),
-    Term("ram", "RAM", "parked in the kernel's memory (park_ram bytes, least recently used "
+    Term("ram", TIERS["ram"], "parked in the kernel's memory (park_ram bytes, least recently used "
                        "out first)", PARKED_COLOR),
-    Term("disk", "disk", "parked on disk (park_dir), in the save format, after leaving RAM; "
+    Term("disk", TIERS["disk"], "parked on disk (park_dir), in the save format, after leaving RAM; "
                          "checked before it is restored", PARKED_COLOR),
     Term("spilled", "spilled to disk", "moved from RAM to disk to make room", PARKED_COLOR),
-    Term("server-ram", "the server's RAM", "llama-server's host-memory prompt cache "
+    Term("server-ram", TIERS["server-ram"], "llama-server's host-memory prompt cache "
          "(--cache-ram): a prompt leaving a server slot is kept there and loaded back into "
          "the slot it returns to", PARKED_COLOR),
 )
@@ -243,12 +244,15 @@ def lru_tip(rank: int, used: int) -> str:
             "is taken, a new conversation replaces the least recently used one")
 
 
-def counts(records: Iterable[Any]) -> dict[str, int]:
-    """Requests per event, in words, most frequent first."""
+def counts(by_code: dict[str, int]) -> dict[str, int]:
+    """Requests per event in words, most frequent first, from counts by reason code.
+
+    ``by_code`` as an engine's ``stats()["events"]`` gives it.
+    """
     by: dict[str, int] = {}
-    for r in records:
-        w = event(r).words
-        by[w] = by.get(w, 0) + 1
+    for code, n in by_code.items():
+        w = EVENTS.get(code, EVENTS["first"]).words
+        by[w] = by.get(w, 0) + n
     return dict(sorted(by.items(), key=lambda kv: -kv[1]))
 
 

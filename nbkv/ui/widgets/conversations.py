@@ -7,9 +7,13 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Int
 
-from nbkv.notebook.sessions import STORE, SessionStore
+from nbkv.store.protocols import default_sessions
 from nbkv.ui.conversation_view import conversation_html
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
+
+
+def _nothing() -> None:
+    pass
 
 
 class Conversations(FeedView, W.VBox):
@@ -23,9 +27,11 @@ class Conversations(FeedView, W.VBox):
     stale = Int(0, help="Stale turns over all sessions at the last redraw")
 
     def __init__(self, engine: Any, feed: Feed | None = None,
-                 sessions: SessionStore | None = None, **kw: Any) -> None:
+                 sessions: Any = None, **kw: Any) -> None:
         self.engine = engine
-        self.sessions = sessions if sessions is not None else STORE
+        # default: the kernel's session store when nbkv's sessions are in use (it registers
+        # itself: nbkv.store.protocols.use_default_sessions), else none
+        self.sessions = sessions if sessions is not None else default_sessions()
         self.view = W.HTML()
         self.view.add_class("nbkv-conversations-view")
         self.note = W.HTML()
@@ -33,7 +39,9 @@ class Conversations(FeedView, W.VBox):
         self.add_class("nbkv-conversation-view")
         self._own_feed = feed is None
         self.feed = feed or Feed(engine)
-        self._unsubscribe = self.sessions.subscribe(self.feed.push)
+        # a store follows its sessions' turns; with none in use there is nothing to follow
+        follow = getattr(self.sessions, "subscribe", None)
+        self._unsubscribe = follow(self.feed.push) if follow is not None else _nothing
         self.feed.attach(self)
 
     def static_html(self) -> str:

@@ -17,6 +17,7 @@ from traitlets import Int, validate
 from nbkv.core.events import RequestRecord
 from nbkv.ui import static
 from nbkv.ui import vocabulary as vocab
+from nbkv.ui.figures import ttft_text
 from nbkv.ui.palette import COLORS, ESTIMATE, NEUTRAL, PAPER
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
 
@@ -127,7 +128,7 @@ class Timeline(FeedView, W.VBox):
             first = self.traces["first token"]
             first.x = ids
             first.y = [r.ttft_s * 1000 for r in recs]
-            first.customdata = [hover_text(r) + "<br>" + static.esc(r.ttft_text())
+            first.customdata = [hover_text(r) + "<br>" + static.esc(ttft_text(r))
                                 for r in recs]
             est = [no_cache_ttft(r, rate) for r in recs]
             self.traces["no-cache estimate"].x = [i for i, e in zip(ids, est) if e is not None]
