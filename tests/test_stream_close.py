@@ -93,3 +93,51 @@ def test_a_stream_closed_from_another_thread_always_ends_its_reader(engine):
     assert ended["done"], ended
     r = engine.chat(MSGS, "after", max_tokens=4)
     assert r.text and r.record.finish_reason in ("stop", "length")
+
+
+def test_closing_an_answer_the_server_is_slow_to_send_ends_its_reader():
+    """A reader blocked on a server that sends nothing more ends when another thread closes.
+
+    The server sends its headers and one event, then nothing for a minute (a long prefill on
+    a loaded machine); closing the stream must not wait for the server's next bytes.
+    """
+    import http.server
+    import socketserver
+    import time
+
+    from nbkv.remote.http_client import ServerClient
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server hook
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"content": "a"}\n\n')
+            self.wfile.flush()
+            time.sleep(60)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+        daemon_threads = True
+
+    srv = Server(("127.0.0.1", 0), Slow)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    client = ServerClient(f"http://127.0.0.1:{srv.server_address[1]}")
+    try:
+        events = client.stream("/completion", {"prompt": "x"})
+        seen: list = []
+        t = threading.Thread(target=lambda: seen.extend(events), daemon=True)
+        t.start()
+        time.sleep(0.3)  # the reader has its event and waits in the socket for the next
+        t0 = time.monotonic()
+        events.close()
+        t.join(10.0)
+        assert not t.is_alive(), "the reader still waits for the server after close()"
+        assert seen == [{"content": "a"}] and time.monotonic() - t0 < 10.0
+    finally:
+        client.close()
+        srv.shutdown()
+        srv.server_close()

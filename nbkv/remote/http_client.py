@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -186,6 +187,18 @@ class EventStream:
                               ) from e
 
     def close(self) -> None:
-        """Stop the answer: the server sees the connection close and cancels the task."""
+        """Stop the answer: the server sees the connection close and cancels the task.
+
+        A reader blocked in the socket (the server slow to send its next bytes: a long
+        prefill, a loaded machine) ends at once: closing a socket from another thread does
+        not wake a read in progress, shutting it down does.
+        """
         self.closed = True
+        stream = self._resp.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed by either side
+                pass
         self._resp.close()
