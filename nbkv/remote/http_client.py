@@ -70,8 +70,10 @@ class ServerClient:
     def stream(self, path: str, body: dict[str, Any]) -> EventStream:
         """``POST path`` and read the answer as server-sent events (``data: {...}``)."""
         try:
-            resp = self._again(lambda: self._http.send(
-                self._http.build_request("POST", path, json=body), stream=True))
+            # its own connection, never handed back to the pool: close() may shut its
+            # socket down from another thread at any moment
+            resp = self._again(lambda: self._http.send(self._http.build_request(
+                "POST", path, json=body, headers={"Connection": "close"}), stream=True))
         except httpx.HTTPError as e:
             raise self._transport_error(e, path) from e
         if resp.status_code >= 400:
@@ -196,7 +198,7 @@ class EventStream:
         self.closed = True
         stream = self._resp.extensions.get("network_stream")
         sock = stream.get_extra_info("socket") if stream is not None else None
-        if sock is not None:
+        if sock is not None and not self._resp.is_closed:  # (its own: ServerClient.stream)
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:  # already closed by either side
