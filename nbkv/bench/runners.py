@@ -269,25 +269,37 @@ class RemoteRunner:
 
     Unpinned is the same client without ``id_slot``: llama-server picks the slot itself (the
     idle slot whose cached prompt is most similar, else the least recently used).
+    ``exact``: steer the server for exact replies (:mod:`nbkv.remote.steering`);
+    ``settle``: after each reply, wait for its idle-time rewrite on the server (timed as
+    ``settle_s``), as happens while a user reads.
     """
 
-    def __init__(self, url: str, pin: bool, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, url: str, pin: bool, max_tokens: int = MAX_TOKENS, *,
+                 exact: bool = True, settle: bool = True) -> None:
         from nbkv.remote.connect import connect
 
-        self.engine = connect(url)
+        self.engine = connect(url, exact=exact)
         self.engine.clear()
         self.pin = pin
         self.max_tokens = max_tokens
+        self.settle = settle
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
         if self.pin:
             res = self.engine.chat(messages, session=session, max_tokens=self.max_tokens,
                                    temperature=0)
+            settle_s = 0.0
+            if self.settle:
+                t0 = time.perf_counter()
+                self.engine.settle()
+                settle_s = time.perf_counter() - t0
             r = res.record
             return {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "reused": r.reused_tokens,
                     "prefilled": r.prefilled_tokens, "server_prefill_s": r.prefill_s,
                     "slot": r.slot, "verified": r.verified, "restored_from": r.restored_from,
-                    "text": res.text}
+                    "exact": r.exact, "steer_s": r.restore_s, "settle_s": settle_s,
+                    "reprefilled": r.reprefilled_tokens,
+                    "rewrite_absorbed": r.rewrite_absorbed, "text": res.text}
         from nbkv.remote.llama_server import LlamaServerEngine
 
         if not isinstance(self.engine, LlamaServerEngine):

@@ -120,6 +120,7 @@ class RequestRecord:
     #: the reply is proven bit-identical to a from-scratch one (exact mode, and a prefill
     #: grouping calibrated as batch-invariant on this model and build)
     exact: bool = True
+    exact_note: str = ""  # ... why not, when a remote engine knows (its figures line says)
     capacity: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0

@@ -48,6 +48,12 @@ class ChatStream:
     Closing it early (``close()``, ``break`` with ``with``, garbage collection, or a
     ``KeyboardInterrupt`` while waiting) cancels the request; the slot keeps what was
     decoded and stays consistent.
+
+    Safe to close from another thread than the one reading it (a watchdog timer, a worker of
+    ``chat_many``): one lock makes taking an item from the request's queue and adding it to
+    :attr:`text` one step, so the reader and ``close()`` never lose an item between them,
+    and a reader waiting for the next delta ends with the partial text and the record (or
+    the request's named error) as soon as the stream is closed.
     """
 
     def __init__(self, engine: Waker, job: Request) -> None:
@@ -57,57 +63,93 @@ class ChatStream:
         self.text = ""
         self.finish_reason: str | None = None
         self.record: RequestRecord | None = None
+        self._error: BaseException | None = None  # how the request failed, if it did
+        self._lock = threading.Lock()  # one consumer of the queue at a time
+        self._raised = False  # the error was raised to a reader once
 
     def __iter__(self) -> Iterator[str]:
         return self
 
-    def __next__(self) -> str:
-        if self.record is not None:
-            raise StopIteration
+    def _take(self, timeout: float | None) -> str | None:
+        """One item from the queue, applied (lock held); the delta's text, else None.
+
+        ``timeout=None``: do not wait. Sets :attr:`record` (and the error) on the final
+        item.
+        """
         try:
-            while True:  # a timed wait stays responsive to KeyboardInterrupt
-                try:
-                    kind, value = self._job.out.get(timeout=0.1)
-                    break
-                except queue.Empty:
-                    continue
-        except BaseException:
-            self.close()
-            raise
+            if timeout is None:
+                kind, value = self._job.out.get_nowait()
+            else:
+                kind, value = self._job.out.get(timeout=timeout)
+        except queue.Empty:
+            if self.record is None and self._job.done.is_set() and self._job.out.empty():
+                # the engine let the request go without a final item: end with its record
+                self._finish(self._job.record, None)
+            return None
         if kind == "delta":
             delta: str = value
             self.text += delta
             return delta
         if kind == "error":
-            self.record = self._job.record
-            raise value
-        self.record = value
-        self.finish_reason = value.finish_reason
+            self._finish(self._job.record, value)
+        else:
+            self._finish(value, None)
+        return None
+
+    def _finish(self, record: RequestRecord | None, error: BaseException | None) -> None:
+        if self.record is not None or self._error is not None:
+            return
+        self._error = error
+        self.record = record
+        if record is not None:
+            self.finish_reason = record.finish_reason
+        elif error is not None:
+            self.finish_reason = "error"
+        else:
+            self.finish_reason = "cancelled"
+
+    def _ended(self) -> bool:
+        return self.record is not None or self._error is not None
+
+    def __next__(self) -> str:
+        try:
+            while True:  # a timed wait stays responsive to KeyboardInterrupt and to close()
+                with self._lock:
+                    if self._ended():
+                        break
+                    delta = self._take(0.1)
+                if delta is not None:
+                    return delta
+        except BaseException:
+            self.close()
+            raise
+        if self._error is not None and not self._raised:
+            self._raised = True
+            raise self._error
         raise StopIteration
 
     def close(self) -> None:
-        """Cancel the request if still running and wait until the scheduler let it go."""
-        if self.record is not None:
+        """Cancel the request if still running and wait until the engine let it go.
+
+        Keeps the text generated before the cancel; a reader in another thread then ends.
+        """
+        if self._ended():
             return
         self._job.cancel.set()
         self._engine.wake()
         while not self._job.done.wait(0.05):
             pass
-        self.record = self._job.record
-        self.finish_reason = self.record.finish_reason if self.record else "cancelled"
-        while True:  # keep the text that was generated before the cancel
-            try:
-                kind, value = self._job.out.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "delta":
-                self.text += value
+        with self._lock:  # a reader's wait ends within its 0.1 s timeout
+            while not self._ended():
+                self._take(None)
 
     def result(self) -> ChatResult:
         """Consume the rest of the stream and return the whole reply."""
         for _ in self:
             pass
-        assert self.record is not None
+        if self.record is None:
+            raise self._error if self._error is not None else RuntimeError(
+                "the request ended without a record")
         return ChatResult(self.text, self.record.finish_reason, self.record)
 
     def __enter__(self) -> ChatStream:

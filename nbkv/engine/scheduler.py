@@ -344,7 +344,9 @@ class Scheduler:
             job.out.put(("delta", delta))
         if job.text.stopped is not None:
             return self.finish(job, "stop")
-        full = len(job.slot.kv) + 1 > job.slot.capacity
+        # as llama-server stops (process_token): when the token just sampled would take the
+        # slot's last position, so that both engines give a reply at the edge the same length
+        full = len(job.slot.kv) + 1 >= job.slot.capacity
         if len(job.generated) >= job.params.max_tokens or full:
             return self.finish(job, "length")
         job.next_token = token

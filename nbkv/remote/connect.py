@@ -38,13 +38,15 @@ __all__ = ["LlamaServerEngine", "OpenAIEngine", "ServerVocab", "connect"]
 
 
 def connect(url: str, *, slots: int | None = None, api_key: str | None = None,
-            kind: str | None = None, min_tokens: int = 100, timeout: float = 600.0
-            ) -> LlamaServerEngine | OpenAIEngine:
+            kind: str | None = None, min_tokens: int = 100, timeout: float = 600.0,
+            exact: bool = True) -> LlamaServerEngine | OpenAIEngine:
     """A remote engine for the server at ``url``.
 
     ``kind``: ``"llama-server"`` or ``"openai"`` (default: detected; llama-server answers
     ``/props``). ``slots``: how many of llama-server's slots nbkv uses (default: all).
-    ``api_key``: sent as a bearer token.
+    ``api_key``: sent as a bearer token. ``exact``: on llama-server, steer it so that
+    replies are proven exact where its launcher's flags allow (one request at a time; see
+    :class:`LlamaServerEngine`).
     """
     client = ServerClient(url, api_key, read_timeout=timeout)
     try:
@@ -61,7 +63,8 @@ def connect(url: str, *, slots: int | None = None, api_key: str | None = None,
                 if e.status is None or kind == "llama-server":
                     raise  # nothing answers at all: say so, rather than guess another kind
         if isinstance(props, dict) and "total_slots" in props:
-            return LlamaServerEngine(client, props, slots=slots, min_tokens=min_tokens)
+            return LlamaServerEngine(client, props, slots=slots, min_tokens=min_tokens,
+                                     exact=exact)
         if kind == "llama-server":
             raise ServerUnsupportedError(f"{client.url}/props is not llama-server's")
         if slots is not None:

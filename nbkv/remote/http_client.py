@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,11 +62,26 @@ class ServerClient:
         """``POST path`` with a JSON body (and query ``params``): the decoded JSON answer."""
         return self._call("POST", path, body, timeout, params)
 
+    def head_of(self, path: str, header: str, timeout: float | None = None) -> str | None:
+        """``GET path``: the value of one response header (None when absent)."""
+        kw: dict[str, Any] = {}
+        if timeout is not None:
+            kw["timeout"] = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
+        try:
+            resp = self._again(lambda: self._http.get(path, **kw))
+        except httpx.HTTPError as e:
+            raise self._transport_error(e, path) from e
+        if resp.status_code >= 400:
+            raise self._status_error(resp, path)
+        return resp.headers.get(header)
+
     def stream(self, path: str, body: dict[str, Any]) -> EventStream:
         """``POST path`` and read the answer as server-sent events (``data: {...}``)."""
         try:
-            resp = self._again(lambda: self._http.send(
-                self._http.build_request("POST", path, json=body), stream=True))
+            # its own connection, never handed back to the pool: close() may shut its
+            # socket down from another thread at any moment
+            resp = self._again(lambda: self._http.send(self._http.build_request(
+                "POST", path, json=body, headers={"Connection": "close"}), stream=True))
         except httpx.HTTPError as e:
             raise self._transport_error(e, path) from e
         if resp.status_code >= 400:
@@ -188,6 +204,18 @@ class EventStream:
                               ) from e
 
     def close(self) -> None:
-        """Stop the answer: the server sees the connection close and cancels the task."""
+        """Stop the answer: the server sees the connection close and cancels the task.
+
+        A reader blocked in the socket (the server slow to send its next bytes: a long
+        prefill, a loaded machine) ends at once: closing a socket from another thread does
+        not wake a read in progress, shutting it down does.
+        """
         self.closed = True
+        stream = self._resp.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is not None and not self._resp.is_closed:  # (its own: ServerClient.stream)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed by either side
+                pass
         self._resp.close()

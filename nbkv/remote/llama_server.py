@@ -7,14 +7,13 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from nbkv.core.api import TemplatedAPI, request_totals, thrashing
 from nbkv.core.errors import (
     EngineClosedError,
-    IncompleteReplyError,
     MediaError,
     ServerError,
     ServerUnsupportedError,
@@ -22,7 +21,6 @@ from nbkv.core.errors import (
     TemplateMismatchError,
 )
 from nbkv.core.events import (
-    Progress,
     RequestRecord,
     RequestStarted,
     SlotsChanged,
@@ -34,12 +32,18 @@ from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable, TableSlot
 from nbkv.media.messages import contains_images
 from nbkv.prompt.builder import Prompt, PromptBuilder
 from nbkv.prompt.templates import ChatTemplate
-from nbkv.remote.base import POLL_INTERVAL, PROBE, UNKNOWN, RemoteBase, RemoteJob
+from nbkv.remote import steering
+from nbkv.remote.base import POLL_INTERVAL, PROBE, RemoteBase, RemoteJob
+from nbkv.remote.checks import ServerChecks
+from nbkv.remote.exchange import SERVER_RAM, Exchange
+from nbkv.remote.facts import ServerFacts
 from nbkv.remote.http_client import ServerClient
+from nbkv.remote.settle import Settler
+from nbkv.remote.steering import Ledger, Offered
+from nbkv.remote.watch import ServerWatch
 
 log = logging.getLogger("nbkv.remote.connect")
 
-#: a KV position whose token the server did not send (decoded after an interrupt)
 
 
 class ServerVocab:
@@ -80,6 +84,10 @@ class _Slot(TableSlot):
     """What nbkv knows of one server slot: the tokens it expects the server's KV to hold."""
 
     held: list[int] = field(default_factory=list)
+    settled: int = 0  # leading positions of ``held`` whose KV is canonical (exact mode)
+    junk: bool = False  # ``held`` ends with a steering request's junk token
+    failed: str = ""  # the error that left the slot's content unknown
+    rewriting: bool = False  # its reply is being rewritten on the server (nbkv.remote.settle)
     known: bool = True  # False after a failure: the server's content is not known
     verified: bool = True
     note: str = ""
@@ -93,11 +101,14 @@ class _Slot(TableSlot):
     def snapshot(self) -> SlotInfo:
         return SlotInfo(self.index, self.index, self.capacity, self.session, tuple(self.held),
                         tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-                        self.segments, self.last_request, len(self.held), memory="server",
+                        self.segments, self.last_request, self.settled, memory="server",
                         verified=self.verified, note=self.note)
 
     def forget(self, note: str = "") -> None:
         self.held = []
+        self.settled = 0
+        self.junk = False
+        self.failed = ""
         self.forget_messages()
         self.known = not note
         self.verified = not note
@@ -105,14 +116,22 @@ class _Slot(TableSlot):
         self.version += 1
 
 
-class LlamaServerEngine(TemplatedAPI, RemoteBase):
-    """llama-server slots driven by nbkv's session table and IMC policy (see module doc)."""
+class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
+    """llama-server slots driven by nbkv's session table and IMC policy (see module doc).
+
+    ``exact`` (default True): claim a reply exact only where it is proven, and steer the
+    server so that it is (:mod:`nbkv.remote.steering`); requests then run on the server one
+    at a time, since llama-server computes the slots it serves together in one batch. Where
+    nothing can be proven (:meth:`nbkv.remote.facts.ServerFacts.exactness`), or with
+    ``exact=False``, requests go as they are, at the same time, and records say
+    ``exact=False`` with the reason.
+    """
 
     kind = "llama-server"
 
     def __init__(self, client: ServerClient, props: Mapping[str, Any], *,
                  slots: int | None = None, min_tokens: int = 100,
-                 poll_interval: float = POLL_INTERVAL) -> None:
+                 poll_interval: float = POLL_INTERVAL, exact: bool = True) -> None:
         super().__init__(client)
         self.props = dict(props)
         total = int(props["total_slots"])
@@ -140,27 +159,41 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
         self.vocab = ServerVocab(client, str(props.get("bos_token") or ""))
         self.builder = PromptBuilder(self.vocab, self.template, None, self.n_ctx)  # type: ignore[arg-type]
         self.check_template()
-        self.has_slots_endpoint = bool(props.get("endpoint_slots", True))
         self.has_metrics = bool(props.get("endpoint_metrics", False))
+        #: what the server's launcher states about its flags (nbkv.remote.facts)
+        self.facts = ServerFacts.from_props(props)
+        self.exact = bool(exact)
+        rule, why = self.facts.exactness()
+        #: the prefill rule steering follows; None when replies are not proven exact
+        self.rule = rule if self.exact else None
+        self.why_not_exact = why if self.exact else "exact=False: replies are not steered"
+        if self.exact and rule is None:
+            log.warning("nbkv cannot prove replies exact on %s: %s; it serves from cache "
+                        "anyway and marks records exact=False", self.url, why)
+        self.ledger = Ledger()  # states the server may hold in its --cache-ram
+        self.watch = ServerWatch(client, self.facts, self.has_metrics)
+        self._turn = threading.Lock()  # exact mode: one request on the server at a time
+        self._waiting = 0  # requests waiting for their turn (an idle-time rewrite yields)
+        self.restart_note = ""  # how the last restart of the server was noticed
         self.table: SlotTable[_Slot] = SlotTable([_Slot(i, self.n_ctx) for i in range(n)],
                                                  self._cv)
-        self.server_slots: list[dict[str, Any]] = []
         self._poll_every = poll_interval
         self._last_poll = 0.0
         self._adopt()
         self._poller = threading.Thread(target=_poll_loop, args=(weakref.ref(self),),
                                         name="nbkv-remote-poll", daemon=True)
         self._poller.start()
+        self.settler = Settler(self)
 
-    def _adopt(self) -> None:
-        """At connect: slots the server already fills hold what nbkv does not know."""
-        self.poll()
-        with self._cv:
-            for s in self.table.slots:
-                if s.server_tokens:
-                    s.known, s.verified = False, False
-                    s.note = (f"holds {s.server_tokens} tokens from before nbkv connected; "
-                              f"the next request here re-verifies it")
+    @property
+    def has_slots_endpoint(self) -> bool:
+        """The server answers ``/slots`` (nbkv's checks and slot cards need it)."""
+        return self.watch.has_slots
+
+    @property
+    def server_slots(self) -> list[dict[str, Any]]:
+        """The server's last ``/slots`` answer."""
+        return self.watch.raw
 
     @property
     def n_slots(self) -> int:
@@ -209,6 +242,11 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
             return busy, [self.table.state_of(s, tuple(s.held)) for s in self.table
                           if not s.pending and s.known and s.held]
 
+    def settled_of(self, index: int) -> int:
+        """Leading positions of slot ``index`` whose KV is canonical (a save keeps it)."""
+        with self._cv:
+            return self.table[index].settled
+
     def busy_slots(self) -> list[int]:
         """Slots serving a request now."""
         with self._cv:
@@ -219,21 +257,31 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
         with self._cv:
             self.table[index].forget(note)
 
-    def import_slots(self, states: Sequence[SlotState]) -> None:
-        """Record that the server's slots now hold ``states`` (``kv``: their tokens)."""
+    def import_slots(self, states: Sequence[SlotState],
+                     settled: Mapping[int, int] | None = None) -> None:
+        """Record that the server's slots now hold ``states`` (``kv``: their tokens).
+
+        ``settled``: per slot, its canonical prefix as saved (0 where not known).
+        """
         with self._cv:
             for st in states:
                 slot = self.table[st.index]
                 slot.held = list(st.kv)
+                slot.settled = min((settled or {}).get(st.index, 0), len(slot.held))
                 self.table.adopt(slot, st)
                 slot.known, slot.verified, slot.note = True, True, ""
                 slot.server_tokens = len(slot.held)
                 slot.version += 1
+                self.watch.loaded.add(st.index)
 
     def save(self, path: str | None = None, sessions: Any = None) -> Any:
-        """Have the server save its slots, and nbkv its table (see :mod:`nbkv.remote.persist`)."""
+        """Have the server save its slots, and nbkv its table (see :mod:`nbkv.remote.persist`).
+
+        Pending rewrites of replies run first, so that what is saved is canonical.
+        """
         from nbkv.remote.persist import save
 
+        self.settle()
         return save(self, path, sessions)
 
     def restore(self, path: str | None = None, sessions: Any = None, *,
@@ -255,6 +303,7 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
         h = self.history
         return {**request_totals(h),
                 "not_verified": sum(1 for r in h if not r.verified),
+                "not_exact": sum(1 for r in h if not r.exact),
                 "evictions": sum(1 for r in h if r.evicted_session is not None),
                 **({f"server {k}": v for k, v in self.metrics().items()}),
                 **thrashing(h, self.n_slots)}
@@ -278,53 +327,6 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
                 continue
         return out
 
-    def poll(self) -> bool:
-        """Read ``/slots`` now: mark slots whose server content differs from the table.
-
-        Returns True when a slot's state changed. Called by the poller thread at most every
-        ``POLL_INTERVAL`` seconds, and after each request.
-        """
-        if not self.has_slots_endpoint:
-            return False
-        with self._cv:
-            versions = [s.version for s in self.table.slots]
-        try:
-            data = self.client.get("/slots", timeout=5.0)
-        except ServerUnsupportedError:
-            self.has_slots_endpoint = False
-            return False
-        except ServerError as e:
-            log.debug("/slots poll failed: %s", e)
-            return False
-        self._last_poll = time.monotonic()
-        changed = False
-        with self._cv:
-            stale = {s.index for s in self.table.slots if s.version != versions[s.index]}
-            self.server_slots = list(data) if isinstance(data, list) else []
-            for info in self.server_slots:
-                i = info.get("id")
-                if not isinstance(i, int) or not 0 <= i < len(self.table.slots):
-                    continue
-                s = self.table.slots[i]
-                if i in stale:  # a request came or went while the answer was on its way
-                    continue
-                n = info.get("n_prompt_tokens")
-                s.server_tokens = n if isinstance(n, int) else None
-                if s.pending or not s.known:
-                    continue
-                if info.get("is_processing"):
-                    note = "another client is using this slot"
-                elif s.server_tokens is not None and s.server_tokens != len(s.tokens):
-                    note = (f"the server holds {s.server_tokens} tokens where nbkv expects "
-                            f"{len(s.tokens)}: another client or the server changed it")
-                else:
-                    continue
-                if s.verified or s.note != note:
-                    s.verified, s.note, changed = False, note, True
-        if changed:
-            self.events.publish(SlotsChanged("server"))
-        return changed
-
     # ------------------------------------------------------------------ a request
 
     def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str,
@@ -335,15 +337,26 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
                              "load the model in the kernel with --mmproj")
         return self.builder.prepare(messages, overflow, max_tokens)
 
+    def _parked(self) -> list[Offered]:
+        """Conversations the server may hold in its ``--cache-ram`` (not in a slot now)."""
+        if self.facts.has_cache is False:
+            return []
+        with self._cv:
+            in_slots = {tuple(s.held) for s in self.table.slots}
+        return [e for e in self.ledger.entries()
+                if e.session is not None and e.hashes and e.tokens not in in_slots]
+
     def _place(self, job: RemoteJob, p: Prompt) -> tuple[_Slot, policy.Plan, SlotInfo | None]:
         """Wait for a free slot and choose it with nbkv's policy (no donor copies on a server)."""
+        parked = self._parked()
         with self._cv:
             while True:
                 if self.closed:
                     raise EngineClosedError("the remote engine was closed")
                 snaps = self.table.snapshots()
                 plan = self.table.place(snaps, p, job.session, cache="imc",
-                                        min_tokens=self.cache_min_tokens, copies=False)
+                                        min_tokens=self.cache_min_tokens, copies=False,
+                                        parked=cast(Sequence[policy.ParkedLike], parked))
                 if plan is not None:
                     break
                 left = job.deadline - time.monotonic()
@@ -358,164 +371,204 @@ class LlamaServerEngine(TemplatedAPI, RemoteBase):
     def _serve(self, job: RemoteJob, p: Prompt) -> RequestRecord:
         slot, plan, own = self._place(job, p)
         try:
-            return self._complete(job, p, slot, plan, own)
+            if self.rule is None:
+                return self._complete(job, p, slot, plan, own)
+            left = max(job.deadline - time.monotonic(), 0.0)
+            with self._cv:
+                self._waiting += 1
+            try:
+                got = self._turn.acquire(timeout=left)
+            finally:
+                with self._cv:
+                    self._waiting -= 1
+            if not got:
+                raise SlotTimeoutError(f"the server stayed busy with nbkv's other requests "
+                                       f"for {self.wait_timeout} s (exact mode runs them "
+                                       f"one at a time)")
+            try:
+                return self._complete(job, p, slot, plan, own)
+            finally:
+                self._turn.release()
         finally:
             with self._cv:
                 slot.pending = False
                 self._cv.notify_all()
+            if self.rule is not None:
+                self.settler.kick()
+
+    def waiting(self) -> bool:
+        """A request is waiting for its turn on the server (exact mode)."""
+        with self._cv:
+            return self._waiting > 0
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Rewrite every finished reply's KV on the server now (see :mod:`nbkv.remote.settle`)."""
+        if self.rule is not None:
+            self.settler.wait(timeout)
+
+    # ------------------------------------------------------------------ helpers (Exchange)
+
+    def offer_states(self, target: _Slot, sent: Sequence[int]) -> None:
+        """A task with ``sent`` starts on ``target``: note what the server may cache now.
+
+        llama-server copies every idle slot's state into its prompt cache when a task starts
+        (``--cache-idle-slots``, its default), and the target slot's own state when the task
+        keeps less than half of it, or no more than a tenth of its prompt (then it also
+        looks there for a longer prefix; :func:`nbkv.remote.steering.route` plans for it).
+        """
+        if self.facts.has_cache is False:
+            return
+        with self._cv:
+            states = []
+            for s in self.table.slots:
+                if not s.known or not s.held:
+                    continue
+                if s is target:
+                    keep = policy.common_prefix(s.held, sent)
+                    if not (2 * keep < len(s.held) or keep <= steering.SIMILARITY * len(sent)):
+                        continue
+                states.append(Offered(tuple(s.held), s.settled, s.session, tuple(s.hashes),
+                                      tuple(s.msg_ends), s.last_used))
+        for st in states:
+            self.ledger.offer(st)
+
+    def proven(self, sent: Sequence[int], told: int, held: Sequence[int]) -> int | None:
+        """Rows of a server restore proven canonical (None: no restore can explain them)."""
+        if told <= policy.common_prefix(held, sent) or self.facts.has_cache is False:
+            return None
+        return self.ledger.proven(sent, told)
+
+    def steer_slot(self, slot: _Slot, sent: list[int], fresh: bool,
+                   session: str | None) -> int:
+        """Send one steering request (``sent`` ends with a junk token); its ``cache_n``.
+
+        Updates what the slot holds and how much of it is canonical, from what the server
+        says it kept (:func:`nbkv.remote.steering.observed`).
+        """
+        rule = self.rule
+        assert rule is not None
+        self.offer_states(slot, sent)
+        body = {"prompt": sent, "id_slot": slot.index, "cache_prompt": not fresh,
+                "n_predict": 0, "n_cache_reuse": 0, "stream": False, "temperature": 0.0,
+                "return_tokens": False}
+        try:
+            ans = self.client.post("/completion", body)
+        except BaseException as e:
+            self.lose(slot, session, "a steering request failed")
+            slot.failed = type(e).__name__
+            raise
+        t = ans.get("timings") or {}
+        told = int(t["cache_n"]) if "cache_n" in t else 0
+        held, settled = (slot.held, slot.settled) if slot.known else ([], 0)
+        now, _ = steering.observed(sent, told, held, settled, rule, junk=True,
+                                   ubatch=self.facts.plan_ubatch,
+                                   proven=self.proven(sent, told, held))
+        self.hold(slot, sent, now, junk=True)
+        log.debug("steer slot[%d]: sent %d, kept %d, settled %d", slot.index, len(sent), told,
+                  now)
+        return told
+
+    def hold(self, slot: _Slot, tokens: Sequence[int], settled: int, junk: bool = False
+             ) -> None:
+        """Slot ``slot`` now holds ``tokens``, the first ``settled`` canonical."""
+        with self._cv:
+            slot.held = list(tokens)
+            slot.junk = junk
+            slot.settled = min(settled, len(slot.held))
+            slot.known = True
+            slot.server_tokens = len(slot.held)
+            slot.version += 1
+
+    def lose(self, slot: _Slot, session: str | None, why: str) -> None:
+        """A request on ``slot`` failed: its content is not known any more."""
+        with self._cv:
+            slot.forget(f"slot {slot.index}: {why}, so its content is not known; the next "
+                        f"request re-verifies it")
+            slot.session = session
 
     def _complete(self, job: RemoteJob, p: Prompt, slot: _Slot, plan: policy.Plan,
                   own: SlotInfo | None) -> RequestRecord:
+        before, other_note = self._look(slot) if self.rule is not None else ({}, "")
         prev_len = len(slot.tokens)
+        prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends else prev_len
+        settled_before = slot.settled
+        entry = next((e for e in self._parked() if e.key == plan.parked), None) \
+            if plan.parked is not None else None
         expected = plan.reuse if slot.known else None
+        restored = (reasons.Restored(entry.session, SERVER_RAM, reasons.Cached(
+            entry.tokens, entry.hashes, entry.msg_ends)) if entry is not None else None)
         why = self.table.reason(job.id, p, job.session, own, slot.tokens, reuse=plan.reuse,
-                                wanted=plan.reuse)
-        self.table.claim(slot, job.id, job.session, p, plan.reuse, plan.evicted)
+                                wanted=plan.reuse, restored=restored)
+        if self.facts.has_cache is not False and slot.known and slot.held:
+            # the server may copy the slot's conversation to its cache as this request
+            # starts: noted under its own session, before the slot changes hands
+            self.ledger.offer(Offered(tuple(slot.held), slot.settled, slot.session,
+                                      tuple(slot.hashes), tuple(slot.msg_ends),
+                                      slot.last_used))
+        self.table.claim(slot, job.id, job.session, p, plan.reuse, plan.evicted,
+                         parked=bool(self.facts.has_cache))
         record = self.table.record(
             job.id, job.session, p, slot, plan, plan.reuse, why,
             prefilled_tokens=len(p.tokens) - plan.reuse,
             trimmed_tokens=max(prev_len - plan.reuse, 0),
+            evicted_parked=SERVER_RAM if plan.evicted and self.facts.has_cache else "",
             segments=message_segments(p.messages, p.ends, len(p.tokens), plan.reuse,
                                       len(p.tokens), ""))
         self.events.publish(RequestStarted(record))
-        prm = job.params
-        body: dict[str, Any] = {
-            "prompt": list(p.tokens), "id_slot": slot.index, "cache_prompt": True,
-            "stream": True, "return_progress": True, "return_tokens": True, "n_cache_reuse": 0,
-            "n_predict": prm.max_tokens, "temperature": prm.temperature, "top_k": prm.top_k,
-            "top_p": prm.top_p, "min_p": prm.min_p, "repeat_penalty": prm.repeat_penalty,
-            "repeat_last_n": prm.repeat_last_n, "seed": prm.seed, "stop": list(prm.stop),
-        }
-        final: dict[str, Any] = {}
-        seen_cache: int | None = None  # the server's cached count, from its progress events
-        finish = "cancelled"
-        error: BaseException | None = None
+        ex = Exchange(self, job, p, slot)
+        step = None
         try:
-            for ev in self._events(job, "/completion", body):
-                pp = ev.get("prompt_progress")
-                if pp:  # (its "tokens" field is a placeholder, not a generated token)
-                    seen_cache = int(pp["cache"])
-                    done, total = pp["processed"] - pp["cache"], pp["total"] - pp["cache"]
-                    self.events.publish(Progress(job.id, slot.index, "extend" if pp["cache"]
-                                                 else "rebuild", done, total))
-                    continue
-                self._delta(job, ev.get("content") or "")
-                job.generated.extend(ev.get("tokens") or ())
-                if job.t_first and ev.get("tokens"):
-                    self.events.publish(Progress(job.id, slot.index, "generate",
-                                                 len(job.generated), prm.max_tokens))
-                if ev.get("stop"):
-                    final = ev
-                    finish = {"limit": "length"}.get(ev.get("stop_type", ""), "stop")
-                    break
-        except BaseException as e:
-            error = e
-            finish = "cancelled" if isinstance(e, KeyboardInterrupt) else "error"
-        if error is None and not final and not job.cancel.is_set():
-            error = IncompleteReplyError(f"{self.url}/completion: the answer ended without "
-                                         f"its final event (the server stopped?)", job.text)
-            finish = "error"
-        now = time.perf_counter()
-        t = final.get("timings") or {}
-        told = int(t["cache_n"]) if "cache_n" in t else seen_cache  # what the server said
-        reused = plan.reuse if told is None else told
-        verified, note, restored = True, "", {}
-        if told is not None and expected is not None and expected < reused <= len(p.tokens):
-            # the server found a longer prefix of this prompt in its --cache-ram (its host-
-            # memory prompt cache, llama-server's parking lot) and loaded it into the slot
-            note = (f"the server restored {reused:,} tokens from its --cache-ram into slot "
-                    f"{slot.index}, which held {expected:,} of them")
-            restored = dict(restored_from="server-ram", restored_tokens=reused,
-                            reason=reasons.RESTORED, reason_text=note, divergence=None)
-        elif told is not None and expected is not None and reused != expected:
-            verified = False
-            note = (f"the server reused {reused} tokens where nbkv expected {expected}: "
-                    f"another client used slot {slot.index}, or the server cleared it")
-        elif told is not None and expected is None:
-            note = f"slot {slot.index}'s content was unknown (after an error); now known again"
-        self._record_held(slot, p, job, final, error, reused, verified, note)
-        rec = replace(
-            record, reused_tokens=reused,
-            prefilled_tokens=int(t.get("prompt_n", len(p.tokens) - reused)) if final else 0,
-            trimmed_tokens=max(prev_len - reused, 0),
-            generated_tokens=int(t.get("predicted_n", len(job.generated))) if final
-            else len(job.generated),
-            ttft_s=(job.t_first - job.t_submit) if job.t_first else 0.0,
-            prefill_s=float(t.get("prompt_ms", 0.0)) / 1000,
-            decode_s=float(t.get("predicted_ms", 0.0)) / 1000 if final else (
-                now - job.t_first if job.t_first else 0.0),
-            finish_reason=finish, verified=verified, note=note, **restored,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            segments=message_segments(p.messages, p.ends, len(p.tokens), reused,
-                                      len(slot.tokens) if slot.known else len(p.tokens),
-                                      job.text),
-        )
-        if not verified:
-            log.warning("request %d: %s", job.id, note)
-        job.record = rec
-        if error is not None:
-            raise error
-        return rec
+            if self.rule is not None:
+                if entry is not None:  # have the server load it, up to its canonical end
+                    upto = self._restore_point(p, entry, slot)
+                    if upto:
+                        ex.restore_from(upto)
+                step = ex.steer()
+        except BaseException as e:  # noqa: BLE001 - ends the request like a failed completion
+            ex.out.error = e
+            ex.out.finish = "cancelled" if isinstance(e, KeyboardInterrupt) else "error"
+        held_at_send = list(slot.held) if slot.known else []
+        settled_at_send = slot.settled if slot.known else 0
+        if ex.out.error is None:
+            ex.complete(step)
+        ex.judge(held_at_send, settled_at_send)
+        return ex.finish(plan, record, expected, entry,
+                         (prev_len, prev_prompt_len, settled_before), before, other_note, own)
 
-    def _record_held(self, slot: _Slot, p: Prompt, job: RemoteJob, final: Mapping[str, Any],
-                error: BaseException | None, reused: int, verified: bool, note: str) -> None:
-        """Record what the slot now holds: the prompt and the reply tokens the server decoded.
-
-        The last sampled token is never decoded into the KV. After an interruption the count
-        comes from ``/slots``; after a failure the slot is marked unknown.
-        """
-        held = list(p.tokens) + job.generated
-        n: int | None = len(held) - 1 if final and job.generated else (
-            len(p.tokens) if final else None)
-        if not final and error is None and self.has_slots_endpoint:  # interrupted
-            n = self._server_length(slot.index)
-            if n is not None and n > len(held):
-                # the server decoded a few more tokens before it saw the connection close:
-                # they are in its KV but not known here, and match no prompt token (-1)
-                held += [UNKNOWN] * (n - len(held))
-        with self._cv:
-            if error is not None and not isinstance(error, KeyboardInterrupt) or n is None \
-                    or n > len(held):
-                slot.forget(f"slot {slot.index}: the last request failed, so its content is "
-                            f"not known; the next request re-verifies it")
-                slot.session = job.session
-                return
-            slot.held = held[:n]
-            self.table.replied(slot, p, job.text, n)
-            slot.segments = message_segments(p.messages, p.ends, len(p.tokens),
-                                              min(reused, n), n, job.text)
-            slot.known, slot.verified, slot.note = True, verified, note if not verified else ""
-            slot.server_tokens = n
-            slot.version += 1
-            for info in self.server_slots:  # what /slots will say, until the next poll
-                if info.get("id") == slot.index:
-                    info.update(n_prompt_tokens=n, is_processing=False)
-
-    def _server_length(self, index: int, wait: float = 5.0) -> int | None:
-        """The slot's cached token count once the server has let it go (``/slots``)."""
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                data = self.client.get("/slots", timeout=5.0)
-            except ServerError:
-                return None
-            info = next((s for s in data if s.get("id") == index), None)
-            if info is None:
-                return None
-            if not info.get("is_processing"):
-                n = info.get("n_prompt_tokens")
-                return n if isinstance(n, int) else None
-            time.sleep(0.05)
-        return None
+    def _restore_point(self, p: Prompt, entry: Offered, slot: _Slot) -> int:
+        """Where to cut a conversation the server may restore: proven canonical, 0 if none."""
+        rule = self.rule
+        assert rule is not None
+        n = len(p.tokens)
+        have = policy.common_prefix(slot.held, p.tokens) if slot.known else 0
+        q = min(entry.settled, policy.common_prefix(entry.tokens, p.tokens), n - 1)
+        q = q // rule.align * rule.align
+        while q > have:
+            sent = [*p.tokens[:q], steering.junk_for(p.tokens, q)]
+            if (q > steering.SIMILARITY * n and n - q >= rule.threshold
+                    and steering.settles(q, n, rule, junk=False,
+                                         ubatch=self.facts.plan_ubatch) is not None
+                    and self.ledger.proven(sent, q) >= q):
+                return q
+            q -= rule.align
+        return 0
 
     def describe(self) -> list[tuple[str, str]]:
-        """Status rows: server, model, slots."""
+        """Status rows: server, model, slots, cache, exactness."""
+        ram = {None: "not stated", True: f"{self.facts.cache_ram} MiB", False: "off"}[
+            self.facts.has_cache]
+        rule = self.rule
+        exact = (f"yes, steered: {rule.describe().removeprefix('exact: yes, ')}; one request "
+                 f"on the server at a time" if rule is not None
+                 else f"no ({self.why_not_exact})")
         return [("server", f"llama-server at {self.url} ({self.build_info})"),
                 ("model", self.model_name),
                 ("slots", f"{self.n_slots} of the server's {self.total_slots} x {self.n_ctx} "
                           f"tokens, pinned by nbkv (id_slot)"),
                 ("cache", f"imc on the server's slots (min {self.cache_min_tokens} tokens); "
-                          f"no prefix copies between slots (no server API)")]
+                          f"no prefix copies between slots (no server API); the server's "
+                          f"--cache-ram: {ram}"),
+                ("exact", exact)]
 
 
 def _poll_loop(ref: weakref.ref[LlamaServerEngine]) -> None:

@@ -323,6 +323,7 @@ class OpenAIEngine(RemoteBase):
             decode_s=(now - job.t_first) if job.t_first else 0.0, finish_reason=finish,
             started_at=time.time(), verified=cached is not None, note=note,
             reason="server", reason_text=self._reason_text(prompt, reused),
+            exact=False, exact_note="the server reuses its own prefix cache unseen",
             error=None if error is None else f"{type(error).__name__}: {error}",
             segments=segments, capacity=self.n_ctx)
         if prompt and (error is None or job.t_first):

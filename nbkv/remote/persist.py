@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -66,8 +66,12 @@ class LlamaServerEngine(Protocol):
     def export_slots(self) -> tuple[tuple[int, ...], list[SlotState]]:
         """The busy slots, and each idle slot's bookkeeping."""
 
-    def import_slots(self, states: Sequence[SlotState]) -> None:
-        """Replace the slots' bookkeeping."""
+    def settled_of(self, index: int) -> int:
+        """Leading positions of slot ``index`` whose KV is canonical."""
+
+    def import_slots(self, states: Sequence[SlotState],
+                     settled: Mapping[int, int] | None = None) -> None:
+        """Replace the slots' bookkeeping (``settled``: each slot's canonical prefix)."""
 
     def busy_slots(self) -> list[int]:
         """Slots serving a request now."""
@@ -117,7 +121,8 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
         size = int(out.get("n_written", 0))
         nbytes += size
         slots_json.append({"index": index, "session": session, "file": name,
-                           "tokens": tokens, "hashes": list(st.hashes),
+                           "tokens": tokens, "settled": engine.settled_of(index),
+                           "hashes": list(st.hashes),
                            "msg_ends": list(st.msg_ends),
                            "segments": [segment_json(g) for g in st.segments]})
         reports.append(SlotSave(index, session, len(tokens), size))
@@ -199,7 +204,10 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     engine.import_slots([SlotState(
         s["index"], s["session"], tuple(s["hashes"]), tuple(s["msg_ends"]),
         tuple(segment_from_json(g) for g in s.get("segments", ())), 0, None, tuple(s["tokens"]))
-        for s in saved])
+        # a save's canonical prefix is its claim: from a save not signed by this user's key
+        # it is not taken, so a trusted forgery can never make a reply claim to be exact
+        for s in saved], {s["index"]: int(s.get("settled", 0)) if why is None else 0
+                          for s in saved})
     for sess in body.get("sessions") or ():
         store.get(sess["name"]).load_state(sess)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), (), 0, 0,
@@ -208,7 +216,8 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
                         float(body.get("created", 0.0)), untrusted=why,
                         trust_note="the server matches each prompt against the tokens it "
                                    "restored itself, so nbkv's table cannot make it serve KV "
-                                   "for other tokens")
+                                   "for other tokens; nothing restored is taken as canonical "
+                                   "(replies from it are not claimed exact)")
     engine.last_restore = rep
     engine.events.publish(SlotsChanged("restored"))
     return rep

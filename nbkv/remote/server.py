@@ -19,7 +19,14 @@ The flags that keep nbkv's slot pinning exact (``SERVER_FLAGS``):
   than the pinned slot held (``restored_from="server-ram"``). :class:`LlamaServer` leaves
   it off unless asked (``cache_ram``): tests and benchmarks pin what the server holds;
 - ``--metrics`` and the ``/slots`` endpoint (on by default): the server's own figures;
-- ``--slot-save-path DIR``: slot save, restore and erase (``%kvcache save`` / ``clear``).
+- ``--slot-save-path DIR``: slot save, restore and erase (``%kvcache save`` / ``clear``);
+- ``-b 256 -ub 256 -fa off`` and explicit threads: the in-kernel engine's arithmetic, so
+  that a prefill the server computes equals the kernel's (llama-server's defaults, ``-b 2048
+  -ub 512 -fa auto``, turn flash attention on);
+- ``--ui-config``: llama-server does not report these flags, so the launcher states them,
+  with the prefill rule it calibrated for the model on this machine and its start time, in
+  ``/props`` (``ui_settings.nbkv``, :mod:`nbkv.remote.facts`): what lets a remote engine
+  prove its replies exact and notice a restart.
 
 :class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
 waits; the tests, the benchmark and the remote-engine notebook use it.
@@ -43,6 +50,9 @@ from typing import Any
 
 from nbkv.core.errors import NbkvError, ServerError
 from nbkv.core.progress import Reporter, Task, resolve
+from nbkv.kv.invariance import PrefillRule
+from nbkv.llama.backend import default_threads
+from nbkv.remote.facts import advert, flags_of
 
 SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
 NO_BINARY = ("no llama-server binary: build one from the installed llama-cpp-python's llama.cpp "
@@ -66,6 +76,58 @@ def binary() -> Path | None:
     return Path(found) if found else None
 
 
+def _own_binary() -> Path | None:
+    """The llama-server built from the installed llama-cpp-python's own sources, if any."""
+    env = os.environ.pop("NBKV_LLAMA_SERVER", None)
+    try:
+        return binary()
+    finally:
+        if env is not None:
+            os.environ["NBKV_LLAMA_SERVER"] = env
+
+
+def _build() -> str:
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def calibrate_for(model: str, flags: dict[str, Any]) -> tuple[PrefillRule | None, str]:
+    """The prefill rule of ``model`` with a server's ``flags``, and its memory class.
+
+    Measured in this process with the llama.cpp the server is built from (cached like the
+    in-kernel engine's, :mod:`nbkv.kv.calibrate`); only plain attention memory is
+    calibrated, the only kind a server's prompt cache can be steered on. Never raises: a
+    failure is a rule that proves nothing.
+    """
+    from nbkv.kv import calibrate
+    from nbkv.kv.slot_kv import PLAIN, classify
+    from nbkv.llama.backend import Model
+    from nbkv.llama.hardware import FLASH_ATTN, kv_type_id
+
+    try:
+        m = Model(model)
+    except Exception as e:  # noqa: BLE001 - an unreadable model proves nothing
+        return PrefillRule(exact=False, reason=f"the model could not be calibrated: {e}"), ""
+    try:
+        kind = classify(m)
+        if kind != PLAIN:
+            return None, kind
+        fa = str(flags.get("flash_attn") or "auto")
+        if fa not in ("on", "off"):
+            return PrefillRule(exact=False, reason=f"flash attention is {fa!r}"), kind
+        settings = {"n_threads": int(flags.get("threads") or default_threads()),
+                    "flash_attn": FLASH_ATTN[fa], "type_k": kv_type_id("f16"),
+                    "type_v": kv_type_id("f16")}
+        try:
+            return calibrate.calibrate(m, n_seq=1, can_trim=True, settings=settings), kind
+        except Exception as e:  # noqa: BLE001
+            return PrefillRule(exact=False, reason=f"the calibration failed: {e}"), kind
+    finally:
+        m.close()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
@@ -76,20 +138,21 @@ def free_port() -> int:
 class LlamaServer:
     """A llama-server child process on 127.0.0.1, stopped by its PID (``with`` or ``stop()``).
 
-    ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``); ``threads``
-    defaults to what this process may use (:mod:`nbkv.llama.cpus`). For replies
-    equal to the in-kernel engine's, pin what changes the arithmetic to its values:
-    ``batch`` and ``ubatch`` (``-b``, ``-ub``: the pieces a prefill is computed in; nbkv's
-    default is 256) and ``flash_attn="off"`` (llama-server's ``auto`` turns flash attention
-    on where the in-kernel engine keeps it off for exactness). ``cache_ram``: MiB of
+    ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``). What changes
+    the arithmetic is pinned to the in-kernel engine's values by default: ``batch`` and
+    ``ubatch`` 256 (``-b``, ``-ub``: the pieces a prefill is computed in),
+    ``flash_attn="off"`` (llama-server's ``auto`` turns flash attention on) and ``threads``
+    (what this process may use: :mod:`nbkv.llama.cpus`); None leaves a flag to
+    llama-server's default. ``cache_ram``: MiB of
     llama-server's host-memory prompt cache (``--cache-ram``; 0 = off).
     """
 
     def __init__(self, model: str | None = None, *, port: int | None = None, slots: int = 2,
-                 ctx: int = 2048, threads: int | None = None, batch: int | None = None,
-                 ubatch: int | None = None, flash_attn: str | None = None,
+                 ctx: int = 2048, threads: int | None = None, batch: int | None = 256,
+                 ubatch: int | None = 256, flash_attn: str | None = "off",
                  slot_save_path: str | None = None, cache_ram: int = 0,
-                 extra: tuple[str, ...] = (), log_path: str | None = None) -> None:
+                 extra: tuple[str, ...] = (), log_path: str | None = None,
+                 advertise: bool = True) -> None:
         exe = binary()
         if exe is None:
             raise NbkvError(NO_BINARY)
@@ -123,6 +186,23 @@ class LlamaServer:
         self.argv += list(extra)
         self.log_path = log_path or tempfile.mktemp(prefix="nbkv-llama-server-", suffix=".log")
         self.proc: subprocess.Popen[bytes] | None = None
+        self.same_build = exe == _own_binary()
+        self.advertise = advertise  # state the flags in /props (False: a plain llama-server)
+        self._calibrated: tuple[PrefillRule | None, str] | None = None
+
+    def calibration(self) -> tuple[PrefillRule | None, str]:
+        """The model's prefill rule under the server's flags, and its memory class (cached)."""
+        if self._calibrated is None:
+            self._calibrated = calibrate_for(self.model, flags_of(self.argv))
+        return self._calibrated
+
+    def command(self) -> list[str]:
+        """The full command line: ``argv`` and the ``--ui-config`` stating the flags."""
+        if not self.advertise:
+            return list(self.argv)
+        rule, memory = self.calibration()
+        return [*self.argv, "--ui-config", advert(self.argv, rule, memory,
+                                                  _build(), self.same_build)]
 
     @property
     def url(self) -> str:
@@ -143,8 +223,8 @@ class LlamaServer:
         with open(self.log_path, "ab") as log:
             # in the caller's process group: whoever stops the kernel (or the terminal's
             # Ctrl-C) stops the server too; and stopped by PID at exit, at the latest
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(self.command(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
         with Task(resolve(progress), f"starting llama-server on port {self.port}",
                   f"it loads {Path(self.model).name} for {self.slots} slots", tick=0.5):

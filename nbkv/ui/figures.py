@@ -118,9 +118,10 @@ def actions(r: RequestRecord) -> list[tuple[str, str]]:
     if not r.verified:
         out.append(("not verified", r.note or "the server's figures differ from nbkv's"))
     if not r.exact:
-        out.append(("not proven exact", "nbkv could not prove on this model and build that "
-                    "a reply from cache equals one computed from scratch "
-                    "(%kvcache status says why)"))
+        out.append((f"not proven exact: {r.exact_note}" if r.exact_note
+                    else "not proven exact",
+                    "nbkv could not prove on this model and build that a reply from "
+                    "cache equals one computed from scratch (%kvcache status says why)"))
     ending = vocab.ending(r)
     if ending:
         out.append((ending, r.error or vocab.ENDINGS[r.finish_reason].tip))
