@@ -105,8 +105,6 @@ def start(sched: Scheduler, job: Job) -> bool:
         if entry is not None:
             kv.clear()
             held = restore_into(slot, entry)
-            if held and lot is not None and entry.session not in (None, job.session):
-                lot.park(entry)  # another's conversation: a copy; it stays parked for its own
             restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
                 tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
             reuse = target = invariance.valid_start(p.tokens, min(
@@ -139,7 +137,8 @@ def start(sched: Scheduler, job: Job) -> bool:
         if entry is not None and taken and lot is not None:  # taken from the lot: not lost
             lot.park(entry)
         raise
-    if entry is not None:  # its state is in the slot now: the next park reuses its memory
+    if entry is not None and taken:  # its state is in the slot now: the next park reuses
+        # its memory (a borrowed copy shares its buffers with the entry still parked)
         state, entry.state = entry.state, None
         sched.res.ctx.recycle(state)
         del state
