@@ -296,7 +296,7 @@ def test_where_the_cut_is_told_in_turns():
                                     "tokens from turn 2's reply onwards · turns 3–4 are now "
                                     "stale")
     assert TurnChange("a", 1, "appended").describe(rec) == ""
-    assert TurnChange("a", 2, "repeated", CellRef("c", 5)).describe(rec) == (
+    assert TurnChange("a", 2, "repeated", CellRef("c", 5)).describe() == (
         "re-ran cell [5]: turn 2 of a is the same as before, so the turns after it stay")
 
 

@@ -204,7 +204,7 @@ def test_a_reply_that_starts_with_merging_newlines_keeps_its_own_slot(engine, pa
         return newline if self.forced <= REPLY_START else sample(self, ctx, idx)
 
     monkeypatch.setattr(Sampler, "sample", starts_with_newlines)
-    engine.clear()
+    engine.clear(parked=True)  # clear() alone keeps the parked conversations
     convs = {n: [{"role": "system", "content": SYSTEM}] for n in ("parked", "x", "other")}
     with Engine(path, n_slots=1, n_ctx=1024, cache="off") as off:
         def turn(name, q):
