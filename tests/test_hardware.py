@@ -112,7 +112,8 @@ def test_a_plan_that_cannot_fit_is_refused_before_allocation(model_path, monkeyp
     with pytest.raises(InsufficientMemoryError) as err:
         Engine(model_path, n_slots=8, n_ctx=8192)
     msg = str(err.value)
-    assert "the KV cache would need 1.41 GiB" in msg and "64.0 MiB of RAM is free" in msg
+    assert "the KV cache would need 1.58 GiB" in msg and "64.0 MiB of RAM is free" in msg
+    assert "(+1 for the reply rewrite)" in msg  # the shadow sequence (exact mode)
     assert "quantized KV type" in msg and "slot(s) of 8192 tokens" not in msg
     # the real machine: far more than free RAM is refused too, and nothing was allocated
     monkeypatch.undo()

@@ -267,7 +267,7 @@ class Engine(TemplatedAPI, ChatAPI):
         if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
                                       {**self.identity(), "n_slots": self.n_slots},
-                                      self.model.n_vocab, self._parking_dropped)
+                                      self.model.n_vocab, _announce_drops(self.events))
         shadow = None
         if self.res.shadow_seq is not None:
             shadow = Shadow(SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints))
@@ -364,9 +364,6 @@ class Engine(TemplatedAPI, ChatAPI):
         text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, session, all))
         self.events.publish(SlotsChanged("unparked"))
         return text
-
-    def _parking_dropped(self, d: Dropped) -> None:
-        self.events.publish(ParkingDropped(d.session, d.key, d.n_tokens, d.tier, d.why))
 
     def _parking_lot(self) -> ParkingLot:
         if self.parking is None:
@@ -633,3 +630,15 @@ class Engine(TemplatedAPI, ChatAPI):
             while len(images) > IMAGES_KEPT:
                 images.popitem(last=False)
         return prompt
+
+
+def _announce_drops(events: EventBus) -> Callable[[Dropped], None]:
+    """The parking lot's ``on_drop``: each conversation it drops, as a ParkingDropped event.
+
+    It holds the event bus, not the engine: a lot that referred back to its engine would keep
+    a dropped engine alive until the next garbage collection, and its scheduler thread with it.
+    """
+    def announce(d: Dropped) -> None:
+        events.publish(ParkingDropped(d.session, d.key, d.n_tokens, d.tier, d.why))
+
+    return announce
