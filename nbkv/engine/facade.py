@@ -266,7 +266,8 @@ class Engine(TemplatedAPI, ChatAPI):
         self.parking = None
         if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
             self.parking = ParkingLot(park_ram, park_dir, park_disk,
-                                      {**self.identity(), "n_slots": self.n_slots},
+                                      {**self.identity(), "n_slots": self.n_slots,
+                                       "kv_streams": self.kv_streams},
                                       self.model.n_vocab, _announce_drops(self.events))
         shadow = None
         if self.res.shadow_seq is not None:
@@ -282,6 +283,11 @@ class Engine(TemplatedAPI, ChatAPI):
     def n_slots(self) -> int:
         """Number of slots."""
         return len(self.table)
+
+    @property
+    def kv_streams(self) -> int:
+        """The context's KV streams: one per slot, and the exact mode's shadow sequence."""
+        return int(self.ctx.params.n_seq_max)
 
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,

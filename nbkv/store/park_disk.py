@@ -128,12 +128,16 @@ def servable(parked: Any, mine: Mapping[str, Any]) -> tuple[list[str], int | Non
     if not isinstance(parked, dict):
         return ["no engine identity"], None
     theirs, ours = parked.get("n_slots"), mine.get("n_slots")
-    diffs = differences({k: v for k, v in parked.items() if k != "n_slots"},
-                        {k: v for k, v in mine.items() if k != "n_slots"})
-    if diffs or theirs == ours:
+    moves = ("n_slots", "kv_streams")  # a slot each, and the exact mode's shadow sequence
+    diffs = differences({k: v for k, v in parked.items() if k not in moves},
+                        {k: v for k, v in mine.items() if k not in moves})
+    if diffs or all(parked.get(k) == mine.get(k) for k in moves):
         return diffs, None
     if mine.get("memory") == "plain" and isinstance(theirs, int) and theirs > 0:
         return [], theirs
+    if theirs == ours:
+        return [f"KV streams: parked with {parked.get('kv_streams')!r}, this engine has "
+                f"{mine.get('kv_streams')!r} (only plain attention states are re-addressed)"], None
     return [f"n_slots: parked with {theirs!r}, this engine has {ours!r} (only plain "
             "attention states move between slot counts)"], None
 
@@ -307,10 +311,10 @@ class DiskTier:
             read = Reader(self.dir, body["blobs"])
             state = None
             if rec.slots_from is not None:
-                n_now, n_then = int(self.identity["n_slots"]), rec.slots_from
+                n_now = int(self.identity.get("kv_streams") or self.identity["n_slots"])
 
                 def state(name: str) -> Any:
-                    data = restream(bytes(read(name)), n_then, n_now)
+                    data = restream(bytes(read(name)), n_now)
                     return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
             entry = entry_from_json(body.get("entry"), read, self.n_vocab, state)

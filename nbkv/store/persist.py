@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +83,7 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
     read_manifest,
     restream,
     save_root,
+    stream_count,
     untrusted_message,
     uses_media,
 )
@@ -441,14 +442,18 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
     read = Reader(root, table, on_blob)
 
     n_vocab = engine.model.n_vocab
-    n_saved = body.get("n_slots")
     created = float(body.get("created", 0.0))
 
     def state(name: Any) -> Any:
         buf = read(name)
-        if n_saved == engine.n_slots:
+        streams = stream_count(bytes(buf[:16]))
+        if streams == engine.kv_streams:
             return buf
-        data = restream(bytes(buf), int(cast(int, n_saved)), engine.n_slots)
+        if engine.memory.kind != "plain":
+            raise RestoreError(f"a state saved with {streams} KV streams, this engine has "
+                               f"{engine.kv_streams} (only plain attention states are "
+                               "re-addressed)")
+        data = restream(bytes(buf), engine.kv_streams)
         return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
     try:

@@ -19,6 +19,7 @@ class Persistable(Protocol):
     """An engine whose slots can be saved and restored: the public state API."""
 
     n_slots: int
+    kv_streams: int  # the context's KV streams: the slots, and a shadow sequence if any
     n_ctx: int
     cache: str
     exact: bool

@@ -167,8 +167,18 @@ def compatible(engine: Persistable, path: str | os.PathLike | None = None) -> di
 _STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")
 
 
-def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
-    """A plain-attention sequence state re-addressed from ``n_saved`` KV streams to ``n_now``.
+def stream_count(state: bytes) -> int:
+    """How many KV streams the context that wrote a sequence ``state`` had (its header)."""
+    u32 = 4
+    pre = 2 * u32 if state[:u32] == _STATE_MAGIC else 0
+    return int.from_bytes(state[pre:pre + u32], "little")
+
+
+def restream(state: bytes, n_now: int) -> bytes:
+    """A plain-attention sequence state re-addressed from its KV streams to ``n_now``.
+
+    A context has one KV stream per sequence: a slot each, and the shadow sequence of the
+    exact mode's rewrite (:mod:`nbkv.engine.shadow`), so the count is the state's own.
 
     With ``kv_unified=False`` every slot has its own KV stream, and llama.cpp writes a
     sequence's state as the stream count followed by one section per stream, all empty (a
@@ -181,7 +191,7 @@ def restream(state: bytes, n_saved: int, n_now: int) -> bytes:
     # llama.cpp's header: a magic number and the sequence it was read from (ignored on load)
     pre = 2 * u32 if state[:u32] == _STATE_MAGIC else 0
     body = state[pre:]
-    n = int.from_bytes(body[:u32], "little")
+    n = n_saved = int.from_bytes(body[:u32], "little")
     stream = 0  # the first non-empty section is the sequence's
     while stream < n_saved and len(body) >= u32 * (stream + 2) \
             and not any(body[u32 * (stream + 1):u32 * (stream + 2)]):
