@@ -53,6 +53,7 @@ from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import default_threads
 from nbkv.remote.facts import advert, flags_of
+from nbkv.remote.process import ServerProcess
 
 SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
 NO_BINARY = ("no llama-server binary: build one from the installed llama-cpp-python's llama.cpp "
@@ -135,7 +136,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """A llama-server child process on 127.0.0.1, stopped by its PID (``with`` or ``stop()``).
 
     ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``). What changes
@@ -204,16 +205,6 @@ class LlamaServer:
         return [*self.argv, "--ui-config", advert(self.argv, rule, memory,
                                                   _build(), self.same_build)]
 
-    @property
-    def url(self) -> str:
-        """Where the server listens."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """The child's PID while it runs."""
-        return self.proc.pid if self.proc is not None else None
-
     def start(self, timeout: float = 120.0, progress: Reporter | bool | None = None
               ) -> LlamaServer:
         """Start the process and wait (at most ``timeout`` s) until ``/health`` says ok.
@@ -271,23 +262,6 @@ class LlamaServer:
             proc.wait(10.0)
         self.proc = None
 
-    def tail(self, n: int = 15) -> str:
-        """The last lines of the server's log."""
-        return log_tail(self.log_path, n)
-
-    def __enter__(self) -> LlamaServer:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def log_tail(path: str, n: int) -> str:
-    """The last ``n`` lines of a server's log file."""
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 def main(argv: list[str] | None = None) -> int:

