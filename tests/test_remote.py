@@ -167,6 +167,7 @@ def test_slot_cards_and_kv_map_follow_the_server(remote, srv):
         assert "ann" in cards and "server" in cards
         assert dash.kvmap.segments > 0
         slot = remote.history[-1].slot
+        remote.settle()  # nbkv's own idle-time rewrite first: it must not follow the other task
         other = remote.tokenize_prompt([{"role": "user", "content": "Not nbkv's."}])
         httpx.post(srv.url + "/completion", json={"prompt": other, "id_slot": slot,
                                                   "n_predict": 1}, timeout=60)
