@@ -9,6 +9,7 @@ from nbkv.core.events import SlotRewritten
 from nbkv.engine.facade import Engine
 from nbkv.kv.policy import common_prefix
 from nbkv.llama.backend import Batch, Context, Model, default_threads
+from nbkv.llama.hardware import gpu_offload
 
 MAX_TOKENS = 16
 
@@ -82,6 +83,15 @@ def _stream_turn(llm: Any, messages: list[dict], max_tokens: int) -> dict[str, A
             text += delta
     return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": text}
 
+def peer_gpu_layers() -> int:
+    """Layers a peer ``Llama`` offloads: all of them on a GPU build, as nbkv's default does.
+
+    ``Llama``'s own default is 0 (CPU only), which on a GPU machine would compare nbkv on the GPU
+    against its peer on the CPU.
+    """
+    return -1 if gpu_offload() else 0
+
+
 class LlamaCppRunner:
     """llama-cpp-python's high-level ``Llama``: one sequence, prefix reuse built in."""
 
@@ -90,7 +100,8 @@ class LlamaCppRunner:
 
         self.max_tokens = max_tokens
         self.llm = Llama(path, n_ctx=n_ctx, n_batch=256, n_ubatch=256, verbose=False,
-                         flash_attn=False, n_threads=default_threads())
+                         flash_attn=False, n_threads=default_threads(),
+                         n_gpu_layers=peer_gpu_layers())
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
         return _stream_turn(self.llm, messages, self.max_tokens)
@@ -199,7 +210,8 @@ class LlamaDecodeRunner:
         from llama_cpp import Llama
 
         self.llm = Llama(path, n_ctx=n_ctx, n_batch=256, n_ubatch=256, n_threads=n_threads,
-                         n_threads_batch=n_threads, flash_attn=False, verbose=False)
+                         n_threads_batch=n_threads, flash_attn=False, verbose=False,
+                         n_gpu_layers=peer_gpu_layers())
         self.vocab = self.llm._model.vocab
 
     def reply(self, prompt: list[int], max_tokens: int, fresh: bool = True) -> dict[str, Any]:
@@ -249,7 +261,7 @@ class HandlerRunner:
         # encoder inherits)
         self.llm = Llama(path, chat_handler=self.handler, n_ctx=n_ctx, n_batch=1024,
                          n_ubatch=1024, verbose=False, flash_attn=False,
-                         n_threads=default_threads())
+                         n_threads=default_threads(), n_gpu_layers=peer_gpu_layers())
         self.max_tokens = MAX_TOKENS
         init = getattr(self.handler, "_init_mtmd_context", None)
         if init is not None:  # load the projector now, as nbkv's Engine does, not in turn 1
