@@ -46,7 +46,7 @@ import numpy as np
 from nbkv.core.errors import NbkvError, RestoreError, SaveError, UntrustedSaveError
 from nbkv.core.events import SlotsChanged
 from nbkv.core.progress import Reporter, Task, resolve
-from nbkv.core.protocol import Exportable
+from nbkv.core.protocol import Exportable, Parks
 from nbkv.kv.replies import ReplyMemo
 from nbkv.kv.slot_kv import KVSnapshot
 from nbkv.kv.slot_table import SlotState
@@ -319,8 +319,9 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
             emb_json.append({"image": h, "arrays": arrays})
     sess_json = [_jsonable(s.state_dict(), blobs, f"session {s.name}") for s in store]
     # the replies the saved KV holds: a cell run again after a restore is replayed
+    parked = engine.parked() if isinstance(engine, Parks) else ()
     replies = engine.export_replies([s.kv.tokens for s in cap.slots]
-                                    + [p.tokens for p in engine.parked()])
+                                    + [p.tokens for p in parked])
     created = time.time()
     body = {
         "format": FORMAT, "version": VERSION, "created": created,
