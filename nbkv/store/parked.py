@@ -124,7 +124,11 @@ class ParkedEntry:
 
 
 def entry_json(e: ParkedEntry, blobs: Blobs) -> dict[str, Any]:
-    """An entry as JSON, its state and checkpoints added to ``blobs`` (by content name)."""
+    """An entry as JSON, its state and checkpoints added to ``blobs`` (by content name).
+
+    The one codec of a conversation's record: a save writes its slots with it too (a slot
+    adds its ``index``), and :func:`entry_from_json` reads both back.
+    """
     return {
         "key": e.key, "session": e.session, "tokens": encode_units(e.tokens),
         "n_tokens": len(e.tokens), "hashes": list(e.hashes), "msg_ends": list(e.msg_ends),
@@ -135,22 +139,26 @@ def entry_json(e: ParkedEntry, blobs: Blobs) -> dict[str, Any]:
     }
 
 
-def _fields(d: Any, n_vocab: int) -> dict[str, Any]:
-    """The checked non-buffer fields of :func:`entry_json`'s output."""
+def _fields(d: Any, n_vocab: int, used_at: float = 0.0) -> dict[str, Any]:
+    """The checked non-buffer fields of :func:`entry_json`'s output.
+
+    A saved slot of an older save has no ``key`` or ``last_request``; saves of nbkv 0.1 lack
+    ``used_at`` (``used_at`` is the default) and ``exact_len`` (every token was rewritten).
+    """
     if not isinstance(d, dict):
         raise RestoreError(f"a parked entry is not an object: {d!r:.80}")
     try:
         tokens = decode_units(d["tokens"], n_vocab)
-        session, req = d["session"], d["last_request"]
+        session, req = d["session"], d.get("last_request")
         out = {
-            "key": str(d["key"]), "session": None if session is None else str(session),
+            "key": str(d.get("key", "")), "session": None if session is None else str(session),
             "tokens": tokens, "hashes": [str(h) for h in d["hashes"]],
             "msg_ends": [int(x) for x in d["msg_ends"]],
             "segments": tuple(segment_from_json(g) for g in d["segments"]),
-            "settled": int(d["settled"]), "exact_len": int(d["exact_len"]),
+            "settled": int(d["settled"]), "exact_len": int(d.get("exact_len", len(tokens))),
             "last_request": None if req is None else int(req),
             "last_used": int(d["last_used"]),
-            "used_at": float(d.get("used_at", 0.0)),  # saves of nbkv 0.1 lack it
+            "used_at": float(d.get("used_at", used_at)),
         }
         if int(d["n_tokens"]) != len(tokens):
             raise RestoreError(f"parked entry {out['key']}: {len(tokens)} tokens, its record "
@@ -177,14 +185,17 @@ def info_from_json(d: Any, n_vocab: int, tier: str) -> ParkedInfo:
 
 
 def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
-                    state: Callable[[str], Any] | None = None) -> ParkedEntry:
+                    state: Callable[[str], Any] | None = None,
+                    used_at: float = 0.0) -> ParkedEntry:
     """Inverse of :func:`entry_json`: ``read(name)`` returns a blob's checked bytes.
 
     ``state`` reads the whole-sequence state instead, when it needs converting (for example
-    :func:`nbkv.store.persist.restream` into another number of slots). Raises
-    :class:`~nbkv.core.errors.RestoreError` on anything malformed or inconsistent.
+    :func:`nbkv.store.persist.restream` into another number of slots). ``used_at`` stands in
+    where the record has none. Raises :class:`~nbkv.core.errors.RestoreError` on anything
+    malformed or inconsistent (the entry's own checks: settled <= exact_len <= tokens,
+    boundaries and checkpoints inside its tokens).
     """
-    f = _fields(d, n_vocab)
+    f = _fields(d, n_vocab, used_at)
     try:
         cps = [(int(c["pos"]), read(c["blob"])) for c in d["checkpoints"]]
         buf = (state or read)(d["state"])

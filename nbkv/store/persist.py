@@ -61,14 +61,12 @@ from nbkv.store.blobstore import (
     encode_units,
     fsync_dir,
     manifest_text,
-    segment_from_json,
-    segment_json,
     stale_by_age,
     sweep,
     write_blobs,
     write_file,
 )
-from nbkv.store.parked import ParkedEntry
+from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json
 from nbkv.store.protocols import Persistable, SessionStoreLike, default_sessions
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
     FORMAT,
@@ -285,16 +283,11 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     media: set[str] = set()
     for s in cap.slots:
         kv = s.kv
-        cps = [{"pos": c.pos, "blob": blobs.add(c.data)} for c in kv.checkpoints.items]
         media.update(u.key.image_hash for u in kv.tokens if isinstance(u, MediaUnit))
-        slots_json.append({
-            "index": s.index, "session": s.session, "tokens": encode_units(kv.tokens),
-            "n_tokens": len(kv.tokens), "settled": kv.settled,
-            "exact_len": kv.exact_len, "hashes": list(s.hashes),
-            "msg_ends": list(s.msg_ends), "last_used": s.last_used, "used_at": s.used_at,
-            "state": blobs.add(kv.state), "checkpoints": cps,
-            "segments": [segment_json(g) for g in s.segments], "nbytes": kv.nbytes,
-        })
+        conv = ParkedEntry.from_snapshot(kv, session=s.session, hashes=s.hashes,
+                                         msg_ends=s.msg_ends, segments=s.segments,
+                                         last_used=s.last_used, used_at=s.used_at)
+        slots_json.append({"index": s.index, **entry_json(conv, blobs)})
         reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
     parked_json = engine.parking.export(blobs) if engine.parking is not None else []
     for parked in parked_json:
@@ -466,31 +459,21 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
             if i >= engine.n_slots and lot is None:
                 plan.dropped.append(s.get("session") or f"slot {s['index']}")
                 continue
-            tokens = decode_units(s["tokens"], n_vocab)
-            n = len(tokens)
-            ends, hashes = [int(e) for e in s["msg_ends"]], [str(h) for h in s["hashes"]]
-            settled = int(s["settled"])
-            exact_len = int(s.get("exact_len", n))  # saves before nbkv 0.1 rewrote all
-            if n != s["n_tokens"] or n > engine.n_ctx or not 0 <= settled <= exact_len <= n \
-                    or len(ends) != len(hashes) or any(not 0 < e <= n for e in ends):
-                raise RestoreError(f"slot {s['index']}: inconsistent record in the manifest")
-            cps = []
-            for c in s["checkpoints"]:
-                pos = int(c["pos"])
-                if not 0 < pos <= n:
-                    raise RestoreError(f"slot {s['index']}: checkpoint at {pos} is outside it")
-                cps.append((pos, read(c["blob"])))
-            segments = tuple(segment_from_json(g) for g in s["segments"])
-            used_at = float(s.get("used_at", created))  # saves of nbkv 0.1 lack it
+            try:
+                conv = entry_from_json(s, read, n_vocab, state, used_at=created)
+            except RestoreError as err:
+                raise RestoreError(f"slot {s.get('index')}: {err}") from err
+            if len(conv.tokens) > engine.n_ctx:
+                raise RestoreError(f"slot {s['index']}: {len(conv.tokens)} tokens, more than "
+                                   f"the context's {engine.n_ctx}")
             if i >= engine.n_slots:  # more slots saved than there are: park the rest
-                plan.parked.append(ParkedEntry(
-                    s["session"], tokens, hashes, ends, state(s["state"]), cps, segments,
-                    settled, exact_len, None, int(s["last_used"]), used_at=used_at))
+                plan.parked.append(conv)
                 continue
             plan.slots.append(SlotState(
-                int(s["index"]), s["session"], tuple(hashes), tuple(ends), segments,
-                int(s["last_used"]), None,
-                KVSnapshot.of(state(s["state"]), tokens, settled, exact_len, cps), used_at))
+                int(s["index"]), conv.session, tuple(conv.hashes), tuple(conv.msg_ends),
+                tuple(conv.segments), conv.last_used, None,
+                KVSnapshot.of(conv.state, conv.tokens, int(conv.settled or 0),
+                              int(conv.exact_len or 0), conv.checkpoints), conv.used_at))
         if lot is not None:
             saved_parked = lot.decode(body.get("parked", []), read, state)
             for e in saved_parked:
