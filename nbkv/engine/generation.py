@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nbkv.engine.jobs import Job, JobState
+
 if TYPE_CHECKING:
-    from nbkv.engine.jobs import Job
     from nbkv.engine.scheduler import Scheduler
 
 
@@ -26,7 +27,7 @@ def generate(sched: Scheduler, jobs: list[Job]) -> None:
     """Decode the next token of every generating request."""
     if not jobs:
         return
-    jobs.sort(key=lambda j: j.slot.seq_id)  # one micro-batch (see nbkv.kv.batching)
+    jobs.sort(key=lambda j: j.placed_slot.seq_id)  # one micro-batch (see nbkv.kv.batching)
     # more rows than the calibration proved would take another kernel: split the step
     limit = sched.res.rule.gen_rows
     size = max(limit // (2 if sched.settings.speculative else 1), 1) if limit else len(jobs)
@@ -48,11 +49,12 @@ def _generate_rows(sched: Scheduler, jobs: list[Job]) -> None:
     plan = []
     pairs = two_row_exact(sched)
     for job in jobs:
-        tok, job.next_token = job.next_token, None
-        kv = job.slot.kv
+        tok = job.take_token()
+        slot = job.placed_slot
+        kv = slot.kv
         idx = batch.add(tok, len(kv), kv.seq_id, True)
         guess = extra = None
-        if job.drafter is not None and len(kv) + 2 < job.slot.capacity:
+        if job.drafter is not None and len(kv) + 2 < slot.capacity:
             guess = job.drafter.draft()
             if guess is None and pairs:
                 guess = tok  # a second row all the same: it keeps the step canonical
@@ -72,20 +74,20 @@ def _generate_rows(sched: Scheduler, jobs: list[Job]) -> None:
     # beside another of its sequence is one where two-row chunks are
     exact = sched.res.rule.single_row or pairs
     for job, tok, *_ in plan:
-        kv = job.slot.kv
+        kv = job.placed_slot.kv
         kv.extend([tok], exact=exact, settled=len(kv) + 1 if exact else None)
     for job, _, idx, guess, extra in plan:
-        kv = job.slot.kv
+        kv = job.placed_slot.kv
         try:
             sched.on_logits(job, idx)
             if guess is not None:
                 job.drafted += 1
-            if guess is not None and not job.done.is_set() and job.next_token == guess:
+            if guess is not None and extra is not None and job.next_token == guess:
                 job.accepted += 1
-                job.next_token = None
+                job.take_token()
                 kv.extend([guess], exact=pairs, settled=len(kv) + 1 if pairs else None)
                 sched.on_logits(job, extra)
-            elif guess is not None and not job.done.is_set():
+            elif guess is not None and job.state is not JobState.DONE:
                 kv.resync()  # drop the wrong guess's position
         except BaseException as e:  # noqa: BLE001
             sched.fail(job, e, "error")

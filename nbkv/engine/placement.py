@@ -173,10 +173,7 @@ def start(sched: Scheduler, job: Job) -> bool:
                 slot.segments = tuple(entry.segments)
     table.claim(slot, job.id, job.session, p, reuse, plan.evicted,
                 parked=parked_to is not None, keep=kept)
-    job.memo = memo
-    job.slot = slot
-    job.reuse = reuse
-    job.todo = list(p.tokens[reuse:])
+    job.place(slot, reuse, memo)
     if mem.takes_checkpoints:
         near = checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens))
         if mem.kind == SWA:  # where a window put back continues exactly

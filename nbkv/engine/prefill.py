@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def prefill(sched: Scheduler, job: Job, take: int) -> None:
     """Decode the next ``take`` prompt positions of ``job`` as one batch."""
-    kv = job.slot.kv
+    kv = job.placed_slot.kv
     toks = job.todo[:take]
     batch = sched.res.batch
     batch.clear()
@@ -39,7 +39,7 @@ def prefill(sched: Scheduler, job: Job, take: int) -> None:
         sched.fail(job, e, "error")
         return
     sched.note_rows(take, time.perf_counter() - t0)
-    rec = job.record
+    rec = job.started
     # the positions re-read first: settled ones the grouping needs, then the previous
     # reply's (absorbed: its rewrite had not run); time the absorbed share of this chunk
     read = rec.prefilled_tokens - len(job.todo)
@@ -50,7 +50,7 @@ def prefill(sched: Scheduler, job: Job, take: int) -> None:
                              + overlap / take * (time.perf_counter() - t0))
     end = len(kv) + take  # only now are these positions really in the KV
     kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, sched.res.rule))
-    del job.todo[:take]
+    job.read(take)
     try:
         if end in job.stops and kv.settled == end:
             kv.checkpoint()

@@ -118,6 +118,7 @@ def finish(sched: Scheduler, job: Job) -> None:
                   wait_s=now - job.t_submit, finish_reason=memo.finish_reason,
                   replayed_tokens=len(memo.tokens))
     job.record = rec
+    job.finished()
     with sched.cv:
         slot.segments = mine + later
         slot.pending = False

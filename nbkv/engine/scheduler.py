@@ -27,7 +27,7 @@ from typing import Any
 from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
 from nbkv.core.events import EventBus, Progress, RequestFinished
 from nbkv.engine import generation, placement, replay, rewrite, slot_parking, vision_decode
-from nbkv.engine.jobs import Job
+from nbkv.engine.jobs import READING, Job, JobState
 from nbkv.engine.native import Resources
 from nbkv.engine.prefill import prefill
 from nbkv.engine.shadow import Shadow
@@ -38,7 +38,6 @@ from nbkv.kv.replies import ReplyBook
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.kv.spc import SystemPromptStore
-from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import PromptBuilder
 from nbkv.store.parking import ParkingLot
 
@@ -264,7 +263,7 @@ class Scheduler:
                 continue
             if started:
                 self.queue.remove(job)
-                if job.memo is not None:  # the cached reply: nothing to read or decode
+                if job.state is JobState.REPLAY:  # the cached reply: nothing to decode
                     replay.finish(self, job)
                 else:
                     self.active.append(job)
@@ -281,36 +280,34 @@ class Scheduler:
         """
         for job in list(self.active):
             if job.cancel.is_set():
-                if job.image_piece:  # drop the part of an image decoded so far
-                    job.image_piece = 0
-                    job.slot.kv.resync()
+                if job.drop_pieces():  # drop the part of an image decoded so far
+                    job.placed_slot.kv.resync()
                 self.finish(job, "cancelled")
         by_id = {j.id: j for j in self.active}
-        generating = [j for j in self.active if j.next_token is not None]
+        generating = [j for j in self.active if j.state is JobState.GENERATE]
         prefilling = []
         for j in self.active:
-            if not j.todo:
+            if j.state not in READING:
                 continue
-            image = isinstance(j.todo[0], MediaUnit)
+            image = j.state is not JobState.PREFILL
             stops = j.stops if j.capture_at is None else (*j.stops, j.capture_at)
             take = 0 if image else next_chunk(
-                j.prompt.tokens, len(j.slot.kv), self.res.rule, self.res.batch.capacity, stops)
-            prefilling.append(Prefilling(j.id, len(j.todo), j.encoding is None or
-                                         j.encoding.done(), image, take))
+                j.prompt.tokens, len(j.placed_slot.kv), self.res.rule, self.res.batch.capacity,
+                stops)
+            prefilling.append(Prefilling(j.id, len(j.todo), j.ready(), image, take))
         plan = plan_step(prefilling, len(generating))
+        ran = False
         if plan.prefill is not None:
             job = by_id[plan.prefill]
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
-        if plan.image:
-            ran = vision_decode.decode_image(self, by_id[plan.prefill])
-        elif plan.prefill is not None:
-            prefill(self, by_id[plan.prefill], plan.take)
-            ran = True
-        else:
-            ran = False
+            if job.state is JobState.PREFILL:
+                prefill(self, job, plan.take)
+                ran = True
+            else:
+                ran = vision_decode.decode_image(self, job)
         if plan.generate:
-            generating = [j for j in generating if not j.done.is_set()]
+            generating = [j for j in generating if j.state is JobState.GENERATE]
             generation.generate(self, generating)
             if self.shadow is not None:
                 self.shadow.step(self, [j for j in generating if not j.done.is_set()])
@@ -321,19 +318,21 @@ class Scheduler:
 
     def progress(self, job: Job) -> None:
         """Publish how far ``job``'s prefill is."""
-        done = job.record.prefilled_tokens - len(job.todo)
+        total = job.started.prefilled_tokens
         phase = "extend" if job.reuse else "rebuild"
-        self.events.publish(Progress(job.id, job.slot.index, phase, done,
-                                     job.record.prefilled_tokens))
+        self.events.publish(Progress(job.id, job.placed_slot.index, phase,
+                                     total - len(job.todo), total))
 
     def on_logits(self, job: Job, idx: int) -> None:
         """Sample ``job``'s next token from batch row ``idx``; stream it, or finish."""
         now = time.perf_counter()
         model = self.res.model
-        token = job.sampler.sample(self.res.ctx.ptr, idx)
+        slot, sampler = job.placed_slot, job.sampler
+        assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
+        token = sampler.sample(self.res.ctx.ptr, idx)
         if not job.t_first:  # the first token counts once it is sampled
             job.t_first = time.perf_counter()
-            job.record = replace(job.record, first_decode_s=job.t_first - now)
+            job.record = replace(job.started, first_decode_s=job.t_first - now)
         if model.is_eog(token):
             return self.finish(job, "stop")
         job.generated.append(token)
@@ -346,13 +345,13 @@ class Scheduler:
             return self.finish(job, "stop")
         # as llama-server stops (process_token): when the token just sampled would take the
         # slot's last position, so that both engines give a reply at the edge the same length
-        full = len(job.slot.kv) + 1 >= job.slot.capacity
+        full = len(slot.kv) + 1 >= slot.capacity
         if len(job.generated) >= job.params.max_tokens or full:
             return self.finish(job, "length")
-        job.next_token = token
+        job.sampled(token)
         if now - job.t_last_progress > 0.25:
             job.t_last_progress = now
-            self.events.publish(Progress(job.id, job.slot.index, "generate",
+            self.events.publish(Progress(job.id, slot.index, "generate",
                                          len(job.generated), job.params.max_tokens))
         return None
 
@@ -360,6 +359,7 @@ class Scheduler:
         """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
         if job.done.is_set():
             return
+        job.finished()
         if job in self.active:
             self.active.remove(job)
         if job.sampler is not None:

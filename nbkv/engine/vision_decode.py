@@ -27,14 +27,14 @@ def decode_image(sched: Scheduler, job: Job) -> bool:
         sched.fail(job, MediaError("a prompt must not end with an image"), "error")
         return True
     h = chunk.image.hash
-    fut, job.encoding = job.encoding, None  # done: the step skips the job until then
+    fut = job.take_encoding()  # done: the step skips the job until then
     try:
         if fut is None and (h not in job.embeddings
                             or (chunk.sub_index == 0 and not job.image_piece)):
             fut = projector.embeddings.fetch(chunk.image, job.prompt.media,
                                              held=job.embeddings, tally=job, wait=False)
             if not fut.done():
-                job.encoding = fut
+                job.wait_encoder(fut)
                 fut.add_done_callback(lambda _: sched.wake())
                 return False
         if fut is not None:
@@ -43,7 +43,7 @@ def decode_image(sched: Scheduler, job: Job) -> bool:
         sched.fail(job, e, "error")
         return True
     emb = job.embeddings[h]
-    slot = job.slot
+    slot = job.placed_slot
     # a big causal image goes in sub-batches, one per step, between the other
     # requests' tokens (a non-causal one is a single batch)
     total = projector.pieces(ctx, chunk)
@@ -52,15 +52,14 @@ def decode_image(sched: Scheduler, job: Job) -> bool:
         projector.decode_chunk(ctx, chunk, slot.seq_id, len(slot.kv),
                                embedding=emb, piece=piece if total > 1 else None)
     except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
-        job.image_piece = 0
+        job.drop_pieces()
         sched.fail(job, e, "error")
         return True
     if piece + 1 < total:
-        job.image_piece = piece + 1
+        job.piece_read()
         return True
-    job.image_piece = 0
     slot.kv.extend(job.todo[:n], settled=len(slot.kv) + n)
-    del job.todo[:n]
+    job.read(n)
     slot.kv.checkpoint()  # a follow-up question never re-decodes the image
     sched.progress(job)
     return True
