@@ -38,7 +38,7 @@ from nbkv.engine.slot_parking import park_sessions, spill_all, unpark_sessions
 from nbkv.kv import reasons
 from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
-from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable
+from nbkv.kv.slot_table import EngineState, SlotInfo, SlotState, SlotTable
 from nbkv.kv.spc import SavedPrompt, SystemPromptStore
 from nbkv.llama.hardware import offload_warnings
 from nbkv.media.embeddings import EmbeddingCache
@@ -260,7 +260,7 @@ class Engine(TemplatedAPI, ChatAPI):
         self.table: SlotTable[EngineSlot] = SlotTable(
             [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints,
                                                  checkpoint_bytes))
-             for i in range(self.config.n_slots)], cv)
+             for i in range(self.res.n_slots)], cv)
         self.spc = SystemPromptStore(spc_max_entries)
         #: conversations that lost their slot, in RAM and on disk (None: parking is off)
         self.parking = None
@@ -359,15 +359,15 @@ class Engine(TemplatedAPI, ChatAPI):
 
     def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
-        self._parking_lot()
-        text = self.scheduler.call(lambda: park_sessions(self.scheduler, session, all))
+        lot = self._parking_lot()
+        text = self.scheduler.call(lambda: park_sessions(self.scheduler, lot, session, all))
         self.events.publish(SlotsChanged("parked"))
         return text
 
     def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Bring parked conversations back into slots now (an empty slot, else the LRU's)."""
-        self._parking_lot()
-        text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, session, all))
+        lot = self._parking_lot()
+        text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, lot, session, all))
         self.events.publish(SlotsChanged("unparked"))
         return text
 
@@ -472,7 +472,8 @@ class Engine(TemplatedAPI, ChatAPI):
 
     def _text_of(self, units: Sequence[Any]) -> str:
         """Text of KV units: tokens detokenized, each image as ``[image]``."""
-        out, run = [], []
+        out: list[str] = []
+        run: list[int] = []
         for u in units:
             if isinstance(u, MediaUnit):
                 if run:
@@ -503,7 +504,7 @@ class Engine(TemplatedAPI, ChatAPI):
 
         self.scheduler.call(settle)
 
-    def export_state(self, only_if_idle: bool = False) -> engine_state.EngineState:
+    def export_state(self, only_if_idle: bool = False) -> EngineState:
         """Every idle slot's KV and bookkeeping, and the system prompt cache, as data.
 
         Finished replies are rewritten first (exact mode), so what is exported is proven KV.
@@ -598,9 +599,12 @@ class Engine(TemplatedAPI, ChatAPI):
         lot = self.parking
         on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
         if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
+            def spill() -> int:
+                settle_all(self.scheduler)  # whole replies parked: rewritten first
+                return spill_all(self.scheduler)
+
             try:
-                self.scheduler.call(lambda: (settle_all(self.scheduler),
-                                             spill_all(self.scheduler)))
+                self.scheduler.call(spill)
             except Exception:  # noqa: BLE001 - closing must not fail
                 log.exception("could not spill the parked conversations to disk at close")
         self.scheduler.stop()

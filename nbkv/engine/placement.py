@@ -64,7 +64,9 @@ def start(sched: Scheduler, job: Job) -> bool:
         info = next((i for i in parked if i.key == plan.parked), None)
         taken = info is not None and policy.takes_parked(info, job.session, p.tokens)
         # its own session takes an entry back; any other conversation restores a copy
-        entry = None if info is None else lot.take(info.key) if taken else lot.borrow(info.key)
+        entry = None
+        if info is not None and lot is not None:
+            entry = lot.take(info.key) if taken else lot.borrow(info.key)
         if plan.parked is None or entry is not None:
             break
         parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
 from nbkv.core.events import EventBus, Progress, RequestFinished
@@ -35,13 +35,15 @@ from nbkv.kv.batching import Prefilling, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.policy import PREFIX_SALVAGE
 from nbkv.kv.replies import ReplyBook
-from nbkv.kv.slot_kv import SlotKV
+from nbkv.kv.slot_kv import KVSnapshot, SlotKV
 from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.kv.spc import SystemPromptStore
 from nbkv.prompt.builder import PromptBuilder
 from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,7 +58,7 @@ class EngineSlot(TableSlot):
     last_turn: tuple[Any, str] | None = None
     #: a snapshot of its KV taken in idle time, and the KV version it shows: parking the
     #: slot then costs no copy (nbkv.engine.slot_parking.prepark)
-    preparked: tuple[int, Any] | None = None
+    preparked: tuple[int, KVSnapshot | None] | None = None
     rewrite_mixed: int = 0  # ... of which were rewritten while the reply was generated
     t_replied: float = 0.0  # when its last reply ended (time.perf_counter)
     reply_rows: int = 0  # ... and how many positions rewriting that reply's KV takes
@@ -118,7 +120,7 @@ class Scheduler:
         self.cv = cv
         self.queue: list[Job] = []
         self.active: list[Job] = []
-        self.control: list[tuple[Callable[[], Any], Future]] = []
+        self.control: list[tuple[Callable[[], Any], Future[Any]]] = []
         self.closed = False
         self.held = 0  # hold_admission() depth: requests queue but are not admitted
         #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
@@ -157,9 +159,9 @@ class Scheduler:
         with self.cv:
             self.cv.notify_all()
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between decode steps; return its result."""
-        fut: Future = Future()
+        fut: Future[T] = Future()
         with self.cv:
             if self.closed:
                 raise EngineClosedError("this engine is closed")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nbkv.core.config import REWRITE_MODES  # Engine(rewrite=...)
 from nbkv.kv import invariance
@@ -161,7 +161,7 @@ class Shadow:
         finally:
             self.drop()
 
-    def _take_place_of(self, slot: EngineSlot, units: list, mixed: int) -> None:
+    def _take_place_of(self, slot: EngineSlot, units: list[Any], mixed: int) -> None:
         """Swap the shadow into ``slot``; what it lacks of ``units`` is left to rewrite."""
         slot.kv.swap(self.kv)
         slot.redo = units[len(slot.kv):]

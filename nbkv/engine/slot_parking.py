@@ -26,6 +26,7 @@ from nbkv.store.parked import ParkedEntry, ParkedInfo
 
 if TYPE_CHECKING:
     from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
 
@@ -135,9 +136,11 @@ def take_preparked(sched: Scheduler, slot: EngineSlot) -> KVSnapshot | None:
     A stale copy's memory goes back to the state buffers.
     """
     pre, slot.preparked = slot.preparked, None
-    if pre is None or pre[1] is None:
+    if pre is None:
         return None
     version, snap = pre
+    if snap is None:
+        return None
     if version == slot.kv.version:
         return snap
     state = snap.state
@@ -159,7 +162,8 @@ def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:
     return len(kv)
 
 
-def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+def park_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every: bool
+                  ) -> str:
     """Park ``session``'s idle slot (every idle slot that holds something with ``every``).
 
     A conversation no tier can hold stays in its slot (said so). The figures are the
@@ -173,7 +177,7 @@ def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
         info = park_slot(sched, s, drop=False)
         if info is None:
             done.append(f"{who}: stays in slot {s.index} (no parking tier could hold its "
-                        f"{n:,} tokens{_why_not(sched)})")
+                        f"{n:,} tokens{_why_not(lot)})")
             continue
         with sched.cv:
             s.reset()
@@ -184,23 +188,24 @@ def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
     if not done:
         raise InvalidRequestError("no idle slot holds a conversation" if every
                                   else f"no idle slot holds session {session!r}")
-    st = sched.parking.stats()
+    st = lot.stats()
     return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
             f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
 
 
-def _why_not(sched: Scheduler) -> str:
-    gone = sched.parking.stats()["disk_gone"]
+def _why_not(lot: ParkingLot) -> str:
+    gone = lot.stats()["disk_gone"]
     return f"; the disk tier is gone: {gone}" if gone else ""
 
 
-def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+def unpark_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every: bool
+                    ) -> str:
     """Restore ``session``'s parked conversation (all, with ``every``) into slots.
 
     Each goes into an empty slot, else the least recently used one (whose conversation is
     parked in turn); at most one per slot.
     """
-    lot, table = sched.parking, sched.table
+    table = sched.table
     wanted = [i for i in lot.entries() if every or i.session == session][: len(table)]
     if not wanted:
         raise InvalidRequestError("nothing is parked" if every

@@ -66,13 +66,15 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
             s.reset()
         for i, state in sorted(placed, key=lambda p: p[1].last_used):
             slot = sched.table[i]
-            snap: KVSnapshot = state.kv
-            slot.kv.put_back(snap)
+            saved = state.kv
+            if saved is None:
+                raise RestoreError(f"slot {i}: the saved state holds no KV")
+            slot.kv.put_back(saved)
             held = len(slot.kv)
-            if held != len(snap.tokens) and not (slot.kv.memory.kind == SWA
-                                                 and held < len(snap.tokens)):
+            if held != len(saved.tokens) and not (slot.kv.memory.kind == SWA
+                                                  and held < len(saved.tokens)):
                 raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
-                                   f"{len(snap.tokens)} positions")
+                                   f"{len(saved.tokens)} positions")
             if held:  # a sliding-window state may go back to a checkpoint (SlotKV.put_back)
                 sched.table.adopt(slot, held_state(state, held))
     except BaseException as e:

@@ -26,12 +26,14 @@ def decode_image(sched: Scheduler, job: Job) -> bool:
     if n >= len(job.todo):
         sched.fail(job, MediaError("a prompt must not end with an image"), "error")
         return True
-    h = chunk.image.hash
+    image = chunk.image
+    assert image is not None  # chunk_for gives image chunks only
+    h = image.hash
     fut = job.take_encoding()  # done: the step skips the job until then
     try:
         if fut is None and (h not in job.embeddings
                             or (chunk.sub_index == 0 and not job.image_piece)):
-            fut = projector.embeddings.fetch(chunk.image, job.prompt.media,
+            fut = projector.embeddings.fetch(image, job.prompt.media,
                                              held=job.embeddings, tally=job, wait=False)
             if not fut.done():
                 job.wait_encoder(fut)
