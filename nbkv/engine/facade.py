@@ -31,14 +31,14 @@ from nbkv.engine import verify
 from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit
-from nbkv.engine.rewrite import settle_all
-from nbkv.engine.scheduler import EngineSlot, Scheduler, ServeSettings
+from nbkv.engine.scheduler import Scheduler
 from nbkv.engine.shadow import Shadow
 from nbkv.engine.slot_parking import park_sessions, spill_all, unpark_sessions
+from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
 from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
-from nbkv.kv.slot_table import EngineState, SlotInfo, SlotState, SlotTable
+from nbkv.kv.slot_table import EngineState, SlotInfo, SlotState
 from nbkv.kv.spc import SavedPrompt, SystemPromptStore
 from nbkv.llama.hardware import offload_warnings
 from nbkv.media.embeddings import EmbeddingCache
@@ -257,7 +257,7 @@ class Engine(TemplatedAPI, ChatAPI):
         self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
         self.events = EventBus(history_size)
         cv = threading.Condition()
-        self.table: SlotTable[EngineSlot] = SlotTable(
+        self.table = EngineTable(
             [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints,
                                                  checkpoint_bytes))
              for i in range(self.res.n_slots)], cv)
@@ -497,10 +497,10 @@ class Engine(TemplatedAPI, ChatAPI):
         def settle() -> None:
             # the caller gives the engine time now: as a user reading would (rewrite="auto"
             # then leaves the next replies to idle time)
-            self.scheduler.back_to_back = False
+            self.scheduler.pace.back_to_back = False
             for s in self.table:
                 s.reply_rows = 0
-            settle_all(self.scheduler)
+            self.scheduler.rewriter.settle_all()
 
         self.scheduler.call(settle)
 
@@ -600,7 +600,7 @@ class Engine(TemplatedAPI, ChatAPI):
         on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
         if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
             def spill() -> int:
-                settle_all(self.scheduler)  # whole replies parked: rewritten first
+                self.scheduler.rewriter.settle_all()  # whole replies parked: rewritten first
                 return spill_all(self.scheduler)
 
             try:

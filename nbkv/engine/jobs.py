@@ -26,7 +26,7 @@ from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:
     from nbkv.engine.drafts import NgramDrafter
-    from nbkv.engine.scheduler import EngineSlot
+    from nbkv.engine.slots import EngineSlot
     from nbkv.llama.sampling import Sampler
     from nbkv.prompt.builder import Prompt
     from nbkv.prompt.textstream import TextStream

@@ -3,13 +3,15 @@
 Requests are prepared in the caller's thread (template, tokens, message hashes) and queued
 here. Each iteration runs the control calls (``Engine.probe``, saves, ...), admits queued
 requests into slots (:mod:`nbkv.engine.placement`), then advances the active ones by one step
-(:func:`nbkv.kv.batching.plan_step`): one prefill chunk (:mod:`nbkv.engine.prefill`) or image piece
-(:mod:`nbkv.engine.vision_decode`) and one generation decode for every generating request
-(:mod:`nbkv.engine.generation`), and, when requests come back to back, one chunk of a reply's
-rewrite into the shadow sequence (:mod:`nbkv.engine.shadow`). With nothing to do it rewrites
-finished replies' KV (:mod:`nbkv.engine.rewrite`). A slot's ``tokens`` list is the truth
-about its KV: it is extended only after a successful decode, and on any failure the KV is
-trimmed back to it.
+(:func:`nbkv.kv.batching.plan_step`), dispatched on each request's state
+(:class:`nbkv.engine.jobs.JobState`): one prefill chunk or image piece and one generation
+decode for every generating request (the :class:`~nbkv.engine.decoder.Decoder`), and, when
+requests come back to back, one chunk of a reply's rewrite into the shadow sequence
+(:mod:`nbkv.engine.shadow`). With nothing to do it rewrites finished replies' KV (the
+:class:`~nbkv.engine.rewrite.Rewriter`). Slots change only through the table's locked methods
+(:class:`~nbkv.engine.slots.EngineTable`); ``cv`` (the same lock) guards this queue. A
+slot's ``tokens`` list is the truth about its KV: it is extended only after a successful
+decode, and on any failure the KV is trimmed back to it.
 """
 
 from __future__ import annotations
@@ -21,22 +23,22 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
 from nbkv.core.events import EventBus, Progress, RequestFinished
-from nbkv.engine import generation, placement, replay, rewrite, slot_parking, vision_decode
+from nbkv.engine import placement, replay, slot_parking
+from nbkv.engine.decoder import Decoder
 from nbkv.engine.jobs import READING, Job, JobState
 from nbkv.engine.native import Resources
-from nbkv.engine.prefill import prefill
+from nbkv.engine.rewrite import Pace, Rewriter
 from nbkv.engine.shadow import Shadow
+from nbkv.engine.slots import EngineTable, ServeSettings
 from nbkv.kv.batching import Prefilling, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.policy import PREFIX_SALVAGE
 from nbkv.kv.replies import ReplyBook
-from nbkv.kv.slot_kv import KVSnapshot, SlotKV
-from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.kv.spc import SystemPromptStore
 from nbkv.prompt.builder import PromptBuilder
 from nbkv.store.parking import ParkingLot
@@ -46,67 +48,10 @@ log = logging.getLogger("nbkv")
 T = TypeVar("T")
 
 
-@dataclass
-class EngineSlot(TableSlot):
-    """A slot of the in-kernel engine: its KV (the one owner of tokens == KV) and rewrite."""
-
-    kv: SlotKV = None  # type: ignore[assignment]
-    redo: list[Any] = field(default_factory=list)  # positions being rewritten (settling)
-    rewrite_n: int = 0  # positions the current rewrite covers
-    rewrite_s: float = 0.0  # ... and the time it has taken so far
-    #: the prompt and reply of its last request: where its next turn resumes (parking)
-    last_turn: tuple[Any, str] | None = None
-    #: a snapshot of its KV taken in idle time, and the KV version it shows: parking the
-    #: slot then costs no copy (nbkv.engine.slot_parking.prepark)
-    preparked: tuple[int, KVSnapshot | None] | None = None
-    rewrite_mixed: int = 0  # ... of which were rewritten while the reply was generated
-    t_replied: float = 0.0  # when its last reply ended (time.perf_counter)
-    reply_rows: int = 0  # ... and how many positions rewriting that reply's KV takes
-
-    @property
-    def seq_id(self) -> int:
-        """The llama.cpp sequence of this slot."""
-        return self.kv.seq_id
-
-    @property
-    def tokens(self) -> list[Any]:
-        """What the KV holds, one unit per position."""
-        return self.kv.tokens
-
-    def snapshot(self) -> SlotInfo:
-        """An immutable copy for the caller's thread."""
-        kv = self.kv  # a reply being rewritten is still this slot's (see nbkv.engine.rewrite)
-        return SlotInfo(
-            self.index, kv.seq_id, self.capacity, self.session, (*kv.tokens, *self.redo),
-            tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-            self.segments, self.last_request, kv.settled, kv.checkpoints.positions,
-            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo), cut_floor=kv.cut_floor,
-        )
-
-    def reset(self) -> None:
-        """Forget everything (the KV too)."""
-        self.kv.clear()
-        self.redo.clear()
-        self.last_turn = None
-        self.preparked = None
-        self.forget_messages()
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """How the scheduler serves requests (the engine's cache settings)."""
-
-    cache: str
-    cache_min_tokens: int
-    exact: bool
-    speculative: bool
-    rewrite: str = "auto"  # when a reply's KV is rewritten: "auto", "idle" or "mixed"
-
-
 class Scheduler:
     """Queue, admission, decode steps and idle rewrites of one engine, on its own thread."""
 
-    def __init__(self, res: Resources, table: SlotTable[EngineSlot], spc: SystemPromptStore,
+    def __init__(self, res: Resources, table: EngineTable, spc: SystemPromptStore,
                  events: EventBus, settings: ServeSettings, cv: threading.Condition,
                  parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
                  shadow: Shadow | None = None) -> None:
@@ -130,11 +75,12 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         #: rewrites replies while they are generated (None: no shadow sequence)
         self.shadow = shadow
-        #: requests have been coming back to back: the last reply had no idle time to be
-        #: rewritten in (rewrite="auto" then rewrites the next one while it is generated);
-        #: what a fresh engine assumes (a notebook's Run All, an agent loop)
-        self.back_to_back = True
-        self.row_s = 0.0  # seconds a canonical prefill row takes (recent chunks)
+        #: how fast rows prefill, and whether requests come back to back
+        self.pace = Pace()
+        #: the requests' steps into the KV; it reports back here (progress, logits, failures)
+        self.decoder = Decoder(res, settings, spc, self.pace, self)
+        #: finished replies' KV rewritten as canonical prefills, in idle time
+        self.rewriter = Rewriter(res, settings, table, events, self.pace)
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -181,22 +127,16 @@ class Scheduler:
         if self.thread is not None and threading.current_thread() is not self.thread:
             self.thread.join()
 
-    def note_rows(self, rows: int, seconds: float) -> None:
-        """A canonical chunk of ``rows`` took ``seconds``: keep the per-row estimate."""
-        if rows >= 2 and seconds > 0:
-            per = seconds / rows
-            self.row_s = per if not self.row_s else 0.7 * self.row_s + 0.3 * per
-
     def busy(self) -> bool:
         """Requests queued or running, or a reply's KV still to rewrite (scheduler thread)."""
-        return bool(self.queue or self.active or rewrite.settling_slot(self) is not None)
+        return bool(self.queue or self.active or self.rewriter.settling_slot() is not None)
 
     # --------------------------------------------------------------- the thread
 
     def has_work(self) -> bool:
         """Anything for the scheduler to do (call with ``cv`` held)."""
         return bool(self.queue or self.active or self.control or self.closed
-                    or rewrite.settling_slot(self) is not None
+                    or self.rewriter.settling_slot() is not None
                     or slot_parking.prepark_slot(self) is not None)
 
     def run_once(self) -> bool:
@@ -230,9 +170,9 @@ class Scheduler:
             with self.cv:  # every slot busy: wait for a change, or a deadline
                 self.cv.wait(0.05)
         else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), or
-            slot = rewrite.settling_slot(self)  # copy out the conversation parked next
+            slot = self.rewriter.settling_slot()  # copy out the conversation parked next
             if slot is not None:
-                rewrite.settle(self, slot)
+                self.rewriter.settle(slot)
             elif (slot := slot_parking.prepark_slot(self)) is not None:
                 slot_parking.prepark(self, slot)
         return True
@@ -304,13 +244,13 @@ class Scheduler:
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
             if job.state is JobState.PREFILL:
-                prefill(self, job, plan.take)
+                self.decoder.prefill(job, plan.take)
                 ran = True
             else:
-                ran = vision_decode.decode_image(self, job)
+                ran = self.decoder.decode_image(job)
         if plan.generate:
             generating = [j for j in generating if j.state is JobState.GENERATE]
-            generation.generate(self, generating)
+            self.decoder.generate(generating)
             if self.shadow is not None:
                 self.shadow.step(self, [j for j in generating if not j.done.is_set()])
             ran = True
@@ -380,21 +320,18 @@ class Scheduler:
                     slot.kv.run_queued_copy()  # ... and none is coming to run the copy
             except BaseException:  # noqa: BLE001 - the request must still end
                 log.exception("slot[%d]: could not trim past its tokens", slot.index)
-                slot.reset()
+                self.table.reset(slot)
             settled = slot.kv.settled
             if self.shadow is not None:  # the reply's KV, rewritten while it was generated
                 mixed = self.shadow.hand_over(self, job, error is None)
         if slot is not None and rec is not None:
             n = len(slot.tokens) + len(slot.redo)
-            with self.cv:
-                self.table.replied(slot, job.prompt, job.text.text, n)
-                slot.last_turn = (job.prompt, job.text.text)
-                slot.segments = tuple(s for s in (
-                    replace(s, end=min(s.end, n)) for s in placement.segments(self, job, n))
-                    if s.length > 0)
-                slot.pending = False
-                slot.t_replied = now
-                slot.reply_rows = n - settled if self.res.ctx.ptr else 0
+            self.table.replied(
+                slot, job.prompt, job.text.text, n,
+                segments=tuple(s for s in (replace(s, end=min(s.end, n))
+                                           for s in placement.segments(self, job, n))
+                               if s.length > 0),
+                t_replied=now, reply_rows=n - settled if self.res.ctx.ptr else 0)
             rec = replace(finished_record(job, rec, reason, error, now, slot.segments),
                           rewrite_mixed=mixed)
             job.record = rec
@@ -404,7 +341,7 @@ class Scheduler:
                           "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
             self.events.publish(RequestFinished(rec))
             if mixed and not slot.redo:  # the shadow did the whole rewrite
-                rewrite.finished(self, slot)
+                self.rewriter.finished(slot)
         if error is not None:
             job.out.put(("error", error))
         elif rec is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nbkv.core.config import REWRITE_MODES  # Engine(rewrite=...)
 from nbkv.kv import invariance
@@ -34,7 +34,7 @@ from nbkv.kv.slot_kv import SlotKV, trim_valid
 
 if TYPE_CHECKING:
     from nbkv.engine.jobs import Job
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
 
 log = logging.getLogger("nbkv")
 __all__ = ["REWRITE_MODES", "SHADOW_CHUNK", "Shadow"]
@@ -93,7 +93,7 @@ class Shadow:
             return
         dt = time.perf_counter() - t0
         self.seconds += dt
-        sched.note_rows(take, dt)
+        sched.pace.note_rows(take, dt)
         end = len(self.kv) + take
         self.kv.extend(toks, settled=end)  # block rows: settled whatever the reply becomes
         self.rows += take
@@ -104,7 +104,7 @@ class Shadow:
         if not (cfg.exact and cfg.cache == "imc" and rule.exact and rule.mixed
                 and not rule.single_row and cfg.rewrite != "idle"):
             return False
-        if cfg.rewrite == "auto" and not sched.back_to_back:
+        if cfg.rewrite == "auto" and not sched.pace.back_to_back:
             return False
         if job.done.is_set() or job.slot is None or not job.slot.kv.memory.can_trim:
             return False
@@ -134,7 +134,7 @@ class Shadow:
     def hand_over(self, sched: Scheduler, job: Job, ok: bool) -> int:
         """``job`` ended: give its slot the shadow's canonical KV; returns its reply rows.
 
-        The slot's sequence and the shadow's are swapped (under ``sched.cv``, so that
+        The slot's sequence and the shadow's are swapped (under the table's lock, so that
         snapshots see the tokens and the KV change together); the rows after the shadow's
         last chunk become the slot's pending rewrite. 0 if nothing was handed over (the
         reply's KV is then rewritten as before: in idle time, or by the next request).
@@ -155,19 +155,10 @@ class Shadow:
             mixed = len(self.kv) - self.start
             if mixed <= 0:
                 return 0
-            with sched.cv:
-                self._take_place_of(slot, units, mixed)
+            sched.table.take_over(slot, self.kv, units, self.start, self.seconds, mixed)
             return mixed
         finally:
             self.drop()
-
-    def _take_place_of(self, slot: EngineSlot, units: list[Any], mixed: int) -> None:
-        """Swap the shadow into ``slot``; what it lacks of ``units`` is left to rewrite."""
-        slot.kv.swap(self.kv)
-        slot.redo = units[len(slot.kv):]
-        slot.rewrite_n = len(units) - self.start
-        slot.rewrite_s = self.seconds
-        slot.rewrite_mixed = mixed
 
     def drop(self) -> None:
         """Stop following; the shadow sequence is emptied."""

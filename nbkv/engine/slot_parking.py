@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.kv import policy
 from nbkv.kv.reach import restore_point
-from nbkv.kv.slot_kv import SWA, KVSnapshot, trim_valid
+from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry, ParkedInfo
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
     from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
@@ -44,15 +45,13 @@ def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True) -> ParkedIn
     t0 = time.perf_counter()
     exact = sched.settings.exact
     at = resume_point(sched, slot) if kv.memory.kind == SWA else None
-    with sched.cv:
-        if at is not None and at < len(kv) + len(slot.redo):
-            # a state put back whole cannot be cut (only the window before its end is
-            # saved): park it where the next turn resumes
-            slot.redo.clear()
-            kv.trim_to(at)
-        elif slot.redo or (exact and kv.needs_rewrite):
-            slot.redo.clear()  # the rewrite is abandoned: park the proven prefix
-            trim_valid(kv, list(kv.tokens), kv.settled, sched.res.rule)
+    if at is not None and at < len(kv) + len(slot.redo):
+        # a state put back whole cannot be cut (only the window before its end is
+        # saved): park it where the next turn resumes
+        sched.table.cut_back(slot, sched.res.rule, at)
+    elif slot.redo or (exact and kv.needs_rewrite):
+        # the rewrite is abandoned: park the proven prefix
+        sched.table.cut_back(slot, sched.res.rule)
     n = len(kv)
     if not n or not kv.verify():
         return None
@@ -179,8 +178,7 @@ def park_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every:
             done.append(f"{who}: stays in slot {s.index} (no parking tier could hold its "
                         f"{n:,} tokens{_why_not(lot)})")
             continue
-        with sched.cv:
-            s.reset()
+        sched.table.reset(s)
         cut = n - info.n_tokens
         note = (f" ({cut} token{'s' if cut != 1 else ''} of its last reply, not yet "
                 "rewritten, left out: its next turn reads them again)" if cut > 0 else "")
@@ -221,8 +219,7 @@ def unpark_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, ever
         if entry is None:
             continue
         park_slot(sched, slot)
-        with sched.cv:
-            slot.reset()
+        sched.table.reset(slot)
         n = restore_into(slot, entry)
         who = entry.session or "an unnamed conversation"
         if not n:

@@ -14,23 +14,24 @@ from typing import TYPE_CHECKING
 from nbkv.core.errors import EngineBusy, NbkvError, RestoreError
 from nbkv.engine.recompute import Recomputation
 from nbkv.engine.recompute import recompute as recompute_slot
-from nbkv.engine.rewrite import settle_all, settling_slot
 from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import EngineState, SlotState
 from nbkv.kv.spc import SavedPrompt
 from nbkv.store.parked import ParkedEntry
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
 
 log = logging.getLogger("nbkv")
 
 
 def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
     """Copy every idle slot's state and bookkeeping (only proven KV: rewrites run first)."""
-    if only_if_idle and (sched.queue or sched.active or settling_slot(sched) is not None):
+    if only_if_idle and (sched.queue or sched.active
+                         or sched.rewriter.settling_slot() is not None):
         raise EngineBusy("the engine is busy")
-    settle_all(sched)
+    sched.rewriter.settle_all()
     slots, busy = [], []
     for s in sched.table:
         if s.pending or s.redo:
@@ -58,12 +59,12 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     """
     if sched.active or any(s.pending for s in sched.table):
         raise RestoreError("the engine is serving requests: restore when it is idle")
-    settle_all(sched)  # what is parked below is proven KV
+    sched.rewriter.settle_all()  # what is parked below is proven KV
     backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))
               for s in sched.table]
     try:
         for s in sched.table:
-            s.reset()
+            sched.table.reset(s)
         for i, state in sorted(placed, key=lambda p: p[1].last_used):
             slot = sched.table[i]
             saved = state.kv
@@ -100,7 +101,7 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
 
 def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
                state: SlotState) -> None:
-    s.reset()
+    sched.table.reset(s)
     if snap is None:
         return
     try:
@@ -109,13 +110,7 @@ def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
         log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
         return
     if s.kv.tokens:
-        state = held_state(state, len(s.kv))
-        with sched.cv:
-            s.session, s.hashes, s.msg_ends = state.session, list(state.hashes), list(
-                state.msg_ends)
-            s.segments, s.last_used, s.last_request = (state.segments, state.last_used,
-                                                       state.last_request)
-            s.used_at = state.used_at
+        sched.table.put_back(s, held_state(state, len(s.kv)))
 
 
 def held_state(state: SlotState, n: int) -> SlotState:
