@@ -93,3 +93,19 @@ def test_transitions_from_the_wrong_state_are_refused() -> None:
     j.finished()
     with pytest.raises(JobStateError):
         j.read(1)
+
+
+def test_a_slots_phase_is_named_from_what_it_holds() -> None:
+    from nbkv.engine.slots import TO_REWRITE, EngineSlot, SlotPhase
+
+    kv: Any = SimpleNamespace(tokens=[], needs_rewrite=False)
+    s = EngineSlot(0, 64, kv=kv)
+    assert s.phase is SlotPhase.EMPTY
+    kv.tokens = [1, 2, 3]
+    assert s.phase is SlotPhase.SETTLED
+    kv.needs_rewrite = True  # its reply decoded token by token
+    assert s.phase is SlotPhase.UNSETTLED and s.phase in TO_REWRITE
+    s.redo = [3]  # cut back: its rewrite has begun
+    assert s.phase is SlotPhase.REWRITING and s.phase in TO_REWRITE
+    s.pending = True  # a request is placed in it: nothing else counts
+    assert s.phase is SlotPhase.SERVING and s.phase not in TO_REWRITE

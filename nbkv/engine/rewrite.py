@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from nbkv.core.events import SlotRewritten
 from nbkv.engine.placement import REPLY_TAIL
+from nbkv.engine.slots import TO_REWRITE
 from nbkv.kv import invariance
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class Rewriter:
         if not self.settings.exact or self.settings.cache != "imc":
             return None
         for s in self.table:
-            if not s.pending and (s.redo or s.kv.needs_rewrite):
+            if s.phase in TO_REWRITE:
                 return s
         return None
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.engine.slots import SlotPhase
 from nbkv.kv import policy
 from nbkv.kv.reach import restore_point
 from nbkv.kv.slot_kv import SWA, KVSnapshot
@@ -104,12 +105,13 @@ def prepark_slot(sched: Scheduler) -> EngineSlot | None:
     if sched.parking is None or sched.settings.cache != "imc" or sched.queue or sched.active:
         return None
     table = sched.table
-    if any(not s.tokens for s in table) or any(s.pending or s.redo for s in table):
+    if any(s.phase in (SlotPhase.EMPTY, SlotPhase.SERVING, SlotPhase.REWRITING)
+           for s in table):
         return None
     slot = min(table, key=lambda s: (s.last_used, s.index))
     if slot.preparked is not None and slot.preparked[0] == slot.kv.version:
         return None  # copied out already (or found not to be parked whole)
-    if sched.settings.exact and slot.kv.needs_rewrite:
+    if sched.settings.exact and slot.phase is SlotPhase.UNSETTLED:
         return None
     return slot
 

@@ -9,6 +9,7 @@ lock themselves.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,20 @@ from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import KVSnapshot, SlotKV, trim_valid
 from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable, TableSlot
 from nbkv.prompt.builder import Prompt
+
+
+class SlotPhase(enum.Enum):
+    """Where a slot is between requests, or that it serves one (``EngineSlot.phase``)."""
+
+    EMPTY = "empty"  # holds nothing
+    SERVING = "serving"  # a request is placed in it (its own state: nbkv.engine.jobs)
+    REWRITING = "rewriting"  # its last reply cut back, chunks of it still to prefill (redo)
+    UNSETTLED = "unsettled"  # ends with token-by-token decodes (exact mode rewrites them)
+    SETTLED = "settled"  # idle, its KV as a canonical prefill computes it
+
+
+#: the phases in which a slot's last reply is (being) rewritten in exact mode
+TO_REWRITE = frozenset({SlotPhase.REWRITING, SlotPhase.UNSETTLED})
 
 
 @dataclass
@@ -36,6 +51,17 @@ class EngineSlot(TableSlot):
     rewrite_mixed: int = 0  # ... of which were rewritten while the reply was generated
     t_replied: float = 0.0  # when its last reply ended (time.perf_counter)
     reply_rows: int = 0  # ... and how many positions rewriting that reply's KV takes
+
+    @property
+    def phase(self) -> SlotPhase:
+        """Its phase, read from what it holds (``pending``, ``redo`` and its KV)."""
+        if self.pending:
+            return SlotPhase.SERVING
+        if self.redo:
+            return SlotPhase.REWRITING
+        if not self.kv.tokens:
+            return SlotPhase.EMPTY
+        return SlotPhase.UNSETTLED if self.kv.needs_rewrite else SlotPhase.SETTLED
 
     @property
     def seq_id(self) -> int:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from nbkv.core.errors import EngineBusy, NbkvError, RestoreError
 from nbkv.engine.recompute import Recomputation
 from nbkv.engine.recompute import recompute as recompute_slot
+from nbkv.engine.slots import SlotPhase
 from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import EngineState, SlotState
 from nbkv.kv.spc import SavedPrompt
@@ -34,7 +35,7 @@ def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
     sched.rewriter.settle_all()
     slots, busy = [], []
     for s in sched.table:
-        if s.pending or s.redo:
+        if s.phase in (SlotPhase.SERVING, SlotPhase.REWRITING):
             busy.append(s.index)
             continue
         if not s.tokens:

@@ -15,6 +15,7 @@ import numpy as np
 from nbkv.core.errors import NbkvError
 from nbkv.engine.placement import servable
 from nbkv.engine.prefill import extension_logits
+from nbkv.engine.slots import SlotPhase
 from nbkv.kv import invariance
 from nbkv.kv.oracle import Verification, scratch_logits, scratch_rows
 from nbkv.media.units import MediaUnit
@@ -30,9 +31,10 @@ def ready_slot(sched: Scheduler, index: int) -> EngineSlot:
     Its KV is then what a request would be served.
     """
     s = sched.table[index]
-    if s.pending:
+    if s.phase is SlotPhase.SERVING:
         raise NbkvError(f"slot {index} is serving a request")
-    while s.redo or (sched.settings.exact and s.kv.needs_rewrite):
+    while s.phase is SlotPhase.REWRITING or (sched.settings.exact
+                                             and s.phase is SlotPhase.UNSETTLED):
         sched.rewriter.settle(s)
     return s
 
