@@ -256,11 +256,10 @@ class Engine(TemplatedAPI, ChatAPI):
         """The caches, the slot table and the scheduler thread over loaded resources."""
         self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
         self.events = EventBus(history_size)
-        cv = threading.Condition()
-        self.table = EngineTable(
+        self.table = EngineTable(  # its lock is the scheduler's condition variable too
             [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints,
                                                  checkpoint_bytes))
-             for i in range(self.res.n_slots)], cv)
+             for i in range(self.res.n_slots)], threading.Condition())
         self.spc = SystemPromptStore(spc_max_entries)
         #: conversations that lost their slot, in RAM and on disk (None: parking is off)
         self.parking = None
@@ -274,7 +273,7 @@ class Engine(TemplatedAPI, ChatAPI):
             shadow = Shadow(SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints))
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
             self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
-            cv, self.parking, self._prompts, shadow)
+            self.parking, self._prompts, shadow)
         self.scheduler.start(self)
 
     # ------------------------------------------------------------------ public API

@@ -52,7 +52,7 @@ class Scheduler:
     """Queue, admission, decode steps and idle rewrites of one engine, on its own thread."""
 
     def __init__(self, res: Resources, table: EngineTable, spc: SystemPromptStore,
-                 events: EventBus, settings: ServeSettings, cv: threading.Condition,
+                 events: EventBus, settings: ServeSettings,
                  parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
                  shadow: Shadow | None = None) -> None:
         self.res = res
@@ -62,7 +62,8 @@ class Scheduler:
         self.parking = parking  # conversations that lost their slot (None: parking off)
         self.events = events
         self.settings = settings
-        self.cv = cv
+        #: the table's lock: it guards the queue as well, and wakes the thread
+        self.cv = table.lock
         self.queue: list[Job] = []
         self.active: list[Job] = []
         self.control: list[tuple[Callable[[], Any], Future[Any]]] = []
