@@ -32,7 +32,6 @@ from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit
 from nbkv.engine.scheduler import Scheduler
-from nbkv.engine.shadow import Shadow
 from nbkv.engine.slot_parking import park_sessions, spill_all, unpark_sessions
 from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
@@ -268,9 +267,9 @@ class Engine(TemplatedAPI, ChatAPI):
                                       {**self.identity(), "n_slots": self.n_slots,
                                        "kv_streams": self.kv_streams},
                                       self.model.n_vocab, _announce_drops(self.events))
-        shadow = None
+        shadow = None  # the sequence that rewrites replies while they are generated
         if self.res.shadow_seq is not None:
-            shadow = Shadow(SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints))
+            shadow = SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints)
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
             self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
             self.parking, self._prompts, shadow)

@@ -39,6 +39,7 @@ from nbkv.kv.batching import Prefilling, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.policy import PREFIX_SALVAGE
 from nbkv.kv.replies import ReplyBook
+from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.spc import SystemPromptStore
 from nbkv.prompt.builder import PromptBuilder
 from nbkv.store.parking import ParkingLot
@@ -54,7 +55,7 @@ class Scheduler:
     def __init__(self, res: Resources, table: EngineTable, spc: SystemPromptStore,
                  events: EventBus, settings: ServeSettings,
                  parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
-                 shadow: Shadow | None = None) -> None:
+                 shadow_kv: SlotKV | None = None) -> None:
         self.res = res
         self.prompts = prompts  # renders a conversation as its next turn will (parking)
         self.table = table
@@ -74,14 +75,15 @@ class Scheduler:
         #: replies a re-run of the same prompt and settings may be answered with
         self.replies = ReplyBook()
         self.thread: threading.Thread | None = None
-        #: rewrites replies while they are generated (None: no shadow sequence)
-        self.shadow = shadow
         #: how fast rows prefill, and whether requests come back to back
         self.pace = Pace()
         #: the requests' steps into the KV; it reports back here (progress, logits, failures)
         self.decoder = Decoder(res, settings, spc, self.pace, self)
         #: finished replies' KV rewritten as canonical prefills, in idle time
         self.rewriter = Rewriter(res, settings, table, events, self.pace)
+        #: rewrites replies while they are generated (None: no shadow sequence)
+        self.shadow = (Shadow(shadow_kv, res, settings, table, self.pace)
+                       if shadow_kv is not None else None)
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -253,7 +255,7 @@ class Scheduler:
             generating = [j for j in generating if j.state is JobState.GENERATE]
             self.decoder.generate(generating)
             if self.shadow is not None:
-                self.shadow.step(self, [j for j in generating if not j.done.is_set()])
+                self.shadow.step([j for j in generating if not j.done.is_set()])
             ran = True
         return ran
 
@@ -324,7 +326,7 @@ class Scheduler:
                 self.table.reset(slot)
             settled = slot.kv.settled
             if self.shadow is not None:  # the reply's KV, rewritten while it was generated
-                mixed = self.shadow.hand_over(self, job, error is None)
+                mixed = self.shadow.hand_over(job, error is None)
         if slot is not None and rec is not None:
             n = len(slot.tokens) + len(slot.redo)
             self.table.replied(
