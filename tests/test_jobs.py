@@ -18,7 +18,8 @@ IMAGE = MediaKey("h", 0, 3, 3)
 
 def job(units: list[Any]) -> Job:
     """A queued request for a prompt of ``units`` (a stand-in prompt: only its tokens)."""
-    return Job(SimpleNamespace(tokens=units), None, SamplingParams(), 1.0,  # type: ignore[arg-type]
+    prompt: Any = SimpleNamespace(tokens=units)
+    return Job(prompt, None, SamplingParams(), 1.0,
                TextStream())
 
 
