@@ -185,17 +185,17 @@ def test_a_request_preempts_the_idle_rewrite_between_chunks(model_path, monkeypa
     for that chunk only, keeps what is rewritten and re-reads only the rest."""
     paused, release = threading.Event(), threading.Event()
     chunks = []
-    settle = rewrite.settle
+    settle = rewrite.Rewriter.settle
 
-    def one_chunk_then_wait(sched, slot):
+    def one_chunk_then_wait(rewriter, slot):
         before = len(slot.kv) + len(slot.redo)
-        settle(sched, slot)
+        settle(rewriter, slot)
         chunks.append(before - len(slot.redo))
         if len(chunks) == 1:  # the scheduler sits between two rewrite chunks
             paused.set()
             assert release.wait(600)
 
-    monkeypatch.setattr(rewrite, "settle", one_chunk_then_wait)
+    monkeypatch.setattr(rewrite.Rewriter, "settle", one_chunk_then_wait)
     with Engine(model_path, n_slots=1, n_ctx=1024, rewrite="idle") as e:
         msgs = first_turn("List twenty fruits, one per line, numbered.")
         first = e.chat(msgs, session="p", max_tokens=48, temperature=0)

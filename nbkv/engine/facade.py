@@ -31,14 +31,13 @@ from nbkv.engine import verify
 from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit
-from nbkv.engine.rewrite import settle_all
-from nbkv.engine.scheduler import EngineSlot, Scheduler, ServeSettings
-from nbkv.engine.shadow import Shadow
+from nbkv.engine.scheduler import Scheduler
 from nbkv.engine.slot_parking import park_sessions, spill_all, unpark_sessions
+from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
 from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
-from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable
+from nbkv.kv.slot_table import EngineState, SlotInfo, SlotState
 from nbkv.kv.spc import SavedPrompt, SystemPromptStore
 from nbkv.llama.hardware import offload_warnings
 from nbkv.media.embeddings import EmbeddingCache
@@ -256,11 +255,10 @@ class Engine(TemplatedAPI, ChatAPI):
         """The caches, the slot table and the scheduler thread over loaded resources."""
         self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
         self.events = EventBus(history_size)
-        cv = threading.Condition()
-        self.table: SlotTable[EngineSlot] = SlotTable(
+        self.table = EngineTable(  # its lock is the scheduler's condition variable too
             [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints,
                                                  checkpoint_bytes))
-             for i in range(self.config.n_slots)], cv)
+             for i in range(self.res.n_slots)], threading.Condition())
         self.spc = SystemPromptStore(spc_max_entries)
         #: conversations that lost their slot, in RAM and on disk (None: parking is off)
         self.parking = None
@@ -269,12 +267,12 @@ class Engine(TemplatedAPI, ChatAPI):
                                       {**self.identity(), "n_slots": self.n_slots,
                                        "kv_streams": self.kv_streams},
                                       self.model.n_vocab, _announce_drops(self.events))
-        shadow = None
+        shadow = None  # the sequence that rewrites replies while they are generated
         if self.res.shadow_seq is not None:
-            shadow = Shadow(SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints))
+            shadow = SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints)
         self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
             self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
-            cv, self.parking, self._prompts, shadow)
+            self.parking, self._prompts, shadow)
         self.scheduler.start(self)
 
     # ------------------------------------------------------------------ public API
@@ -359,15 +357,15 @@ class Engine(TemplatedAPI, ChatAPI):
 
     def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
-        self._parking_lot()
-        text = self.scheduler.call(lambda: park_sessions(self.scheduler, session, all))
+        lot = self._parking_lot()
+        text = self.scheduler.call(lambda: park_sessions(self.scheduler, lot, session, all))
         self.events.publish(SlotsChanged("parked"))
         return text
 
     def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Bring parked conversations back into slots now (an empty slot, else the LRU's)."""
-        self._parking_lot()
-        text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, session, all))
+        lot = self._parking_lot()
+        text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, lot, session, all))
         self.events.publish(SlotsChanged("unparked"))
         return text
 
@@ -472,7 +470,8 @@ class Engine(TemplatedAPI, ChatAPI):
 
     def _text_of(self, units: Sequence[Any]) -> str:
         """Text of KV units: tokens detokenized, each image as ``[image]``."""
-        out, run = [], []
+        out: list[str] = []
+        run: list[int] = []
         for u in units:
             if isinstance(u, MediaUnit):
                 if run:
@@ -496,14 +495,14 @@ class Engine(TemplatedAPI, ChatAPI):
         def settle() -> None:
             # the caller gives the engine time now: as a user reading would (rewrite="auto"
             # then leaves the next replies to idle time)
-            self.scheduler.back_to_back = False
+            self.scheduler.pace.back_to_back = False
             for s in self.table:
                 s.reply_rows = 0
-            settle_all(self.scheduler)
+            self.scheduler.rewriter.settle_all()
 
         self.scheduler.call(settle)
 
-    def export_state(self, only_if_idle: bool = False) -> engine_state.EngineState:
+    def export_state(self, only_if_idle: bool = False) -> EngineState:
         """Every idle slot's KV and bookkeeping, and the system prompt cache, as data.
 
         Finished replies are rewritten first (exact mode), so what is exported is proven KV.
@@ -598,9 +597,12 @@ class Engine(TemplatedAPI, ChatAPI):
         lot = self.parking
         on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
         if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
+            def spill() -> int:
+                self.scheduler.rewriter.settle_all()  # whole replies parked: rewritten first
+                return spill_all(self.scheduler)
+
             try:
-                self.scheduler.call(lambda: (settle_all(self.scheduler),
-                                             spill_all(self.scheduler)))
+                self.scheduler.call(spill)
             except Exception:  # noqa: BLE001 - closing must not fail
                 log.exception("could not spill the parked conversations to disk at close")
         self.scheduler.stop()

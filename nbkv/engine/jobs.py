@@ -1,18 +1,59 @@
-"""A request in flight, as the engines and :class:`~nbkv.core.streams.ChatStream` see it."""
+"""A request in flight, as the engines and :class:`~nbkv.core.streams.ChatStream` see it.
+
+A request's life in its slot is one named state (:class:`JobState`, as llama.cpp's server
+keeps a ``slot_state`` per slot), changed only by the :class:`Job`'s own methods; the
+scheduler's step dispatches on it (:mod:`nbkv.engine.scheduler`)::
+
+    QUEUED --place--> PREFILL, IMAGE (prompt positions left: text first, an image first)
+           |          IMAGE --wait_encoder--> ENCODING --take_encoding--> IMAGE
+           |          IMAGE --piece_read--> IMAGE_PART (a big image, one sub-batch a step)
+           |          PREFILL, IMAGE, IMAGE_PART --read--> the state of what is left, or
+           |          SAMPLE --sampled--> GENERATE --take_token--> SAMPLE --> ...
+           +--place (a reply its slot holds)--> REPLAY
+    any state --finished--> DONE
+"""
 
 from __future__ import annotations
 
+import enum
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.errors import NbkvError
+from nbkv.core.events import RequestRecord
 from nbkv.core.requests import Request, SamplingParams
+from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:
     from nbkv.engine.drafts import NgramDrafter
-    from nbkv.engine.scheduler import EngineSlot
+    from nbkv.engine.slots import EngineSlot
     from nbkv.llama.sampling import Sampler
     from nbkv.prompt.builder import Prompt
     from nbkv.prompt.textstream import TextStream
+
+
+class JobState(enum.Enum):
+    """Where a request is in its life (one at a time)."""
+
+    QUEUED = "queued"  # waiting for a slot
+    PREFILL = "prefill"  # prompt positions left to read, text first
+    IMAGE = "image"  # an image first, none of it in the KV yet
+    ENCODING = "encoding"  # ... its embeddings being computed on the encoder's thread
+    IMAGE_PART = "image part"  # ... some of its sub-batches in the KV (``image_piece``)
+    SAMPLE = "sample"  # the logits of its last position are computed: sample a token
+    GENERATE = "generate"  # a sampled token waits to be decoded (``next_token``)
+    REPLAY = "replay"  # answered with a reply its slot holds: nothing to decode
+    DONE = "done"  # finished, failed or cancelled
+
+
+#: the states in which a request reads prompt positions (a prefill chunk or an image)
+READING = frozenset({JobState.PREFILL, JobState.IMAGE, JobState.ENCODING,
+                     JobState.IMAGE_PART})
+_IMAGE = frozenset({JobState.IMAGE, JobState.ENCODING, JobState.IMAGE_PART})
+
+
+class JobStateError(NbkvError):
+    """A request was asked to change state from a state that does not allow it (a bug)."""
 
 
 class Job(Request):
@@ -23,20 +64,21 @@ class Job(Request):
         super().__init__(session, params, timeout)
         self.prompt = prompt
         self.text = text
+        self.state = JobState.QUEUED
         self.slot: EngineSlot | None = None
-        self.todo: list[Any] = []  # prompt positions still to prefill
+        self.todo: list[Any] = []  # prompt positions still to prefill (read only: read())
         self.reuse = 0
         self.capture_at: int | None = None  # SPC: save the slot's state at this length
         self.spc_key: str | None = None
         self.sampler: Sampler | None = None
-        self.next_token: int | None = None
+        self._next: int | None = None  # GENERATE: the token to decode
+        self._encoding: Future[Any] | None = None  # ENCODING: the vision encoder's work
+        self._pieces = 0  # IMAGE_PART: sub-batches of the image already in KV
         self.t_prefill = 0.0
         self.t_last_progress = 0.0
         self.drafter: NgramDrafter | None = None
         self.drafted = 0  # guesses decoded (speculative, exact mode)
         self.accepted = 0  # ... that the model confirmed
-        self.encoding: Future | None = None  # the vision encoder working for this request
-        self.image_piece = 0  # sub-batches of the image at the head of todo already in KV
         self.embeddings: dict[str, Any] = {}  # image hash -> its embeddings, once known
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
@@ -44,3 +86,122 @@ class Job(Request):
         self.replay = False  # may be answered with a reply the cache holds (nbkv.engine.replay)
         self.memo: Any = None  # ... the nbkv.kv.replies.ReplyMemo it is answered with
         self.memo_held = 0  # ... and how many of its tokens the slot holds after the prompt
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def next_token(self) -> int | None:
+        """The sampled token waiting for its decode (GENERATE), else None."""
+        return self._next
+
+    @property
+    def encoding(self) -> Future[Any] | None:
+        """The vision encoder's work for the image at the head of the prompt (ENCODING)."""
+        return self._encoding
+
+    @property
+    def image_piece(self) -> int:
+        """Sub-batches of the image at the head of the prompt already in the KV."""
+        return self._pieces
+
+    @property
+    def placed_slot(self) -> EngineSlot:
+        """The slot serving this request (once placed)."""
+        if self.slot is None:
+            raise JobStateError(f"request {self.id} has no slot ({self.state.value})")
+        return self.slot
+
+    @property
+    def started(self) -> RequestRecord:
+        """The record started when it was placed."""
+        if self.record is None:
+            raise JobStateError(f"request {self.id} has no record ({self.state.value})")
+        return self.record
+
+    def ready(self) -> bool:
+        """Whether a step can advance it now (not waiting for the vision encoder)."""
+        return self._encoding is None or self._encoding.done()
+
+    # -------------------------------------------------------------- transitions
+
+    def _expect(self, *states: JobState) -> None:
+        if self.state not in states:
+            raise JobStateError(f"request {self.id}: {self.state.value}, expected "
+                                f"{' or '.join(s.value for s in states)}")
+
+    def _reading(self) -> JobState:
+        """The state its prompt positions left put it in."""
+        if not self.todo:
+            return JobState.SAMPLE
+        return JobState.IMAGE if isinstance(self.todo[0], MediaUnit) else JobState.PREFILL
+
+    def place(self, slot: EngineSlot, reuse: int, memo: Any = None) -> None:
+        """QUEUED: it is served by ``slot``, which holds its first ``reuse`` positions.
+
+        With ``memo`` (a reply the slot holds) it is answered without a decode (REPLAY).
+        """
+        self._expect(JobState.QUEUED)
+        self.slot, self.reuse, self.memo = slot, reuse, memo
+        self.todo = list(self.prompt.tokens[reuse:])
+        self.state = JobState.REPLAY if memo is not None else self._reading()
+
+    def read(self, n: int) -> None:
+        """Its next ``n`` prompt positions are in the KV now (text, or a whole image)."""
+        self._expect(*READING)
+        if self.state is JobState.ENCODING:
+            raise JobStateError(f"request {self.id}: its image is still being encoded")
+        del self.todo[:n]
+        self._pieces = 0
+        self.state = self._reading()
+
+    def wait_encoder(self, fut: Future[Any]) -> None:
+        """IMAGE: the encoder computes its image's embeddings on its thread (``fut``)."""
+        self._expect(JobState.IMAGE, JobState.IMAGE_PART)
+        self._encoding = fut
+        self.state = JobState.ENCODING
+
+    def take_encoding(self) -> Future[Any] | None:
+        """The encoder's work, if it waited for it (then IMAGE again); None otherwise."""
+        self._expect(*_IMAGE)
+        fut, self._encoding = self._encoding, None
+        if self.state is JobState.ENCODING:
+            self.state = JobState.IMAGE_PART if self._pieces else JobState.IMAGE
+        return fut
+
+    def piece_read(self) -> None:
+        """One more sub-batch of the image at its head is in the KV (IMAGE_PART)."""
+        self._expect(JobState.IMAGE, JobState.IMAGE_PART)
+        self._pieces += 1
+        self.state = JobState.IMAGE_PART
+
+    def drop_pieces(self) -> bool:
+        """Forget the sub-batches of an image decoded so far; True if there were any.
+
+        The caller then trims the KV back to the slot's tokens (``kv.resync()``).
+        """
+        if not self._pieces:
+            return False
+        self._pieces = 0
+        if self.state is JobState.IMAGE_PART:
+            self.state = JobState.IMAGE
+        return True
+
+    def sampled(self, token: int) -> None:
+        """SAMPLE: ``token`` was sampled and streamed; it waits for its decode."""
+        self._expect(JobState.SAMPLE)
+        self._next = token
+        self.state = JobState.GENERATE
+
+    def take_token(self) -> int:
+        """GENERATE: the token to decode now (its logits come next: SAMPLE)."""
+        self._expect(JobState.GENERATE)
+        assert self._next is not None
+        tok, self._next = self._next, None
+        self.state = JobState.SAMPLE
+        return tok
+
+    def finished(self) -> None:
+        """It ends (from any state): nothing more is decoded for it."""
+        self._next = None
+        self._encoding = None
+        self.state = JobState.DONE

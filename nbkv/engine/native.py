@@ -65,7 +65,7 @@ class Resources:
         self.sized = ""
         self.progress = progress
         try:
-            self._open(s.model_path, (s.n_slots is not None, s.n_ctx is not None), s.hardware,
+            self._open(s.model_path, (s.n_slots, s.n_ctx), s.hardware,
                        s.flash_attn, s.n_batch, s.n_threads, s.template, s.check_memory,
                        s.calibration, s.mmproj, embedding_cache, s.trust_projector,
                        on_load_progress)
@@ -78,7 +78,8 @@ class Resources:
         self._closers.append(close or obj.close)
         return obj
 
-    def _open(self, model_path: str | None, sized: tuple[bool, bool], hw: HardwareOptions,
+    def _open(self, model_path: str | None, given: tuple[int | None, int | None],
+              hw: HardwareOptions,
               flash_attn: str, n_batch: int, n_threads: int | None, template: str | None,
               check_memory: bool, calibration: str, mmproj: str | None, embedding_cache: Any,
               trust_projector: bool, on_load_progress: Callable[[float], object] | None
@@ -99,7 +100,7 @@ class Resources:
                 use_mmap=hw.use_mmap, use_mlock=hw.use_mlock))
             source = template or self.model.chat_template or CHATML
             self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
-            n_slots, n_ctx = self._size(path, sized, hw, check_memory)
+            n_slots, n_ctx = self._size(path, given, hw, check_memory)
             slot_ctx = -(-max(n_ctx, 256) // 256) * 256
             task.update(90, what=f"{label}, then its KV cache: {n_slots} slots x {slot_ctx} tokens")
             if mmproj is not None:  # a non-causal image must fit one micro-batch
@@ -140,22 +141,23 @@ class Resources:
                     mmproj, self.model, cache=embedding_cache, n_threads=n_threads,
                     trust_projector=trust_projector, flash_attn=FLASH_ATTN[flash_attn]))
 
-    def _size(self, path: Any, sized: tuple[bool, bool], hw: HardwareOptions,
+    def _size(self, path: Any, given: tuple[int | None, int | None], hw: HardwareOptions,
               check_memory: bool) -> tuple[int, int]:
-        """Slots and tokens per slot: given, or picked by the memory plan (said in ``sized``)."""
+        """Slots and tokens per slot: ``given``, or picked by the memory plan (None)."""
         meta = read_metadata(path)
         free, where = memplan.kv_memory(self.model.params.n_gpu_layers)
-        n_slots, n_ctx = self.config.n_slots, self.config.n_ctx
-        picked = " and ".join(w for w, given in zip(("slots", "tokens per slot"), sized)
-                              if not given)
-        if picked:
+        n_slots, n_ctx = given
+        picked = " and ".join(w for w, g in zip(("slots", "tokens per slot"), given)
+                              if g is None)
+        if n_slots is None or n_ctx is None:
             auto_slots, auto_ctx = memplan.default_size(
                 meta, free, type_k=hw.type_k, type_v=hw.type_v,
                 recurrent=self.model.is_recurrent, hybrid=self.model.is_hybrid,
                 n_ctx_train=self.model.n_ctx_train)
-            n_slots = n_slots if sized[0] else auto_slots
-            n_ctx = n_ctx if sized[1] else auto_ctx
+            n_slots = auto_slots if n_slots is None else n_slots
+            n_ctx = auto_ctx if n_ctx is None else n_ctx
         self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
+        self.n_slots = n_slots  # ... what the config now says, as plain numbers
         slot_ctx = -(-max(n_ctx, 256) // 256) * 256
         self.plan = memplan.plan(meta, n_slots, slot_ctx, hw.type_k, hw.type_v,
                                  self.model.is_recurrent, self.model.is_hybrid,
@@ -171,7 +173,7 @@ class Resources:
     def _calibrate(self, mode: str) -> PrefillRule:
         """The model's prefill rule (:mod:`nbkv.kv.calibrate`), checked against ``n_batch``."""
         try:
-            rule = calibrate.calibrate(self.model, n_seq=self.config.n_slots,
+            rule = calibrate.calibrate(self.model, n_seq=self.n_slots,
                                        can_trim=self.memory.can_trim, settings=self.settings,
                                        cache=mode == "cached", progress=self.progress,
                                        shadow=self.shadow_seq is not None)

@@ -34,7 +34,9 @@ from nbkv.llama.sampling import Sampler
 
 if TYPE_CHECKING:
     from nbkv.engine.jobs import Job
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
+    from nbkv.kv.spc import SystemPromptStore
 
 log = logging.getLogger("nbkv")
 
@@ -64,7 +66,9 @@ def start(sched: Scheduler, job: Job) -> bool:
         info = next((i for i in parked if i.key == plan.parked), None)
         taken = info is not None and policy.takes_parked(info, job.session, p.tokens)
         # its own session takes an entry back; any other conversation restores a copy
-        entry = None if info is None else lot.take(info.key) if taken else lot.borrow(info.key)
+        entry = None
+        if info is not None and lot is not None:
+            entry = lot.take(info.key) if taken else lot.borrow(info.key)
         if plan.parked is None or entry is not None:
             break
         parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
@@ -81,7 +85,8 @@ def start(sched: Scheduler, job: Job) -> bool:
     absorbed = 0
     if donor is None and entry is None and slot.session == job.session and slot.reply_rows:
         # this conversation continues: did its last reply have idle time to be rewritten in?
-        sched.back_to_back = job.t_submit - slot.t_replied < slot.reply_rows * sched.row_s
+        sched.pace.back_to_back = (job.t_submit - slot.t_replied
+                                   < slot.reply_rows * sched.pace.row_s)
     if cfg.exact and entry is None:  # a reply decoded one token at a time is not servable
         absorbed = max(min(wanted, prev_len) - source.exact_len, 0)
         reuse = min(reuse, source.settled)
@@ -90,8 +95,7 @@ def start(sched: Scheduler, job: Job) -> bool:
                                    rule)
     target = reuse  # ... on memory that can be cut anywhere
     kv.last_restore = None
-    with sched.cv:
-        slot.pending = True
+    table.serve(slot, True)
     parked_to = None
     park_s = 0.0
     restored = None
@@ -100,8 +104,7 @@ def start(sched: Scheduler, job: Job) -> bool:
             t_park = time.perf_counter()
             parked_to = park_slot(sched, slot)  # before the slot is cut, copied over or reused
             park_s = time.perf_counter() - t_park
-        with sched.cv:
-            slot.redo.clear()
+        table.drop_rewrite(slot)
         if entry is not None:
             kv.clear()
             held = restore_into(slot, entry)
@@ -132,8 +135,7 @@ def start(sched: Scheduler, job: Job) -> bool:
             reuse = trim_valid(kv, p.tokens, reuse, rule)
     except BaseException:
         kv.resync()
-        with sched.cv:
-            slot.pending = False
+        table.serve(slot, False)
         if entry is not None and taken and lot is not None:  # taken from the lot: not lost
             lot.park(entry)
         raise
@@ -169,14 +171,10 @@ def start(sched: Scheduler, job: Job) -> bool:
         kept = (entry.hashes, entry.msg_ends) if entry is not None else (slot.hashes,
                                                                          slot.msg_ends)
         if entry is not None:
-            with sched.cv:
-                slot.segments = tuple(entry.segments)
+            table.show(slot, entry.segments)
     table.claim(slot, job.id, job.session, p, reuse, plan.evicted,
                 parked=parked_to is not None, keep=kept)
-    job.memo = memo
-    job.slot = slot
-    job.reuse = reuse
-    job.todo = list(p.tokens[reuse:])
+    job.place(slot, reuse, memo)
     if mem.takes_checkpoints:
         near = checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens))
         if mem.kind == SWA:  # where a window put back continues exactly
@@ -286,10 +284,10 @@ def _spc_restore(sched: Scheduler, job: Job, slot: EngineSlot) -> int:
     return len(slot.kv)
 
 
-def spc_capture(sched: Scheduler, job: Job) -> None:
+def spc_capture(spc: SystemPromptStore, job: Job) -> None:
     """SPC: save the slot's state now that its prefill has reached the system prompt's end."""
-    assert job.slot is not None and job.spc_key is not None
-    kv = job.slot.kv
-    sched.spc.put(job.spc_key, kv.save_state(), kv.tokens)
+    assert job.spc_key is not None
+    kv = job.placed_slot.kv
+    spc.put(job.spc_key, kv.save_state(), kv.tokens)
     job.capture_at = None
     log.debug("spc: saved system prompt state, %d tokens", len(kv))

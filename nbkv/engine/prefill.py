@@ -1,69 +1,25 @@
-"""Prompt positions into the KV, in the canonical chunks of :mod:`nbkv.kv.invariance`.
+"""Prompt runs into the KV outside a request, in the canonical chunks of :mod:`nbkv.kv.invariance`.
 
-:func:`prefill` decodes a request's next chunk (scheduler step); :func:`prefill_run` decodes
-a run of text outside a request (the reply rewrite, the probe); :func:`extension_logits`
-computes what a request extending a slot would see, then puts the slot back.
+A request's own chunks are :meth:`nbkv.engine.decoder.Decoder.prefill`'s. :func:`prefill_run`
+decodes a run of text (the probe, a recomputation); :func:`extension_logits` computes what a
+request extending a slot would see, then puts the slot back.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nbkv.core.errors import NbkvError
-from nbkv.engine.placement import servable, spc_capture
+from nbkv.engine.placement import servable
 from nbkv.kv import invariance
 from nbkv.kv.slot_kv import trim_valid
 
 if TYPE_CHECKING:
-    from nbkv.engine.jobs import Job
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
-
-
-def prefill(sched: Scheduler, job: Job, take: int) -> None:
-    """Decode the next ``take`` prompt positions of ``job`` as one batch."""
-    kv = job.slot.kv
-    toks = job.todo[:take]
-    batch = sched.res.batch
-    batch.clear()
-    done = take >= len(job.todo)
-    last = batch.add_run(toks, len(kv), kv.seq_id, done)
-    t0 = time.perf_counter()
-    try:
-        sched.res.ctx.decode(batch)
-    except BaseException as e:  # noqa: BLE001
-        sched.fail(job, e, "error")
-        return
-    sched.note_rows(take, time.perf_counter() - t0)
-    rec = job.record
-    # the positions re-read first: settled ones the grouping needs, then the previous
-    # reply's (absorbed: its rewrite had not run); time the absorbed share of this chunk
-    read = rec.prefilled_tokens - len(job.todo)
-    lo, hi = rec.reprefilled_tokens, rec.reprefilled_tokens + rec.rewrite_absorbed
-    overlap = min(hi, read + take) - max(lo, read)
-    if overlap > 0:
-        job.record = replace(rec, rewrite_absorbed_s=rec.rewrite_absorbed_s
-                             + overlap / take * (time.perf_counter() - t0))
-    end = len(kv) + take  # only now are these positions really in the KV
-    kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, sched.res.rule))
-    del job.todo[:take]
-    try:
-        if end in job.stops and kv.settled == end:
-            kv.checkpoint()
-        if job.capture_at is not None and end >= job.capture_at:
-            if end == job.capture_at and kv.settled == end:
-                spc_capture(sched, job)
-            job.capture_at = None
-        if done:
-            sched.on_logits(job, last)
-        else:
-            sched.progress(job)
-    except BaseException as e:  # noqa: BLE001
-        sched.fail(job, e, "error")
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
 
 
 def prefill_run(sched: Scheduler, units: Sequence[Any], pos: int, seq: int, row: int | None

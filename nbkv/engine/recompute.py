@@ -24,7 +24,8 @@ from nbkv.kv.invariance import next_chunk, stable_end
 from nbkv.kv.slot_kv import SlotKV
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
 
 PROBE = 42  # the token appended to compare the saved KV with the recomputed one
 
@@ -76,7 +77,7 @@ def recompute(sched: Scheduler, index: int) -> Recomputation:
             raise RuntimeError("the recomputed KV does not hold the slot's positions")
         fresh = extension_logits(sched, s, units, len(tokens)) if fits else None
     except Exception as e:  # noqa: BLE001 - the slot is emptied, the engine goes on serving
-        s.reset()
+        sched.table.reset(s)
         return Recomputation(index, session, len(tokens),
                              time.perf_counter() - t0 if t0 else 0.0, None,
                              error=f"{type(e).__name__}: {e}")

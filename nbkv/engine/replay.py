@@ -29,7 +29,8 @@ from nbkv.prompt.textstream import TextStream
 
 if TYPE_CHECKING:
     from nbkv.engine.jobs import Job
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
 
 
 def proven(sched: Scheduler) -> bool:
@@ -118,11 +119,9 @@ def finish(sched: Scheduler, job: Job) -> None:
                   wait_s=now - job.t_submit, finish_reason=memo.finish_reason,
                   replayed_tokens=len(memo.tokens))
     job.record = rec
-    with sched.cv:
-        slot.segments = mine + later
-        slot.pending = False
+    job.finished()
+    sched.table.release(slot, mine + later)
     sched.events.publish(RequestFinished(rec))
     job.out.put(("done", rec))
     job.done.set()
-    with sched.cv:
-        sched.cv.notify_all()
+    sched.wake()

@@ -3,13 +3,15 @@
 Requests are prepared in the caller's thread (template, tokens, message hashes) and queued
 here. Each iteration runs the control calls (``Engine.probe``, saves, ...), admits queued
 requests into slots (:mod:`nbkv.engine.placement`), then advances the active ones by one step
-(:func:`nbkv.kv.batching.plan_step`): one prefill chunk (:mod:`nbkv.engine.prefill`) or image piece
-(:mod:`nbkv.engine.vision_decode`) and one generation decode for every generating request
-(:mod:`nbkv.engine.generation`), and, when requests come back to back, one chunk of a reply's
-rewrite into the shadow sequence (:mod:`nbkv.engine.shadow`). With nothing to do it rewrites
-finished replies' KV (:mod:`nbkv.engine.rewrite`). A slot's ``tokens`` list is the truth
-about its KV: it is extended only after a successful decode, and on any failure the KV is
-trimmed back to it.
+(:func:`nbkv.kv.batching.plan_step`), dispatched on each request's state
+(:class:`nbkv.engine.jobs.JobState`): one prefill chunk or image piece and one generation
+decode for every generating request (the :class:`~nbkv.engine.decoder.Decoder`), and, when
+requests come back to back, one chunk of a reply's rewrite into the shadow sequence
+(:mod:`nbkv.engine.shadow`). With nothing to do it rewrites finished replies' KV (the
+:class:`~nbkv.engine.rewrite.Rewriter`). Slots change only through the table's locked methods
+(:class:`~nbkv.engine.slots.EngineTable`); ``cv`` (the same lock) guards this queue. A
+slot's ``tokens`` list is the truth about its KV: it is extended only after a successful
+decode, and on any failure the KV is trimmed back to it.
 """
 
 from __future__ import annotations
@@ -21,94 +23,39 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
 from nbkv.core.events import EventBus, Progress, RequestFinished
-from nbkv.engine import generation, placement, replay, rewrite, slot_parking, vision_decode
-from nbkv.engine.jobs import Job
+from nbkv.engine import placement, replay, slot_parking
+from nbkv.engine.decoder import Decoder
+from nbkv.engine.jobs import READING, Job, JobState
 from nbkv.engine.native import Resources
-from nbkv.engine.prefill import prefill
+from nbkv.engine.rewrite import Pace, Rewriter
 from nbkv.engine.shadow import Shadow
+from nbkv.engine.slots import EngineTable, ServeSettings
 from nbkv.kv.batching import Prefilling, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.policy import PREFIX_SALVAGE
 from nbkv.kv.replies import ReplyBook
 from nbkv.kv.slot_kv import SlotKV
-from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.kv.spc import SystemPromptStore
-from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import PromptBuilder
 from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
 
-
-@dataclass
-class EngineSlot(TableSlot):
-    """A slot of the in-kernel engine: its KV (the one owner of tokens == KV) and rewrite."""
-
-    kv: SlotKV = None  # type: ignore[assignment]
-    redo: list[Any] = field(default_factory=list)  # positions being rewritten (settling)
-    rewrite_n: int = 0  # positions the current rewrite covers
-    rewrite_s: float = 0.0  # ... and the time it has taken so far
-    #: the prompt and reply of its last request: where its next turn resumes (parking)
-    last_turn: tuple[Any, str] | None = None
-    #: a snapshot of its KV taken in idle time, and the KV version it shows: parking the
-    #: slot then costs no copy (nbkv.engine.slot_parking.prepark)
-    preparked: tuple[int, Any] | None = None
-    rewrite_mixed: int = 0  # ... of which were rewritten while the reply was generated
-    t_replied: float = 0.0  # when its last reply ended (time.perf_counter)
-    reply_rows: int = 0  # ... and how many positions rewriting that reply's KV takes
-
-    @property
-    def seq_id(self) -> int:
-        """The llama.cpp sequence of this slot."""
-        return self.kv.seq_id
-
-    @property
-    def tokens(self) -> list[Any]:
-        """What the KV holds, one unit per position."""
-        return self.kv.tokens
-
-    def snapshot(self) -> SlotInfo:
-        """An immutable copy for the caller's thread."""
-        kv = self.kv  # a reply being rewritten is still this slot's (see nbkv.engine.rewrite)
-        return SlotInfo(
-            self.index, kv.seq_id, self.capacity, self.session, (*kv.tokens, *self.redo),
-            tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-            self.segments, self.last_request, kv.settled, kv.checkpoints.positions,
-            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo), cut_floor=kv.cut_floor,
-        )
-
-    def reset(self) -> None:
-        """Forget everything (the KV too)."""
-        self.kv.clear()
-        self.redo.clear()
-        self.last_turn = None
-        self.preparked = None
-        self.forget_messages()
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """How the scheduler serves requests (the engine's cache settings)."""
-
-    cache: str
-    cache_min_tokens: int
-    exact: bool
-    speculative: bool
-    rewrite: str = "auto"  # when a reply's KV is rewritten: "auto", "idle" or "mixed"
+T = TypeVar("T")
 
 
 class Scheduler:
     """Queue, admission, decode steps and idle rewrites of one engine, on its own thread."""
 
-    def __init__(self, res: Resources, table: SlotTable[EngineSlot], spc: SystemPromptStore,
-                 events: EventBus, settings: ServeSettings, cv: threading.Condition,
+    def __init__(self, res: Resources, table: EngineTable, spc: SystemPromptStore,
+                 events: EventBus, settings: ServeSettings,
                  parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
-                 shadow: Shadow | None = None) -> None:
+                 shadow_kv: SlotKV | None = None) -> None:
         self.res = res
         self.prompts = prompts  # renders a conversation as its next turn will (parking)
         self.table = table
@@ -116,10 +63,11 @@ class Scheduler:
         self.parking = parking  # conversations that lost their slot (None: parking off)
         self.events = events
         self.settings = settings
-        self.cv = cv
+        #: the table's lock: it guards the queue as well, and wakes the thread
+        self.cv = table.lock
         self.queue: list[Job] = []
         self.active: list[Job] = []
-        self.control: list[tuple[Callable[[], Any], Future]] = []
+        self.control: list[tuple[Callable[[], Any], Future[Any]]] = []
         self.closed = False
         self.held = 0  # hold_admission() depth: requests queue but are not admitted
         #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
@@ -127,13 +75,15 @@ class Scheduler:
         #: replies a re-run of the same prompt and settings may be answered with
         self.replies = ReplyBook()
         self.thread: threading.Thread | None = None
+        #: how fast rows prefill, and whether requests come back to back
+        self.pace = Pace()
+        #: the requests' steps into the KV; it reports back here (progress, logits, failures)
+        self.decoder = Decoder(res, settings, spc, self.pace, self)
+        #: finished replies' KV rewritten as canonical prefills, in idle time
+        self.rewriter = Rewriter(res, settings, table, events, self.pace)
         #: rewrites replies while they are generated (None: no shadow sequence)
-        self.shadow = shadow
-        #: requests have been coming back to back: the last reply had no idle time to be
-        #: rewritten in (rewrite="auto" then rewrites the next one while it is generated);
-        #: what a fresh engine assumes (a notebook's Run All, an agent loop)
-        self.back_to_back = True
-        self.row_s = 0.0  # seconds a canonical prefill row takes (recent chunks)
+        self.shadow = (Shadow(shadow_kv, res, settings, table, self.pace)
+                       if shadow_kv is not None else None)
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -158,9 +108,9 @@ class Scheduler:
         with self.cv:
             self.cv.notify_all()
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between decode steps; return its result."""
-        fut: Future = Future()
+        fut: Future[T] = Future()
         with self.cv:
             if self.closed:
                 raise EngineClosedError("this engine is closed")
@@ -180,22 +130,16 @@ class Scheduler:
         if self.thread is not None and threading.current_thread() is not self.thread:
             self.thread.join()
 
-    def note_rows(self, rows: int, seconds: float) -> None:
-        """A canonical chunk of ``rows`` took ``seconds``: keep the per-row estimate."""
-        if rows >= 2 and seconds > 0:
-            per = seconds / rows
-            self.row_s = per if not self.row_s else 0.7 * self.row_s + 0.3 * per
-
     def busy(self) -> bool:
         """Requests queued or running, or a reply's KV still to rewrite (scheduler thread)."""
-        return bool(self.queue or self.active or rewrite.settling_slot(self) is not None)
+        return bool(self.queue or self.active or self.rewriter.settling_slot() is not None)
 
     # --------------------------------------------------------------- the thread
 
     def has_work(self) -> bool:
         """Anything for the scheduler to do (call with ``cv`` held)."""
         return bool(self.queue or self.active or self.control or self.closed
-                    or rewrite.settling_slot(self) is not None
+                    or self.rewriter.settling_slot() is not None
                     or slot_parking.prepark_slot(self) is not None)
 
     def run_once(self) -> bool:
@@ -229,9 +173,9 @@ class Scheduler:
             with self.cv:  # every slot busy: wait for a change, or a deadline
                 self.cv.wait(0.05)
         else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), or
-            slot = rewrite.settling_slot(self)  # copy out the conversation parked next
+            slot = self.rewriter.settling_slot()  # copy out the conversation parked next
             if slot is not None:
-                rewrite.settle(self, slot)
+                self.rewriter.settle(slot)
             elif (slot := slot_parking.prepark_slot(self)) is not None:
                 slot_parking.prepark(self, slot)
         return True
@@ -264,7 +208,7 @@ class Scheduler:
                 continue
             if started:
                 self.queue.remove(job)
-                if job.memo is not None:  # the cached reply: nothing to read or decode
+                if job.state is JobState.REPLAY:  # the cached reply: nothing to decode
                     replay.finish(self, job)
                 else:
                     self.active.append(job)
@@ -281,39 +225,37 @@ class Scheduler:
         """
         for job in list(self.active):
             if job.cancel.is_set():
-                if job.image_piece:  # drop the part of an image decoded so far
-                    job.image_piece = 0
-                    job.slot.kv.resync()
+                if job.drop_pieces():  # drop the part of an image decoded so far
+                    job.placed_slot.kv.resync()
                 self.finish(job, "cancelled")
         by_id = {j.id: j for j in self.active}
-        generating = [j for j in self.active if j.next_token is not None]
+        generating = [j for j in self.active if j.state is JobState.GENERATE]
         prefilling = []
         for j in self.active:
-            if not j.todo:
+            if j.state not in READING:
                 continue
-            image = isinstance(j.todo[0], MediaUnit)
+            image = j.state is not JobState.PREFILL
             stops = j.stops if j.capture_at is None else (*j.stops, j.capture_at)
             take = 0 if image else next_chunk(
-                j.prompt.tokens, len(j.slot.kv), self.res.rule, self.res.batch.capacity, stops)
-            prefilling.append(Prefilling(j.id, len(j.todo), j.encoding is None or
-                                         j.encoding.done(), image, take))
+                j.prompt.tokens, len(j.placed_slot.kv), self.res.rule, self.res.batch.capacity,
+                stops)
+            prefilling.append(Prefilling(j.id, len(j.todo), j.ready(), image, take))
         plan = plan_step(prefilling, len(generating))
+        ran = False
         if plan.prefill is not None:
             job = by_id[plan.prefill]
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
-        if plan.image:
-            ran = vision_decode.decode_image(self, by_id[plan.prefill])
-        elif plan.prefill is not None:
-            prefill(self, by_id[plan.prefill], plan.take)
-            ran = True
-        else:
-            ran = False
+            if job.state is JobState.PREFILL:
+                self.decoder.prefill(job, plan.take)
+                ran = True
+            else:
+                ran = self.decoder.decode_image(job)
         if plan.generate:
-            generating = [j for j in generating if not j.done.is_set()]
-            generation.generate(self, generating)
+            generating = [j for j in generating if j.state is JobState.GENERATE]
+            self.decoder.generate(generating)
             if self.shadow is not None:
-                self.shadow.step(self, [j for j in generating if not j.done.is_set()])
+                self.shadow.step([j for j in generating if not j.done.is_set()])
             ran = True
         return ran
 
@@ -321,19 +263,21 @@ class Scheduler:
 
     def progress(self, job: Job) -> None:
         """Publish how far ``job``'s prefill is."""
-        done = job.record.prefilled_tokens - len(job.todo)
+        total = job.started.prefilled_tokens
         phase = "extend" if job.reuse else "rebuild"
-        self.events.publish(Progress(job.id, job.slot.index, phase, done,
-                                     job.record.prefilled_tokens))
+        self.events.publish(Progress(job.id, job.placed_slot.index, phase,
+                                     total - len(job.todo), total))
 
     def on_logits(self, job: Job, idx: int) -> None:
         """Sample ``job``'s next token from batch row ``idx``; stream it, or finish."""
         now = time.perf_counter()
         model = self.res.model
-        token = job.sampler.sample(self.res.ctx.ptr, idx)
+        slot, sampler = job.placed_slot, job.sampler
+        assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
+        token = sampler.sample(self.res.ctx.ptr, idx)
         if not job.t_first:  # the first token counts once it is sampled
             job.t_first = time.perf_counter()
-            job.record = replace(job.record, first_decode_s=job.t_first - now)
+            job.record = replace(job.started, first_decode_s=job.t_first - now)
         if model.is_eog(token):
             return self.finish(job, "stop")
         job.generated.append(token)
@@ -346,13 +290,13 @@ class Scheduler:
             return self.finish(job, "stop")
         # as llama-server stops (process_token): when the token just sampled would take the
         # slot's last position, so that both engines give a reply at the edge the same length
-        full = len(job.slot.kv) + 1 >= job.slot.capacity
+        full = len(slot.kv) + 1 >= slot.capacity
         if len(job.generated) >= job.params.max_tokens or full:
             return self.finish(job, "length")
-        job.next_token = token
+        job.sampled(token)
         if now - job.t_last_progress > 0.25:
             job.t_last_progress = now
-            self.events.publish(Progress(job.id, job.slot.index, "generate",
+            self.events.publish(Progress(job.id, slot.index, "generate",
                                          len(job.generated), job.params.max_tokens))
         return None
 
@@ -360,6 +304,7 @@ class Scheduler:
         """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
         if job.done.is_set():
             return
+        job.finished()
         if job in self.active:
             self.active.remove(job)
         if job.sampler is not None:
@@ -378,21 +323,18 @@ class Scheduler:
                     slot.kv.run_queued_copy()  # ... and none is coming to run the copy
             except BaseException:  # noqa: BLE001 - the request must still end
                 log.exception("slot[%d]: could not trim past its tokens", slot.index)
-                slot.reset()
+                self.table.reset(slot)
             settled = slot.kv.settled
             if self.shadow is not None:  # the reply's KV, rewritten while it was generated
-                mixed = self.shadow.hand_over(self, job, error is None)
+                mixed = self.shadow.hand_over(job, error is None)
         if slot is not None and rec is not None:
             n = len(slot.tokens) + len(slot.redo)
-            with self.cv:
-                self.table.replied(slot, job.prompt, job.text.text, n)
-                slot.last_turn = (job.prompt, job.text.text)
-                slot.segments = tuple(s for s in (
-                    replace(s, end=min(s.end, n)) for s in placement.segments(self, job, n))
-                    if s.length > 0)
-                slot.pending = False
-                slot.t_replied = now
-                slot.reply_rows = n - settled if self.res.ctx.ptr else 0
+            self.table.replied(
+                slot, job.prompt, job.text.text, n,
+                segments=tuple(s for s in (replace(s, end=min(s.end, n))
+                                           for s in placement.segments(self, job, n))
+                               if s.length > 0),
+                t_replied=now, reply_rows=n - settled if self.res.ctx.ptr else 0)
             rec = replace(finished_record(job, rec, reason, error, now, slot.segments),
                           rewrite_mixed=mixed)
             job.record = rec
@@ -402,7 +344,7 @@ class Scheduler:
                           "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
             self.events.publish(RequestFinished(rec))
             if mixed and not slot.redo:  # the shadow did the whole rewrite
-                rewrite.finished(self, slot)
+                self.rewriter.finished(slot)
         if error is not None:
             job.out.put(("error", error))
         elif rec is not None:

@@ -34,7 +34,9 @@ from nbkv.kv.slot_kv import SlotKV, trim_valid
 
 if TYPE_CHECKING:
     from nbkv.engine.jobs import Job
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.native import Resources
+    from nbkv.engine.rewrite import Pace
+    from nbkv.engine.slots import EngineTable, ServeSettings
 
 log = logging.getLogger("nbkv")
 __all__ = ["REWRITE_MODES", "SHADOW_CHUNK", "Shadow"]
@@ -46,8 +48,13 @@ SHADOW_CHUNK = 8  # rows per shadow chunk (rounded up to the rule's): at most th
 class Shadow:
     """The engine's shadow sequence, and the reply it is rewriting (one at a time)."""
 
-    def __init__(self, kv: SlotKV) -> None:
+    def __init__(self, kv: SlotKV, res: Resources, settings: ServeSettings, table: EngineTable,
+                 pace: Pace) -> None:
         self.kv = kv  # its tokens are its KV, as a slot's are
+        self.res = res
+        self.settings = settings
+        self.table = table  # a finished reply's slot takes the shadow's KV (hand_over)
+        self.pace = pace
         self.job: Job | None = None  # the generating request it follows
         self.start = 0  # the followed slot's settled prefix, where the shadow's rows begin
         self.rows = 0  # rows it has decoded since
@@ -58,53 +65,53 @@ class Shadow:
         """Following a reply."""
         return self.job is not None
 
-    def chunk_cap(self, sched: Scheduler) -> int:
+    def chunk_cap(self) -> int:
         """Rows of a shadow chunk on this model (a block chunk: aligned, threshold rows)."""
-        rule = sched.res.rule
+        rule = self.res.rule
         cap = max(SHADOW_CHUNK, rule.min_chunk)
-        return min(-(-cap // rule.align) * rule.align, sched.res.batch.capacity)
+        return min(-(-cap // rule.align) * rule.align, self.res.batch.capacity)
 
-    def step(self, sched: Scheduler, generating: list[Job]) -> None:
+    def step(self, generating: list[Job]) -> None:
         """After a generation decode: follow a reply if none yet, then decode one chunk."""
         if self.job is None:
-            self.job = next((j for j in generating if self._wants(sched, j)), None)
+            self.job = next((j for j in generating if self._wants(j)), None)
             if self.job is None:
                 return
-            if not self._attach(sched):
+            if not self._attach():
                 self.job = None
                 return
         job = self.job
         if job.done.is_set() or job.slot is None:
             return
         units = job.slot.kv.tokens
-        take = invariance.block_chunk(units, len(self.kv), sched.res.rule, self.chunk_cap(sched))
-        if take < self.chunk_cap(sched):
+        take = invariance.block_chunk(units, len(self.kv), self.res.rule, self.chunk_cap())
+        if take < self.chunk_cap():
             return
         toks = units[len(self.kv):len(self.kv) + take]
-        batch = sched.res.batch
+        batch = self.res.batch
         batch.clear()
         batch.add_run(toks, len(self.kv), self.kv.seq_id, False)
         t0 = time.perf_counter()
         try:
-            sched.res.ctx.decode(batch)
+            self.res.ctx.decode(batch)
         except BaseException:  # noqa: BLE001 - the reply goes on; idle time rewrites it
             log.exception("shadow: a mixed-step chunk failed; the reply is rewritten later")
             self.drop()
             return
         dt = time.perf_counter() - t0
         self.seconds += dt
-        sched.note_rows(take, dt)
+        self.pace.note_rows(take, dt)
         end = len(self.kv) + take
         self.kv.extend(toks, settled=end)  # block rows: settled whatever the reply becomes
         self.rows += take
 
-    def _wants(self, sched: Scheduler, job: Job) -> bool:
+    def _wants(self, job: Job) -> bool:
         """Whether ``job``'s reply should be rewritten while it is generated."""
-        cfg, rule = sched.settings, sched.res.rule
+        cfg, rule = self.settings, self.res.rule
         if not (cfg.exact and cfg.cache == "imc" and rule.exact and rule.mixed
                 and not rule.single_row and cfg.rewrite != "idle"):
             return False
-        if cfg.rewrite == "auto" and not sched.back_to_back:
+        if cfg.rewrite == "auto" and not self.pace.back_to_back:
             return False
         if job.done.is_set() or job.slot is None or not job.slot.kv.memory.can_trim:
             return False
@@ -114,10 +121,10 @@ class Shadow:
             return False  # nothing to rewrite, or an image after the settled prefix
         # the copy pays off once a first chunk is there (a reply shorter than that is left
         # to the idle rewrite, or the next request)
-        return invariance.block_chunk(units, kv.settled, sched.res.rule,
-                                      self.chunk_cap(sched)) >= self.chunk_cap(sched)
+        return invariance.block_chunk(units, kv.settled, self.res.rule,
+                                      self.chunk_cap()) >= self.chunk_cap()
 
-    def _attach(self, sched: Scheduler) -> bool:
+    def _attach(self) -> bool:
         """Copy the followed slot's KV into the shadow, cut back to its settled prefix."""
         assert self.job is not None and self.job.slot is not None
         kv = self.job.slot.kv
@@ -131,10 +138,10 @@ class Shadow:
         log.debug("shadow: following slot[%d] from %d", self.job.slot.index, kept)
         return True
 
-    def hand_over(self, sched: Scheduler, job: Job, ok: bool) -> int:
+    def hand_over(self, job: Job, ok: bool) -> int:
         """``job`` ended: give its slot the shadow's canonical KV; returns its reply rows.
 
-        The slot's sequence and the shadow's are swapped (under ``sched.cv``, so that
+        The slot's sequence and the shadow's are swapped (under the table's lock, so that
         snapshots see the tokens and the KV change together); the rows after the shadow's
         last chunk become the slot's pending rewrite. 0 if nothing was handed over (the
         reply's KV is then rewritten as before: in idle time, or by the next request).
@@ -151,23 +158,14 @@ class Shadow:
                             slot.index)
                 return 0
             # back to where the rest can be one canonical chunk (threshold rows or more)
-            trim_valid(self.kv, units, len(self.kv), sched.res.rule)
+            trim_valid(self.kv, units, len(self.kv), self.res.rule)
             mixed = len(self.kv) - self.start
             if mixed <= 0:
                 return 0
-            with sched.cv:
-                self._take_place_of(slot, units, mixed)
+            self.table.take_over(slot, self.kv, units, self.start, self.seconds, mixed)
             return mixed
         finally:
             self.drop()
-
-    def _take_place_of(self, slot: EngineSlot, units: list, mixed: int) -> None:
-        """Swap the shadow into ``slot``; what it lacks of ``units`` is left to rewrite."""
-        slot.kv.swap(self.kv)
-        slot.redo = units[len(slot.kv):]
-        slot.rewrite_n = len(units) - self.start
-        slot.rewrite_s = self.seconds
-        slot.rewrite_mixed = mixed
 
     def drop(self) -> None:
         """Stop following; the shadow sequence is emptied."""

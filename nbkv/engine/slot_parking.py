@@ -18,14 +18,17 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.engine.slots import SlotPhase
 from nbkv.kv import policy
 from nbkv.kv.reach import restore_point
-from nbkv.kv.slot_kv import SWA, KVSnapshot, trim_valid
+from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry, ParkedInfo
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
+    from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
 
@@ -43,15 +46,13 @@ def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True) -> ParkedIn
     t0 = time.perf_counter()
     exact = sched.settings.exact
     at = resume_point(sched, slot) if kv.memory.kind == SWA else None
-    with sched.cv:
-        if at is not None and at < len(kv) + len(slot.redo):
-            # a state put back whole cannot be cut (only the window before its end is
-            # saved): park it where the next turn resumes
-            slot.redo.clear()
-            kv.trim_to(at)
-        elif slot.redo or (exact and kv.needs_rewrite):
-            slot.redo.clear()  # the rewrite is abandoned: park the proven prefix
-            trim_valid(kv, list(kv.tokens), kv.settled, sched.res.rule)
+    if at is not None and at < len(kv) + len(slot.redo):
+        # a state put back whole cannot be cut (only the window before its end is
+        # saved): park it where the next turn resumes
+        sched.table.cut_back(slot, sched.res.rule, at)
+    elif slot.redo or (exact and kv.needs_rewrite):
+        # the rewrite is abandoned: park the proven prefix
+        sched.table.cut_back(slot, sched.res.rule)
     n = len(kv)
     if not n or not kv.verify():
         return None
@@ -104,12 +105,13 @@ def prepark_slot(sched: Scheduler) -> EngineSlot | None:
     if sched.parking is None or sched.settings.cache != "imc" or sched.queue or sched.active:
         return None
     table = sched.table
-    if any(not s.tokens for s in table) or any(s.pending or s.redo for s in table):
+    if any(s.phase in (SlotPhase.EMPTY, SlotPhase.SERVING, SlotPhase.REWRITING)
+           for s in table):
         return None
     slot = min(table, key=lambda s: (s.last_used, s.index))
     if slot.preparked is not None and slot.preparked[0] == slot.kv.version:
         return None  # copied out already (or found not to be parked whole)
-    if sched.settings.exact and slot.kv.needs_rewrite:
+    if sched.settings.exact and slot.phase is SlotPhase.UNSETTLED:
         return None
     return slot
 
@@ -135,9 +137,11 @@ def take_preparked(sched: Scheduler, slot: EngineSlot) -> KVSnapshot | None:
     A stale copy's memory goes back to the state buffers.
     """
     pre, slot.preparked = slot.preparked, None
-    if pre is None or pre[1] is None:
+    if pre is None:
         return None
     version, snap = pre
+    if snap is None:
+        return None
     if version == slot.kv.version:
         return snap
     state = snap.state
@@ -159,7 +163,8 @@ def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:
     return len(kv)
 
 
-def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+def park_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every: bool
+                  ) -> str:
     """Park ``session``'s idle slot (every idle slot that holds something with ``every``).
 
     A conversation no tier can hold stays in its slot (said so). The figures are the
@@ -173,10 +178,9 @@ def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
         info = park_slot(sched, s, drop=False)
         if info is None:
             done.append(f"{who}: stays in slot {s.index} (no parking tier could hold its "
-                        f"{n:,} tokens{_why_not(sched)})")
+                        f"{n:,} tokens{_why_not(lot)})")
             continue
-        with sched.cv:
-            s.reset()
+        sched.table.reset(s)
         cut = n - info.n_tokens
         note = (f" ({cut} token{'s' if cut != 1 else ''} of its last reply, not yet "
                 "rewritten, left out: its next turn reads them again)" if cut > 0 else "")
@@ -184,23 +188,24 @@ def park_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
     if not done:
         raise InvalidRequestError("no idle slot holds a conversation" if every
                                   else f"no idle slot holds session {session!r}")
-    st = sched.parking.stats()
+    st = lot.stats()
     return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
             f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
 
 
-def _why_not(sched: Scheduler) -> str:
-    gone = sched.parking.stats()["disk_gone"]
+def _why_not(lot: ParkingLot) -> str:
+    gone = lot.stats()["disk_gone"]
     return f"; the disk tier is gone: {gone}" if gone else ""
 
 
-def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
+def unpark_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every: bool
+                    ) -> str:
     """Restore ``session``'s parked conversation (all, with ``every``) into slots.
 
     Each goes into an empty slot, else the least recently used one (whose conversation is
     parked in turn); at most one per slot.
     """
-    lot, table = sched.parking, sched.table
+    table = sched.table
     wanted = [i for i in lot.entries() if every or i.session == session][: len(table)]
     if not wanted:
         raise InvalidRequestError("nothing is parked" if every
@@ -216,8 +221,7 @@ def unpark_sessions(sched: Scheduler, session: str | None, every: bool) -> str:
         if entry is None:
             continue
         park_slot(sched, slot)
-        with sched.cv:
-            slot.reset()
+        sched.table.reset(slot)
         n = restore_into(slot, entry)
         who = entry.session or "an unnamed conversation"
         if not n:

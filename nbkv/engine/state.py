@@ -14,26 +14,28 @@ from typing import TYPE_CHECKING
 from nbkv.core.errors import EngineBusy, NbkvError, RestoreError
 from nbkv.engine.recompute import Recomputation
 from nbkv.engine.recompute import recompute as recompute_slot
-from nbkv.engine.rewrite import settle_all, settling_slot
+from nbkv.engine.slots import SlotPhase
 from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import EngineState, SlotState
 from nbkv.kv.spc import SavedPrompt
 from nbkv.store.parked import ParkedEntry
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
 
 log = logging.getLogger("nbkv")
 
 
 def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
     """Copy every idle slot's state and bookkeeping (only proven KV: rewrites run first)."""
-    if only_if_idle and (sched.queue or sched.active or settling_slot(sched) is not None):
+    if only_if_idle and (sched.queue or sched.active
+                         or sched.rewriter.settling_slot() is not None):
         raise EngineBusy("the engine is busy")
-    settle_all(sched)
+    sched.rewriter.settle_all()
     slots, busy = [], []
     for s in sched.table:
-        if s.pending or s.redo:
+        if s.phase in (SlotPhase.SERVING, SlotPhase.REWRITING):
             busy.append(s.index)
             continue
         if not s.tokens:
@@ -58,21 +60,23 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     """
     if sched.active or any(s.pending for s in sched.table):
         raise RestoreError("the engine is serving requests: restore when it is idle")
-    settle_all(sched)  # what is parked below is proven KV
+    sched.rewriter.settle_all()  # what is parked below is proven KV
     backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))
               for s in sched.table]
     try:
         for s in sched.table:
-            s.reset()
+            sched.table.reset(s)
         for i, state in sorted(placed, key=lambda p: p[1].last_used):
             slot = sched.table[i]
-            snap: KVSnapshot = state.kv
-            slot.kv.put_back(snap)
+            saved = state.kv
+            if saved is None:
+                raise RestoreError(f"slot {i}: the saved state holds no KV")
+            slot.kv.put_back(saved)
             held = len(slot.kv)
-            if held != len(snap.tokens) and not (slot.kv.memory.kind == SWA
-                                                 and held < len(snap.tokens)):
+            if held != len(saved.tokens) and not (slot.kv.memory.kind == SWA
+                                                  and held < len(saved.tokens)):
                 raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
-                                   f"{len(snap.tokens)} positions")
+                                   f"{len(saved.tokens)} positions")
             if held:  # a sliding-window state may go back to a checkpoint (SlotKV.put_back)
                 sched.table.adopt(slot, held_state(state, held))
     except BaseException as e:
@@ -98,7 +102,7 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
 
 def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
                state: SlotState) -> None:
-    s.reset()
+    sched.table.reset(s)
     if snap is None:
         return
     try:
@@ -107,13 +111,7 @@ def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
         log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
         return
     if s.kv.tokens:
-        state = held_state(state, len(s.kv))
-        with sched.cv:
-            s.session, s.hashes, s.msg_ends = state.session, list(state.hashes), list(
-                state.msg_ends)
-            s.segments, s.last_used, s.last_request = (state.segments, state.last_used,
-                                                       state.last_request)
-            s.used_at = state.used_at
+        sched.table.put_back(s, held_state(state, len(s.kv)))
 
 
 def held_state(state: SlotState, n: int) -> SlotState:

@@ -15,13 +15,14 @@ import numpy as np
 from nbkv.core.errors import NbkvError
 from nbkv.engine.placement import servable
 from nbkv.engine.prefill import extension_logits
-from nbkv.engine.rewrite import settle
+from nbkv.engine.slots import SlotPhase
 from nbkv.kv import invariance
 from nbkv.kv.oracle import Verification, scratch_logits, scratch_rows
 from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import EngineSlot, Scheduler
+    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.slots import EngineSlot
 
 
 def ready_slot(sched: Scheduler, index: int) -> EngineSlot:
@@ -30,10 +31,11 @@ def ready_slot(sched: Scheduler, index: int) -> EngineSlot:
     Its KV is then what a request would be served.
     """
     s = sched.table[index]
-    if s.pending:
+    if s.phase is SlotPhase.SERVING:
         raise NbkvError(f"slot {index} is serving a request")
-    while s.redo or (sched.settings.exact and s.kv.needs_rewrite):
-        settle(sched, s)
+    while s.phase is SlotPhase.REWRITING or (sched.settings.exact
+                                             and s.phase is SlotPhase.UNSETTLED):
+        sched.rewriter.settle(s)
     return s
 
 

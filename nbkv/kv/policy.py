@@ -104,12 +104,30 @@ def pick_free(slots: Sequence[SlotLike], session: str | None) -> SlotLike | None
 class ParkedLike(Protocol):
     """What the policy reads from a parked conversation (:class:`nbkv.store.parked.ParkedInfo`)."""
 
-    key: str
-    tokens: Sequence[Any]
-    hashes: Sequence[str]
-    msg_ends: Sequence[int]
-    session: str | None
-    last_used: int
+    # read-only (properties): a frozen record (ParkedInfo) fits
+    @property
+    def key(self) -> str:
+        """The entry's key in the parking lot."""
+
+    @property
+    def tokens(self) -> Sequence[Any]:
+        """One unit per KV position."""
+
+    @property
+    def hashes(self) -> Sequence[str]:
+        """Its message hashes."""
+
+    @property
+    def msg_ends(self) -> Sequence[int]:
+        """Where each of its messages ends."""
+
+    @property
+    def session(self) -> str | None:
+        """Its session."""
+
+    @property
+    def last_used(self) -> int:
+        """Its LRU clock."""
 
 
 #: how a candidate would serve a request: kept in its slot, copied into another slot, or a

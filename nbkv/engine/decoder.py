@@ -1,0 +1,233 @@
+"""The decoder: a request's steps into the KV (scheduler thread).
+
+One prefill chunk of a prompt, in the canonical chunks of :mod:`nbkv.kv.invariance`
+(:meth:`Decoder.prefill`); an image's embeddings, in sub-batches between the other requests'
+steps (:meth:`Decoder.decode_image`); one generation decode for every generating request
+(:meth:`Decoder.generate`). It owns what decoding needs (the context, its batch, the prefill
+rule, the projector: :class:`~nbkv.engine.native.Resources`) and reports what happened to a
+request through :class:`Steps` (the scheduler's request lifecycle).
+
+Generation decodes: one row per generating request, with an optional guess beside it.
+
+Exactly what plain llama.cpp does, so replies equal its replies. With speculative decoding
+a guess of the following token rides along (:mod:`nbkv.engine.drafts`): if the model then samples
+that very token, its KV and logits are already there; if not, the guess's position is
+removed.
+
+A token decoded beside its guess is a two-row decode. Where the calibration found two-row
+chunks canonical (threshold 2, alignment 1: Q4_0, Q4_1, Q8_0 on CPU), exact mode then gives
+*every* sequence a second row (the guess, or the token itself when there is none): each
+generated row is then computed as a canonical prefill computes it, and the reply needs no
+rewrite at all. Its logits are a two-row batch's, so such replies equal nbkv's own from
+scratch with guesses, not plain llama.cpp's one-row decoding (README, Exactness).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+from nbkv.core.errors import MediaError
+from nbkv.engine.jobs import Job, JobState
+from nbkv.engine.placement import spc_capture
+from nbkv.kv import invariance
+
+if TYPE_CHECKING:
+    from nbkv.engine.native import Resources
+    from nbkv.engine.rewrite import Pace
+    from nbkv.engine.slots import ServeSettings
+    from nbkv.kv.spc import SystemPromptStore
+
+
+class Steps(Protocol):
+    """What the decoder reports to: the lifecycle of the requests it advances."""
+
+    def on_logits(self, job: Job, idx: int) -> None:
+        """Batch row ``idx`` holds ``job``'s next logits: sample, stream, or finish."""
+
+    def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
+        """End ``job`` with ``error``."""
+
+    def progress(self, job: Job) -> None:
+        """Publish how far ``job``'s prefill is."""
+
+    def wake(self) -> None:
+        """Look at the requests again (the vision encoder finished)."""
+
+
+class Decoder:
+    """Decodes the requests' steps into their slots' KV (see the module's docstring)."""
+
+    def __init__(self, res: Resources, settings: ServeSettings, spc: SystemPromptStore,
+                 pace: Pace, steps: Steps) -> None:
+        self.res = res
+        self.settings = settings
+        self.spc = spc  # SPC: where a system prompt's state is saved once prefilled
+        self.pace = pace  # ... and where each chunk's time per row is noted
+        self.steps = steps
+
+    def prefill(self, job: Job, take: int) -> None:
+        """Decode the next ``take`` prompt positions of ``job`` as one batch."""
+        kv = job.placed_slot.kv
+        toks = job.todo[:take]
+        batch = self.res.batch
+        batch.clear()
+        done = take >= len(job.todo)
+        last = batch.add_run(toks, len(kv), kv.seq_id, done)
+        t0 = time.perf_counter()
+        try:
+            self.res.ctx.decode(batch)
+        except BaseException as e:  # noqa: BLE001
+            self.steps.fail(job, e, "error")
+            return
+        self.pace.note_rows(take, time.perf_counter() - t0)
+        rec = job.started
+        # the positions re-read first: settled ones the grouping needs, then the previous
+        # reply's (absorbed: its rewrite had not run); time the absorbed share of this chunk
+        read = rec.prefilled_tokens - len(job.todo)
+        lo, hi = rec.reprefilled_tokens, rec.reprefilled_tokens + rec.rewrite_absorbed
+        overlap = min(hi, read + take) - max(lo, read)
+        if overlap > 0:
+            job.record = replace(rec, rewrite_absorbed_s=rec.rewrite_absorbed_s
+                                 + overlap / take * (time.perf_counter() - t0))
+        end = len(kv) + take  # only now are these positions really in the KV
+        kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, self.res.rule))
+        job.read(take)
+        try:
+            if end in job.stops and kv.settled == end:
+                kv.checkpoint()
+            if job.capture_at is not None and end >= job.capture_at:
+                if end == job.capture_at and kv.settled == end:
+                    spc_capture(self.spc, job)
+                job.capture_at = None
+            if done:
+                self.steps.on_logits(job, last)
+            else:
+                self.steps.progress(job)
+        except BaseException as e:  # noqa: BLE001
+            self.steps.fail(job, e, "error")
+
+    def decode_image(self, job: Job) -> bool:
+        """Decode the image at the head of ``job``'s prefill, if its embeddings are ready.
+
+        Where a picture starts, the projector's embedding service is asked once: held by the
+        request or cached (a hit), else it encodes on its own thread (a run; the other requests
+        keep decoding meanwhile); it counts either in ``job``. False while the encoder is still
+        at work.
+        """
+        projector, ctx = self.res.projector, self.res.ctx
+        unit = job.todo[0]
+        chunk = job.prompt.chunk_for(unit)
+        n = chunk.n_pos
+        if n >= len(job.todo):
+            self.steps.fail(job, MediaError("a prompt must not end with an image"), "error")
+            return True
+        image = chunk.image
+        assert image is not None  # chunk_for gives image chunks only
+        h = image.hash
+        fut = job.take_encoding()  # done: the step skips the job until then
+        try:
+            if fut is None and (h not in job.embeddings
+                                or (chunk.sub_index == 0 and not job.image_piece)):
+                fut = projector.embeddings.fetch(image, job.prompt.media,
+                                                 held=job.embeddings, tally=job, wait=False)
+                if not fut.done():
+                    job.wait_encoder(fut)
+                    fut.add_done_callback(lambda _: self.steps.wake())
+                    return False
+            if fut is not None:
+                job.embeddings[h] = fut.result()
+        except BaseException as e:  # noqa: BLE001
+            self.steps.fail(job, e, "error")
+            return True
+        emb = job.embeddings[h]
+        slot = job.placed_slot
+        # a big causal image goes in sub-batches, one per step, between the other
+        # requests' tokens (a non-causal one is a single batch)
+        total = projector.pieces(ctx, chunk)
+        piece = job.image_piece
+        try:
+            projector.decode_chunk(ctx, chunk, slot.seq_id, len(slot.kv),
+                                   embedding=emb, piece=piece if total > 1 else None)
+        except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
+            job.drop_pieces()
+            self.steps.fail(job, e, "error")
+            return True
+        if piece + 1 < total:
+            job.piece_read()
+            return True
+        slot.kv.extend(job.todo[:n], settled=len(slot.kv) + n)
+        job.read(n)
+        slot.kv.checkpoint()  # a follow-up question never re-decodes the image
+        self.steps.progress(job)
+        return True
+
+    def generate(self, jobs: list[Job]) -> None:
+        """Decode the next token of every generating request."""
+        if not jobs:
+            return
+        jobs.sort(key=lambda j: j.placed_slot.seq_id)  # one micro-batch (see nbkv.kv.batching)
+        # more rows than the calibration proved would take another kernel: split the step
+        limit = self.res.rule.gen_rows
+        size = max(limit // (2 if self.settings.speculative else 1), 1) if limit else len(jobs)
+        for i in range(0, len(jobs), size):
+            self._generate_rows(jobs[i:i + size])
+
+
+    def two_row_exact(self) -> bool:
+        """Exact mode with guesses on a rule whose two-row chunks are canonical (see above)."""
+        rule, cfg = self.res.rule, self.settings
+        return (cfg.exact and cfg.speculative and rule.exact and not rule.single_row
+                and rule.threshold <= 2 and rule.align == 1)
+
+
+    def _generate_rows(self, jobs: list[Job]) -> None:
+        """One generation decode for ``jobs`` (see :func:`generate`)."""
+        batch = self.res.batch
+        batch.clear()
+        plan = []
+        pairs = self.two_row_exact()
+        for job in jobs:
+            tok = job.take_token()
+            slot = job.placed_slot
+            kv = slot.kv
+            idx = batch.add(tok, len(kv), kv.seq_id, True)
+            guess = extra = None
+            if job.drafter is not None and len(kv) + 2 < slot.capacity:
+                guess = job.drafter.draft()
+                if guess is None and pairs:
+                    guess = tok  # a second row all the same: it keeps the step canonical
+                if guess is not None:
+                    extra = batch.add(guess, len(kv) + 1, kv.seq_id, True)
+            plan.append((job, tok, idx, guess, extra))
+        # llama.cpp gives every sequence of a micro-batch the same rows: only if each holds two
+        # is each one's token row a two-row (canonical) computation
+        pairs = pairs and all(p[4] is not None for p in plan)
+        try:
+            self.res.ctx.decode(batch)
+        except BaseException as e:  # noqa: BLE001 - every request in the batch fails cleanly
+            for job, *_ in plan:
+                self.steps.fail(job, e, "error")
+            return
+        # a one-row decode is a canonical row where the calibration says so; a row decoded
+        # beside another of its sequence is one where two-row chunks are
+        exact = self.res.rule.single_row or pairs
+        for job, tok, *_ in plan:
+            kv = job.placed_slot.kv
+            kv.extend([tok], exact=exact, settled=len(kv) + 1 if exact else None)
+        for job, _, idx, guess, extra in plan:
+            kv = job.placed_slot.kv
+            try:
+                self.steps.on_logits(job, idx)
+                if guess is not None:
+                    job.drafted += 1
+                if guess is not None and extra is not None and job.next_token == guess:
+                    job.accepted += 1
+                    job.take_token()
+                    kv.extend([guess], exact=pairs, settled=len(kv) + 1 if pairs else None)
+                    self.steps.on_logits(job, extra)
+                elif guess is not None and job.state is not JobState.DONE:
+                    kv.resync()  # drop the wrong guess's position
+            except BaseException as e:  # noqa: BLE001
+                self.steps.fail(job, e, "error")
