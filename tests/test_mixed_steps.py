@@ -213,3 +213,34 @@ def test_a_request_preempts_the_idle_rewrite_between_chunks(model_path, monkeypa
         assert second.text == scratch_reply(model_path, msgs, max_tokens=8)
         assert all(v.identical for v in e.verify())
         assert_consistent(e)
+
+
+def test_a_calibration_grouping_that_differs_stops_at_its_first_chunk(model_path):
+    """One-row chunks of the embedded Q4_1 differ from a batch within a few rows: the
+    grouping test stops at the first that differs (a few decodes, not 48); a grouping that
+    holds is still compared row by row to its last chunk, where a difference is found."""
+    model = Model(model_path)
+    ctx = Context(model, 256, 1, calibrate.N_ROWS, n_threads=1)  # thread-invariant
+    batch = Batch(calibrate.N_ROWS)
+    try:
+        rng = np.random.default_rng(3)
+        tokens = [int(t) for t in rng.integers(100, model.n_vocab - 100, calibrate.N_ROWS)]
+        probe = calibrate._Probe(ctx, batch, tokens, 0)
+        p, n = calibrate.PREFIX, calibrate.N_ROWS
+        ref = probe.run([(0, p), (p, n)])[p:]
+        decodes = []
+        real = ctx.decode
+        ctx.decode = lambda b: (decodes.append(b.n), real(b))[1]
+        assert not probe.matches([(q, q + 1) for q in range(p, n)], ref, keep=p)
+        assert 1 <= len(decodes) < 8 and set(decodes) == {1}, decodes
+        twos = [(q, q + 2) for q in range(p, n, 2)]  # Q4_1 on CPU: chunks of 2+ rows are exact
+        decodes.clear()
+        assert probe.matches(twos, ref, keep=p)
+        assert decodes == [2] * len(twos)
+        bad = ref.copy()
+        bad[-1, 0] += 1.0
+        assert not probe.matches(twos, bad, keep=p)
+    finally:
+        batch.close()
+        ctx.close()
+        model.close()

@@ -15,7 +15,7 @@ Variants:
   llama-cpp  llama_cpp.Llama.create_chat_completion: one sequence, longest-common-prefix reuse
   imc        nbkv Incremental Message Cache
   spc        nbkv System Prompt Cache
-  limit      (single scenario) the physical floor: only the new tokens, decoded at that
+  limit      (single, thrash) the physical floor: only the new tokens, decoded at that
              depth on a raw context with nothing else going on
   sequential / batched   (subagents) the same agents one request at a time / all at once
   plain (speculative) or exact (decode) / guesses / inexact   the default engine (exact,

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
+import sys
 from typing import Any
 
 from nbkv.bench.conversations import TOPICS, mean, paragraph
 from nbkv.bench.registry import scenario
-from nbkv.bench.runners import MAX_TOKENS, LlamaCacheRunner, NbkvRunner, RemoteRunner
+from nbkv.bench.runners import (
+    MAX_TOKENS,
+    LimitRunner,
+    LlamaCacheRunner,
+    NbkvRunner,
+    RemoteRunner,
+)
+from nbkv.kv.policy import common_prefix
 
 NAMES = ["Ada", "Brook", "Cyd", "Dale", "Eve", "Finn"]
 
@@ -66,20 +75,30 @@ def _server_cache_ms(log_path: str) -> list[float]:
     return [float(m) for m in re.findall(r"prompt cache update took ([0-9.]+) ms", text)]
 
 
+def _spread(xs: list[float]) -> dict[str, float]:
+    """Min, median and max of per-turn ratios (nan when there are none)."""
+    if not xs:
+        return {"min": float("nan"), "median": float("nan"), "max": float("nan"), "n": 0}
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
 @scenario("thrash")
 def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
     """Six sessions with their own system prompts on two slots, round-robin.
 
     Variants, played in lockstep (turn by turn, the order rotating, so that all see the
-    same machine): nbkv with parking (default), without (``park_ram=0``), with 6 slots (the
-    floor: nothing leaves a slot), llama-server with ``--cache-ram`` pinned by
-    ``nbkv.connect``, and llama-cpp-python's ``Llama`` with ``LlamaRAMCache``. Every variant
-    gets the same conversation (the parking engine's replies).
+    same machine): nbkv with parking (default), with 6 slots (nothing leaves a slot),
+    llama-server with ``--cache-ram`` pinned by ``nbkv.connect``, and the physical floor
+    (``limit``: only the tokens that the session's previous prompt and reply did not hold,
+    decoded on a raw context that holds the rest). The full run adds nbkv without parking
+    (``park_ram=0``) and llama-cpp-python's ``Llama`` with ``LlamaRAMCache``. Every variant
+    gets the same conversation (the parking engine's replies). ``quick``: shorter system
+    prompts and replies, the same 6 sessions on 2 slots, 3 rounds (2 measured).
     """
     from nbkv.remote.server import LlamaServer, binary
     from nbkv.store.parking import default_ram_budget
 
-    rounds, sentences, max_tokens = (2, 5, 8) if quick else (3, 9, MAX_TOKENS)
+    rounds, sentences, max_tokens = (3, 4, 8) if quick else (3, 9, MAX_TOKENS)
     n, n_ctx = len(NAMES), 2048
     hist = {s: [{"role": "system", "content": own_system(i, sentences)}]
             for i, s in enumerate(NAMES)}
@@ -88,12 +107,15 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
     budget = default_ram_budget()
     runners: dict[str, Any] = {}
     server = None
+    limit: LimitRunner | None = None
+    held: dict[str, list[int]] = {s: [] for s in NAMES}
     out: dict[str, Any] = {"sessions": n, "slots": 2, "rounds": rounds,
                            "max_tokens": max_tokens, "park_ram_budget": budget}
     try:
         runners["parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens)
-        runners["no-parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens,
-                                           park_ram=0)
+        if not quick:
+            runners["no-parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens,
+                                               park_ram=0)
         runners["6-slots"] = NbkvRunner(path, "imc", n, n_ctx, max_tokens=max_tokens)
         if binary() is not None:
             server = LlamaServer(path, slots=2, ctx=n_ctx, threads=os.cpu_count(), batch=256,
@@ -103,35 +125,53 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
             runners["server-ram"] = RemoteRunner(server.url, True, max_tokens)
         else:
             out["server_skipped"] = "no llama-server binary: run `make llama-server`"
-        runners["llama-ram"] = LlamaCacheRunner(path, n_ctx, budget, max_tokens)
-        names = list(runners)
+        if not quick:
+            runners["llama-ram"] = LlamaCacheRunner(path, n_ctx, budget, max_tokens)
+        limit = LimitRunner(path, n_ctx)
+        names = [*runners, "limit"]
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
         for i, (session, text) in enumerate(turns):
             msgs = hist[session]
             msgs.append({"role": "user", "content": text})
+            prompt = runners["parking"].engine.tokenize_prompt(msgs)
+            new = len(prompt) - common_prefix(held[session], prompt)
             order = names[i % len(names):] + names[: i % len(names)]
             for v in order:
-                r = runners[v].turn(msgs, session)
+                if v == "limit":
+                    r = {"ttft": limit.turn(prompt, new), "prompt": len(prompt),
+                         "reused": len(prompt) - new}
+                else:
+                    r = runners[v].turn(msgs, session)
                 r.update(session=session, turn=i)
                 results[v].append(r)
-            msgs.append({"role": "assistant", "content": results["parking"][i]["text"]})
-        # after the run: what is parked, against llama.cpp's own KV per token
+            reply = results["parking"][i]["text"]
+            held[session] = prompt + runners["parking"].engine.model.tokenize(reply)
+            msgs.append({"role": "assistant", "content": reply})
+            print(f"thrash turn {i + 1}/{len(turns)} {session}: " + " ".join(
+                f"{v} {1000 * results[v][i]['ttft']:.0f}" for v in names) + " ms",
+                file=sys.stderr, flush=True)
+    # after the run: what is parked, against llama.cpp's own KV per token
         eng = runners["parking"].engine
         parked = eng.parked()
         verified = eng.verify()
         kv_per_token = eng.plan.kv_bytes_per_token
-        states = runners["llama-ram"].cache.cache_state  # tokens -> LlamaState
-        llama_tokens = sum(len(k) for k in states)
-        llama_state_bytes = sum(s.llama_state_size for s in states.values())
-        # what the cache holds in RAM besides: each entry's copy of Llama's logits array
-        llama_bytes = llama_state_bytes + sum(s.scores.nbytes + s.input_ids.nbytes
-                                              for s in states.values())
+        llama_tokens = llama_state_bytes = llama_bytes = 0
+        if "llama-ram" in runners:
+            states = runners["llama-ram"].cache.cache_state  # tokens -> LlamaState
+            llama_tokens = sum(len(k) for k in states)
+            llama_state_bytes = sum(s.llama_state_size for s in states.values())
+            # what the cache holds in RAM besides: each entry's copy of Llama's logits array
+            llama_bytes = llama_state_bytes + sum(s.scores.nbytes + s.input_ids.nbytes
+                                                  for s in states.values())
     finally:
         for r in runners.values():
             r.close()
+        if limit is not None:
+            limit.close()
         if server is not None:
             server.stop()
     ref = [r["text"] for r in results["parking"]]
+    replied = {v: rs for v, rs in results.items() if v != "limit"}  # the floor only times
     figures = {v: _figures(_later(rs, n), v != "llama-ram") for v, rs in results.items()}
     if server is not None:
         ms = _server_cache_ms(server.log_path)
@@ -151,9 +191,9 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
         "ttft_ms_per_turn": {v: [round(1000 * r["ttft"], 1) for r in rs]
                              for v, rs in results.items()},
         "replies_equal_parking": {v: [r["text"] for r in rs] == ref
-                                  for v, rs in results.items()},
+                                  for v, rs in replied.items()},
         "replies_differ_at_turns": {v: [i for i, r in enumerate(rs) if r["text"] != ref[i]]
-                                    for v, rs in results.items()},
+                                    for v, rs in replied.items()},
         "verify_parking_engine": [v.identical for v in verified],
         "parked": {"entries": len(parked), "tokens": parked_tokens, "bytes": parked_bytes,
                    "bytes_per_token": parked_bytes / max(parked_tokens, 1),
@@ -163,24 +203,33 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
                    "llama_ram_cache_bytes_per_token": llama_bytes / max(llama_tokens, 1)},
     })
     f = figures
+    later = {v: rs[n:] for v, rs in results.items()}
+
+    def per_turn(a: str, b: str) -> dict[str, float]:
+        return _spread([x["ttft"] / y["ttft"] for x, y in zip(later[a], later[b])])
+
     ratios = {
         "parking_over_6_slots_ttft": f["parking"]["mean_ttft_s"] / f["6-slots"]["mean_ttft_s"],
+        "parking_over_limit_ttft": f["parking"]["mean_ttft_s"] / f["limit"]["mean_ttft_s"],
+        "6_slots_over_limit_ttft": f["6-slots"]["mean_ttft_s"] / f["limit"]["mean_ttft_s"],
         "reuse_points_below_6_slots": f["6-slots"]["reuse_pct"] - f["parking"]["reuse_pct"],
         "restore_ms_per_1k_tokens_max": f["parking"]["restore_ms_per_1k_tokens"]["max"],
         "restore_ms_per_1k_tokens_mean": f["parking"]["restore_ms_per_1k_tokens"]["mean"],
         "restore_s_with_park_ms_per_1k_tokens_mean":
             f["parking"]["restore_s_ms_per_1k_tokens"]["mean"],
-        "no_parking_over_parking_ttft": f["no-parking"]["mean_ttft_s"]
-        / f["parking"]["mean_ttft_s"],
-        "llama_ram_over_parking_ttft": f["llama-ram"]["mean_ttft_s"]
-        / f["parking"]["mean_ttft_s"],
         "parked_over_kv_bytes_per_token": out["parked"]["bytes_per_token"] / kv_per_token,
     }
+    spreads = {"parking_over_6_slots_ttft": per_turn("parking", "6-slots"),
+               "parking_over_limit_ttft": per_turn("parking", "limit")}
+    for v, key in (("no-parking", "no_parking_over_parking_ttft"),
+                   ("llama-ram", "llama_ram_over_parking_ttft"),
+                   ("server-ram", "server_ram_over_parking_ttft")):
+        if v in f:
+            ratios[key] = f[v]["mean_ttft_s"] / f["parking"]["mean_ttft_s"]
+            spreads[key] = per_turn(v, "parking")
     if "server-ram" in f:
-        ratios["server_ram_over_parking_ttft"] = (f["server-ram"]["mean_ttft_s"]
-                                                  / f["parking"]["mean_ttft_s"])
         out["parking_faster_than_server_ram_turns"] = sum(
-            a["ttft"] < b["ttft"] for a, b in zip(results["parking"][n:],
-                                                 results["server-ram"][n:]))
+            a["ttft"] < b["ttft"] for a, b in zip(later["parking"], later["server-ram"]))
     out["ratios"] = ratios
+    out["per_turn_ratio_spread"] = spreads
     return out
