@@ -18,8 +18,14 @@ from nbkv.kv.spc import SavedPrompt
 class Persistable(Protocol):
     """An engine whose slots can be saved and restored: the public state API."""
 
-    n_slots: int
-    kv_streams: int  # the context's KV streams: the slots, and a shadow sequence if any
+    @property
+    def n_slots(self) -> int:
+        """The engine's slots."""
+
+    @property
+    def kv_streams(self) -> int:
+        """The context's KV streams: the slots, and a shadow sequence if any."""
+
     n_ctx: int
     cache: str
     exact: bool
