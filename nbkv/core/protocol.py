@@ -124,6 +124,11 @@ class Parks(Protocol):
     def clear_parked(self) -> str:
         """Forget every parked conversation (RAM and disk); the slots stay as they are."""
 
+
+@runtime_checkable
+class ClearsParked(Parks, Protocol):
+    """An engine that parks and can empty slots and its parked conversations in one call."""
+
     def clear(self, slot: int | None = None, *, parked: bool = False) -> str:
         """Empty one slot, or all (``parked``: and forget the parked conversations)."""
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
-from nbkv.core.protocol import Parks, Saves, Verifiable
+from nbkv.core.protocol import ClearsParked, Parks, Saves, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.figures import ExplainReport
@@ -301,13 +301,19 @@ def clear(ws: Workspace, args: Any) -> Any:
         raise InvalidRequestError("%kvcache clear: name a slot (%kvcache clear 0) or clear "
                                   "every slot with %kvcache clear --all (the parked "
                                   "conversations: %kvcache clear --parked)")
-    lot = engine if isinstance(engine, Parks) else None
-    if parked and lot is None:
+    if parked and not isinstance(engine, Parks):
         raise InvalidRequestError("%kvcache clear --parked needs the in-kernel engine")
-    if lot is not None and parked and args.target is None and not args.all:
-        return disp.Message(lot.clear_parked())
+    if parked and args.target is None and not args.all:
+        assert isinstance(engine, Parks)
+        return disp.Message(engine.clear_parked())
     slot = _number(args.target, "clear: slot must be a number")
-    said = lot.clear(slot, parked=True) if lot is not None and parked else engine.clear(slot)
+    if not parked:
+        said = engine.clear(slot)
+    elif isinstance(engine, ClearsParked):
+        said = engine.clear(slot, parked=True)
+    else:
+        raise InvalidRequestError("%kvcache clear --parked with a slot or --all needs the "
+                                  "in-kernel engine")
     what = f"slot {slot}" if slot is not None else "every slot"
     return disp.Message((said or f"cleared {what}") + " (sessions keep their messages)")
 
