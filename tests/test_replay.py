@@ -67,6 +67,9 @@ def test_a_reply_is_found_only_where_a_holder_still_holds_it():
     assert book.find(prompt, SamplingParams(temperature=0.5), [later]) is None
     assert book.find([1, 2, 3], params, [later]) is None  # a prefix is another prompt
     assert book.kept_by([prompt[:3], later]) == [memo] and book.kept_by([prompt[:3]]) == []
+    # what cutting a holder back loses: a prompt it holds whole that ends after the cut
+    assert book.cut_by(later, 3) == [memo] and book.cut_by(later, 4) == []
+    assert book.cut_by(prompt[:3], 1) == [] and book.cut_by([1, 2, 3, 5, 7], 2) == []
 
 
 def test_the_book_keeps_the_latest_replies_and_reads_back_its_json():
