@@ -67,6 +67,9 @@ def test_a_reply_is_found_only_where_a_holder_still_holds_it():
     assert book.find(prompt, SamplingParams(temperature=0.5), [later]) is None
     assert book.find([1, 2, 3], params, [later]) is None  # a prefix is another prompt
     assert book.kept_by([prompt[:3], later]) == [memo] and book.kept_by([prompt[:3]]) == []
+    # what cutting a holder back loses: a prompt it holds whole that ends after the cut
+    assert book.cut_by(later, 3) == [memo] and book.cut_by(later, 4) == []
+    assert book.cut_by(prompt[:3], 1) == [] and book.cut_by([1, 2, 3, 5, 7], 2) == []
 
 
 def test_the_book_keeps_the_latest_replies_and_reads_back_its_json():
@@ -213,3 +216,27 @@ def test_a_parked_conversation_restored_for_another_session_stays_parked(model_p
                        max_tokens=MAX, temperature=0).record
         assert again.reason == "restored" and again.restored_session == "alice"
         assert_consistent(e)
+
+
+def test_an_edit_keeps_the_branch_it_cuts_so_run_all_again_replays_every_turn(engine, model_path):
+    """02's section 3: a cell edited in its session's own slot cuts the turns after it. The
+    old branch is parked first (unnamed), so running every cell again replays them all."""
+    engine.clear(parked=True)
+    turns = talk(engine, "ed", ["What is a CPU?", "And memory?", "And a disk?"])
+    msgs, _ = turns[1]
+    edit = msgs[:-1] + [user("And a GPU?")]  # turn 2's cell edited and run again
+    kw = dict(session="ed", max_tokens=MAX, temperature=0, replay=True)
+    edited = engine.chat(edit, **kw)
+    assert edited.record.reason == "edited" and edited.record.trimmed_tokens > 0
+    assert [p.session for p in engine.parked()] == [None]  # the old branch, kept
+    for msgs, first in turns:  # Run All again: the old cells, then the edit's
+        r = engine.chat(msgs, **kw)
+        assert r.text == first.text and r.record.reason == "replayed", r.record.reason_text
+        assert r.record.generated_tokens == 0 and r.record.prefilled_tokens == 0
+    again = engine.chat(edit, **kw)
+    assert again.text == edited.text and again.record.reason == "replayed"
+    assert len(engine.parked()) == 1  # a branch parked once, not again on every cut
+    assert edited.text == scratch_reply(model_path, edit, max_tokens=MAX)
+    for s in engine.slots():
+        assert [v.identical for v in engine.verify(s.index)] == [True]
+    assert_consistent(engine)

@@ -7,9 +7,10 @@ satisfy it, so callers type against :class:`EngineLike` rather than the ``Engine
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 from nbkv.core.events import RequestRecord, Subscriber
+from nbkv.core.streams import ChatResult, ChatStream
 
 
 @runtime_checkable
@@ -20,9 +21,20 @@ class EngineLike(Protocol):
     def n_slots(self) -> int:
         """Number of slots (the server's total for a remote engine)."""
 
+    @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: bool = False, **sampling: Any) -> Any:
-        """Reply to a conversation."""
+             stream: Literal[False] = False, overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatResult: ...
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: Literal[True], overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatStream: ...
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
+             stream: bool = False, overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatResult | ChatStream:
+        """Reply to a conversation (a stream of its text with ``stream=True``)."""
 
     def chat_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]],
                   sessions: Sequence[str | None] | None = None, *,
@@ -91,6 +103,10 @@ class Verifiable(Protocol):
     def probe(self, slot: int, token: int) -> list[float]:
         """Logits of ``token`` appended to ``slot``'s tokens."""
 
+    @property
+    def model(self) -> Any:
+        """The loaded model (``exactness``: what its calibration proved, in words)."""
+
 
 @runtime_checkable
 class Parks(Protocol):
@@ -107,6 +123,26 @@ class Parks(Protocol):
 
     def clear_parked(self) -> str:
         """Forget every parked conversation (RAM and disk); the slots stay as they are."""
+
+
+@runtime_checkable
+class ClearsParked(Parks, Protocol):
+    """An engine that parks and can empty slots and its parked conversations in one call."""
+
+    def clear(self, slot: int | None = None, *, parked: bool = False) -> str:
+        """Empty one slot, or all (``parked``: and forget the parked conversations)."""
+
+
+@runtime_checkable
+class Saves(Protocol):
+    """An engine whose cache ``%kvcache save`` / ``restore`` can write and read back."""
+
+    def save(self, path: str | None = None, sessions: Any = None) -> Any:
+        """Save the slots and caches (and ``sessions``) under ``path``."""
+
+    def restore(self, path: str | None = None, sessions: Any = None, *,
+                trust: bool = False) -> Any:
+        """Bring a save back (``trust``: one this machine did not sign)."""
 
 
 @runtime_checkable

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from nbkv.core.events import RequestStarted, Segment
 from nbkv.engine import replay
-from nbkv.engine.slot_parking import park_slot, restore_into
+from nbkv.engine.slot_parking import park_branch, park_slot, restore_into
 from nbkv.kv import invariance, policy, reasons
 from nbkv.kv.reach import Judge, restorable, restore_point
 from nbkv.kv.segments import prompt_segments
@@ -128,6 +128,8 @@ def start(sched: Scheduler, job: Job) -> bool:
         if memo is not None:
             trimmed, reuse = 0, len(p.tokens)
         else:
+            if cfg.cache == "imc" and entry is None and donor is None and parked_to is None:
+                park_branch(sched, slot, reuse)  # an edit: its old branch's replies stay
             trimmed = len(kv) - reuse if cfg.cache == "imc" else 0
             if cfg.cache == "imc" and trimmed > 0:
                 log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",

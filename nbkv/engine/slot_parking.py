@@ -18,8 +18,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.engine import replay
 from nbkv.engine.slots import SlotPhase
 from nbkv.kv import policy
+from nbkv.kv.invariance import valid_start
 from nbkv.kv.reach import restore_point
 from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import SlotState
@@ -33,12 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("nbkv")
 
 
-def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True) -> ParkedInfo | None:
+def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True,
+              branch: bool = False) -> ParkedInfo | None:
     """Park what ``slot`` holds; returns the entry (None: nothing to park, or not kept).
 
     The slot is left as it is for the caller to reuse or empty, less the tail of a reply
     whose rewrite had not run. ``drop=False``: an entry no tier can hold is not dropped, and
-    stays in the slot (:meth:`nbkv.store.parking.ParkingLot.park`).
+    stays in the slot (:meth:`nbkv.store.parking.ParkingLot.park`). ``branch``: parked as an
+    unnamed conversation (:func:`park_branch`), not as the slot's session's.
     """
     lot, kv = sched.parking, slot.kv
     if lot is None or not (kv.tokens or slot.redo):
@@ -60,12 +64,38 @@ def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True) -> ParkedIn
     segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
     snap = take_preparked(sched, slot) or kv.snapshot()
     info = lot.park(ParkedEntry.from_snapshot(
-        snap, session=slot.session, hashes=slot.hashes[:k], msg_ends=slot.msg_ends[:k],
-        segments=segments, last_request=slot.last_request, last_used=slot.last_used,
-        used_at=slot.used_at), drop=drop)
+        snap, session=None if branch else slot.session, hashes=slot.hashes[:k],
+        msg_ends=slot.msg_ends[:k], segments=segments, last_request=slot.last_request,
+        last_used=slot.last_used, used_at=slot.used_at), drop=drop)
     log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
               info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
     return info
+
+
+def park_branch(sched: Scheduler, slot: EngineSlot, at: int) -> ParkedInfo | None:
+    """Before its own session's request cuts ``slot`` back to ``at``: keep the branch it cuts.
+
+    An edited turn is served in its session's own slot, which is cut at the edit: the
+    replies after it (the old branch) leave KV, so running their cells again (a second
+    "Run All") would decode them again. When the cut loses a reply that could be replayed
+    (:meth:`nbkv.kv.replies.ReplyBook.cut_by`), a copy of the slot's proven KV is parked
+    first, as an unnamed conversation: the session's own parked entry (its newest
+    conversation) stays, and a request that goes back to the old branch restores a copy
+    of it and is replayed. Not when a parked conversation already holds all of it. Returns
+    the entry, or None when nothing was parked.
+    """
+    lot, kv = sched.parking, slot.kv
+    if lot is None or not replay.proven(sched) or not kv.tokens:
+        return None
+    rule = sched.res.rule
+    # a replay needs its prompt as far as the cache keeps one (nbkv.engine.replay.match)
+    if not any(at < valid_start(kv.tokens[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)
+               for m in sched.replies.cut_by(kv.tokens, at)):
+        return None
+    held = tuple(kv.tokens)
+    if any(i.tokens[:len(held)] == held for i in lot.entries()):
+        return None  # parked already (a branch restored from a copy, cut again)
+    return park_slot(sched, slot, branch=True)
 
 
 def resume_point(sched: Scheduler, slot: EngineSlot) -> int | None:

@@ -179,6 +179,15 @@ class ReplyBook:
                 out.append(memo)
         return out
 
+    def cut_by(self, units: Sequence[Any], at: int) -> list[ReplyMemo]:
+        """The memos ``units`` hold whose prompt a cut of ``units`` at ``at`` would lose.
+
+        What a slot cut back to ``at`` positions (an edited turn served in its own slot)
+        could no longer replay: prompts it holds whole that end after ``at``.
+        """
+        return [m for m in self._memos.values() if at < m.n_prompt <= len(units)
+                and digest(units[:m.n_prompt]) == m.prompt]
+
     def clear(self) -> None:
         """Forget every reply."""
         self._memos.clear()

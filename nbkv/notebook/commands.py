@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
-from nbkv.core.protocol import Parks, Verifiable
+from nbkv.core.protocol import ClearsParked, Parks, Saves, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.figures import ExplainReport
@@ -157,6 +157,10 @@ def _kept(ws: Workspace, args: Any) -> Any:
     line = (f"kept the loaded engine: same model and settings, so its caches stay ({what}); "
             "%kvcache load --reload starts afresh")
     if args.restore:
+        from nbkv.engine.facade import Engine
+
+        # ``loaded`` matched the in-kernel engine's model and settings: it is one
+        assert isinstance(engine, Engine)
         line += "\n" + (_offer_restore(ws, engine, True, args.trust) or "")
     return disp.Message(line)
 
@@ -240,7 +244,7 @@ def _offer_restore(ws: Workspace, engine: Engine, restore: bool, trust: bool = F
     if not restore:
         return persist.offer(engine, ws.save_path())
     try:
-        return str(engine.restore(ws.save_path(), ws.store, trust=trust))
+        return str(engine.restore(str(ws.save_path()), ws.store, trust=trust))
     except NbkvError as e:
         return f"--restore: nothing restored: {e}"
 
@@ -300,9 +304,16 @@ def clear(ws: Workspace, args: Any) -> Any:
     if parked and not isinstance(engine, Parks):
         raise InvalidRequestError("%kvcache clear --parked needs the in-kernel engine")
     if parked and args.target is None and not args.all:
+        assert isinstance(engine, Parks)
         return disp.Message(engine.clear_parked())
     slot = _number(args.target, "clear: slot must be a number")
-    said = engine.clear(slot, parked=True) if parked else engine.clear(slot)
+    if not parked:
+        said = engine.clear(slot)
+    elif isinstance(engine, ClearsParked):
+        said = engine.clear(slot, parked=True)
+    else:
+        raise InvalidRequestError("%kvcache clear --parked with a slot or --all needs the "
+                                  "in-kernel engine")
     what = f"slot {slot}" if slot is not None else "every slot"
     return disp.Message((said or f"cleared {what}") + " (sessions keep their messages)")
 
@@ -311,7 +322,7 @@ def parked(ws: Workspace, args: Any) -> Any:
     """The parked conversations (tier, tokens, bytes), and the latest ones dropped and why."""
     engine = ws.engine()
     lot = getattr(engine, "parking", None)
-    if lot is None:
+    if lot is None or not isinstance(engine, Parks):
         return disp.Message("parking is off for this engine (nothing is parked)")
     rows = tuple((i.session or "(unnamed)", vocab.tier_words(i.tier), f"{i.n_tokens:,}",
                   f"{i.nbytes / 2**20:.1f} MiB") for i in engine.parked())
@@ -414,13 +425,21 @@ def unload(ws: Workspace, args: Any) -> Any:
 
 def save(ws: Workspace, args: Any) -> Any:
     """Save slots, media and sessions (``%kvcache save [DIR]``)."""
-    return disp.Message(str(ws.engine().save(ws.save_path(args.target), ws.store)))
+    return disp.Message(str(_saves(ws).save(str(ws.save_path(args.target)), ws.store)))
 
 
 def restore(ws: Workspace, args: Any) -> Any:
     """Restore a save into the loaded engine (``%kvcache restore [DIR] [--trust]``)."""
-    return disp.Message(str(ws.engine().restore(ws.save_path(args.target), ws.store,
-                                                trust=args.trust)))
+    return disp.Message(str(_saves(ws).restore(str(ws.save_path(args.target)), ws.store,
+                                               trust=args.trust)))
+
+
+def _saves(ws: Workspace) -> Saves:
+    """The loaded engine, as one whose cache can be saved (every nbkv engine is)."""
+    engine = ws.engine()
+    if not isinstance(engine, Saves):
+        raise InvalidRequestError(f"{type(engine).__name__} has no save or restore")
+    return engine
 
 
 def config(ws: Workspace, args: Any) -> Any:

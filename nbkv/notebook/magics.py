@@ -334,7 +334,7 @@ class Nbkv(Magics, Settings):
         view = chat_view(self._notebook(), self.refresh)
         reply, interrupted = view.stream(
             turn, engine.subscribe, self.stats if args.stats is None else args.stats)
-        if args.out:
+        if args.out and self.shell is not None:
             self.shell.user_ns[args.out] = reply
         if interrupted:  # so that a "run all" stops here, with one line instead of a traceback
             raise Interrupted(reply.record.generated_tokens if reply.record else 0)

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import EventBus
-from nbkv.core.protocol import Exportable
 from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     LIVE,
     STALE,
@@ -49,6 +48,8 @@ if TYPE_CHECKING:
     from nbkv.core.protocol import EngineLike
     from nbkv.core.streams import ChatStream
     from nbkv.engine.facade import Engine
+    from nbkv.remote.llama_server import LlamaServerEngine
+    from nbkv.remote.openai import OpenAIEngine
 
 DEFAULT_SESSION = "default"
 
@@ -88,9 +89,11 @@ class Session:
 
     @messages.setter
     def messages(self, msgs: Sequence[Mapping[str, Any]]) -> None:
-        msgs = list(msgs)
-        if not all(isinstance(m, dict) for m in msgs):
+        given = list(msgs)
+        dicts = [m for m in given if isinstance(m, dict)]
+        if len(dicts) != len(given):
             raise InvalidRequestError(f"{self.name}: messages must be dicts")
+        msgs = dicts
         system = msgs.pop(0) if msgs and msgs[0].get("role") == "system" else None
         keep = {id(t.user): t for t in self._turns if t.live and t.user is not None}
         turns = []
@@ -500,10 +503,10 @@ class SessionStore:
         from nbkv.engine.facade import Engine
 
         self.close_engine()
-        self.engine = Engine(model_path, **engine_kwargs)
+        self.engine = engine = Engine(model_path, **engine_kwargs)
         args = _settings(engine_kwargs)
-        self.load_args = (str(self.engine.model.path.resolve()), tuple(sorted(args.items())))
-        return self.engine
+        self.load_args = (str(engine.model.path.resolve()), tuple(sorted(args.items())))
+        return engine
 
     def loaded(self, model_path: str, engine_kwargs: Mapping[str, Any]) -> bool:
         """True when the engine loaded (and still open) has this model file and arguments."""
@@ -511,7 +514,7 @@ class SessionStore:
         return (self.engine is not None and not getattr(self.engine, "closed", True)
                 and self.load_args == (model_path, tuple(sorted(args.items()))))
 
-    def connect(self, url: str, **kwargs: Any) -> EngineLike:
+    def connect(self, url: str, **kwargs: Any) -> LlamaServerEngine | OpenAIEngine:
         """Connect to a serving engine (:func:`nbkv.connect`), then close the old one.
 
         The old engine stays if the connection fails. Sessions keep their messages.
@@ -537,8 +540,9 @@ class SessionStore:
                                   or saver.interval != interval or saver.path != path):
             saver.stop()
             self.autosaver = saver = None
-        if saver is None and path is not None and engine is not None \
-                and isinstance(engine, Exportable):
+        from nbkv.engine.facade import Engine
+
+        if saver is None and path is not None and isinstance(engine, Engine):
             self.autosaver = Autosaver(engine, path, self, interval=interval)
 
     def close_engine(self) -> None:

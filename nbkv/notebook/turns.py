@@ -235,10 +235,10 @@ class MessageList(list):
     def __delitem__(self, i: Any) -> None:
         self._apply("__delitem__", i)
 
-    def __iadd__(self, other: Any) -> MessageList:  # type: ignore[override, misc]
+    def __iadd__(self, other: Any) -> MessageList:  # type: ignore[misc]
         return self._apply("__iadd__", other)
 
-    def __imul__(self, n: Any) -> MessageList:  # type: ignore[override, misc]
+    def __imul__(self, n: Any) -> MessageList:  # type: ignore[misc]
         return self._apply("__imul__", n)
 
     def append(self, m: Any) -> None:

@@ -29,6 +29,7 @@ from nbkv.ui.palette import (
 
 if TYPE_CHECKING:
     from nbkv.core.events import RequestRecord
+    from nbkv.core.protocol import EngineLike
     from nbkv.engine.facade import Engine, SlotInfo
 
 _CELL = f"padding:2px 8px;text-align:left;border-bottom:1px solid {RULE}"
@@ -281,7 +282,7 @@ def slots_label(engine: Any) -> str:
     return f"{engine.n_slots} slots x {engine.n_ctx} tokens"
 
 
-def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table | Message:
+def status_table(engine: EngineLike | None, sessions: Iterable[Any] = ()) -> Table | Message:
     """Model, slots, cache mode, totals."""
     if engine is None:
         return Message("no engine loaded: run %kvcache load (the embedded SmolLM2-135M) "
@@ -300,6 +301,11 @@ def status_table(engine: Engine | None, sessions: Iterable[Any] = ()) -> Table |
             ("sessions", ", ".join(names) or "none"),
             *persist_rows(engine),
         ), note=s.get("advice") or "")
+    from nbkv.engine.facade import Engine
+
+    if not isinstance(engine, Engine):
+        raise TypeError(f"no status for {type(engine).__name__}: neither nbkv's Engine nor "
+                        "a server-backed engine")
     used = sum(x.n_tokens for x in engine.slots())
     rows = (
         ("model", f"{engine.model.name} · {engine.model.path.name}"),
@@ -380,7 +386,7 @@ def threads_text(n_threads: int) -> str:
     return f"{n_threads} (n_threads; this process may use {budget.describe()})"
 
 
-def slots_table(engine: Engine) -> Table:
+def slots_table(engine: EngineLike) -> Table:
     """One row per slot: session, messages, tokens, LRU rank, pending, images, checkpoints."""
     slots = engine.slots()
     order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)
@@ -464,7 +470,7 @@ PARKING_STATS = {
 }
 
 
-def stats_table(engine: Engine) -> Table:
+def stats_table(engine: EngineLike) -> Table:
     """Totals over the request history; internals only when relevant, under "details"."""
     s = engine.stats()
     main = ("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens", "salvage_pct",
