@@ -137,6 +137,7 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
             new = len(prompt) - common_prefix(held[session], prompt)
             order = names[i % len(names):] + names[: i % len(names)]
             for v in order:
+                r: dict[str, Any]
                 if v == "limit":
                     r = {"ttft": limit.turn(prompt, new), "prompt": len(prompt),
                          "reused": len(prompt) - new}
@@ -164,8 +165,8 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
             llama_bytes = llama_state_bytes + sum(s.scores.nbytes + s.input_ids.nbytes
                                                   for s in states.values())
     finally:
-        for r in runners.values():
-            r.close()
+        for runner in runners.values():
+            runner.close()
         if limit is not None:
             limit.close()
         if server is not None:

@@ -233,8 +233,16 @@ class ParkingDropped:
     why: str
 
 
+class Notice:
+    """Base of the events that layers above the engine publish on a bus.
+
+    A notebook session's turns changed, for example: the bus and its subscribers know them by
+    this type alone.
+    """
+
+
 Event = Union[RequestStarted, Progress, RequestFinished, SlotRewritten, SlotsChanged,
-              ParkingDropped]
+              ParkingDropped, Notice]
 Subscriber = Callable[[Event], None]
 
 

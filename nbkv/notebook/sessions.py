@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import InvalidRequestError
-from nbkv.core.events import EventBus
+from nbkv.core.events import EventBus, Notice
 from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     LIVE,
     STALE,
@@ -415,7 +415,7 @@ class PendingTurn:
 
 
 @dataclass(frozen=True)
-class TurnsChanged:
+class TurnsChanged(Notice):
     """A session's turns changed (a turn committed, a reset, rewind, fork, edit or restore).
 
     ``change`` says what a committed turn did; None for the other changes. ``session`` is
@@ -476,13 +476,13 @@ class SessionStore:
     def drop(self, name: str) -> None:
         """Forget a session (its KV stays cached until evicted)."""
         if self._sessions.pop(name, None) is not None:
-            self.events.publish(TurnsChanged(None))  # type: ignore[arg-type]
+            self.events.publish(TurnsChanged(None))
 
     def clear(self) -> None:
         """Forget every session."""
         self._sessions.clear()
         self._origins.clear()
-        self.events.publish(TurnsChanged(None))  # type: ignore[arg-type]
+        self.events.publish(TurnsChanged(None))
 
     def cell_of(self, record: RequestRecord) -> CellRef | None:
         """The notebook cell that sent the request of ``record`` (None: not from a cell)."""
