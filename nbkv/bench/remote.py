@@ -4,6 +4,7 @@ prefix cache, and the in-kernel engine, on the same conversations in one run."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from nbkv.bench.conversations import mean, paragraph, run_conversations, system_prompt
@@ -138,7 +139,7 @@ def scenario_remote_exact(path: str, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": turns_n}
     runs: dict[str, list[list[dict]]] = {}
     with LlamaServer(path, slots=1, ctx=n_ctx, threads=os.cpu_count(), cache_ram=0) as srv:
-        makers = {
+        makers: dict[str, Callable[[], NbkvRunner | RemoteRunner]] = {
             "kernel exact": lambda: NbkvRunner(path, "imc", 1, n_ctx),
             "remote exact": lambda: RemoteRunner(srv.url, True),
             "kernel exact=False": lambda: NbkvRunner(path, "imc", 1, n_ctx, exact=False),
