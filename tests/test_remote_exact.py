@@ -83,6 +83,35 @@ def test_the_lighthouse_keeper_and_a_regenerate_equal_cache_off(oracle):
             e.close()
 
 
+def test_an_interrupted_reply_never_runs_beside_the_next_request(oracle, monkeypatch):
+    """llama-server stops an answer whose connection closed only when it next writes to it
+    (on a loaded machine many seconds later: it then computes it beside the next request,
+    in one batch). Here it is never seen to let go in time: the next request, on another
+    slot, waits until it did, and is exact."""
+    from nbkv.remote.exchange import Exchange
+
+    monkeypatch.setattr(Exchange, "server_length", lambda self, wait=5.0: None)
+    with _server(cache_ram=0) as srv:
+        e = nbkv.connect(srv.url)
+        try:
+            bob = [{"role": "user", "content": "Name a ship."}]
+            r = e.chat(bob, "bob", max_tokens=MAX_TOKENS)
+            bob += [r.message, {"role": "user", "content": "Who sails it?"}]
+            stream = e.chat([{"role": "user", "content": "Tell me a long story about the "
+                                                         "sea."}], "ann", stream=True,
+                            max_tokens=60)
+            for i, _ in enumerate(stream):
+                if i == 1:
+                    break
+            stream.close()
+            r = e.chat(bob, "bob", max_tokens=MAX_TOKENS)
+            assert r.record.slot != stream.record.slot
+            assert r.record.exact, summary(r.record)
+            assert r.text == _want(oracle, {}, bob)
+        finally:
+            e.close()
+
+
 def _turn(rng, conv):
     words = rng.sample(WORDS, rng.randint(2, 4))
     return {"role": "user", "content": f"Tell me about the {' and the '.join(words)}."}

@@ -36,6 +36,8 @@ class ServerChecks:
     _cv: threading.Condition
     _last_poll: float
     restart_note: str
+    #: slots where the server may still compute an answer nbkv closed (exact mode)
+    draining: set[int]
 
     def _adopt(self) -> None:
         """At connect: slots the server already fills hold what nbkv does not know."""
@@ -125,6 +127,34 @@ class ServerChecks:
         self.ledger.forget()
         self.events.publish(SlotsChanged("server restarted"))
         return True
+
+    def drain(self, deadline: float) -> bool:
+        """Wait (until ``deadline``) for the server to let go of the answers nbkv closed.
+
+        llama-server stops an answer whose connection closed only when it next writes to it,
+        a token later or, on a loaded machine, many seconds later (its whole ``n_predict``:
+        measured); meanwhile it computes that answer beside the next request, in one batch,
+        which no calibration covers. So in exact mode neither a request nor a rewrite runs
+        until the slot is idle. True when none is left.
+        """
+        while True:
+            with self._cv:
+                pending = set(self.draining)
+            if not pending:
+                return True
+            seen = self.watch.read()
+            if seen is None:  # no /slots: the request's own checks decide
+                return False
+            with self._cv:
+                for i in pending:
+                    v = seen.get(i)
+                    if v is None or not v.processing:
+                        self.draining.discard(i)
+                if not self.draining:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def _look(self, slot: _Slot) -> tuple[dict[int, SlotView], str]:
         """Read ``/slots`` before a request (exact mode): a restart, another client's use.

@@ -338,6 +338,9 @@ class Exchange:
             len(p.tokens) if final else None)
         if not final and error is None and eng.has_slots_endpoint:  # interrupted
             n = self.server_length()
+            if n is None:  # the server has not let it go yet: nothing runs beside it
+                with eng._cv:
+                    eng.draining.add(slot.index)
             if n is not None and n > len(held):
                 # the server decoded a few more tokens before it saw the connection close:
                 # they are in its KV but not known here, and match no prompt token (-1)
