@@ -99,7 +99,7 @@ def test_an_interrupted_reply_never_runs_beside_the_next_request(oracle, monkeyp
             bob += [r.message, {"role": "user", "content": "Who sails it?"}]
             stream = e.chat([{"role": "user", "content": "Tell me a long story about the "
                                                          "sea."}], "ann", stream=True,
-                            max_tokens=60)
+                            max_tokens=24)
             for i, _ in enumerate(stream):
                 if i == 1:
                     break
@@ -164,7 +164,7 @@ def _run_flows(e, oracle, rng, n_requests, memo):
                 past[n].append(msgs)
         elif op == "interrupt":
             msgs = [*conv, _turn(rng, conv)]
-            stream = e.chat(msgs, name, stream=True, max_tokens=40)
+            stream = e.chat(msgs, name, stream=True, max_tokens=16)
             for i, _ in enumerate(stream):
                 if i == 2:
                     break
