@@ -147,9 +147,10 @@ def scenario_remote_exact(path: str, quick: bool) -> dict[str, Any]:
             "remote exact=False": lambda: RemoteRunner(srv.url, True, exact=False),
             "remote exact, no idle time": lambda: RemoteRunner(srv.url, True, settle=False),
         }
-        # A B ... B A, twice: 4 passes per variant (one pass's mean moves by up to 2x on a
-        # shared machine; the spread is reported with the median of the passes)
-        order = 2 * (list(makers) + list(reversed(makers)))
+        # A B ... B A (--quick: once; else twice, 4 passes per variant): one pass's mean
+        # moves by up to 2x on a shared machine; the median of the passes is reported,
+        # with each pass and each adjacent remote/kernel pair's own ratio
+        order = (1 if quick else 2) * (list(makers) + list(reversed(makers)))
         replies = None
         for name in order:
             runner = makers[name]()
