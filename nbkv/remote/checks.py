@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nbkv.remote.connect")
 
+#: the longest a request waits for the server to let go of an answer nbkv closed (then it
+#: goes, and its record says whether another task ran beside it)
+DRAIN_S = 60.0
+
 
 class ServerChecks:
     """``poll``, the check before a request, restarts: the table against ``/slots``."""
@@ -135,8 +139,9 @@ class ServerChecks:
         a token later or, on a loaded machine, many seconds later (its whole ``n_predict``:
         measured); meanwhile it computes that answer beside the next request, in one batch,
         which no calibration covers. So in exact mode neither a request nor a rewrite runs
-        until the slot is idle. True when none is left.
+        until the slot is idle (at most :data:`DRAIN_S`). True when none is left.
         """
+        deadline = min(deadline, time.monotonic() + DRAIN_S)
         while True:
             with self._cv:
                 pending = set(self.draining)

@@ -489,8 +489,8 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
 
     def _complete(self, job: RemoteJob, p: Prompt, slot: _Slot, plan: policy.Plan,
                   own: SlotInfo | None) -> RequestRecord:
-        if self.rule is not None:
-            self.drain(job.deadline)  # an answer nbkv closed must not run beside this one
+        if self.rule is not None:  # an answer nbkv closed must not run beside this one
+            self.drain(job.deadline)
         before, other_note = self._look(slot) if self.rule is not None else ({}, "")
         prev_len = len(slot.tokens)
         prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends else prev_len
