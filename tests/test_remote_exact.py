@@ -83,25 +83,56 @@ def test_the_lighthouse_keeper_and_a_regenerate_equal_cache_off(oracle):
             e.close()
 
 
+def test_an_interrupted_reply_never_runs_beside_the_next_request(oracle, monkeypatch):
+    """llama-server stops an answer whose connection closed only when it next writes to it
+    (on a loaded machine many seconds later: it then computes it beside the next request,
+    in one batch). Here it is never seen to let go in time: the next request, on another
+    slot, waits until it did, and is exact."""
+    from nbkv.remote.exchange import Exchange
+
+    monkeypatch.setattr(Exchange, "server_length", lambda self, wait=5.0: None)
+    with _server(cache_ram=0) as srv:
+        e = nbkv.connect(srv.url)
+        try:
+            bob = [{"role": "user", "content": "Name a ship."}]
+            r = e.chat(bob, "bob", max_tokens=MAX_TOKENS)
+            bob += [r.message, {"role": "user", "content": "Who sails it?"}]
+            stream = e.chat([{"role": "user", "content": "Tell me a long story about the "
+                                                         "sea."}], "ann", stream=True,
+                            max_tokens=24)
+            for i, _ in enumerate(stream):
+                if i == 1:
+                    break
+            stream.close()
+            r = e.chat(bob, "bob", max_tokens=MAX_TOKENS)
+            assert r.record.slot != stream.record.slot
+            assert r.record.exact, summary(r.record)
+            assert r.text == _want(oracle, {}, bob)
+        finally:
+            e.close()
+
+
 def _turn(rng, conv):
     words = rng.sample(WORDS, rng.randint(2, 4))
     return {"role": "user", "content": f"Tell me about the {' and the '.join(words)}."}
 
 
 def _run_flows(e, oracle, rng, n_requests, memo):
-    """Random flows on ``e``; returns (exact, total) and asserts exact replies are right."""
+    """Random flows on ``e``; returns (exact, replies that ran to their end) and asserts
+    exact replies are right (an interrupted one is partial: never counted exact)."""
     convs = {name: [{"role": "system", "content": f"You are {name.title()}, a sailor. "
                                                   f"Answer briefly."}]
              for name in ("ann", "bob", "cat")}
     past: dict[str, list] = {name: [] for name in convs}  # the prompts each session sent
-    done = exact = 0
+    done = ended = exact = 0
 
     def check(msgs, res):
-        nonlocal done, exact
+        nonlocal done, ended, exact
         done += 1
         rec = res.record
         if rec.finish_reason == "cancelled":
             return
+        ended += 1
         assert rec.verified, summary(rec)
         if rec.exact:
             exact += 1
@@ -135,7 +166,7 @@ def _run_flows(e, oracle, rng, n_requests, memo):
                 past[n].append(msgs)
         elif op == "interrupt":
             msgs = [*conv, _turn(rng, conv)]
-            stream = e.chat(msgs, name, stream=True, max_tokens=40)
+            stream = e.chat(msgs, name, stream=True, max_tokens=16)
             for i, _ in enumerate(stream):
                 if i == 2:
                     break
@@ -151,7 +182,7 @@ def _run_flows(e, oracle, rng, n_requests, memo):
             past[name].append(msgs)
         if rng.random() < 0.3:
             e.settle()  # a pause while the user reads: the reply is rewritten meanwhile
-    return exact, done
+    return exact, ended
 
 
 @pytest.mark.slow
@@ -164,7 +195,7 @@ def test_random_flows_never_claim_exact_for_a_reply_that_differs(oracle, seed, c
     with _server(cache_ram=cache_ram) as srv:
         e = nbkv.connect(srv.url)
         try:
-            exact, done = _run_flows(e, oracle, random.Random(seed), 40, memo)
+            exact, ended = _run_flows(e, oracle, random.Random(seed), 40, memo)
             recs = e.history
             restored = [r for r in recs if r.restored_from]
             if cache_ram:
@@ -173,9 +204,10 @@ def test_random_flows_never_claim_exact_for_a_reply_that_differs(oracle, seed, c
                 assert not restored
         finally:
             e.close()
-    # most replies are proven exact: 80-83% of them on seeds 1 and 3 after the merges of
-    # this round (92% before them); why fewer is open (issue 38). Every one claimed is exact.
-    assert exact >= 0.75 * done, (exact, done)
+    # nearly every reply that ran to its end is proven exact (seed 1: 34 of 34, at load 10-16;
+    # before an interrupted answer was waited for, the request after it often ran beside it
+    # on the server and said so: 80-83% of all requests, interrupted ones included)
+    assert exact >= 0.9 * ended, (exact, ended)
 
 
 def test_flags_the_server_does_not_state_are_said_on_every_record(oracle):

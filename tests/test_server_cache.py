@@ -161,3 +161,51 @@ def test_listener_replays_then_follows_and_notices_a_restart(tmp_path):
             assert not listener.alive
         pub.close(0)
         router.close(0)
+
+
+FAKE_VLLM = r'''#!/bin/sh
+# speaks as vLLM's start-up does: its log lines, then /health on --port
+while [ "$1" != "--port" ]; do shift; done
+port=$2
+for line in "(EngineCore pid=1) INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0)" \
+            "(Worker pid=2) INFO [cpu_model_runner.py:68] Starting to load model /m..." \
+            "(Worker pid=2) INFO [default_loader.py:501] Loading weights took 0.03 seconds" \
+            "(EngineCore pid=1) INFO [core.py:402] init engine (profile, ...) took 0.01 s"; do
+  sleep 0.6; echo "$line"
+done
+exec "$NBKV_TEST_PYTHON" -c "
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(('127.0.0.1', $port), H).serve_forever()"
+'''
+
+
+def test_a_vllm_start_shows_each_stage_its_log_tells(tmp_path, monkeypatch):
+    """vLLM takes 20 s to minutes to start on a CPU: the wait shows where it is."""
+    import sys
+
+    from nbkv.remote.vllm_server import STAGES, VLLMServer, start_stage
+
+    assert start_stage("") == (0, "importing torch and vLLM")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM)
+    fake.chmod(0o755)
+    monkeypatch.setenv("NBKV_TEST_PYTHON", sys.executable)
+    steps = []
+    srv = VLLMServer(tmp_path, python=fake, kv_events=False)
+    try:
+        srv.start(timeout=30, progress=steps.append)
+    finally:
+        srv.stop(timeout=5)
+    assert srv.pid is None
+    whats = [s.what for s in steps if not s.final]
+    stages = [w.split(": ", 1)[1] for w in dict.fromkeys(whats)]
+    every = [stage for _, stage in STAGES]
+    assert stages[0] == "importing torch and vLLM" and stages[-1] == every[-1]
+    assert stages[1:] == [s for s in every if s in stages]  # in order (a quick one may pass
+    # between two looks at the log)
+    assert steps[-1].final and max(s.done for s in steps) == len(STAGES)
+    assert f"port {srv.port}" in whats[0] and "its log: " in steps[0].why

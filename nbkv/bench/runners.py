@@ -294,16 +294,20 @@ class RemoteRunner:
         self.engine.clear()
         self.pin = pin
         self.max_tokens = max_tokens
-        self.settle = settle
+        # the idle-time rewrite exists on llama-server only (an OpenAI server has none)
+        from nbkv.remote.llama_server import LlamaServerEngine
+
+        eng = self.engine
+        self.settle = eng.settle if settle and isinstance(eng, LlamaServerEngine) else None
 
     def turn(self, messages: list[dict], session: str) -> dict[str, Any]:
         if self.pin:
             res = self.engine.chat(messages, session=session, max_tokens=self.max_tokens,
                                    temperature=0)
             settle_s = 0.0
-            if self.settle:
+            if self.settle is not None:
                 t0 = time.perf_counter()
-                self.engine.settle()
+                self.settle()
                 settle_s = time.perf_counter() - t0
             r = res.record
             return {"ttft": r.ttft_s, "prompt": r.prompt_tokens, "reused": r.reused_tokens,

@@ -87,7 +87,7 @@ class RemoteBase(ChatAPI):
             self._jobs.add(job)
         threading.Thread(target=self._run, args=(job, prepared), name="nbkv-remote",
                          daemon=True).start()
-        s = ChatStream(self, job)  # type: ignore[arg-type]
+        s = ChatStream(self, job)
         return s if stream else s.result()
 
     def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str,
@@ -169,16 +169,16 @@ class RemoteBase(ChatAPI):
 
     def save(self, path: str | None = None, sessions: Any = None) -> Any:
         """Not for this kind of server: it keeps its cache to itself."""
-        from nbkv.store.persist import save
+        from nbkv.store.persist import unsupported
 
-        return save(self, path, sessions)  # refused: no state API
+        raise unsupported(self, "save")  # no state API
 
     def restore(self, path: str | None = None, sessions: Any = None, *,
                 trust: bool = False) -> Any:
         """Not for this kind of server: it keeps its cache to itself."""
-        from nbkv.store.persist import restore
+        from nbkv.store.persist import unsupported
 
-        return restore(self, path, sessions, trust=trust)  # refused: no state API
+        raise unsupported(self, "restore")  # no state API
 
 
     def explain(self, request: int | None = None) -> reasons.Explanation:

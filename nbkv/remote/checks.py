@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nbkv.remote.connect")
 
+#: the longest a request waits for the server to let go of an answer nbkv closed (then it
+#: goes, and its record says whether another task ran beside it)
+DRAIN_S = 60.0
+
 
 class ServerChecks:
     """``poll``, the check before a request, restarts: the table against ``/slots``."""
@@ -36,6 +40,8 @@ class ServerChecks:
     _cv: threading.Condition
     _last_poll: float
     restart_note: str
+    #: slots where the server may still compute an answer nbkv closed (exact mode)
+    draining: set[int]
 
     def _adopt(self) -> None:
         """At connect: slots the server already fills hold what nbkv does not know."""
@@ -125,6 +131,35 @@ class ServerChecks:
         self.ledger.forget()
         self.events.publish(SlotsChanged("server restarted"))
         return True
+
+    def drain(self, deadline: float) -> bool:
+        """Wait (until ``deadline``) for the server to let go of the answers nbkv closed.
+
+        llama-server stops an answer whose connection closed only when it next writes to it,
+        a token later or, on a loaded machine, many seconds later (its whole ``n_predict``:
+        measured); meanwhile it computes that answer beside the next request, in one batch,
+        which no calibration covers. So in exact mode neither a request nor a rewrite runs
+        until the slot is idle (at most :data:`DRAIN_S`). True when none is left.
+        """
+        deadline = min(deadline, time.monotonic() + DRAIN_S)
+        while True:
+            with self._cv:
+                pending = set(self.draining)
+            if not pending:
+                return True
+            seen = self.watch.read()
+            if seen is None:  # no /slots: the request's own checks decide
+                return False
+            with self._cv:
+                for i in pending:
+                    v = seen.get(i)
+                    if v is None or not v.processing:
+                        self.draining.discard(i)
+                if not self.draining:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def _look(self, slot: _Slot) -> tuple[dict[int, SlotView], str]:
         """Read ``/slots`` before a request (exact mode): a restart, another client's use.

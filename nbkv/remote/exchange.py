@@ -22,6 +22,7 @@ from nbkv.kv.segments import message_segments
 from nbkv.prompt.builder import Prompt
 from nbkv.remote import steering
 from nbkv.remote.base import UNKNOWN, RemoteJob
+from nbkv.remote.checks import DRAIN_S
 from nbkv.remote.steering import Offered, Step
 from nbkv.remote.watch import SlotView
 
@@ -338,6 +339,9 @@ class Exchange:
             len(p.tokens) if final else None)
         if not final and error is None and eng.has_slots_endpoint:  # interrupted
             n = self.server_length()
+            if n is None:  # the server has not let it go yet: nothing runs beside it
+                with eng._cv:
+                    eng.draining.add(slot.index)
             if n is not None and n > len(held):
                 # the server decoded a few more tokens before it saw the connection close:
                 # they are in its KV but not known here, and match no prompt token (-1)
@@ -364,8 +368,12 @@ class Exchange:
                 if info.get("id") == slot.index:
                     info.update(n_prompt_tokens=n, is_processing=False)
 
-    def server_length(self, wait: float = 5.0) -> int | None:
-        """The slot's cached token count once the server has let it go (``/slots``)."""
+    def server_length(self, wait: float = DRAIN_S) -> int | None:
+        """The slot's cached token count once the server has let it go (``/slots``).
+
+        It lets go at its next write to the closed connection: a token later, or on a
+        loaded machine many seconds later; after ``wait`` s the count is unknown.
+        """
         index = self.slot.index
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:

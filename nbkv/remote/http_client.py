@@ -134,7 +134,8 @@ class ServerClient:
         return ServerError(f"{self.url}{path}: {type(e).__name__}: {e}")
 
     def _status_error(self, resp: httpx.Response, path: str) -> ServerError | Exception:
-        message, info = resp.text.strip(), {}
+        message = resp.text.strip()
+        info: dict[str, Any] = {}
         try:
             data = resp.json()
             info = data.get("error", data) if isinstance(data, dict) else {}

@@ -174,6 +174,7 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         self.watch = ServerWatch(client, self.facts, self.has_metrics)
         self._turn = threading.Lock()  # exact mode: one request on the server at a time
         self._waiting = 0  # requests waiting for their turn (an idle-time rewrite yields)
+        self.draining: set[int] = set()  # slots still computing an answer nbkv closed
         self.restart_note = ""  # how the last restart of the server was noticed
         self.table: SlotTable[_Slot] = SlotTable([_Slot(i, self.n_ctx) for i in range(n)],
                                                  self._cv)
@@ -488,6 +489,8 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
 
     def _complete(self, job: RemoteJob, p: Prompt, slot: _Slot, plan: policy.Plan,
                   own: SlotInfo | None) -> RequestRecord:
+        if self.rule is not None:  # an answer nbkv closed must not run beside this one
+            self.drain(job.deadline)
         before, other_note = self._look(slot) if self.rule is not None else ({}, "")
         prev_len = len(slot.tokens)
         prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends else prev_len

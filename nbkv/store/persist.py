@@ -178,13 +178,18 @@ def _mb(n: int) -> str:
 # -- what describes an engine ----------------------------------------------------------------
 
 
+def unsupported(engine: Any, what: str) -> SaveError | RestoreError:
+    """The error of a ``what`` (``"save"`` or ``"restore"``) ``engine`` cannot do."""
+    err = SaveError if what == "save" else RestoreError
+    return err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
+               "nbkv.Engine or a llama-server engine can save and restore its slots; an "
+               "OpenAI-compatible server keeps its cache to itself")
+
+
 def _require_local(engine: Any, what: str) -> None:
     """Only an engine with the state API (:meth:`nbkv.Engine.export_state`) saves here."""
     if not isinstance(engine, Exportable):
-        err = SaveError if what == "save" else RestoreError
-        raise err(f"{what} is not supported for {type(engine).__name__}: an in-kernel "
-                  "nbkv.Engine or a llama-server engine can save and restore its slots; an "
-                  "OpenAI-compatible server keeps its cache to itself")
+        raise unsupported(engine, what)
 
 
 def kernel_sessions(sessions: Any) -> Any:
