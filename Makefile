@@ -33,9 +33,9 @@ browser:
 # mostly waits on downloads and the disk (13 minutes measured, 3 of them CPU time)
 test: $(STAMP)
 	$(MAKE) -j3 browser llama-server vllm
-	$(PY) -m ruff check nbkv tests
+	$(MAKE) lint
 	NBKV_REQUIRE_SERVER=1 $(PY) -m pytest --nbval-lax --nbval-current-env -m "not binder" \
-	  tests notebooks
+	  --durations=25 tests notebooks
 
 # the house's rules: style (ruff), layers (import-linter's contracts in pyproject.toml), types (mypy)
 lint: $(STAMP)
