@@ -167,8 +167,8 @@ def test_a_different_image_at_the_same_place(model_path):
     def image(seed):
         return np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
 
-    def msg(img):
-        return {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+    def msg(img, text="What is this?"):
+        return {"role": "user", "content": [{"type": "text", "text": text},
                                             {"type": "image", "image": img}]}
 
     with Engine(model_path, mmproj=str(make_mmproj(kind="tiny")), n_slots=1, n_ctx=1024,
@@ -178,7 +178,11 @@ def test_a_different_image_at_the_same_place(model_path):
         assert rec.reason == reasons.IMAGE_CHANGED and rec.encoder_runs == 1
         check_divergence(rec, before, prompt, 0, "user")
         assert "image encoded" in Figures(rec).text()
-        rec, _, _ = ask(e, "w", [msg(image(1))])  # seen before: its embeddings are cached
+        # the edit parked v's old branch (its image 1 in KV): w restores it, nothing encoded
+        rec, _, _ = ask(e, "w", [msg(image(1))])
+        assert rec.restored_tokens > 0 and rec.encoder_runs == 0
+        # no KV holds it after other words: image 1, seen before, comes from the embeddings cache
+        rec, _, _ = ask(e, "x", [msg(image(1), "Describe the picture below in one word.")])
         assert "image from cache" in Figures(rec).text()
 
 

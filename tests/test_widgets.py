@@ -645,7 +645,7 @@ def test_engine_closed_stops_the_feed():
 
 
 def test_dashboard_follows_a_real_conversation(engine):
-    engine.clear()
+    engine.clear(parked=True)  # earlier tests' conversations parked: this one starts afresh
     dash = CacheDashboard(engine, interval=0.1)
     drawn = Draws()
     dash.feed.attach(drawn)  # after the dashboard's own pieces: redrawn after them
