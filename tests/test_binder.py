@@ -196,6 +196,12 @@ def _cell_seconds(cell: dict) -> float | None:
     return (f(b.replace("Z", "+00:00")) - f(a.replace("Z", "+00:00"))).total_seconds()
 
 
+def _text(output: dict) -> str:
+    """A stream output's text: nbformat keeps it as one string or as a list of lines."""
+    text = output.get("text", "")
+    return "".join(text) if isinstance(text, list) else str(text)
+
+
 def test_binder_builds_and_runs_every_notebook(image):
     image, figures = image
     env, out = _env(image), image / "out"
@@ -225,7 +231,7 @@ def test_binder_builds_and_runs_every_notebook(image):
         assert len(kernels) == 1, seen
         first_load = next((_cell_seconds(c) for c in nb["cells"] if c["cell_type"] == "code"
                            and "%kvcache load" in "".join(c["source"])), None)
-        stderr = [o.get("text", "") for c in nb["cells"] for o in c.get("outputs", [])
+        stderr = [_text(o) for c in nb["cells"] for o in c.get("outputs", [])
                   if o.get("output_type") == "stream" and o.get("name") == "stderr"]
         runs[name] = {
             "seconds": round(time.monotonic() - t0, 1),
@@ -239,7 +245,7 @@ def test_binder_builds_and_runs_every_notebook(image):
         }
         assert not [s for s in stderr if LLAMA_LOG.search(s)], (name, stderr)
         if name.startswith("05_"):  # the server postBuild built, found with no variable
-            first = "".join(o.get("text", "") for o in nb["cells"][1].get("outputs", []))
+            first = "".join(_text(o) for o in nb["cells"][1].get("outputs", []))
             assert "llama-server http://127.0.0.1" in first, first
             assert servers, "05 ran without llama-server"
     after = calib.read_text()
