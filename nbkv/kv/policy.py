@@ -19,11 +19,13 @@ log = logging.getLogger("nbkv.kv.policy")
 __all__ = ["HASH_EXTEND", "HASH_HIT", "MISS", "PREFIX_SALVAGE", "common_prefix"]
 
 
-class SlotLike(Protocol):
-    """What the policy reads from a slot (read-only: snapshots are frozen)."""
+class Held(Protocol):
+    """What the policy reads from any conversation held in KV: a slot's or a parked one.
 
-    @property
-    def index(self) -> int: ...
+    Read-only (properties), so frozen records (snapshots, :class:`nbkv.store.parked.ParkedInfo`)
+    fit.
+    """
+
     @property
     def tokens(self) -> Sequence[Any]:
         """Token ids (or media units) held in KV positions 0..len-1."""
@@ -38,6 +40,13 @@ class SlotLike(Protocol):
     @property
     def last_used(self) -> int:
         """Logical clock, larger = more recent."""
+
+
+class SlotLike(Held, Protocol):
+    """What the policy reads from a slot (read-only: snapshots are frozen)."""
+
+    @property
+    def index(self) -> int: ...
     @property
     def pending(self) -> bool:
         """A request is building or generating in this slot."""
@@ -101,33 +110,12 @@ def pick_free(slots: Sequence[SlotLike], session: str | None) -> SlotLike | None
     return empty_or_lru(free)
 
 
-class ParkedLike(Protocol):
+class ParkedLike(Held, Protocol):
     """What the policy reads from a parked conversation (:class:`nbkv.store.parked.ParkedInfo`)."""
 
-    # read-only (properties): a frozen record (ParkedInfo) fits
     @property
     def key(self) -> str:
         """The entry's key in the parking lot."""
-
-    @property
-    def tokens(self) -> Sequence[Any]:
-        """One unit per KV position."""
-
-    @property
-    def hashes(self) -> Sequence[str]:
-        """Its message hashes."""
-
-    @property
-    def msg_ends(self) -> Sequence[int]:
-        """Where each of its messages ends."""
-
-    @property
-    def session(self) -> str | None:
-        """Its session."""
-
-    @property
-    def last_used(self) -> int:
-        """Its LRU clock."""
 
 
 #: how a candidate would serve a request: kept in its slot, copied into another slot, or a
