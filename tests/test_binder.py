@@ -57,10 +57,29 @@ BASE = ("jupyterlab==4.4.10", "notebook==7.4.7", "jupyter_server==2.17.0",
 #: ``1+1`` cell, shows it on load; ``notebook==7.5.8`` (jupyterlab 4.5.11) does not. 01 run
 #: in 7.6.5 with this nbkv shows it and nothing else.
 UPSTREAM_PAGE_ERRORS = {"Notebook 7": ("Cannot read properties of undefined (reading 'schema')",)}
+# Notebook 7.6.5's own page refuses one of its own fonts (403 on /static/notebook/<hash>.woff2,
+# a file its package ships): seen in the built image with the token kept out of the page's URL,
+# not a resource of nbkv's; JupyterLab loads the same notebook with no refused resource
+UPSTREAM_FONT = re.compile(r"^HTTP 403 GET \S+/static/notebook/[0-9a-f]+\.woff2$")
+FAILED_403 = "Failed to load resource: the server responded with a status of 403 (Forbidden)"
 LLAMA_LOG = re.compile(r"load_hparams|llama_|ggml_|clip_|mtmd_|print_info|load_tensors")
 
 # a build takes minutes on quiet cores, hours on a crowded machine
 pytestmark = [pytest.mark.binder, pytest.mark.slow, pytest.mark.timeout(6 * 3600)]
+
+
+def _without_upstream_fonts(clashes: list[str]) -> list[str]:
+    """``clashes`` less Notebook 7's refused fonts, and as many of the browser's 403 lines."""
+    fonts = [c for c in clashes if UPSTREAM_FONT.match(c)]
+    kept, excused = [], len(fonts)
+    for c in clashes:
+        if c in fonts:
+            continue
+        if c == FAILED_403 and excused:
+            excused -= 1
+            continue
+        kept.append(c)
+    return kept
 
 
 def _env(image: Path) -> dict[str, str]:
@@ -326,7 +345,13 @@ def test_front_ends_in_chromium(image, tmp_path):
                     page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
                     page.on("console", lambda m, console=console: console.append(m.text)
                             if m.type in ("error", "warning") else None)
-                    page.goto(url + ("&" if "?" in url else "?") + f"token={token}")
+                    # which resource a "Failed to load resource" line is about
+                    page.on("response", lambda r, console=console: console.append(
+                        f"HTTP {r.status} {r.request.method} {r.url}") if r.status >= 400 else None)
+                    # log in first, then open the page as a launch's redirect leaves it (no token in
+                    # the page's own URL)
+                    page.goto(f"{base}/login?token={token}")
+                    page.goto(url)
                     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
                     page.wait_for_selector(
                         ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
@@ -343,8 +368,10 @@ def test_front_ends_in_chromium(image, tmp_path):
                 finally:
                     browser.close()
             clashes = [c for c in console if re.search(
-                r"Unsatisfied version|not registered|Failed to load|Error displaying widget", c)]
+                r"Unsatisfied version|not registered|Failed to load|Error displaying widget"
+                r"|^HTTP 4", c)]
             errors = [e for e in errors if e not in UPSTREAM_PAGE_ERRORS.get(ui, ())]
+            clashes = _without_upstream_fonts(clashes)
             results[ui] = {"page_errors": errors, "clashes": clashes,
                            "dashboard_charts": rendered}
     finally:
