@@ -16,7 +16,7 @@ import pytest
 from conftest import SYSTEM, assert_consistent, fresh_probe
 from nbkv import Engine
 from nbkv.core.events import Progress
-from nbkv.engine.placement import REPLY_TAIL
+from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import invariance, policy
 from nbkv.llama.models import default_model_path
 from nbkv.prompt import templates

@@ -51,7 +51,7 @@ def slack(engine):
     cannot be cut, back to the checkpoint a few positions before a prompt's end."""
     rule = engine.prefill_rule
     return rule.min_chunk + rule.align + (
-        nbkv.engine.placement.REPLY_TAIL if engine.memory.checkpoints else 0)
+        nbkv.engine.slots.REPLY_TAIL if engine.memory.checkpoints else 0)
 
 
 def assert_verified(engine):

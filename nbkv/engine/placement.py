@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from nbkv.core.events import RequestStarted, Segment
 from nbkv.engine import replay
 from nbkv.engine.slot_parking import park_branch, park_slot, restore_into
+from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import invariance, policy, reasons
 from nbkv.kv.reach import Judge, restorable, restore_point
 from nbkv.kv.segments import prompt_segments
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("nbkv")
 
 CHECKPOINT_INTERVAL = 64  # hybrid/recurrent: a checkpoint at least this often in a prompt
-REPLY_TAIL = 4  # ... and this many positions before the end of a rewritten reply
 
 
 def servable(sched: Scheduler, kv: SlotKV) -> int:

@@ -21,8 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from nbkv.core.events import SlotRewritten
-from nbkv.engine.placement import REPLY_TAIL
-from nbkv.engine.slots import TO_REWRITE
+from nbkv.engine.slots import REPLY_TAIL, TO_REWRITE
 from nbkv.kv import invariance
 
 if TYPE_CHECKING:

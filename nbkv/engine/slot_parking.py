@@ -85,8 +85,8 @@ def park_branch(sched: Scheduler, slot: EngineSlot, at: int) -> ParkedInfo | Non
     the entry, or None when nothing was parked.
     """
     lot, kv = sched.parking, slot.kv
-    if lot is None or not replay.proven(sched) or not kv.tokens:
-        return None
+    if lot is None or at >= len(kv) or not replay.proven(sched):
+        return None  # nothing is cut (a plain continuation), or nothing would be replayed
     rule = sched.res.rule
     # a replay needs its prompt as far as the cache keeps one (nbkv.engine.replay.match)
     if not any(at < valid_start(kv.tokens[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)

@@ -33,6 +33,9 @@ class SlotPhase(enum.Enum):
 
 #: the phases in which a slot's last reply is (being) rewritten in exact mode
 TO_REWRITE = frozenset({SlotPhase.REWRITING, SlotPhase.UNSETTLED})
+#: checkpointed (hybrid, recurrent) memory: a checkpoint this many positions before the end of
+#: a rewritten reply, so that a reply whose last word re-tokenizes differently still reuses the rest
+REPLY_TAIL = 4
 
 
 @dataclass
