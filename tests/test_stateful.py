@@ -47,9 +47,10 @@ from conftest import assert_consistent
 from nbkv import Engine
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import ParkingDropped
-from nbkv.engine.placement import REPLY_TAIL
+from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import reasons
 from nbkv.kv.policy import common_prefix
+from nbkv.kv.reach import SWA, SWA_CELLS
 
 N_CTX = 512
 MAX_CONVS = 6
@@ -475,15 +476,22 @@ class EngineMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ what must hold
 
+    @property
+    def park_slack(self):
+        """A parked sliding-window state (and a slot it is put back into) ends where it can be
+        put back exactly: the canonical cut, brought down until its window starts a multiple
+        of SWA_CELLS cells in (nbkv.kv.reach.restorable), so up to SWA_CELLS - 1 lower."""
+        return SWA_CELLS - 1 if self.e.memory.kind == SWA else 0
+
     def held(self, c):
         if not c.prompt:
             return True
-        need = len(c.prompt) - self.slack
+        need = len(c.prompt) - self.slack - self.park_slack
         return any(common_prefix(t, c.prompt) >= need for t in
                    [s.tokens for s in self.e.slots()] + [i.tokens for i in self.e.parked()])
 
     def parked_for(self, c):
-        need = len(c.prompt) - self.slack
+        need = len(c.prompt) - self.slack - self.park_slack
         return any(common_prefix(i.tokens, c.prompt) >= need for i in self.e.parked())
 
     def apply_drops(self):
