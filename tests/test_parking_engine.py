@@ -22,10 +22,11 @@ import time
 import pytest
 from test_families import assert_kv_exact, model_for, user
 
-import nbkv.engine.placement
 from conftest import assert_consistent, picture, run_py
 from nbkv import Engine
 from nbkv.core.events import RequestStarted
+from nbkv.engine.slot_parking import Parker
+from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import policy, reach
 from nbkv.kv.reasons import EVICTED, RESTORED
 from nbkv.llama.models import default_model_path
@@ -51,7 +52,7 @@ def slack(engine):
     cannot be cut, back to the checkpoint a few positions before a prompt's end."""
     rule = engine.prefill_rule
     return rule.min_chunk + rule.align + (
-        nbkv.engine.slots.REPLY_TAIL if engine.memory.checkpoints else 0)
+        REPLY_TAIL if engine.memory.checkpoints else 0)
 
 
 def assert_verified(engine):
@@ -430,22 +431,22 @@ def test_a_request_arriving_while_a_slot_is_parked(engine, oracle, monkeypatch):
     """Four sessions at once on two slots, then five: the fifth arrives while a slot is
     being parked (the copy is held back until it is queued)."""
     engine.clear(parked=True)
-    real = nbkv.engine.placement.park_slot
+    real = Parker.park_slot
     convs = open_conversations(5)
     late = convs.pop("s4")
     late.append(user(QUESTIONS[0]))
     arrived, streams = threading.Event(), []
 
-    def slow_park(sched, slot):  # on the scheduler thread, before the copy
-        if not arrived.is_set() and slot.tokens:
+    def slow_park(parker, slot, **kw):  # on the scheduler thread, before the copy
+        if not kw and not arrived.is_set() and slot.tokens:  # a displaced slot's park
             threading.Thread(target=lambda: (streams.append(engine.chat(
                 late, session="s4", stream=True, max_tokens=MAX, temperature=0)),
                 arrived.set())).start()
             assert arrived.wait(10)
             time.sleep(0.05)
-        return real(sched, slot)
+        return real(parker, slot, **kw)
 
-    monkeypatch.setattr(nbkv.engine.placement, "park_slot", slow_park)
+    monkeypatch.setattr(Parker, "park_slot", slow_park)
     for q in QUESTIONS[:2]:
         for msgs in convs.values():
             msgs.append(user(q))
@@ -480,19 +481,19 @@ def test_an_interrupt_during_a_restore_leaves_the_engine_consistent(engine, orac
     msgs = convs["s0"]
     msgs.append(user(QUESTIONS[1]))
     holder, ready, restoring = [], threading.Event(), threading.Event()
-    real = nbkv.engine.placement.restore_into
+    real = Parker.restore_into
 
     def cancelled():
         return ready.wait(10) and holder[0]._job.cancel.is_set()
 
-    def slow_restore(slot, entry):  # on the scheduler thread: the copy waits for the cancel
+    def slow_restore(parker, slot, entry):  # on the scheduler thread: the copy waits
         restoring.set()
         if how == "interrupt" and ready.wait(10):
             os.kill(os.getpid(), signal.SIGINT)  # what a notebook's interrupt button does
         deadline = time.monotonic() + 10
         while not cancelled() and time.monotonic() < deadline:
             time.sleep(0.01)
-        return real(slot, entry)
+        return real(parker, slot, entry)
 
     def on_event(ev):  # on the scheduler thread, before the prefill
         if isinstance(ev, RequestStarted) and ev.record.restored_from and ready.wait(10):
@@ -501,7 +502,7 @@ def test_an_interrupt_during_a_restore_leaves_the_engine_consistent(engine, orac
     if how == "started":
         unsubscribe = engine.subscribe(on_event)
     else:
-        monkeypatch.setattr(nbkv.engine.placement, "restore_into", slow_restore)
+        monkeypatch.setattr(Parker, "restore_into", slow_restore)
         unsubscribe = lambda: None  # noqa: E731
     try:
         stream = engine.chat(msgs, session="s0", stream=True, max_tokens=MAX, temperature=0)
@@ -625,21 +626,23 @@ def test_the_next_park_is_copied_out_in_idle_time_and_buffers_are_reused(engine,
 
     engine.clear()
     snapshots, parking = [], []
-    real_snapshot, real_park = SlotKV.snapshot, nbkv.engine.placement.park_slot
+    real_snapshot, real_park = SlotKV.snapshot, Parker.park_slot
 
     def snapshot(self):
         snapshots.append(bool(parking))
         return real_snapshot(self)
 
-    def park(sched, slot):
+    def park(parker, slot, **kw):
+        if kw:  # not a displaced slot's park (a branch, a park by hand)
+            return real_park(parker, slot, **kw)
         parking.append(slot.index)
         try:
-            return real_park(sched, slot)
+            return real_park(parker, slot)
         finally:
             parking.clear()
 
     monkeypatch.setattr(SlotKV, "snapshot", snapshot)
-    monkeypatch.setattr(nbkv.engine.placement, "park_slot", park)
+    monkeypatch.setattr(Parker, "park_slot", park)
     convs = open_conversations(4)
     reused = engine.ctx.buffers.reused
     for q in QUESTIONS[:2]:

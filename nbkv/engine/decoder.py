@@ -24,13 +24,13 @@ scratch with guesses, not plain llama.cpp's one-row decoding (README, Exactness)
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from nbkv.core.errors import MediaError
 from nbkv.engine.jobs import Job, JobState
-from nbkv.engine.placement import spc_capture
 from nbkv.kv import invariance
 
 if TYPE_CHECKING:
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from nbkv.engine.rewrite import Pace
     from nbkv.engine.slots import ServeSettings
     from nbkv.kv.spc import SystemPromptStore
+
+log = logging.getLogger("nbkv")
 
 
 class Steps(Protocol):
@@ -231,3 +233,12 @@ class Decoder:
                     kv.resync()  # drop the wrong guess's position
             except BaseException as e:  # noqa: BLE001
                 self.steps.fail(job, e, "error")
+
+
+def spc_capture(spc: SystemPromptStore, job: Job) -> None:
+    """SPC: save the slot's state now that its prefill has reached the system prompt's end."""
+    assert job.spc_key is not None
+    kv = job.placed_slot.kv
+    spc.put(job.spc_key, kv.save_state(), kv.tokens)
+    job.capture_at = None
+    log.debug("spc: saved system prompt state, %d tokens", len(kv))

@@ -32,7 +32,6 @@ from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit
 from nbkv.engine.scheduler import Scheduler
-from nbkv.engine.slot_parking import park_sessions, spill_all, unpark_sessions
 from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
 from nbkv.kv.oracle import Verification
@@ -358,14 +357,14 @@ class Engine(TemplatedAPI, ChatAPI):
     def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
         lot = self._parking_lot()
-        text = self.scheduler.call(lambda: park_sessions(self.scheduler, lot, session, all))
+        text = self.scheduler.call(lambda: self.scheduler.parker.park_sessions(lot, session, all))
         self.events.publish(SlotsChanged("parked"))
         return text
 
     def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Bring parked conversations back into slots now (an empty slot, else the LRU's)."""
         lot = self._parking_lot()
-        text = self.scheduler.call(lambda: unpark_sessions(self.scheduler, lot, session, all))
+        text = self.scheduler.call(lambda: self.scheduler.parker.unpark_sessions(lot, session, all))
         self.events.publish(SlotsChanged("unparked"))
         return text
 
@@ -599,7 +598,7 @@ class Engine(TemplatedAPI, ChatAPI):
         if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
             def spill() -> int:
                 self.scheduler.rewriter.settle_all()  # whole replies parked: rewritten first
-                return spill_all(self.scheduler)
+                return self.scheduler.parker.spill_all()
 
             try:
                 self.scheduler.call(spill)

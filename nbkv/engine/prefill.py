@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nbkv.core.errors import NbkvError
-from nbkv.engine.placement import servable
+from nbkv.engine.slots import servable
 from nbkv.kv import invariance
 from nbkv.kv.slot_kv import trim_valid
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.control import Runs
     from nbkv.engine.slots import EngineSlot
 
 
-def prefill_run(sched: Scheduler, units: Sequence[Any], pos: int, seq: int, row: int | None
+def prefill_run(sched: Runs, units: Sequence[Any], pos: int, seq: int, row: int | None
                 ) -> Iterator[tuple[int, int]]:
     """Prefill ``units[pos:]`` (text) into ``seq`` in canonical chunks.
 
@@ -42,7 +42,7 @@ def prefill_run(sched: Scheduler, units: Sequence[Any], pos: int, seq: int, row:
         pos += n
 
 
-def extension_logits(sched: Scheduler, s: EngineSlot, units: Sequence[Any], row: int
+def extension_logits(sched: Runs, s: EngineSlot, units: Sequence[Any], row: int
                      ) -> np.ndarray:
     """The logits of ``units[row]`` prefilled over ``s``'s KV, as a request would.
 
@@ -56,7 +56,7 @@ def extension_logits(sched: Scheduler, s: EngineSlot, units: Sequence[Any], row:
     snap = kv.snapshot() if kv.memory.checkpoints else None
     out = None
     try:
-        pos = trim_valid(kv, units, min(servable(sched, kv), row), rule)
+        pos = trim_valid(kv, units, min(servable(sched.settings.exact, kv), row), rule)
         for lo, hi in prefill_run(sched, units, pos, kv.seq_id, row):
             if lo <= row < hi:
                 out = np.array(sched.res.ctx.logits(row - lo))

@@ -24,7 +24,7 @@ from nbkv.kv.invariance import next_chunk, stable_end
 from nbkv.kv.slot_kv import SlotKV
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.control import Controls, Runs
     from nbkv.engine.slots import EngineSlot
 
 PROBE = 42  # the token appended to compare the saved KV with the recomputed one
@@ -58,7 +58,7 @@ class Recomputation:
                 f"{self.seconds:.2f} s; {said}")
 
 
-def recompute(sched: Scheduler, index: int) -> Recomputation:
+def recompute(sched: Controls, index: int) -> Recomputation:
     """Replace slot ``index``'s KV by a full prefill of its tokens (scheduler thread)."""
     s: EngineSlot = sched.table[index]
     session, tokens = s.session, list(s.kv.tokens)
@@ -88,7 +88,7 @@ def recompute(sched: Scheduler, index: int) -> Recomputation:
                          bool(np.array_equal(saved, fresh)), diff)
 
 
-def prefill_all(sched: Scheduler, kv: SlotKV, tokens: Sequence[Any], stops: Iterable[int]
+def prefill_all(sched: Runs, kv: SlotKV, tokens: Sequence[Any], stops: Iterable[int]
                 ) -> None:
     """Prefill ``tokens`` (text only) into the empty ``kv`` as requests would.
 

@@ -23,55 +23,115 @@ from nbkv.core.events import GENERATED, KEPT, REUSED, RequestFinished
 from nbkv.kv.invariance import valid_start
 from nbkv.kv.policy import reuse_limit
 from nbkv.kv.reasons import REPLAYED, Reason
-from nbkv.kv.replies import ReplyMemo, deterministic, digest, settings_key
+from nbkv.kv.replies import ReplyBook, ReplyMemo, deterministic, digest, settings_key
 from nbkv.kv.segments import prompt_segments
 from nbkv.prompt.textstream import TextStream
 
 if TYPE_CHECKING:
+    from nbkv.core.events import EventBus
     from nbkv.engine.jobs import Job
-    from nbkv.engine.scheduler import Scheduler
-    from nbkv.engine.slots import EngineSlot
+    from nbkv.engine.native import Resources
+    from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 
 
-def proven(sched: Scheduler) -> bool:
-    """True when this engine's replies are exact, so a reply may stand for a new decode."""
-    cfg = sched.settings
-    return cfg.cache == "imc" and cfg.exact and bool(sched.res.rule.exact)
+class Replays:
+    """The replies a re-run may be answered with, and the replays themselves (scheduler thread).
 
-
-def remember(sched: Scheduler, job: Job) -> None:
-    """Note the reply of a request that ended normally, if it may ever be replayed."""
-    rec, slot = job.record, job.slot
-    if (rec is None or slot is None or job.memo is not None or not proven(sched)
-            or not rec.exact or rec.error is not None
-            or rec.finish_reason not in ("stop", "length") or not deterministic(job.params)):
-        return
-    n = len(job.prompt.tokens)
-    held = len(slot.kv.tokens) - n
-    if held < 0 or tuple(slot.kv.tokens[n:n + held]) != tuple(job.generated[:held]):
-        return
-    sched.replies.add(ReplyMemo(digest(job.prompt.tokens), n, settings_key(job.params),
-                                tuple(job.generated), held, rec.finish_reason, job.id))
-
-
-def match(sched: Scheduler, job: Job, slot: EngineSlot) -> ReplyMemo | None:
-    """The reply to give ``job``, if it may be replayed; else None.
-
-    ``slot`` must hold its prompt (all a request for it could reuse), and the same prompt
-    and settings must have been answered before; ``job.memo_held`` is then how many of the
-    reply's tokens follow the prompt there.
+    Given the engine's resources, serve settings, slot table and event bus; owns the
+    :class:`~nbkv.kv.replies.ReplyBook`.
     """
-    if not job.replay or not proven(sched):
-        return None
-    tokens = job.prompt.tokens
-    # what the cache keeps of a prompt: all a request for it could reuse (a parked
-    # conversation ends where a canonical prefill may resume)
-    need = valid_start(tokens, reuse_limit(len(tokens)), sched.res.rule)
-    found = sched.replies.find(tokens, job.params, [slot.kv.tokens], need)
-    if found is None:
-        return None
-    memo, job.memo_held = found
-    return memo
+
+    def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
+                 events: EventBus) -> None:
+        self.res = res
+        self.settings = settings
+        self.table = table
+        self.events = events
+        #: replies a re-run of the same prompt and settings may be answered with
+        self.replies = ReplyBook()
+
+    def proven(self) -> bool:
+        """True when this engine's replies are exact, so a reply may stand for a new decode."""
+        cfg = self.settings
+        return cfg.cache == "imc" and cfg.exact and bool(self.res.rule.exact)
+
+    def remember(self, job: Job) -> None:
+        """Note the reply of a request that ended normally, if it may ever be replayed."""
+        rec, slot = job.record, job.slot
+        if (rec is None or slot is None or job.memo is not None or not self.proven()
+                or not rec.exact or rec.error is not None
+                or rec.finish_reason not in ("stop", "length") or not deterministic(job.params)):
+            return
+        n = len(job.prompt.tokens)
+        held = len(slot.kv.tokens) - n
+        if held < 0 or tuple(slot.kv.tokens[n:n + held]) != tuple(job.generated[:held]):
+            return
+        self.replies.add(ReplyMemo(digest(job.prompt.tokens), n, settings_key(job.params),
+                                   tuple(job.generated), held, rec.finish_reason, job.id))
+
+    def match(self, job: Job, slot: EngineSlot) -> ReplyMemo | None:
+        """The reply to give ``job``, if it may be replayed; else None.
+
+        ``slot`` must hold its prompt (all a request for it could reuse), and the same prompt
+        and settings must have been answered before; ``job.memo_held`` is then how many of the
+        reply's tokens follow the prompt there.
+        """
+        if not job.replay or not self.proven():
+            return None
+        tokens = job.prompt.tokens
+        # what the cache keeps of a prompt: all a request for it could reuse (a parked
+        # conversation ends where a canonical prefill may resume)
+        need = valid_start(tokens, reuse_limit(len(tokens)), self.res.rule)
+        found = self.replies.find(tokens, job.params, [slot.kv.tokens], need)
+        if found is None:
+            return None
+        memo, job.memo_held = found
+        return memo
+
+    def text_of(self, job: Job, memo: ReplyMemo) -> str:
+        """The reply's text, as its generation released it (stop strings cut as they were)."""
+        stream: TextStream = job.text
+        model = self.res.model
+        for t in memo.tokens:
+            stream.push(model.text_piece(t))
+            if stream.stopped is not None:
+                break
+        stream.flush()
+        return stream.text
+
+    def finish(self, job: Job) -> None:
+        """Answer ``job`` (placed in its slot) with the reply ``job.memo``; nothing is decoded.
+
+        The slot keeps all it holds: its map is this request's (prompt and reply reused), then
+        what it held after them, marked as kept.
+        """
+        memo: ReplyMemo = job.memo
+        slot = job.slot
+        assert slot is not None and job.record is not None
+        text = self.text_of(job, memo)
+        if text:
+            job.out.put(("delta", text))
+        now = time.perf_counter()
+        n = memo.n_prompt + job.memo_held  # the reply as far as the slot holds it
+        proj = self.res.projector
+        mine = tuple(replace(s, state=REUSED) if s.state == GENERATED else s
+                     for s in prompt_segments(job.prompt, memo.n_prompt, n, text,
+                                              proj.marker if proj is not None else "\0"))
+        later = tuple(replace(s, start=max(s.start, n), state=KEPT) for s in slot.segments
+                      if s.end > n)
+        if job.sampler is not None:
+            job.sampler.close()
+        rec = replace(job.record, segments=mine, ttft_s=now - job.t_submit,
+                      wait_s=now - job.t_submit, finish_reason=memo.finish_reason,
+                      replayed_tokens=len(memo.tokens))
+        job.record = rec
+        job.finished()
+        self.table.release(slot, mine + later)
+        self.events.publish(RequestFinished(rec))
+        job.out.put(("done", rec))
+        job.done.set()
+        with self.table.lock:
+            self.table.lock.notify_all()
 
 
 def reason(memo: ReplyMemo) -> Reason:
@@ -79,49 +139,3 @@ def reason(memo: ReplyMemo) -> Reason:
     return Reason(REPLAYED, f"the same prompt and settings as request #{memo.request}, so "
                             f"the same reply: its {len(memo.tokens)} tokens came from the "
                             "cache, nothing was decoded, and the slot kept what followed")
-
-
-def text_of(sched: Scheduler, job: Job, memo: ReplyMemo) -> str:
-    """The reply's text, as its generation released it (stop strings cut as they were)."""
-    stream: TextStream = job.text
-    model = sched.res.model
-    for t in memo.tokens:
-        stream.push(model.text_piece(t))
-        if stream.stopped is not None:
-            break
-    stream.flush()
-    return stream.text
-
-
-def finish(sched: Scheduler, job: Job) -> None:
-    """Answer ``job`` (placed in its slot) with the reply ``job.memo``; nothing is decoded.
-
-    The slot keeps all it holds: its map is this request's (prompt and reply reused), then
-    what it held after them, marked as kept.
-    """
-    memo: ReplyMemo = job.memo
-    slot = job.slot
-    assert slot is not None and job.record is not None
-    text = text_of(sched, job, memo)
-    if text:
-        job.out.put(("delta", text))
-    now = time.perf_counter()
-    n = memo.n_prompt + job.memo_held  # the reply as far as the slot holds it
-    proj = sched.res.projector
-    mine = tuple(replace(s, state=REUSED) if s.state == GENERATED else s
-                 for s in prompt_segments(job.prompt, memo.n_prompt, n, text,
-                                          proj.marker if proj is not None else "\0"))
-    later = tuple(replace(s, start=max(s.start, n), state=KEPT) for s in slot.segments
-                  if s.end > n)
-    if job.sampler is not None:
-        job.sampler.close()
-    rec = replace(job.record, segments=mine, ttft_s=now - job.t_submit,
-                  wait_s=now - job.t_submit, finish_reason=memo.finish_reason,
-                  replayed_tokens=len(memo.tokens))
-    job.record = rec
-    job.finished()
-    sched.table.release(slot, mine + later)
-    sched.events.publish(RequestFinished(rec))
-    job.out.put(("done", rec))
-    job.done.set()
-    sched.wake()

@@ -23,22 +23,22 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any, TypeVar
 
-from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
-from nbkv.core.events import EventBus, Progress, RequestFinished
-from nbkv.engine import placement, replay, slot_parking
+from nbkv.core.errors import EngineClosedError, SlotTimeoutError
+from nbkv.core.events import EventBus
 from nbkv.engine.decoder import Decoder
 from nbkv.engine.jobs import READING, Job, JobState
+from nbkv.engine.lifecycle import Lifecycle
 from nbkv.engine.native import Resources
+from nbkv.engine.placement import Placer
+from nbkv.engine.replay import Replays
 from nbkv.engine.rewrite import Pace, Rewriter
 from nbkv.engine.shadow import Shadow
+from nbkv.engine.slot_parking import Parker
 from nbkv.engine.slots import EngineTable, ServeSettings
 from nbkv.kv.batching import Prefilling, plan_step
 from nbkv.kv.invariance import next_chunk
-from nbkv.kv.policy import PREFIX_SALVAGE
-from nbkv.kv.replies import ReplyBook
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.spc import SystemPromptStore
 from nbkv.prompt.builder import PromptBuilder
@@ -57,7 +57,6 @@ class Scheduler:
                  parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
                  shadow_kv: SlotKV | None = None) -> None:
         self.res = res
-        self.prompts = prompts  # renders a conversation as its next turn will (parking)
         self.table = table
         self.spc = spc
         self.parking = parking  # conversations that lost their slot (None: parking off)
@@ -72,18 +71,27 @@ class Scheduler:
         self.held = 0  # hold_admission() depth: requests queue but are not admitted
         #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
         self.images: OrderedDict[str, Any] = OrderedDict()
-        #: replies a re-run of the same prompt and settings may be answered with
-        self.replies = ReplyBook()
         self.thread: threading.Thread | None = None
         #: how fast rows prefill, and whether requests come back to back
         self.pace = Pace()
-        #: the requests' steps into the KV; it reports back here (progress, logits, failures)
-        self.decoder = Decoder(res, settings, spc, self.pace, self)
+        #: replies a re-run of the same prompt and settings may be answered with
+        self.replays = Replays(res, settings, table, events)
+        self.replies = self.replays.replies
+        #: parks slots' conversations, restores parked ones
+        self.parker = Parker(res, settings, table, parking, prompts, self.replays)
+        #: admits requests into slots
+        self.placer = Placer(res, settings, table, spc, parking, events, self.pace, self.parker,
+                             self.replays)
         #: finished replies' KV rewritten as canonical prefills, in idle time
         self.rewriter = Rewriter(res, settings, table, events, self.pace)
         #: rewrites replies while they are generated (None: no shadow sequence)
         self.shadow = (Shadow(shadow_kv, res, settings, table, self.pace)
                        if shadow_kv is not None else None)
+        #: a request's progress, sampled tokens and end (``active`` is never rebound)
+        self.life = Lifecycle(res, table, events, self.rewriter, self.shadow, self.replays,
+                              self.placer, self.active)
+        #: the requests' steps into the KV; it reports to the lifecycle
+        self.decoder = Decoder(res, settings, spc, self.pace, self.life)
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -140,7 +148,7 @@ class Scheduler:
         """Anything for the scheduler to do (call with ``cv`` held)."""
         return bool(self.queue or self.active or self.control or self.closed
                     or self.rewriter.settling_slot() is not None
-                    or slot_parking.prepark_slot(self) is not None)
+                    or self.parker.prepark_slot(busy=False) is not None)  # (none queued)
 
     def run_once(self) -> bool:
         """One scheduler iteration; False once the engine is closed (the thread then ends)."""
@@ -148,7 +156,7 @@ class Scheduler:
             closed = self.closed
             if closed:
                 jobs, self.queue = self.queue + self.active, []
-                self.active = []
+                self.active.clear()
                 for _, fut in self.control:
                     fut.set_exception(EngineClosedError("this engine is closed"))
                 self.control.clear()
@@ -157,7 +165,7 @@ class Scheduler:
                 control, self.control = self.control, []
         if closed:
             for j in jobs:
-                self.finish(j, "cancelled")
+                self.life.finish(j, "cancelled")
             return False
         for fn, fut in control:
             try:
@@ -176,8 +184,8 @@ class Scheduler:
             slot = self.rewriter.settling_slot()  # copy out the conversation parked next
             if slot is not None:
                 self.rewriter.settle(slot)
-            elif (slot := slot_parking.prepark_slot(self)) is not None:
-                slot_parking.prepark(self, slot)
+            elif (slot := self.parker.prepark_slot(busy=False)) is not None:
+                self.parker.prepark(slot)
         return True
 
     def hold(self, on: bool) -> None:
@@ -187,10 +195,10 @@ class Scheduler:
             self.cv.notify_all()
 
     def _admit(self) -> None:
-        """Admit queued requests in order, each into its slot (:func:`placement.start`).
+        """Admit queued requests in order, each into its slot (:meth:`Placer.start`).
 
         One pass: a request that finds no slot free, or whose plan must wait for a queued
-        copy to run (:func:`nbkv.engine.placement.must_wait`), stays queued for the next.
+        copy to run (:meth:`nbkv.engine.placement.Placer.must_wait`), stays queued for the next.
         """
         if self.held:
             return
@@ -198,23 +206,23 @@ class Scheduler:
         for job in list(self.queue):
             if job.cancel.is_set():
                 self.queue.remove(job)
-                self.fail(job, None, "cancelled")
+                self.life.fail(job, None, "cancelled")
                 continue
             try:
-                started = placement.start(self, job)
+                started = self.placer.start(job)
             except BaseException as e:  # noqa: BLE001 - reported to the requester
                 self.queue.remove(job)
-                self.fail(job, e, "error")
+                self.life.fail(job, e, "error")
                 continue
             if started:
                 self.queue.remove(job)
                 if job.state is JobState.REPLAY:  # the cached reply: nothing to decode
-                    replay.finish(self, job)
+                    self.replays.finish(job)
                 else:
                     self.active.append(job)
             elif now > job.deadline:
                 self.queue.remove(job)
-                self.fail(job, SlotTimeoutError(
+                self.life.fail(job, SlotTimeoutError(
                     f"no slot became free within the wait limit ({len(self.table)} slots, "
                     f"all busy)"), "error")
 
@@ -227,7 +235,7 @@ class Scheduler:
             if job.cancel.is_set():
                 if job.drop_pieces():  # drop the part of an image decoded so far
                     job.placed_slot.kv.resync()
-                self.finish(job, "cancelled")
+                self.life.finish(job, "cancelled")
         by_id = {j.id: j for j in self.active}
         generating = [j for j in self.active if j.state is JobState.GENERATE]
         prefilling = []
@@ -258,131 +266,6 @@ class Scheduler:
                 self.shadow.step([j for j in generating if not j.done.is_set()])
             ran = True
         return ran
-
-    # --------------------------------------------------------------- a request's life
-
-    def progress(self, job: Job) -> None:
-        """Publish how far ``job``'s prefill is."""
-        total = job.started.prefilled_tokens
-        phase = "extend" if job.reuse else "rebuild"
-        self.events.publish(Progress(job.id, job.placed_slot.index, phase,
-                                     total - len(job.todo), total))
-
-    def on_logits(self, job: Job, idx: int) -> None:
-        """Sample ``job``'s next token from batch row ``idx``; stream it, or finish."""
-        now = time.perf_counter()
-        model = self.res.model
-        slot, sampler = job.placed_slot, job.sampler
-        assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
-        token = sampler.sample(self.res.ctx.ptr, idx)
-        if not job.t_first:  # the first token counts once it is sampled
-            job.t_first = time.perf_counter()
-            job.record = replace(job.started, first_decode_s=job.t_first - now)
-        if model.is_eog(token):
-            return self.finish(job, "stop")
-        job.generated.append(token)
-        if job.drafter is not None:
-            job.drafter.append(token)
-        delta = job.text.push(model.text_piece(token))
-        if delta:
-            job.out.put(("delta", delta))
-        if job.text.stopped is not None:
-            return self.finish(job, "stop")
-        # as llama-server stops (process_token): when the token just sampled would take the
-        # slot's last position, so that both engines give a reply at the edge the same length
-        full = len(slot.kv) + 1 >= slot.capacity
-        if len(job.generated) >= job.params.max_tokens or full:
-            return self.finish(job, "length")
-        job.sampled(token)
-        if now - job.t_last_progress > 0.25:
-            job.t_last_progress = now
-            self.events.publish(Progress(job.id, slot.index, "generate",
-                                         len(job.generated), job.params.max_tokens))
-        return None
-
-    def finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
-        """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
-        if job.done.is_set():
-            return
-        job.finished()
-        if job in self.active:
-            self.active.remove(job)
-        if job.sampler is not None:
-            job.sampler.close()
-        tail = job.text.flush()
-        if tail:
-            job.out.put(("delta", tail))
-        now = time.perf_counter()
-        slot = job.slot
-        rec = job.record
-        mixed = settled = 0
-        if slot is not None and self.res.ctx.ptr:  # a guessed position may follow
-            try:
-                slot.kv.resync()
-                if slot.kv.copy_queued and not self.active:  # ended before its first decode
-                    slot.kv.run_queued_copy()  # ... and none is coming to run the copy
-            except BaseException:  # noqa: BLE001 - the request must still end
-                log.exception("slot[%d]: could not trim past its tokens", slot.index)
-                self.table.reset(slot)
-            settled = slot.kv.settled
-            if self.shadow is not None:  # the reply's KV, rewritten while it was generated
-                mixed = self.shadow.hand_over(job, error is None)
-        if slot is not None and rec is not None:
-            n = len(slot.tokens) + len(slot.redo)
-            self.table.replied(
-                slot, job.prompt, job.text.text, n,
-                segments=tuple(s for s in (replace(s, end=min(s.end, n))
-                                           for s in placement.segments(self, job, n))
-                               if s.length > 0),
-                t_replied=now, reply_rows=n - settled if self.res.ctx.ptr else 0)
-            rec = replace(finished_record(job, rec, reason, error, now, slot.segments),
-                          rewrite_mixed=mixed)
-            job.record = rec
-            replay.remember(self, job)
-            if rec.strategy == PREFIX_SALVAGE:
-                log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
-                          "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
-            self.events.publish(RequestFinished(rec))
-            if mixed and not slot.redo:  # the shadow did the whole rewrite
-                self.rewriter.finished(slot)
-        if error is not None:
-            job.out.put(("error", error))
-        elif rec is not None:
-            job.out.put(("done", rec))
-        else:
-            job.out.put(("error", NbkvError("request cancelled before it started")))
-        job.done.set()
-        with self.cv:
-            self.cv.notify_all()
-
-    def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
-        """End ``job`` with ``error``, its slot trimmed back to what it really holds."""
-        if job.slot is not None:
-            job.slot.kv.resync()
-        self.finish(job, reason, error)
-
-
-def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None, now: float,
-                    segments: Any) -> Any:
-    """``rec`` completed with what the request did: tokens, timings, encoder and guesses."""
-    t_first = job.t_first or now
-    return replace(
-        rec,
-        generated_tokens=len(job.generated),
-        prefilled_tokens=rec.prefilled_tokens - len(job.todo),
-        ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,
-        prefill_s=(t_first - job.t_prefill) if job.t_prefill and job.t_first else 0.0,
-        wait_s=max(job.t_prefill - job.t_submit - rec.restore_s, 0.0) if job.t_prefill
-        else 0.0,
-        decode_s=(now - t_first) if job.t_first else 0.0,
-        finish_reason=reason,
-        encoder_runs=job.encoder_runs,
-        embedding_cache_hits=job.embedding_hits,
-        draft_tokens=job.drafted,
-        draft_accepted=job.accepted,
-        error=None if error is None else f"{type(error).__name__}: {error}",
-        segments=segments,
-    )
 
 
 def _schedule(ref: weakref.ref[Any], cv: threading.Condition, res: Resources) -> None:

@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.errors import InvalidRequestError, NbkvError
-from nbkv.engine import replay
 from nbkv.engine.slots import SlotPhase
 from nbkv.kv import policy
 from nbkv.kv.invariance import valid_start
@@ -28,253 +27,268 @@ from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry, ParkedInfo
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import Scheduler
-    from nbkv.engine.slots import EngineSlot
+    from nbkv.engine.native import Resources
+    from nbkv.engine.replay import Replays
+    from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+    from nbkv.prompt.builder import PromptBuilder
     from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
 
 
-def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True,
-              branch: bool = False) -> ParkedInfo | None:
-    """Park what ``slot`` holds; returns the entry (None: nothing to park, or not kept).
+class Parker:
+    """Parks slots' conversations and restores parked ones into slots (scheduler thread).
 
-    The slot is left as it is for the caller to reuse or empty, less the tail of a reply
-    whose rewrite had not run. ``drop=False``: an entry no tier can hold is not dropped, and
-    stays in the slot (:meth:`nbkv.store.parking.ParkingLot.park`). ``branch``: parked as an
-    unnamed conversation (:func:`park_branch`), not as the slot's session's.
+    Given the engine's resources, serve settings, slot table, parking lot (None: parking
+    off), the prompt builder (how a conversation's next turn renders) and the
+    :class:`~nbkv.engine.replay.Replays` (whose replies a cut would lose).
     """
-    lot, kv = sched.parking, slot.kv
-    if lot is None or not (kv.tokens or slot.redo):
+
+    def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
+                 parking: ParkingLot | None, prompts: PromptBuilder | None,
+                 replays: Replays) -> None:
+        self.res = res
+        self.settings = settings
+        self.table = table
+        self.parking = parking
+        self.prompts = prompts
+        self.replays = replays
+
+    def park_slot(self, slot: EngineSlot, drop: bool = True,
+                  branch: bool = False) -> ParkedInfo | None:
+        """Park what ``slot`` holds; returns the entry (None: nothing to park, or not kept).
+
+        The slot is left as it is for the caller to reuse or empty, less the tail of a reply
+        whose rewrite had not run. ``drop=False``: an entry no tier can hold is not dropped, and
+        stays in the slot (:meth:`nbkv.store.parking.ParkingLot.park`). ``branch``: parked as an
+        unnamed conversation (:func:`park_branch`), not as the slot's session's.
+        """
+        lot, kv = self.parking, slot.kv
+        if lot is None or not (kv.tokens or slot.redo):
+            return None
+        t0 = time.perf_counter()
+        exact = self.settings.exact
+        at = self.resume_point(slot) if kv.memory.kind == SWA else None
+        if at is not None and at < len(kv) + len(slot.redo):
+            # a state put back whole cannot be cut (only the window before its end is
+            # saved): park it where the next turn resumes
+            self.table.cut_back(slot, self.res.rule, at)
+        elif slot.redo or (exact and kv.needs_rewrite):
+            # the rewrite is abandoned: park the proven prefix
+            self.table.cut_back(slot, self.res.rule)
+        n = len(kv)
+        if not n or not kv.verify():
+            return None
+        k = sum(1 for e in slot.msg_ends if e <= n)
+        segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
+        snap = self.take_preparked(slot) or kv.snapshot()
+        info = lot.park(ParkedEntry.from_snapshot(
+            snap, session=None if branch else slot.session, hashes=slot.hashes[:k],
+            msg_ends=slot.msg_ends[:k], segments=segments, last_request=slot.last_request,
+            last_used=slot.last_used, used_at=slot.used_at), drop=drop)
+        log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
+                  info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
+        return info
+
+    def park_branch(self, slot: EngineSlot, at: int) -> ParkedInfo | None:
+        """Before its own session's request cuts ``slot`` back to ``at``: keep the branch it cuts.
+
+        An edited turn is served in its session's own slot, which is cut at the edit: the
+        replies after it (the old branch) leave KV, so running their cells again (a second
+        "Run All") would decode them again. When the cut loses a reply that could be replayed
+        (:meth:`nbkv.kv.replies.ReplyBook.cut_by`), a copy of the slot's proven KV is parked
+        first, as an unnamed conversation: the session's own parked entry (its newest
+        conversation) stays, and a request that goes back to the old branch restores a copy
+        of it and is replayed. Not when a parked conversation already holds all of it. Returns
+        the entry, or None when nothing was parked.
+        """
+        lot, kv = self.parking, slot.kv
+        if lot is None or at >= len(kv) or not self.replays.proven():
+            return None  # nothing is cut (a plain continuation), or nothing would be replayed
+        rule = self.res.rule
+        # a replay needs its prompt as far as the cache keeps one (nbkv.engine.replay.match)
+        if not any(at < valid_start(kv.tokens[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)
+                   for m in self.replays.replies.cut_by(kv.tokens, at)):
+            return None
+        held = tuple(kv.tokens)
+        if any(i.tokens[:len(held)] == held for i in lot.entries()):
+            return None  # parked already (a branch restored from a copy, cut again)
+        return self.park_slot(slot, branch=True)
+
+    def resume_point(self, slot: EngineSlot) -> int | None:
+        """Where the next turn of ``slot``'s conversation will resume in its KV; None: no cut.
+
+        The settled end (exact mode: what stays exact whatever follows), and no further than
+        the conversation as its next prompt renders it: the reply as text, re-tokenized, can
+        differ from the generated tokens at its start (merged with the template's last token)
+        or its end (a template that trims it). In exact mode, rounded down to where a
+        canonical chunk ends and a window put back continues exactly
+        (:func:`nbkv.kv.reach.restore_point`).
+        """
+        kv, rule = slot.kv, self.res.rule
+        units = [*kv.tokens, *slot.redo]
+        at = kv.settled if self.settings.exact else len(units)
+        turn, prompts = slot.last_turn, self.prompts
+        if turn is not None and prompts is not None and turn[0].media is None:
+            prompt, reply = turn
+            try:
+                nxt = prompts.prepare([*prompt.messages, {"role": "assistant", "content": reply}])
+            except NbkvError:  # too long to render again: the settled end it is
+                nxt = None
+            if nxt is not None:
+                at = min(at, policy.common_prefix(nxt.tokens, units))
+        if self.settings.exact:  # and where its window, put back, continues exactly
+            at = restore_point(units, at, rule, kv.memory.kind, kv.memory.n_swa)
+        return at if at < len(units) else None
+
+    def prepark_slot(self, busy: bool) -> EngineSlot | None:
+        """The slot the next new conversation would park, if its copy can be made now.
+
+        When every slot holds a conversation, the least recently used idle one is parked by
+        the next request that needs a slot; in idle time its KV can be copied out already, so
+        that the request pays nothing for it. Only a slot parked whole (no cut back first).
+        ``busy``: requests are queued or running (then not now).
+        """
+        if self.parking is None or self.settings.cache != "imc" or busy:
+            return None
+        table = self.table
+        if any(s.phase in (SlotPhase.EMPTY, SlotPhase.SERVING, SlotPhase.REWRITING)
+               for s in table):
+            return None
+        slot = min(table, key=lambda s: (s.last_used, s.index))
+        if slot.preparked is not None and slot.preparked[0] == slot.kv.version:
+            return None  # copied out already (or found not to be parked whole)
+        if self.settings.exact and slot.phase is SlotPhase.UNSETTLED:
+            return None
+        return slot
+
+    def prepark(self, slot: EngineSlot) -> None:
+        """Copy out ``slot``'s KV for its park (idle time, scheduler thread).
+
+        A sliding-window slot parked cut back (:func:`resume_point`) is copied when it is
+        parked; it is only marked as looked at.
+        """
+        t0 = time.perf_counter()
+        kv = slot.kv
+        self.take_preparked(slot)  # a stale copy's memory is reused
+        whole = not (kv.memory.kind == SWA and self.resume_point(slot) is not None)
+        slot.preparked = (kv.version, kv.snapshot() if whole and kv.verify() else None)
+        log.debug("slot[%d]: KV copied out for its park in %.1f ms", slot.index,
+                  1000 * (time.perf_counter() - t0))
+
+    def take_preparked(self, slot: EngineSlot) -> KVSnapshot | None:
+        """``slot``'s idle-time copy if it still shows its KV, else None.
+
+        A stale copy's memory goes back to the state buffers.
+        """
+        pre, slot.preparked = slot.preparked, None
+        if pre is None:
+            return None
+        version, snap = pre
+        if snap is None:
+            return None
+        if version == slot.kv.version:
+            return snap
+        state = snap.state
+        del pre, snap
+        self.res.ctx.recycle(state)
         return None
-    t0 = time.perf_counter()
-    exact = sched.settings.exact
-    at = resume_point(sched, slot) if kv.memory.kind == SWA else None
-    if at is not None and at < len(kv) + len(slot.redo):
-        # a state put back whole cannot be cut (only the window before its end is
-        # saved): park it where the next turn resumes
-        sched.table.cut_back(slot, sched.res.rule, at)
-    elif slot.redo or (exact and kv.needs_rewrite):
-        # the rewrite is abandoned: park the proven prefix
-        sched.table.cut_back(slot, sched.res.rule)
-    n = len(kv)
-    if not n or not kv.verify():
-        return None
-    k = sum(1 for e in slot.msg_ends if e <= n)
-    segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
-    snap = take_preparked(sched, slot) or kv.snapshot()
-    info = lot.park(ParkedEntry.from_snapshot(
-        snap, session=None if branch else slot.session, hashes=slot.hashes[:k],
-        msg_ends=slot.msg_ends[:k], segments=segments, last_request=slot.last_request,
-        last_used=slot.last_used, used_at=slot.used_at), drop=drop)
-    log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
-              info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
-    return info
 
+    def restore_into(self, slot: EngineSlot, entry: ParkedEntry) -> int:
+        """Put ``entry``'s state into ``slot``'s KV; returns the positions it now holds.
 
-def park_branch(sched: Scheduler, slot: EngineSlot, at: int) -> ParkedInfo | None:
-    """Before its own session's request cuts ``slot`` back to ``at``: keep the branch it cuts.
+        0: the state did not restore (the slot is emptied).
+        """
+        kv = slot.kv
+        kv.put_back(KVSnapshot.of(entry.state, entry.tokens, entry.settled or 0,
+                                  entry.exact_len or 0, entry.checkpoints))
+        if len(kv) != len(entry.tokens):
+            log.warning("slot[%d]: the parked state of %s did not restore; rebuilding", slot.index,
+                        entry.session)
+            kv.clear()
+            return 0
+        return len(kv)
 
-    An edited turn is served in its session's own slot, which is cut at the edit: the
-    replies after it (the old branch) leave KV, so running their cells again (a second
-    "Run All") would decode them again. When the cut loses a reply that could be replayed
-    (:meth:`nbkv.kv.replies.ReplyBook.cut_by`), a copy of the slot's proven KV is parked
-    first, as an unnamed conversation: the session's own parked entry (its newest
-    conversation) stays, and a request that goes back to the old branch restores a copy
-    of it and is replayed. Not when a parked conversation already holds all of it. Returns
-    the entry, or None when nothing was parked.
-    """
-    lot, kv = sched.parking, slot.kv
-    if lot is None or at >= len(kv) or not replay.proven(sched):
-        return None  # nothing is cut (a plain continuation), or nothing would be replayed
-    rule = sched.res.rule
-    # a replay needs its prompt as far as the cache keeps one (nbkv.engine.replay.match)
-    if not any(at < valid_start(kv.tokens[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)
-               for m in sched.replies.cut_by(kv.tokens, at)):
-        return None
-    held = tuple(kv.tokens)
-    if any(i.tokens[:len(held)] == held for i in lot.entries()):
-        return None  # parked already (a branch restored from a copy, cut again)
-    return park_slot(sched, slot, branch=True)
+    def park_sessions(self, lot: ParkingLot, session: str | None, every: bool
+                      ) -> str:
+        """Park ``session``'s idle slot (every idle slot that holds something with ``every``).
 
+        A conversation no tier can hold stays in its slot (said so). The figures are the
+        parked entry's: a reply whose rewrite had not run is cut back to its proven part.
+        """
+        done = []
+        for s in self.table:
+            if s.pending or not s.tokens or not (every or s.session == session):
+                continue
+            who, n = s.session or f"slot {s.index}", len(s.tokens)
+            info = self.park_slot(s, drop=False)
+            if info is None:
+                done.append(f"{who}: stays in slot {s.index} (no parking tier could hold its "
+                            f"{n:,} tokens{_why_not(lot)})")
+                continue
+            self.table.reset(s)
+            cut = n - info.n_tokens
+            note = (f" ({cut} token{'s' if cut != 1 else ''} of its last reply, not yet "
+                    "rewritten, left out: its next turn reads them again)" if cut > 0 else "")
+            done.append(f"{who}: {info.n_tokens:,} tokens to {info.tier}{note}")
+        if not done:
+            raise InvalidRequestError("no idle slot holds a conversation" if every
+                                      else f"no idle slot holds session {session!r}")
+        st = lot.stats()
+        return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
+                f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
 
-def resume_point(sched: Scheduler, slot: EngineSlot) -> int | None:
-    """Where the next turn of ``slot``'s conversation will resume in its KV; None: no cut.
+    def unpark_sessions(self, lot: ParkingLot, session: str | None, every: bool
+                        ) -> str:
+        """Restore ``session``'s parked conversation (all, with ``every``) into slots.
 
-    The settled end (exact mode: what stays exact whatever follows), and no further than
-    the conversation as its next prompt renders it: the reply as text, re-tokenized, can
-    differ from the generated tokens at its start (merged with the template's last token)
-    or its end (a template that trims it). In exact mode, rounded down to where a
-    canonical chunk ends and a window put back continues exactly
-    (:func:`nbkv.kv.reach.restore_point`).
-    """
-    kv, rule = slot.kv, sched.res.rule
-    units = [*kv.tokens, *slot.redo]
-    at = kv.settled if sched.settings.exact else len(units)
-    turn, prompts = slot.last_turn, sched.prompts
-    if turn is not None and prompts is not None and turn[0].media is None:
-        prompt, reply = turn
-        try:
-            nxt = prompts.prepare([*prompt.messages, {"role": "assistant", "content": reply}])
-        except NbkvError:  # too long to render again: the settled end it is
-            nxt = None
-        if nxt is not None:
-            at = min(at, policy.common_prefix(nxt.tokens, units))
-    if sched.settings.exact:  # and where its window, put back, continues exactly
-        at = restore_point(units, at, rule, kv.memory.kind, kv.memory.n_swa)
-    return at if at < len(units) else None
+        Each goes into an empty slot, else the least recently used one (whose conversation is
+        parked in turn); at most one per slot.
+        """
+        table = self.table
+        wanted = [i for i in lot.entries() if every or i.session == session][: len(table)]
+        if not wanted:
+            raise InvalidRequestError("nothing is parked" if every
+                                      else f"session {session!r} is not parked")
+        done = []
+        for info in wanted:
+            free = [s for s in table if not s.pending and not s.kv.copy_queued]
+            if not free:
+                break
+            slot = next((s for s in free if not s.tokens), None) or min(
+                free, key=lambda s: (s.last_used, s.index))
+            entry = lot.take(info.key)
+            if entry is None:
+                continue
+            self.park_slot(slot)
+            self.table.reset(slot)
+            n = self.restore_into(slot, entry)
+            who = entry.session or "an unnamed conversation"
+            if not n:
+                lot.park(entry)  # llama.cpp refused the state: it stays parked
+                done.append(f"{who}: could not be restored into slot {slot.index} (still parked)")
+                continue
+            table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
+                                        tuple(entry.msg_ends), tuple(entry.segments), 0,
+                                        entry.last_request, None, entry.used_at))
+            done.append(f"{who}: {n:,} tokens from {entry.tier} into slot {slot.index}")
+        return "unparked " + ("; ".join(done) or "nothing")
 
+    def spill_all(self) -> int:
+        """Before a close: park every idle slot's conversation, then write RAM's to disk.
 
-def prepark_slot(sched: Scheduler) -> EngineSlot | None:
-    """The slot the next new conversation would park, if its copy can be made now.
-
-    When every slot holds a conversation, the least recently used idle one is parked by
-    the next request that needs a slot; in idle time its KV can be copied out already, so
-    that the request pays nothing for it. Only a slot parked whole (no cut back first).
-    """
-    if sched.parking is None or sched.settings.cache != "imc" or sched.queue or sched.active:
-        return None
-    table = sched.table
-    if any(s.phase in (SlotPhase.EMPTY, SlotPhase.SERVING, SlotPhase.REWRITING)
-           for s in table):
-        return None
-    slot = min(table, key=lambda s: (s.last_used, s.index))
-    if slot.preparked is not None and slot.preparked[0] == slot.kv.version:
-        return None  # copied out already (or found not to be parked whole)
-    if sched.settings.exact and slot.phase is SlotPhase.UNSETTLED:
-        return None
-    return slot
-
-
-def prepark(sched: Scheduler, slot: EngineSlot) -> None:
-    """Copy out ``slot``'s KV for its park (idle time, scheduler thread).
-
-    A sliding-window slot parked cut back (:func:`resume_point`) is copied when it is
-    parked; it is only marked as looked at.
-    """
-    t0 = time.perf_counter()
-    kv = slot.kv
-    take_preparked(sched, slot)  # a stale copy's memory is reused
-    whole = not (kv.memory.kind == SWA and resume_point(sched, slot) is not None)
-    slot.preparked = (kv.version, kv.snapshot() if whole and kv.verify() else None)
-    log.debug("slot[%d]: KV copied out for its park in %.1f ms", slot.index,
-              1000 * (time.perf_counter() - t0))
-
-
-def take_preparked(sched: Scheduler, slot: EngineSlot) -> KVSnapshot | None:
-    """``slot``'s idle-time copy if it still shows its KV, else None.
-
-    A stale copy's memory goes back to the state buffers.
-    """
-    pre, slot.preparked = slot.preparked, None
-    if pre is None:
-        return None
-    version, snap = pre
-    if snap is None:
-        return None
-    if version == slot.kv.version:
-        return snap
-    state = snap.state
-    del pre, snap
-    sched.res.ctx.recycle(state)
-    return None
-
-
-def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:
-    """Put ``entry``'s state into ``slot``'s KV; returns the positions it now holds (0: failed)."""
-    kv = slot.kv
-    kv.put_back(KVSnapshot.of(entry.state, entry.tokens, entry.settled or 0,
-                              entry.exact_len or 0, entry.checkpoints))
-    if len(kv) != len(entry.tokens):
-        log.warning("slot[%d]: the parked state of %s did not restore; rebuilding", slot.index,
-                    entry.session)
-        kv.clear()
-        return 0
-    return len(kv)
-
-
-def park_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every: bool
-                  ) -> str:
-    """Park ``session``'s idle slot (every idle slot that holds something with ``every``).
-
-    A conversation no tier can hold stays in its slot (said so). The figures are the
-    parked entry's: a reply whose rewrite had not run is cut back to its proven part.
-    """
-    done = []
-    for s in sched.table:
-        if s.pending or not s.tokens or not (every or s.session == session):
-            continue
-        who, n = s.session or f"slot {s.index}", len(s.tokens)
-        info = park_slot(sched, s, drop=False)
-        if info is None:
-            done.append(f"{who}: stays in slot {s.index} (no parking tier could hold its "
-                        f"{n:,} tokens{_why_not(lot)})")
-            continue
-        sched.table.reset(s)
-        cut = n - info.n_tokens
-        note = (f" ({cut} token{'s' if cut != 1 else ''} of its last reply, not yet "
-                "rewritten, left out: its next turn reads them again)" if cut > 0 else "")
-        done.append(f"{who}: {info.n_tokens:,} tokens to {info.tier}{note}")
-    if not done:
-        raise InvalidRequestError("no idle slot holds a conversation" if every
-                                  else f"no idle slot holds session {session!r}")
-    st = lot.stats()
-    return (f"parked {'; '.join(done)} (RAM: {st['ram_bytes'] / 2**20:.1f} of "
-            f"{st['ram_budget'] / 2**20:.0f} MiB in use)")
+        The slots are left as they are (the engine is closing); rewrite their replies first
+        (``settle_all``) to park them whole. Returns the entries written.
+        """
+        lot = self.parking
+        if lot is None or lot.disk is None:
+            return 0
+        for s in self.table:
+            if not s.pending and (s.tokens or s.redo):
+                self.park_slot(s)
+        return lot.spill_all()
 
 
 def _why_not(lot: ParkingLot) -> str:
     gone = lot.stats()["disk_gone"]
     return f"; the disk tier is gone: {gone}" if gone else ""
-
-
-def unpark_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every: bool
-                    ) -> str:
-    """Restore ``session``'s parked conversation (all, with ``every``) into slots.
-
-    Each goes into an empty slot, else the least recently used one (whose conversation is
-    parked in turn); at most one per slot.
-    """
-    table = sched.table
-    wanted = [i for i in lot.entries() if every or i.session == session][: len(table)]
-    if not wanted:
-        raise InvalidRequestError("nothing is parked" if every
-                                  else f"session {session!r} is not parked")
-    done = []
-    for info in wanted:
-        free = [s for s in table if not s.pending and not s.kv.copy_queued]
-        if not free:
-            break
-        slot = next((s for s in free if not s.tokens), None) or min(
-            free, key=lambda s: (s.last_used, s.index))
-        entry = lot.take(info.key)
-        if entry is None:
-            continue
-        park_slot(sched, slot)
-        sched.table.reset(slot)
-        n = restore_into(slot, entry)
-        who = entry.session or "an unnamed conversation"
-        if not n:
-            lot.park(entry)  # llama.cpp refused the state: it stays parked
-            done.append(f"{who}: could not be restored into slot {slot.index} (still parked)")
-            continue
-        table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
-                                    tuple(entry.msg_ends), tuple(entry.segments), 0,
-                                    entry.last_request, None, entry.used_at))
-        done.append(f"{who}: {n:,} tokens from {entry.tier} into slot {slot.index}")
-    return "unparked " + ("; ".join(done) or "nothing")
-
-
-def spill_all(sched: Scheduler) -> int:
-    """Before a close: park every idle slot's conversation, then write RAM's to disk.
-
-    The slots are left as they are (the engine is closing); rewrite their replies first
-    (``settle_all``) to park them whole. Returns the entries written.
-    """
-    lot = sched.parking
-    if lot is None or lot.disk is None:
-        return 0
-    for s in sched.table:
-        if not s.pending and (s.tokens or s.redo):
-            park_slot(sched, s)
-    return lot.spill_all()

@@ -208,3 +208,8 @@ class EngineTable(SlotTable[EngineSlot]):
             slot.rewrite_n = len(units) - start
             slot.rewrite_s = seconds
             slot.rewrite_mixed = mixed
+
+
+def servable(exact: bool, kv: SlotKV) -> int:
+    """Leading positions of ``kv`` a request may keep: its settled KV in ``exact`` mode."""
+    return kv.settled if exact else len(kv)

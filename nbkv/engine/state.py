@@ -21,16 +21,15 @@ from nbkv.kv.spc import SavedPrompt
 from nbkv.store.parked import ParkedEntry
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.control import Controls
     from nbkv.engine.slots import EngineSlot
 
 log = logging.getLogger("nbkv")
 
 
-def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
+def export_state(sched: Controls, only_if_idle: bool = False) -> EngineState:
     """Copy every idle slot's state and bookkeeping (only proven KV: rewrites run first)."""
-    if only_if_idle and (sched.queue or sched.active
-                         or sched.rewriter.settling_slot() is not None):
+    if only_if_idle and sched.busy():
         raise EngineBusy("the engine is busy")
     sched.rewriter.settle_all()
     slots, busy = [], []
@@ -47,7 +46,7 @@ def export_state(sched: Scheduler, only_if_idle: bool = False) -> EngineState:
     return EngineState(tuple(slots), tuple(busy), tuple(sched.spc.items()))
 
 
-def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
+def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
                  spc: Sequence[tuple[str, SavedPrompt]], recompute: bool = False
                  ) -> list[Recomputation]:
     """Replace every slot's content: ``placed`` gives each state its slot; all or nothing.
@@ -100,7 +99,7 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     return [recompute_slot(sched, i) for i, _ in placed] if recompute else []
 
 
-def _roll_back(sched: Scheduler, s: EngineSlot, snap: KVSnapshot | None,
+def _roll_back(sched: Controls, s: EngineSlot, snap: KVSnapshot | None,
                state: SlotState) -> None:
     sched.table.reset(s)
     if snap is None:

@@ -13,19 +13,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nbkv.core.errors import NbkvError
-from nbkv.engine.placement import servable
 from nbkv.engine.prefill import extension_logits
-from nbkv.engine.slots import SlotPhase
+from nbkv.engine.slots import SlotPhase, servable
 from nbkv.kv import invariance
 from nbkv.kv.oracle import Verification, scratch_logits, scratch_rows
 from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:
-    from nbkv.engine.scheduler import Scheduler
+    from nbkv.engine.control import Controls
     from nbkv.engine.slots import EngineSlot
 
 
-def ready_slot(sched: Scheduler, index: int) -> EngineSlot:
+def ready_slot(sched: Controls, index: int) -> EngineSlot:
     """Slot ``index`` with its pending rewrite done (scheduler thread).
 
     Its KV is then what a request would be served.
@@ -39,7 +38,7 @@ def ready_slot(sched: Scheduler, index: int) -> EngineSlot:
     return s
 
 
-def probe(sched: Scheduler, index: int, token: int) -> list[float]:
+def probe(sched: Controls, index: int, token: int) -> list[float]:
     """Logits of ``token`` appended to slot ``index`` (scheduler thread; KV unchanged)."""
     s = ready_slot(sched, index)
     units = [*s.kv.tokens, token, token]
@@ -48,7 +47,7 @@ def probe(sched: Scheduler, index: int, token: int) -> list[float]:
     return list(extension_logits(sched, s, units, len(s.kv)))
 
 
-def scratch_settings(sched: Scheduler, units: Sequence[Any]) -> dict[str, Any]:
+def scratch_settings(sched: Controls, units: Sequence[Any]) -> dict[str, Any]:
     """Keywords for :func:`nbkv.kv.oracle.scratch_rows` matching this engine.
 
     Its grouping, batch, context settings and, for images, projector and pictures.
@@ -64,14 +63,14 @@ def scratch_settings(sched: Scheduler, units: Sequence[Any]) -> dict[str, Any]:
     return kw
 
 
-def verify_slot(sched: Scheduler, index: int, probe_token: int) -> Verification:
+def verify_slot(sched: Controls, index: int, probe_token: int) -> Verification:
     """Compare slot ``index``'s probe logits with a fresh decode (caller's thread)."""
     def take() -> tuple[list[Any], str | None, int, np.ndarray]:
         s = ready_slot(sched, index)
         units = [*s.kv.tokens, probe_token, probe_token]
         if len(units) > s.capacity:
             raise NbkvError(f"slot {index} is full")
-        return (list(s.kv.tokens), s.session, servable(sched, s.kv),
+        return (list(s.kv.tokens), s.session, servable(sched.settings.exact, s.kv),
                 extension_logits(sched, s, units, len(s.kv)))
     tokens, session, kept, cached = sched.call(take)
     fresh = scratch_logits(sched.res.model, tokens, probe_token,
@@ -85,7 +84,7 @@ def verify_slot(sched: Scheduler, index: int, probe_token: int) -> Verification:
                         sched.settings.exact and sched.res.rule.exact)
 
 
-def _first_difference(sched: Scheduler, index: int, tokens: list[Any], kept: int
+def _first_difference(sched: Controls, index: int, tokens: list[Any], kept: int
                       ) -> tuple[int, int] | None:
     """Narrow down where ``index``'s KV first differs from a fresh decode.
 
@@ -108,7 +107,8 @@ def _first_difference(sched: Scheduler, index: int, tokens: list[Any], kept: int
             s = sched.table[index]
             if s.pending or s.kv.tokens[:g] != tokens[:g]:
                 raise NbkvError("the slot changed during verification")
-            v = invariance.valid_start(tokens[:g], min(servable(sched, s.kv), g - 1), rule)
+            v = invariance.valid_start(
+                tokens[:g], min(servable(sched.settings.exact, s.kv), g - 1), rule)
             return bool(np.array_equal(extension_logits(sched, s, tokens[:g], g - 1),
                                        fresh[g - 1])), v
         return sched.call(run)

@@ -1,0 +1,69 @@
+"""What the control calls are given: the scheduler's parts they use, as narrow protocols.
+
+The control calls (:mod:`nbkv.engine.state`, :mod:`nbkv.engine.verify`,
+:mod:`nbkv.engine.recompute`, and :func:`nbkv.engine.prefill.extension_logits`) run on the
+scheduler thread between decode steps. They take the scheduler through these protocols, so
+that no module but the facade (which composes it) imports :mod:`nbkv.engine.scheduler`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from nbkv.engine.jobs import Job
+    from nbkv.engine.native import Resources
+    from nbkv.engine.rewrite import Rewriter
+    from nbkv.engine.slots import EngineTable, ServeSettings
+    from nbkv.kv.spc import SystemPromptStore
+    from nbkv.store.parking import ParkingLot
+
+T = TypeVar("T")
+
+
+class Runs(Protocol):
+    """What a prompt run outside a request uses: the native resources and serve settings."""
+
+    @property
+    def res(self) -> Resources:
+        """The model, context, batch and prefill rule."""
+
+    @property
+    def settings(self) -> ServeSettings:
+        """How requests are served (cache mode, exact, ...)."""
+
+
+class Controls(Runs, Protocol):
+    """What the control calls use of the scheduler: its slots, caches and thread."""
+
+    @property
+    def table(self) -> EngineTable:
+        """The slots."""
+
+    @property
+    def spc(self) -> SystemPromptStore:
+        """The system prompts' saved states."""
+
+    @property
+    def parking(self) -> ParkingLot | None:
+        """Conversations that lost their slot (None: parking off)."""
+
+    @property
+    def images(self) -> OrderedDict[str, Any]:
+        """Pictures of recent prompts by hash."""
+
+    @property
+    def active(self) -> Sequence[Job]:
+        """The requests placed in slots."""
+
+    @property
+    def rewriter(self) -> Rewriter:
+        """Finished replies' KV rewritten as canonical prefills."""
+
+    def busy(self) -> bool:
+        """Requests queued or running, or a reply's KV still to rewrite."""
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the scheduler thread between decode steps; return its result."""

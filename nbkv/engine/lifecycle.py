@@ -1,0 +1,180 @@
+"""A request's life on the scheduler thread: its progress, its sampled tokens, its end.
+
+The :class:`~nbkv.engine.decoder.Decoder` reports here (:class:`~nbkv.engine.decoder.Steps`):
+how far a prefill is, each row of logits to sample from, a failure. :meth:`Lifecycle.finish`
+closes a request: the slot trimmed back to what it really holds, its bookkeeping settled
+(the map, the reply for a later replay, the shadow's rewrite), the record published, the
+caller's stream ended, the slot freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from nbkv.core.errors import NbkvError
+from nbkv.core.events import Progress, RequestFinished
+from nbkv.kv.policy import PREFIX_SALVAGE
+
+if TYPE_CHECKING:
+    from nbkv.core.events import EventBus
+    from nbkv.engine.jobs import Job
+    from nbkv.engine.native import Resources
+    from nbkv.engine.placement import Placer
+    from nbkv.engine.replay import Replays
+    from nbkv.engine.rewrite import Rewriter
+    from nbkv.engine.shadow import Shadow
+    from nbkv.engine.slots import EngineTable
+
+log = logging.getLogger("nbkv")
+
+
+class Lifecycle:
+    """Progress, sampling and the end of the requests placed in slots (scheduler thread).
+
+    Given the engine's resources, slot table, event bus, the parts a request's end settles
+    (:class:`~nbkv.engine.rewrite.Rewriter`, the :class:`~nbkv.engine.shadow.Shadow` or
+    None, :class:`~nbkv.engine.replay.Replays`, the :class:`~nbkv.engine.placement.Placer`'s
+    map) and the scheduler's list of ``active`` requests (a finished one leaves it).
+    """
+
+    def __init__(self, res: Resources, table: EngineTable, events: EventBus,
+                 rewriter: Rewriter, shadow: Shadow | None, replays: Replays, placer: Placer,
+                 active: list[Job]) -> None:
+        self.res = res
+        self.table = table
+        self.events = events
+        self.rewriter = rewriter
+        self.shadow = shadow
+        self.replays = replays
+        self.placer = placer
+        self.active = active
+
+    def wake(self) -> None:
+        """Have the scheduler thread look at its requests now."""
+        with self.table.lock:
+            self.table.lock.notify_all()
+
+    def progress(self, job: Job) -> None:
+        """Publish how far ``job``'s prefill is."""
+        total = job.started.prefilled_tokens
+        phase = "extend" if job.reuse else "rebuild"
+        self.events.publish(Progress(job.id, job.placed_slot.index, phase,
+                                     total - len(job.todo), total))
+
+    def on_logits(self, job: Job, idx: int) -> None:
+        """Sample ``job``'s next token from batch row ``idx``; stream it, or finish."""
+        now = time.perf_counter()
+        model = self.res.model
+        slot, sampler = job.placed_slot, job.sampler
+        assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
+        token = sampler.sample(self.res.ctx.ptr, idx)
+        if not job.t_first:  # the first token counts once it is sampled
+            job.t_first = time.perf_counter()
+            job.record = replace(job.started, first_decode_s=job.t_first - now)
+        if model.is_eog(token):
+            return self.finish(job, "stop")
+        job.generated.append(token)
+        if job.drafter is not None:
+            job.drafter.append(token)
+        delta = job.text.push(model.text_piece(token))
+        if delta:
+            job.out.put(("delta", delta))
+        if job.text.stopped is not None:
+            return self.finish(job, "stop")
+        # as llama-server stops (process_token): when the token just sampled would take the
+        # slot's last position, so that both engines give a reply at the edge the same length
+        full = len(slot.kv) + 1 >= slot.capacity
+        if len(job.generated) >= job.params.max_tokens or full:
+            return self.finish(job, "length")
+        job.sampled(token)
+        if now - job.t_last_progress > 0.25:
+            job.t_last_progress = now
+            self.events.publish(Progress(job.id, slot.index, "generate",
+                                         len(job.generated), job.params.max_tokens))
+        return None
+
+    def finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
+        if job.done.is_set():
+            return
+        job.finished()
+        if job in self.active:
+            self.active.remove(job)
+        if job.sampler is not None:
+            job.sampler.close()
+        tail = job.text.flush()
+        if tail:
+            job.out.put(("delta", tail))
+        now = time.perf_counter()
+        slot = job.slot
+        rec = job.record
+        mixed = settled = 0
+        if slot is not None and self.res.ctx.ptr:  # a guessed position may follow
+            try:
+                slot.kv.resync()
+                if slot.kv.copy_queued and not self.active:  # ended before its first decode
+                    slot.kv.run_queued_copy()  # ... and none is coming to run the copy
+            except BaseException:  # noqa: BLE001 - the request must still end
+                log.exception("slot[%d]: could not trim past its tokens", slot.index)
+                self.table.reset(slot)
+            settled = slot.kv.settled
+            if self.shadow is not None:  # the reply's KV, rewritten while it was generated
+                mixed = self.shadow.hand_over(job, error is None)
+        if slot is not None and rec is not None:
+            n = len(slot.tokens) + len(slot.redo)
+            self.table.replied(
+                slot, job.prompt, job.text.text, n,
+                segments=tuple(s for s in (replace(s, end=min(s.end, n))
+                                           for s in self.placer.segments(job, n))
+                               if s.length > 0),
+                t_replied=now, reply_rows=n - settled if self.res.ctx.ptr else 0)
+            rec = replace(finished_record(job, rec, reason, error, now, slot.segments),
+                          rewrite_mixed=mixed)
+            job.record = rec
+            self.replays.remember(job)
+            if rec.strategy == PREFIX_SALVAGE:
+                log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
+                          "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
+            self.events.publish(RequestFinished(rec))
+            if mixed and not slot.redo:  # the shadow did the whole rewrite
+                self.rewriter.finished(slot)
+        if error is not None:
+            job.out.put(("error", error))
+        elif rec is not None:
+            job.out.put(("done", rec))
+        else:
+            job.out.put(("error", NbkvError("request cancelled before it started")))
+        job.done.set()
+        self.wake()
+
+    def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
+        """End ``job`` with ``error``, its slot trimmed back to what it really holds."""
+        if job.slot is not None:
+            job.slot.kv.resync()
+        self.finish(job, reason, error)
+
+
+def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None, now: float,
+                    segments: Any) -> Any:
+    """``rec`` completed with what the request did: tokens, timings, encoder and guesses."""
+    t_first = job.t_first or now
+    return replace(
+        rec,
+        generated_tokens=len(job.generated),
+        prefilled_tokens=rec.prefilled_tokens - len(job.todo),
+        ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,
+        prefill_s=(t_first - job.t_prefill) if job.t_prefill and job.t_first else 0.0,
+        wait_s=max(job.t_prefill - job.t_submit - rec.restore_s, 0.0) if job.t_prefill
+        else 0.0,
+        decode_s=(now - t_first) if job.t_first else 0.0,
+        finish_reason=reason,
+        encoder_runs=job.encoder_runs,
+        embedding_cache_hits=job.embedding_hits,
+        draft_tokens=job.drafted,
+        draft_accepted=job.accepted,
+        error=None if error is None else f"{type(error).__name__}: {error}",
+        segments=segments,
+    )
