@@ -1,9 +1,10 @@
 """What the control calls are given: the scheduler's parts they use, as narrow protocols.
 
 The control calls (:mod:`nbkv.engine.state`, :mod:`nbkv.engine.verify`,
-:mod:`nbkv.engine.recompute`, and :func:`nbkv.engine.prefill.extension_logits`) run on the
-scheduler thread between decode steps. They take the scheduler through these protocols, so
-that no module but the facade (which composes it) imports :mod:`nbkv.engine.scheduler`.
+:mod:`nbkv.engine.recompute`, and :func:`nbkv.engine.prefill.extension_logits`; the
+engine's own in :mod:`nbkv.engine.calls`) run on the scheduler thread between decode steps.
+They take the scheduler through these protocols, so that no module but the facade (which
+composes it) imports :mod:`nbkv.engine.scheduler`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
-    from nbkv.engine.rewrite import Rewriter
+    from nbkv.engine.rewrite import Pace, Rewriter
+    from nbkv.engine.slot_parking import Parker
     from nbkv.engine.slots import EngineTable, ServeSettings
+    from nbkv.kv.replies import ReplyBook
     from nbkv.kv.spc import SystemPromptStore
     from nbkv.store.parking import ParkingLot
 
@@ -67,3 +70,19 @@ class Controls(Runs, Protocol):
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between decode steps; return its result."""
+
+
+class Composed(Controls, Protocol):
+    """The scheduler as the engine's control calls see it: the parts they reach as well."""
+
+    @property
+    def pace(self) -> Pace:
+        """How fast rows prefill, and whether requests come back to back."""
+
+    @property
+    def parker(self) -> Parker:
+        """Parks slots' conversations, restores parked ones."""
+
+    @property
+    def replies(self) -> ReplyBook:
+        """Replies a re-run of the same prompt and settings may be answered with."""
