@@ -70,8 +70,21 @@ def test_image_in_pieces_and_the_encoder() -> None:
 
 def test_a_cached_reply_replays() -> None:
     j = job([1, 2, 3])
-    j.place(SLOT, 3, memo=object())
+    memo = object()
+    j.place(SLOT, 3, memo=memo, held=2)
     assert j.state is JobState.REPLAY and j.state not in READING
+    assert j.memo is memo and j.memo_held == 2
+
+
+def test_the_system_prompt_capture_is_set_and_cleared_by_the_request() -> None:
+    j = job([1, 2, 3, 4])
+    assert j.capture_at is None and j.spc_key is None
+    j.capture_spc(2, "h")
+    assert (j.capture_at, j.spc_key) == (2, "h")
+    j.spc_captured()
+    assert j.capture_at is None
+    with pytest.raises(AttributeError):  # read-only: changed by its transitions only
+        j.capture_at = 3  # type: ignore[misc]
 
 
 def test_transitions_from_the_wrong_state_are_refused() -> None:

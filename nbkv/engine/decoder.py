@@ -102,7 +102,7 @@ class Decoder:
             if job.capture_at is not None and end >= job.capture_at:
                 if end == job.capture_at and kv.settled == end:
                     spc_capture(self.spc, job)
-                job.capture_at = None
+                job.spc_captured()
             if done:
                 self.steps.on_logits(job, last)
             else:
@@ -240,5 +240,5 @@ def spc_capture(spc: SystemPromptStore, job: Job) -> None:
     assert job.spc_key is not None
     kv = job.placed_slot.kv
     spc.put(job.spc_key, kv.save_state(), kv.tokens)
-    job.capture_at = None
+    job.spc_captured()
     log.debug("spc: saved system prompt state, %d tokens", len(kv))

@@ -68,8 +68,8 @@ class Job(Request):
         self.slot: EngineSlot | None = None
         self.todo: list[Any] = []  # prompt positions still to prefill (read only: read())
         self.reuse = 0
-        self.capture_at: int | None = None  # SPC: save the slot's state at this length
-        self.spc_key: str | None = None
+        self._capture_at: int | None = None  # SPC: save the slot's state at this length
+        self._spc_key: str | None = None
         self.sampler: Sampler | None = None
         self._next: int | None = None  # GENERATE: the token to decode
         self._encoding: Future[Any] | None = None  # ENCODING: the vision encoder's work
@@ -84,8 +84,8 @@ class Job(Request):
         self.embedding_hits = 0  # images whose embeddings came from the cache
         self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
         self.replay = False  # may be answered with a reply the cache holds (nbkv.engine.replay)
-        self.memo: Any = None  # ... the nbkv.kv.replies.ReplyMemo it is answered with
-        self.memo_held = 0  # ... and how many of its tokens the slot holds after the prompt
+        self._memo: Any = None  # ... the nbkv.kv.replies.ReplyMemo it is answered with
+        self._memo_held = 0  # ... and how many of its tokens the slot holds after the prompt
 
     # ------------------------------------------------------------------ reading
 
@@ -103,6 +103,34 @@ class Job(Request):
     def image_piece(self) -> int:
         """Sub-batches of the image at the head of the prompt already in the KV."""
         return self._pieces
+
+    @property
+    def memo(self) -> Any:
+        """The :class:`~nbkv.kv.replies.ReplyMemo` it is answered with (REPLAY), else None."""
+        return self._memo
+
+    @property
+    def memo_held(self) -> int:
+        """How many of the memo's reply tokens the slot holds after the prompt."""
+        return self._memo_held
+
+    @property
+    def capture_at(self) -> int | None:
+        """SPC: the KV length at which the slot's state is saved (None: not, or done)."""
+        return self._capture_at
+
+    @property
+    def spc_key(self) -> str | None:
+        """SPC: the system prompt's hash its state is saved under."""
+        return self._spc_key
+
+    def capture_spc(self, at: int, key: str) -> None:
+        """SPC: save the slot's state under ``key`` when its prefill reaches ``at``."""
+        self._capture_at, self._spc_key = at, key
+
+    def spc_captured(self) -> None:
+        """SPC: the prefill passed the capture point (saved, or not exactly there)."""
+        self._capture_at = None
 
     @property
     def placed_slot(self) -> EngineSlot:
@@ -135,13 +163,14 @@ class Job(Request):
             return JobState.SAMPLE
         return JobState.IMAGE if isinstance(self.todo[0], MediaUnit) else JobState.PREFILL
 
-    def place(self, slot: EngineSlot, reuse: int, memo: Any = None) -> None:
+    def place(self, slot: EngineSlot, reuse: int, memo: Any = None, held: int = 0) -> None:
         """QUEUED: it is served by ``slot``, which holds its first ``reuse`` positions.
 
-        With ``memo`` (a reply the slot holds) it is answered without a decode (REPLAY).
+        With ``memo`` (a reply the slot holds, ``held`` of its tokens after the prompt) it
+        is answered without a decode (REPLAY).
         """
         self._expect(JobState.QUEUED)
-        self.slot, self.reuse, self.memo = slot, reuse, memo
+        self.slot, self.reuse, self._memo, self._memo_held = slot, reuse, memo, held
         self.todo = list(self.prompt.tokens[reuse:])
         self.state = JobState.REPLAY if memo is not None else self._reading()
 

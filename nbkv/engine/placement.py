@@ -147,7 +147,8 @@ class Placer:
                 kv.clear()
                 reuse = 0
             # the same prompt and settings, and the slot holds the reply: nothing is cut
-            memo = self.replays.match(job, slot) if donor is None else None
+            found = self.replays.match(job, slot) if donor is None else None
+            memo, held_after = found if found is not None else (None, 0)
             if memo is not None:
                 trimmed, reuse = 0, len(p.tokens)
             else:
@@ -200,7 +201,7 @@ class Placer:
                 table.show(slot, entry.segments)
         table.claim(slot, job.id, job.session, p, reuse, plan.evicted,
                     parked=parked_to is not None, keep=kept)
-        job.place(slot, reuse, memo)
+        job.place(slot, reuse, memo, held_after)
         if mem.takes_checkpoints:
             near = checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens))
             if mem.kind == SWA:  # where a window put back continues exactly
@@ -268,7 +269,7 @@ class Placer:
             if not restorable(mem.kind, mem.n_swa, at):
                 at = restore_point(p.tokens, at, rule, mem.kind, mem.n_swa)
             if at >= max(min_tokens, rule.min_chunk):
-                job.capture_at, job.spc_key = at, key
+                job.capture_spc(at, key)
             return 0
         slot.kv.load_state(entry.state, entry.tokens)
         return len(slot.kv)

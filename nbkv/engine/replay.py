@@ -69,12 +69,12 @@ class Replays:
         self.replies.add(ReplyMemo(digest(job.prompt.tokens), n, settings_key(job.params),
                                    tuple(job.generated), held, rec.finish_reason, job.id))
 
-    def match(self, job: Job, slot: EngineSlot) -> ReplyMemo | None:
-        """The reply to give ``job``, if it may be replayed; else None.
+    def match(self, job: Job, slot: EngineSlot) -> tuple[ReplyMemo, int] | None:
+        """The reply to give ``job`` if it may be replayed, with its tokens held; else None.
 
-        ``slot`` must hold its prompt (all a request for it could reuse), and the same prompt
-        and settings must have been answered before; ``job.memo_held`` is then how many of the
-        reply's tokens follow the prompt there.
+        The count is how many of the reply's tokens follow the prompt in ``slot``. ``slot``
+        must hold its prompt (all a request for it could reuse), and the same prompt
+        and settings must have been answered before.
         """
         if not job.replay or not self.proven():
             return None
@@ -82,11 +82,7 @@ class Replays:
         # what the cache keeps of a prompt: all a request for it could reuse (a parked
         # conversation ends where a canonical prefill may resume)
         need = valid_start(tokens, reuse_limit(len(tokens)), self.res.rule)
-        found = self.replies.find(tokens, job.params, [slot.kv.tokens], need)
-        if found is None:
-            return None
-        memo, job.memo_held = found
-        return memo
+        return self.replies.find(tokens, job.params, [slot.kv.tokens], need)
 
     def text_of(self, job: Job, memo: ReplyMemo) -> str:
         """The reply's text, as its generation released it (stop strings cut as they were)."""
