@@ -327,10 +327,8 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         params = SamplingParams.from_kwargs(**sampling)
         prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
         job = Job(prompt, session, params, self.wait_timeout if timeout is None else timeout,
-                  TextStream(params.stop))
-        job.replay = bool(replay)
-        if self.speculative:
-            job.drafter = NgramDrafter(prompt.tokens)
+                  TextStream(params.stop), replay=bool(replay),
+                  drafter=NgramDrafter(prompt.tokens) if self.speculative else None)
         job.t_submit = t0
         self.scheduler.submit(job)
         s = ChatStream(self, job)

@@ -60,7 +60,8 @@ class Job(Request):
     """A request inside the in-kernel scheduler."""
 
     def __init__(self, prompt: Prompt, session: str | None, params: SamplingParams,
-                 timeout: float, text: TextStream) -> None:
+                 timeout: float, text: TextStream, *, replay: bool = False,
+                 drafter: NgramDrafter | None = None) -> None:
         super().__init__(session, params, timeout)
         self.prompt = prompt
         self.text = text
@@ -76,14 +77,14 @@ class Job(Request):
         self._pieces = 0  # IMAGE_PART: sub-batches of the image already in KV
         self.t_prefill = 0.0
         self.t_last_progress = 0.0
-        self.drafter: NgramDrafter | None = None
+        self.drafter = drafter  # speculative guesses from the prompt and reply (None: off)
         self.drafted = 0  # guesses decoded (speculative, exact mode)
         self.accepted = 0  # ... that the model confirmed
         self.embeddings: dict[str, Any] = {}  # image hash -> its embeddings, once known
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
         self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
-        self.replay = False  # may be answered with a reply the cache holds (nbkv.engine.replay)
+        self.replay = replay  # may be answered with a reply the cache holds (nbkv.engine.replay)
         self._memo: Any = None  # ... the nbkv.kv.replies.ReplyMemo it is answered with
         self._memo_held = 0  # ... and how many of its tokens the slot holds after the prompt
 
