@@ -5,7 +5,8 @@ One prefill chunk of a prompt, in the canonical chunks of :mod:`nbkv.kv.invarian
 steps (:meth:`Decoder.decode_image`); one generation decode for every generating request
 (:meth:`Decoder.generate`). It owns what decoding needs (the context, its batch, the prefill
 rule, the projector: :class:`~nbkv.engine.native.Resources`) and reports what happened to a
-request through :class:`Steps` (the scheduler's request lifecycle).
+request through :class:`Steps` (the request lifecycle, :mod:`nbkv.engine.lifecycle`). The
+system prompt's state is saved here when a prefill reaches it (:func:`spc_capture`).
 
 Generation decodes: one row per generating request, with an optional guess beside it.
 

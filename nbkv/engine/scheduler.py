@@ -2,8 +2,8 @@
 
 Requests are prepared in the caller's thread (template, tokens, message hashes) and queued
 here. Each iteration runs the control calls (``Engine.probe``, saves, ...), admits queued
-requests into slots (:mod:`nbkv.engine.placement`), then advances the active ones by one step
-(:func:`nbkv.kv.batching.plan_step`), dispatched on each request's state
+requests into slots (the :class:`~nbkv.engine.placement.Placer`), then advances the active
+ones by one step (:func:`nbkv.kv.batching.plan_step`), dispatched on each request's state
 (:class:`nbkv.engine.jobs.JobState`): one prefill chunk or image piece and one generation
 decode for every generating request (the :class:`~nbkv.engine.decoder.Decoder`), and, when
 requests come back to back, one chunk of a reply's rewrite into the shadow sequence
@@ -12,6 +12,14 @@ requests come back to back, one chunk of a reply's rewrite into the shadow seque
 (:class:`~nbkv.engine.slots.EngineTable`); ``cv`` (the same lock) guards this queue. A
 slot's ``tokens`` list is the truth about its KV: it is extended only after a successful
 decode, and on any failure the KV is trimmed back to it.
+
+The scheduler keeps the queue, the control calls and the loop, and composes its parts once,
+each given what it uses: :class:`~nbkv.engine.replay.Replays`,
+:class:`~nbkv.engine.slot_parking.Parker`, :class:`~nbkv.engine.placement.Placer`,
+:class:`~nbkv.engine.rewrite.Rewriter`, :class:`~nbkv.engine.shadow.Shadow`,
+:class:`~nbkv.engine.lifecycle.Lifecycle` (a request's progress, tokens and end) and
+:class:`~nbkv.engine.decoder.Decoder`. None of them imports this module; only the facade
+does (an import-linter contract).
 """
 
 from __future__ import annotations
