@@ -162,6 +162,8 @@ def test_six_sessions_on_two_slots_restore_from_ram_exactly(family):
                 assert rec.reason == RESTORED, (name, s, rnd, rec.reason_text)
                 assert (rec.restored_from, rec.restored_session) == ("ram", s)
                 assert rec.restored_tokens == rec.reused_tokens <= parked.n_tokens
+                # the restore proper is timed apart from the admission and the park around it
+                assert 0 < rec.unpark_s <= rec.restore_s - rec.park_s
                 # at least the previous prompt: only the unrewritten reply may be read again
                 # (sliding-window states are parked where their window puts back exactly)
                 swa = reach.SWA_CELLS if engine.memory.kind == "sliding-window" else 0
