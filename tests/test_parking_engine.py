@@ -653,6 +653,8 @@ def test_the_next_park_is_copied_out_in_idle_time_and_buffers_are_reused(engine,
             assert rec.evicted_parked in ("", "ram")
             if rec.evicted_parked:  # parked without a copy in its request
                 assert True not in snapshots, (s, rec.reason_text)
-    assert engine.ctx.buffers.reused > reused
+    # the conversations grow, and still the buffers restores free are read into again:
+    # every park of the second round after its first restore
+    assert engine.ctx.buffers.reused - reused >= 3, engine.ctx.buffers.reused - reused
     assert sum(r.reason == RESTORED for r in engine.history[-4:]) == 4
     assert_verified(engine)
