@@ -25,6 +25,12 @@ from typing import Any
 RESERVE = 2
 
 
+# a private mapping (a shared one keeps released pages); Windows' anonymous maps are private
+_PRIVATE = ({"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE")
+            else {})
+_RELEASE = getattr(mmap, "MADV_DONTNEED", None)  # None: nothing to release pages with
+
+
 def _pages(n: int) -> int:
     """``n`` rounded up to whole pages."""
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -68,9 +74,9 @@ class StateBuffers:
             else:
                 return None
             self.reused += 1
-        if buf.mapping is not None and buf.touched > _pages(size):
+        if buf.mapping is not None and buf.touched > _pages(size) and _RELEASE is not None:
             # an earlier, larger state wrote past this one: give those pages back
-            buf.mapping.madvise(mmap.MADV_DONTNEED, _pages(size), buf.touched - _pages(size))
+            buf.mapping.madvise(_RELEASE, _pages(size), buf.touched - _pages(size))
         buf.touched = size
         return self._lend(buf, size)
 
@@ -81,7 +87,7 @@ class StateBuffers:
         first write), so the reserve costs address space, not RAM.
         """
         cap = _pages(max(RESERVE * size, 1))
-        mapping = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping = mmap.mmap(-1, cap, **_PRIVATE)
         base = (ctypes.c_uint8 * cap).from_buffer(mapping)
         return self._lend(_Buffer(base, mapping, size), size)
 
