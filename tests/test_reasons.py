@@ -7,6 +7,7 @@ as it was before the request, against the prompt the request sent.
 from __future__ import annotations
 
 import datetime
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -280,6 +281,9 @@ def test_the_figures_line_says_what_was_restored_from_where_and_how_fast():
     assert "took carol's slot (300 tokens parked)" in line
     assert vocabulary.bar(rec) is vocabulary.EVENTS["restored"]
     assert vocabulary.event(rec).words == "restored"
+    # the restore proper, when the record has it: not the admission and the park around it
+    timed = replace(rec, restore_s=0.03, park_s=0.01, unpark_s=0.004)
+    assert summary(timed).startswith("slot 0: restored alice's 1,204 tokens from RAM in 4 ms")
     other = RequestRecord(10, "bob", "hash-extend", 0, 10, 5, 5, 0, reason=reasons.OVERFLOW,
                           restored_from="disk", restored_tokens=5, restore_s=0.02)
     texts = [t for t, _ in actions(other)]

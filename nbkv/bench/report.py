@@ -116,6 +116,10 @@ def print_thrash(th: dict[str, Any]) -> None:
         park = f"{f['park_ms']['mean']:.2f}" if f["parks"] else "-"
         print(f"{'thrash':<14} {v:<11} {1000 * f['mean_ttft_s']:>8.1f} {f['reuse_pct']:>8.1f} "
               f"{f['restores']:>8} {restore:>17} {park:>8}")
+    adm = th["variants"].get("parking", {}).get("admission_ms_per_1k_tokens")
+    if adm and adm["max"]:
+        print(f"{'thrash':<14} parking: restore with the admission around it (restore_s less "
+              f"the park) {adm['mean']:.2f} ms/1k tok (max {adm['max']:.2f})")
     p = th["parked"]
     llama = (f"; LlamaRAMCache: {p['llama_ram_cache_state_bytes_per_token']:,.0f} of state, "
              f"{p['llama_ram_cache_bytes_per_token']:,.0f} with its logits copies"

@@ -55,7 +55,7 @@ class NbkvRunner:
                 "wait_s": r.wait_s, "settle_s": settle_s, "id": r.id,
                 "encoder_runs": r.encoder_runs, "park_s": r.park_s,
                 "restored_from": r.restored_from, "restored_tokens": r.restored_tokens,
-                "evicted_parked": r.evicted_parked,
+                "unpark_s": r.unpark_s, "evicted_parked": r.evicted_parked,
                 "finish": r.finish_reason, "text": res.text}
 
     def rewrite_summary(self) -> dict[str, float]:

@@ -145,6 +145,10 @@ class RequestRecord:
     restored_from: str = ""
     restored_tokens: int = 0  # ... tokens of it the request reused
     restored_session: str | None = None  # ... whose conversation it was
+    #: ... the restore proper, within ``restore_s``: taking the entry from the lot (a disk
+    #: read too), writing its state into the slot and checking it; not the admission around
+    #: it (matching, trimming) nor parking the slot's conversation (``park_s``)
+    unpark_s: float = 0.0
     evicted_parked: str = ""  # "ram" or "disk": the evicted conversation was parked, not lost
     park_s: float = 0.0  # ... the time that took (copying its state out), within restore_s
     #: a replayed request (reason "replayed"): the reply's tokens, given again from the cache

@@ -79,6 +79,7 @@ class Placer:
         parked = list(lot.entries()) if lot is not None else []
         mem = self.res.memory
         judge = Judge(p.tokens, rule, cfg.exact, mem.kind, mem.n_swa)
+        unpark_s = 0.0  # the restore proper: taking a parked entry, putting its state back
         while True:
             plan = table.place(snaps, p, job.session, cache=cfg.cache,
                                min_tokens=cfg.cache_min_tokens, parked=parked, judge=judge)
@@ -90,7 +91,9 @@ class Placer:
             # its own session takes an entry back; any other conversation restores a copy
             entry = None
             if info is not None and lot is not None:
+                t_take = time.perf_counter()
                 entry = lot.take(info.key) if taken else lot.borrow(info.key)
+                unpark_s += time.perf_counter() - t_take
             if plan.parked is None or entry is not None:
                 break
             parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
@@ -129,8 +132,9 @@ class Placer:
                 park_s = time.perf_counter() - t_park
             table.drop_rewrite(slot)
             if entry is not None:
-                kv.clear()
-                held = self.parker.restore_into(slot, entry)
+                t_put = time.perf_counter()
+                held = self.parker.restore_into(slot, entry)  # (it empties the slot first)
+                unpark_s += time.perf_counter() - t_put
                 restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
                     tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
                 reuse = target = invariance.valid_start(p.tokens, min(
@@ -168,9 +172,11 @@ class Placer:
             raise
         if entry is not None and taken:  # its state is in the slot now: the next park reuses
             # its memory (a borrowed copy shares its buffers with the entry still parked)
+            t_put = time.perf_counter()
             state, entry.state = entry.state, None
             self.res.ctx.recycle(state)
             del state
+            unpark_s += time.perf_counter() - t_put
         checkpoint_pos = kv.last_restore
         restore_s = time.perf_counter() - t0
         # the previous reply, as generated, against its re-tokenization in this prompt
@@ -222,6 +228,7 @@ class Placer:
             restored_tokens=((len(kv) if memo is not None else reuse)
                              if entry is not None and reuse else 0),
             restored_session=entry.session if entry is not None and reuse else None,
+            unpark_s=unpark_s if entry is not None else 0.0,
             evicted_parked=parked_to.tier if parked_to is not None else "", park_s=park_s,
             reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
             rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact)

@@ -509,7 +509,7 @@ class Context:
         size = llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         buf = None if partial else self.buffers.take(size)
         if buf is None:
-            buf = (ctypes.c_uint8 * size)()
+            buf = (ctypes.c_uint8 * size)() if partial else self.buffers.fresh(size)
         n = llama_cpp.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
         if n != size:
             raise DecodeError(f"could not read the state of sequence {seq} ({n}/{size} bytes)")

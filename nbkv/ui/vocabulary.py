@@ -237,8 +237,9 @@ def restored(record: Any) -> str:
         return ""
     who = getattr(record, "restored_session", None)
     whose = f"{who}'s " if who is not None else ""
-    # the restore proper: restore_s also holds parking the slot's previous conversation
-    s = record.restore_s - getattr(record, "park_s", 0.0)
+    # the restore proper (unpark_s); restore_s also holds the admission around it and
+    # parking the slot's previous conversation
+    s = getattr(record, "unpark_s", 0.0) or record.restore_s - getattr(record, "park_s", 0.0)
     took = f" in {s * 1000:.0f} ms" if record.restore_s else ""  # (a server: no time)
     return (f"{EVENTS['restored'].words} {whose}{record.restored_tokens:,} tokens from "
             f"{tier_words(tier)}{took}")
