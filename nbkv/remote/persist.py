@@ -40,11 +40,10 @@ from nbkv.store.persist import (
     RestoreReport,
     SaveReport,
     SlotSave,
-    check_session_state,
-    kernel_sessions,
     save_root,
     untrusted_message,
 )
+from nbkv.store.session_state import check_session_state, kernel_sessions
 
 if TYPE_CHECKING:
     from nbkv.store.protocols import SessionStoreLike
