@@ -26,6 +26,7 @@ from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.events import RequestRecord, Segment
 from nbkv.core.messages import prefix_hashes
 from nbkv.kv import policy, reasons
+from nbkv.kv.conversation import Conversation
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt
 
@@ -115,19 +116,55 @@ class TableSlot:
 class SlotState:
     """One slot's conversation as a save, a park or a restore carries it.
 
-    ``kv`` is what holds its KV (a :class:`~nbkv.kv.slot_kv.KVSnapshot` in the kernel; the
-    token list for a server slot, whose KV the server saves itself).
+    ``conversation`` is its bookkeeping (:class:`~nbkv.kv.conversation.Conversation`; its
+    fields read through); ``kv`` is what holds its KV (a :class:`~nbkv.kv.slot_kv.KVSnapshot`
+    in the kernel; the token list for a server slot, whose KV the server saves itself; None
+    where only the bookkeeping is carried).
     """
 
     index: int
-    session: str | None
-    hashes: tuple[str, ...]
-    msg_ends: tuple[int, ...]
-    segments: tuple[Segment, ...]
-    last_used: int
-    last_request: int | None
+    conversation: Conversation
     kv: Any
-    used_at: float = 0.0  # wall clock of the last use
+
+    @property
+    def session(self) -> str | None:
+        """Whose conversation it is."""
+        return self.conversation.session
+
+    @property
+    def tokens(self) -> tuple[Any, ...]:
+        """One unit per KV position."""
+        return tuple(self.conversation.tokens)
+
+    @property
+    def hashes(self) -> tuple[str, ...]:
+        """Cumulative hashes of its messages."""
+        return tuple(self.conversation.hashes)
+
+    @property
+    def msg_ends(self) -> tuple[int, ...]:
+        """Where each message ends."""
+        return tuple(self.conversation.msg_ends)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The KV map's segments."""
+        return tuple(self.conversation.segments)
+
+    @property
+    def last_used(self) -> int:
+        """The LRU clock of its last use."""
+        return self.conversation.last_used
+
+    @property
+    def last_request(self) -> int | None:
+        """The request that last used it."""
+        return self.conversation.last_request
+
+    @property
+    def used_at(self) -> float:
+        """Wall clock of its last use."""
+        return self.conversation.used_at
 
 
 @dataclass(frozen=True)
@@ -319,8 +356,9 @@ class SlotTable(Generic[S]):
 
     def state_of(self, slot: S, kv: Any) -> SlotState:
         """``slot``'s bookkeeping with ``kv``, for a save or a park."""
-        return SlotState(slot.index, slot.session, tuple(slot.hashes), tuple(slot.msg_ends),
-                         slot.segments, slot.last_used, slot.last_request, kv, slot.used_at)
+        return SlotState(slot.index, Conversation.held(
+            slot.session, slot.tokens, slot.hashes, slot.msg_ends, slot.segments,
+            slot.last_used, slot.last_request, slot.used_at), kv)
 
     def adopt(self, slot: S, state: SlotState) -> None:
         """Give ``slot`` the bookkeeping of ``state`` (its KV is already in place)."""

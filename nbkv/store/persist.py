@@ -37,7 +37,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -416,14 +416,14 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
                 plan.parked.append(conv)
                 continue
             plan.slots.append(SlotState(
-                int(s["index"]), conv.session, tuple(conv.hashes), tuple(conv.msg_ends),
-                tuple(conv.segments), conv.last_used, None,
-                KVSnapshot.of(conv.state, conv.tokens, int(conv.settled or 0),
-                              int(conv.exact_len or 0), conv.checkpoints), conv.used_at))
+                int(s["index"]), replace(conv.conversation, last_request=None),
+                KVSnapshot.of(conv.state, conv.tokens, conv.settled, conv.exact_len,
+                              conv.checkpoints)))
         if lot is not None:
             saved_parked = lot.decode(body.get("parked", []), read, state)
             for e in saved_parked:
-                e.used_at = e.used_at or created
+                if not e.used_at:
+                    e.conversation = replace(e.conversation, used_at=created)
             plan.parked[:0] = saved_parked
         else:
             plan.not_parked = [f"{e.get('session') or '-'} (parking is off)"
