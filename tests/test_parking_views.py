@@ -25,8 +25,9 @@ PARKED = (ParkedInfo("alice#3", Conversation("alice", tuple(range(1204)), ("h",)
 
 
 def slots():
-    return (SlotInfo(0, 0, 2048, "carol", (1, 2, 3), ("h",), (3,), 5, False),
-            SlotInfo(1, 1, 2048, None, (), (), (), 0, False))
+    return (SlotInfo(0, 0, 2048, Conversation("carol", (1, 2, 3), ("h",), (3,), last_used=5,
+                                              settled=0), False),
+            SlotInfo(1, 1, 2048, Conversation(None, settled=0), False))
 
 
 def restore_record(i=1, **kw):

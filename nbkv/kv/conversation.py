@@ -23,7 +23,9 @@ class Conversation:
     """A conversation held in KV: its units, message boundaries and hashes, clocks.
 
     ``tokens`` has one unit per KV position (token ids and image units); ``hashes[k]`` is
-    the cumulative hash of the first ``k + 1`` messages, which end at ``msg_ends[k]``;
+    the cumulative hash of the first ``k + 1`` messages, which end at ``msg_ends[k]`` (no
+    hashes at all where nbkv knows only the boundaries: a row of an OpenAI-compatible
+    server's cache);
     ``settled`` leading positions hold KV equal to a batched prefill of the tokens (-1:
     all of them); ``checkpoints`` are the positions of its checkpoints (hybrid and recurrent
     memory). Raises ``ValueError`` when the parts disagree: a boundary or a checkpoint
@@ -51,7 +53,7 @@ class Conversation:
                             ("msg_ends", ends), ("segments", tuple(self.segments)),
                             ("checkpoints", cps), ("settled", settled)):
             object.__setattr__(self, name, value)
-        if len(self.hashes) != len(ends) or any(not 0 < e <= n for e in ends):
+        if len(self.hashes) not in (0, len(ends)) or any(not 0 < e <= n for e in ends):
             raise ValueError("message hashes and boundaries disagree")
         if any(not 0 < p <= n for p in cps):
             raise ValueError("a checkpoint lies outside its tokens")
@@ -68,21 +70,23 @@ class Conversation:
              msg_ends: Sequence[int], segments: Sequence[Segment] = (), last_used: int = 0,
              last_request: int | None = None, used_at: float = 0.0, settled: int = -1,
              checkpoints: Sequence[int] = ()) -> Conversation:
-        """The record of a KV that holds ``tokens``: what lies past its end is left out.
+        """The record of a KV that holds ``tokens`` now: boundaries past its end left out.
 
-        A message that ends past the tokens (a slot cut back while its reply is rewritten, a
-        state restored up to an earlier checkpoint) is not kept; segments are clipped.
+        A live slot's bookkeeping can run ahead of its KV for a moment (a request cut it back
+        to a checkpoint and reads the rest again): the messages that end past the tokens, and
+        checkpoints past them, are not kept. Its map (``segments``) stays as the slot shows it.
         """
         tokens = tuple(tokens)
         n = len(tokens)
         k = sum(1 for e in msg_ends if e <= n)
-        return cls(session, tokens, tuple(hashes)[:k], tuple(msg_ends)[:k],
-                   tuple(replace(g, end=min(g.end, n)) for g in segments if g.start < n),
+        return cls(session, tokens, tuple(hashes)[:k], tuple(msg_ends)[:k], segments,
                    last_used, last_request, used_at, min(settled, n),
                    tuple(p for p in checkpoints if p <= n))
 
     def cut(self, n: int) -> Conversation:
         """Its first ``n`` positions: the messages that end there, segments clipped to them."""
         return self.held(self.session, tuple(self.tokens)[:n], self.hashes, self.msg_ends,
-                         self.segments, self.last_used, self.last_request, self.used_at,
-                         self.settled, self.checkpoints)
+                         tuple(replace(g, end=min(g.end, n)) for g in self.segments
+                               if g.start < n),
+                         self.last_used, self.last_request, self.used_at, self.settled,
+                         self.checkpoints)

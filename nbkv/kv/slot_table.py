@@ -33,21 +33,17 @@ from nbkv.prompt.builder import Prompt
 
 @dataclass(frozen=True)
 class SlotInfo:
-    """An immutable snapshot of one slot."""
+    """An immutable snapshot of one slot: its conversation, and what holds its KV.
+
+    ``conversation`` is the slot's bookkeeping (:class:`~nbkv.kv.conversation.Conversation`,
+    built with :meth:`~nbkv.kv.conversation.Conversation.held`); its fields read through.
+    """
 
     index: int
     seq_id: int
     capacity: int
-    session: str | None
-    tokens: tuple[int, ...]
-    hashes: tuple[str, ...]
-    msg_ends: tuple[int, ...]
-    last_used: int
+    conversation: Conversation
     pending: bool
-    segments: tuple[Segment, ...] = ()
-    last_request: int | None = None
-    settled: int = 0  # leading positions whose KV equals a batched prefill of the tokens
-    checkpoints: tuple[int, ...] = ()  # positions with a checkpoint (hybrid/recurrent models)
     checkpoint_bytes: int = 0
     memory: str = "plain"  # the model's memory class (nbkv.kv.slot_kv)
     rewriting: int = 0  # trailing positions out of the KV while a reply's KV is rewritten
@@ -60,24 +56,70 @@ class SlotInfo:
     server_cached: int | None = None
 
     @property
+    def session(self) -> str | None:
+        """Whose conversation the slot holds."""
+        return self.conversation.session
+
+    @property
+    def tokens(self) -> tuple[Any, ...]:
+        """One unit per KV position: token ids and image units."""
+        return tuple(self.conversation.tokens)
+
+    @property
+    def hashes(self) -> tuple[str, ...]:
+        """Cumulative hashes of the cached messages."""
+        return tuple(self.conversation.hashes)
+
+    @property
+    def msg_ends(self) -> tuple[int, ...]:
+        """Where each cached message ends."""
+        return tuple(self.conversation.msg_ends)
+
+    @property
+    def last_used(self) -> int:
+        """The LRU clock of its last use."""
+        return self.conversation.last_used
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The KV map's segments."""
+        return tuple(self.conversation.segments)
+
+    @property
+    def last_request(self) -> int | None:
+        """The request that last used the slot."""
+        return self.conversation.last_request
+
+    @property
+    def settled(self) -> int:
+        """Leading positions whose KV equals a batched prefill of the tokens."""
+        return self.conversation.settled
+
+    @property
+    def checkpoints(self) -> tuple[int, ...]:
+        """Positions with a checkpoint (hybrid/recurrent models)."""
+        return tuple(self.conversation.checkpoints)
+
+    @property
     def n_tokens(self) -> int:
         """KV positions in use."""
-        return len(self.tokens)
+        return self.conversation.n_tokens
 
     @property
     def n_messages(self) -> int:
         """Messages cached (the model's last reply included)."""
-        return len(self.hashes)
+        return len(self.conversation.hashes)
 
     @property
     def empty(self) -> bool:
         """True when the slot holds nothing."""
-        return not self.tokens
+        return not self.conversation.tokens
 
     @property
     def n_media(self) -> int:
         """Image chunks held in the slot's KV."""
-        return sum(1 for u in self.tokens if isinstance(u, MediaUnit) and u.offset == 0)
+        return sum(1 for u in self.conversation.tokens
+                   if isinstance(u, MediaUnit) and u.offset == 0)
 
 
 @dataclass
@@ -103,6 +145,13 @@ class TableSlot:
     def snapshot(self) -> SlotInfo:
         """An immutable copy for the caller's thread."""
         raise NotImplementedError
+
+    def conversation(self, tokens: Sequence[Any] | None = None, settled: int = -1,
+                     checkpoints: Sequence[int] = ()) -> Conversation:
+        """The slot's bookkeeping as a record, over ``tokens`` (default: what its KV holds)."""
+        return Conversation.held(self.session, self.tokens if tokens is None else tokens,
+                                 self.hashes, self.msg_ends, self.segments, self.last_used,
+                                 self.last_request, self.used_at, settled, checkpoints)
 
     def forget_messages(self) -> None:
         """Drop the message bookkeeping (the holder of the KV empties itself)."""
@@ -356,9 +405,7 @@ class SlotTable(Generic[S]):
 
     def state_of(self, slot: S, kv: Any) -> SlotState:
         """``slot``'s bookkeeping with ``kv``, for a save or a park."""
-        return SlotState(slot.index, Conversation.held(
-            slot.session, slot.tokens, slot.hashes, slot.msg_ends, slot.segments,
-            slot.last_used, slot.last_request, slot.used_at), kv)
+        return SlotState(slot.index, slot.conversation(), kv)
 
     def adopt(self, slot: S, state: SlotState) -> None:
         """Give ``slot`` the bookkeeping of ``state`` (its KV is already in place)."""

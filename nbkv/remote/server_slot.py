@@ -54,9 +54,8 @@ class ServerSlot(TableSlot):
 
     def snapshot(self) -> SlotInfo:
         """The slot as the views and the policy read it (``memory="server"``)."""
-        return SlotInfo(self.index, self.index, self.capacity, self.session, tuple(self.held),
-                        tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-                        self.segments, self.last_request, self.settled, memory="server",
+        return SlotInfo(self.index, self.index, self.capacity,
+                        self.conversation(settled=self.settled), self.pending, memory="server",
                         verified=self.verified, note=self.note)
 
     def forget(self, note: str = "") -> None:

@@ -111,6 +111,8 @@ class ParkedEntry:
         if not 0 <= settled <= self.exact_len <= n:
             raise ValueError(f"parked entry: settled {settled} <= exact_len "
                              f"{self.exact_len} <= {n} tokens does not hold")
+        if len(hashes) != len(msg_ends):  # (a parked conversation knows every message)
+            raise ValueError("parked entry: message hashes and boundaries disagree")
         try:
             self.conversation = Conversation(
                 session, tokens, hashes, msg_ends, segments, last_used, last_request, used_at,
