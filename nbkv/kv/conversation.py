@@ -90,3 +90,63 @@ class Conversation:
                                if g.start < n),
                          self.last_used, self.last_request, self.used_at, self.settled,
                          self.checkpoints)
+
+
+class HoldsConversation:
+    """The record's fields, read through ``self.conversation`` (a mixin of its holders).
+
+    Slot snapshots, saved slots and parked entries carry one :class:`Conversation` and add
+    what is theirs; callers keep reading ``info.tokens``, ``entry.session``, ... as before.
+    """
+
+    conversation: Conversation
+
+    @property
+    def session(self) -> str | None:
+        """Whose conversation it is."""
+        return self.conversation.session
+
+    @property
+    def tokens(self) -> tuple[Any, ...]:
+        """One unit per KV position: token ids and image units."""
+        return tuple(self.conversation.tokens)
+
+    @property
+    def hashes(self) -> tuple[str, ...]:
+        """Cumulative hashes of its messages."""
+        return tuple(self.conversation.hashes)
+
+    @property
+    def msg_ends(self) -> tuple[int, ...]:
+        """Where each message ends."""
+        return tuple(self.conversation.msg_ends)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The KV map's segments."""
+        return tuple(self.conversation.segments)
+
+    @property
+    def last_used(self) -> int:
+        """The LRU clock of its last use in a slot."""
+        return self.conversation.last_used
+
+    @property
+    def last_request(self) -> int | None:
+        """The request that last used it."""
+        return self.conversation.last_request
+
+    @property
+    def used_at(self) -> float:
+        """Wall clock (``time.time()``) of its last use in a slot."""
+        return self.conversation.used_at
+
+    @property
+    def settled(self) -> int:
+        """Leading positions whose KV equals a batched prefill of the tokens."""
+        return self.conversation.settled
+
+    @property
+    def n_tokens(self) -> int:
+        """KV positions it holds."""
+        return self.conversation.n_tokens

@@ -26,13 +26,13 @@ from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.events import RequestRecord, Segment
 from nbkv.core.messages import prefix_hashes
 from nbkv.kv import policy, reasons
-from nbkv.kv.conversation import Conversation
+from nbkv.kv.conversation import Conversation, HoldsConversation
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt
 
 
 @dataclass(frozen=True)
-class SlotInfo:
+class SlotInfo(HoldsConversation):
     """An immutable snapshot of one slot: its conversation, and what holds its KV.
 
     ``conversation`` is the slot's bookkeeping (:class:`~nbkv.kv.conversation.Conversation`,
@@ -56,54 +56,9 @@ class SlotInfo:
     server_cached: int | None = None
 
     @property
-    def session(self) -> str | None:
-        """Whose conversation the slot holds."""
-        return self.conversation.session
-
-    @property
-    def tokens(self) -> tuple[Any, ...]:
-        """One unit per KV position: token ids and image units."""
-        return tuple(self.conversation.tokens)
-
-    @property
-    def hashes(self) -> tuple[str, ...]:
-        """Cumulative hashes of the cached messages."""
-        return tuple(self.conversation.hashes)
-
-    @property
-    def msg_ends(self) -> tuple[int, ...]:
-        """Where each cached message ends."""
-        return tuple(self.conversation.msg_ends)
-
-    @property
-    def last_used(self) -> int:
-        """The LRU clock of its last use."""
-        return self.conversation.last_used
-
-    @property
-    def segments(self) -> tuple[Segment, ...]:
-        """The KV map's segments."""
-        return tuple(self.conversation.segments)
-
-    @property
-    def last_request(self) -> int | None:
-        """The request that last used the slot."""
-        return self.conversation.last_request
-
-    @property
-    def settled(self) -> int:
-        """Leading positions whose KV equals a batched prefill of the tokens."""
-        return self.conversation.settled
-
-    @property
     def checkpoints(self) -> tuple[int, ...]:
         """Positions with a checkpoint (hybrid/recurrent models)."""
         return tuple(self.conversation.checkpoints)
-
-    @property
-    def n_tokens(self) -> int:
-        """KV positions in use."""
-        return self.conversation.n_tokens
 
     @property
     def n_messages(self) -> int:
@@ -162,7 +117,7 @@ class TableSlot:
 
 
 @dataclass(frozen=True)
-class SlotState:
+class SlotState(HoldsConversation):
     """One slot's conversation as a save, a park or a restore carries it.
 
     ``conversation`` is its bookkeeping (:class:`~nbkv.kv.conversation.Conversation`; its
@@ -174,46 +129,6 @@ class SlotState:
     index: int
     conversation: Conversation
     kv: Any
-
-    @property
-    def session(self) -> str | None:
-        """Whose conversation it is."""
-        return self.conversation.session
-
-    @property
-    def tokens(self) -> tuple[Any, ...]:
-        """One unit per KV position."""
-        return tuple(self.conversation.tokens)
-
-    @property
-    def hashes(self) -> tuple[str, ...]:
-        """Cumulative hashes of its messages."""
-        return tuple(self.conversation.hashes)
-
-    @property
-    def msg_ends(self) -> tuple[int, ...]:
-        """Where each message ends."""
-        return tuple(self.conversation.msg_ends)
-
-    @property
-    def segments(self) -> tuple[Segment, ...]:
-        """The KV map's segments."""
-        return tuple(self.conversation.segments)
-
-    @property
-    def last_used(self) -> int:
-        """The LRU clock of its last use."""
-        return self.conversation.last_used
-
-    @property
-    def last_request(self) -> int | None:
-        """The request that last used it."""
-        return self.conversation.last_request
-
-    @property
-    def used_at(self) -> float:
-        """Wall clock of its last use."""
-        return self.conversation.used_at
 
 
 @dataclass(frozen=True)

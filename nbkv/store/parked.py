@@ -15,7 +15,7 @@ from typing import Any
 
 from nbkv.core.errors import RestoreError
 from nbkv.core.events import Segment
-from nbkv.kv.conversation import Conversation
+from nbkv.kv.conversation import Conversation, HoldsConversation
 from nbkv.store.blobstore import (
     Blobs,
     decode_units,
@@ -30,7 +30,7 @@ TIERS = (RAM, DISK)
 
 
 @dataclass(frozen=True)
-class ParkedInfo:
+class ParkedInfo(HoldsConversation):
     """One parked conversation as the policy and the views see it (no state buffers)."""
 
     key: str
@@ -39,52 +39,12 @@ class ParkedInfo:
     tier: str  # RAM or DISK
 
     @property
-    def session(self) -> str | None:
-        """Whose conversation it is."""
-        return self.conversation.session
-
-    @property
-    def tokens(self) -> tuple[Any, ...]:
-        """One unit per KV position: token ids and image units."""
-        return tuple(self.conversation.tokens)
-
-    @property
-    def hashes(self) -> tuple[str, ...]:
-        """Cumulative hashes of its messages."""
-        return tuple(self.conversation.hashes)
-
-    @property
-    def msg_ends(self) -> tuple[int, ...]:
-        """Where each message ends."""
-        return tuple(self.conversation.msg_ends)
-
-    @property
-    def last_used(self) -> int:
-        """The LRU clock of its last use in a slot."""
-        return self.conversation.last_used
-
-    @property
-    def used_at(self) -> float:
-        """Wall clock of its last use in a slot: LRU order across processes."""
-        return self.conversation.used_at
-
-    @property
-    def settled(self) -> int:
-        """Leading positions whose KV stays exact whatever follows."""
-        return self.conversation.settled
-
-    @property
     def checkpoints(self) -> tuple[int, ...]:
         """Positions of its checkpoints."""
         return tuple(self.conversation.checkpoints)
 
-    @property
-    def n_tokens(self) -> int:
-        """KV positions the entry holds."""
-        return self.conversation.n_tokens
 
-
-class ParkedEntry:
+class ParkedEntry(HoldsConversation):
     """Everything needed to put a conversation back into a slot exactly as it was parked.
 
     ``state`` is the sequence's whole state (``llama_state_seq_get_data``); ``checkpoints``
@@ -127,51 +87,6 @@ class ParkedEntry:
     def __repr__(self) -> str:
         return (f"ParkedEntry(key={self.key!r}, session={self.session!r}, "
                 f"{self.conversation.n_tokens} tokens, {self.nbytes} bytes, {self.tier})")
-
-    @property
-    def session(self) -> str | None:
-        """Whose conversation it is."""
-        return self.conversation.session
-
-    @property
-    def tokens(self) -> tuple[Any, ...]:
-        """One unit per KV position: token ids and image units."""
-        return tuple(self.conversation.tokens)
-
-    @property
-    def hashes(self) -> tuple[str, ...]:
-        """Cumulative hashes of its messages."""
-        return tuple(self.conversation.hashes)
-
-    @property
-    def msg_ends(self) -> tuple[int, ...]:
-        """Where each message ends."""
-        return tuple(self.conversation.msg_ends)
-
-    @property
-    def segments(self) -> tuple[Segment, ...]:
-        """The KV map's segments when it was parked."""
-        return tuple(self.conversation.segments)
-
-    @property
-    def settled(self) -> int:
-        """Leading positions whose KV is canonical."""
-        return self.conversation.settled
-
-    @property
-    def last_request(self) -> int | None:
-        """The request that last used it."""
-        return self.conversation.last_request
-
-    @property
-    def last_used(self) -> int:
-        """The LRU clock of its last use in a slot."""
-        return self.conversation.last_used
-
-    @property
-    def used_at(self) -> float:
-        """Wall clock (``time.time()``) of its last use in a slot."""
-        return self.conversation.used_at
 
     @classmethod
     def from_snapshot(cls, snap: Any, *, session: str | None, hashes: Sequence[str],
