@@ -479,6 +479,7 @@ def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
 
     from nbkv.core.events import Segment
     from nbkv.engine.facade import SlotInfo
+    from nbkv.kv.conversation import Conversation
     from nbkv.kv.slot_kv import MemoryInfo
     from nbkv.ui.display import slots_table
 
@@ -486,10 +487,11 @@ def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
             Segment(40, 60, 1, "user", "reused", "Hi"),
             Segment(60, 80, 2, "assistant", "reused", "Hello."),
             Segment(80, 100, 3, "user", "prefilled", "More?"))
-    hybrid = SlotInfo(0, 0, 512, "a", tuple(range(100)), ("h",) * 4, (40, 60, 80, 100), 2,
-                      False, segs, checkpoints=(60, 80, 100), checkpoint_bytes=3 * 1100,
-                      memory="hybrid")
-    empty = SlotInfo(1, 1, 512, None, (), (), (), 0, False, memory="hybrid")
+    hybrid = SlotInfo(0, 0, 512, Conversation("a", tuple(range(100)), ("h",) * 4,
+                                              (40, 60, 80, 100), segs, 2, settled=0,
+                                              checkpoints=(60, 80, 100)),
+                      False, checkpoint_bytes=3 * 1100, memory="hybrid")
+    empty = SlotInfo(1, 1, 512, Conversation(None, settled=0), False, memory="hybrid")
     engine = SimpleNamespace(slots=lambda: (hybrid, empty),
                              memory=MemoryInfo("hybrid", can_trim=False))
     table = slots_table(engine)

@@ -11,19 +11,23 @@ import pytest
 from conftest import QuietComm
 from nbkv.core.events import EventBus, RequestFinished, RequestRecord
 from nbkv.engine.facade import SlotInfo
+from nbkv.kv.conversation import Conversation
 from nbkv.store.parked import DISK, RAM, ParkedInfo
 from nbkv.ui import static, vocabulary
 from nbkv.ui.display import stats_table
 from nbkv.ui.palette import PARKED_COLOR, RESTORED_COLOR
 from nbkv.ui.widgets import Feed, SlotCards, Timeline
 
-PARKED = (ParkedInfo("alice#3", "alice", tuple(range(1204)), ("h",), (1204,), 9, 3 << 20, RAM),
-          ParkedInfo("bob#1", "bob", tuple(range(80)), ("h",), (80,), 2, 512 << 10, DISK))
+PARKED = (ParkedInfo("alice#3", Conversation("alice", tuple(range(1204)), ("h",), (1204,),
+                                          last_used=9), 3 << 20, RAM),
+          ParkedInfo("bob#1", Conversation("bob", tuple(range(80)), ("h",), (80,), last_used=2),
+                     512 << 10, DISK))
 
 
 def slots():
-    return (SlotInfo(0, 0, 2048, "carol", (1, 2, 3), ("h",), (3,), 5, False),
-            SlotInfo(1, 1, 2048, None, (), (), (), 0, False))
+    return (SlotInfo(0, 0, 2048, Conversation("carol", (1, 2, 3), ("h",), (3,), last_used=5,
+                                              settled=0), False),
+            SlotInfo(1, 1, 2048, Conversation(None, settled=0), False))
 
 
 def restore_record(i=1, **kw):
@@ -140,7 +144,8 @@ def test_the_conversation_view_says_a_parked_conversation_comes_back():
 
     s = Session("alice")
     s.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    parked = (ParkedInfo("alice#1", "alice", tuple(range(40)), (), (), 3, 1 << 20, "disk"),)
+    parked = (ParkedInfo("alice#1", Conversation("alice", tuple(range(40)), last_used=3),
+                         1 << 20, "disk"),)
     for view in (conversation_html([s], (), parked), conversation_text([s], (), parked)):
         assert "parked on disk: 40 tokens (its next turn restores them)" in view
     assert "not in KV now (its next turn rebuilds it)" in conversation_html([s])

@@ -31,6 +31,7 @@ from nbkv.core.events import (
 )
 from nbkv.engine.facade import SlotInfo
 from nbkv.fixtures import make_mmproj, make_text_model
+from nbkv.kv.conversation import Conversation
 from nbkv.ui import vocabulary
 from nbkv.ui.palette import COLORS
 from nbkv.ui.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline
@@ -751,7 +752,8 @@ def test_kv_map_marks_checkpoints_on_the_messages_row():
 def test_slot_cards_show_the_memory_class_and_checkpoints():
     from nbkv.ui.static import card, memory_text
 
-    plain = SlotInfo(0, 0, 512, "a", (1, 2, 3), ("h",), (3,), 1, False)
+    plain = SlotInfo(0, 0, 512, Conversation("a", (1, 2, 3), ("h",), (3,), last_used=1,
+                                             settled=0), False)
     assert memory_text(plain) == "plain"
     html = card(plain, 1, 2, None)
     # "plain" and "LRU 1 of 2" explain themselves in tooltips
@@ -759,14 +761,17 @@ def test_slot_cards_show_the_memory_class_and_checkpoints():
                      html)
     assert re.search(r'class="nbkv-lru" title="least recently used order: 1 of the 2[^"]*"'
                      r' style="cursor:help">LRU 1 of 2<', html)
-    hybrid = SlotInfo(1, 1, 512, "b", tuple(range(300)), ("h",), (300,), 2, False,
-                      checkpoints=(64, 128, 300), checkpoint_bytes=3 * 1100, memory="hybrid")
+    hybrid = SlotInfo(1, 1, 512, Conversation("b", tuple(range(300)), ("h",), (300,),
+                                              last_used=2, settled=0,
+                                              checkpoints=(64, 128, 300)),
+                      False, checkpoint_bytes=3 * 1100, memory="hybrid")
     assert memory_text(hybrid) == "hybrid · 3 checkpoints (3.2 KiB)"
-    big = replace(hybrid, checkpoints=(300,), checkpoint_bytes=5 * 1024 * 1024,
-                  memory="recurrent")
+    big = replace(hybrid, conversation=replace(hybrid.conversation, checkpoints=(300,)),
+                  checkpoint_bytes=5 * 1024 * 1024, memory="recurrent")
     assert memory_text(big) == "recurrent · 1 checkpoint (5.0 MiB)"
     # attention memory that cannot trim its tail is served with checkpoints too
-    stuck = replace(hybrid, checkpoints=(128,), checkpoint_bytes=2048, memory="plain")
+    stuck = replace(hybrid, conversation=replace(hybrid.conversation, checkpoints=(128,)),
+                    checkpoint_bytes=2048, memory="plain")
     assert memory_text(stuck) == "plain · 1 checkpoint (2.0 KiB)"
     assert "plain · 1 checkpoint (2.0 KiB)</span>" in card(stuck, 1, 2, None)
 

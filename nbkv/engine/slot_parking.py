@@ -268,9 +268,7 @@ class Parker:
                 lot.park(entry)  # llama.cpp refused the state: it stays parked
                 done.append(f"{who}: could not be restored into slot {slot.index} (still parked)")
                 continue
-            table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
-                                        tuple(entry.msg_ends), tuple(entry.segments), 0,
-                                        entry.last_request, None, entry.used_at))
+            table.adopt(slot, SlotState(slot.index, entry.conversation, None))
             done.append(f"{who}: {n:,} tokens from {entry.tier} into slot {slot.index}")
         return "unparked " + ("; ".join(done) or "nothing")
 

@@ -80,10 +80,10 @@ class EngineSlot(TableSlot):
         """An immutable copy for the caller's thread."""
         kv = self.kv  # a reply being rewritten is still this slot's (see nbkv.engine.rewrite)
         return SlotInfo(
-            self.index, kv.seq_id, self.capacity, self.session, (*kv.tokens, *self.redo),
-            tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-            self.segments, self.last_request, kv.settled, kv.checkpoints.positions,
-            kv.checkpoints.nbytes, kv.memory.kind, len(self.redo), cut_floor=kv.cut_floor,
+            self.index, kv.seq_id, self.capacity,
+            self.conversation((*kv.tokens, *self.redo), kv.settled, kv.checkpoints.positions),
+            self.pending, kv.checkpoints.nbytes, kv.memory.kind, len(self.redo),
+            cut_floor=kv.cut_floor,
         )
 
     def reset(self) -> None:

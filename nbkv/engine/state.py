@@ -115,7 +115,4 @@ def _roll_back(sched: Controls, s: EngineSlot, snap: KVSnapshot | None,
 
 def held_state(state: SlotState, n: int) -> SlotState:
     """``state``'s bookkeeping for its first ``n`` positions (the messages that end there)."""
-    k = sum(1 for e in state.msg_ends if e <= n)
-    return replace(state, hashes=state.hashes[:k], msg_ends=state.msg_ends[:k],
-                   segments=tuple(replace(g, end=min(g.end, n)) for g in state.segments
-                                  if g.start < n))
+    return replace(state, conversation=state.conversation.cut(n))

@@ -26,27 +26,24 @@ from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.events import RequestRecord, Segment
 from nbkv.core.messages import prefix_hashes
 from nbkv.kv import policy, reasons
+from nbkv.kv.conversation import Conversation, HoldsConversation
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt
 
 
 @dataclass(frozen=True)
-class SlotInfo:
-    """An immutable snapshot of one slot."""
+class SlotInfo(HoldsConversation):
+    """An immutable snapshot of one slot: its conversation, and what holds its KV.
+
+    ``conversation`` is the slot's bookkeeping (:class:`~nbkv.kv.conversation.Conversation`,
+    built with :meth:`~nbkv.kv.conversation.Conversation.held`); its fields read through.
+    """
 
     index: int
     seq_id: int
     capacity: int
-    session: str | None
-    tokens: tuple[int, ...]
-    hashes: tuple[str, ...]
-    msg_ends: tuple[int, ...]
-    last_used: int
+    conversation: Conversation
     pending: bool
-    segments: tuple[Segment, ...] = ()
-    last_request: int | None = None
-    settled: int = 0  # leading positions whose KV equals a batched prefill of the tokens
-    checkpoints: tuple[int, ...] = ()  # positions with a checkpoint (hybrid/recurrent models)
     checkpoint_bytes: int = 0
     memory: str = "plain"  # the model's memory class (nbkv.kv.slot_kv)
     rewriting: int = 0  # trailing positions out of the KV while a reply's KV is rewritten
@@ -59,24 +56,25 @@ class SlotInfo:
     server_cached: int | None = None
 
     @property
-    def n_tokens(self) -> int:
-        """KV positions in use."""
-        return len(self.tokens)
+    def checkpoints(self) -> tuple[int, ...]:
+        """Positions with a checkpoint (hybrid/recurrent models)."""
+        return tuple(self.conversation.checkpoints)
 
     @property
     def n_messages(self) -> int:
         """Messages cached (the model's last reply included)."""
-        return len(self.hashes)
+        return len(self.conversation.hashes)
 
     @property
     def empty(self) -> bool:
         """True when the slot holds nothing."""
-        return not self.tokens
+        return not self.conversation.tokens
 
     @property
     def n_media(self) -> int:
         """Image chunks held in the slot's KV."""
-        return sum(1 for u in self.tokens if isinstance(u, MediaUnit) and u.offset == 0)
+        return sum(1 for u in self.conversation.tokens
+                   if isinstance(u, MediaUnit) and u.offset == 0)
 
 
 @dataclass
@@ -103,6 +101,13 @@ class TableSlot:
         """An immutable copy for the caller's thread."""
         raise NotImplementedError
 
+    def conversation(self, tokens: Sequence[Any] | None = None, settled: int = -1,
+                     checkpoints: Sequence[int] = ()) -> Conversation:
+        """The slot's bookkeeping as a record, over ``tokens`` (default: what its KV holds)."""
+        return Conversation.held(self.session, self.tokens if tokens is None else tokens,
+                                 self.hashes, self.msg_ends, self.segments, self.last_used,
+                                 self.last_request, self.used_at, settled, checkpoints)
+
     def forget_messages(self) -> None:
         """Drop the message bookkeeping (the holder of the KV empties itself)."""
         self.session = None
@@ -112,22 +117,18 @@ class TableSlot:
 
 
 @dataclass(frozen=True)
-class SlotState:
+class SlotState(HoldsConversation):
     """One slot's conversation as a save, a park or a restore carries it.
 
-    ``kv`` is what holds its KV (a :class:`~nbkv.kv.slot_kv.KVSnapshot` in the kernel; the
-    token list for a server slot, whose KV the server saves itself).
+    ``conversation`` is its bookkeeping (:class:`~nbkv.kv.conversation.Conversation`; its
+    fields read through); ``kv`` is what holds its KV (a :class:`~nbkv.kv.slot_kv.KVSnapshot`
+    in the kernel; the token list for a server slot, whose KV the server saves itself; None
+    where only the bookkeeping is carried).
     """
 
     index: int
-    session: str | None
-    hashes: tuple[str, ...]
-    msg_ends: tuple[int, ...]
-    segments: tuple[Segment, ...]
-    last_used: int
-    last_request: int | None
+    conversation: Conversation
     kv: Any
-    used_at: float = 0.0  # wall clock of the last use
 
 
 @dataclass(frozen=True)
@@ -319,8 +320,7 @@ class SlotTable(Generic[S]):
 
     def state_of(self, slot: S, kv: Any) -> SlotState:
         """``slot``'s bookkeeping with ``kv``, for a save or a park."""
-        return SlotState(slot.index, slot.session, tuple(slot.hashes), tuple(slot.msg_ends),
-                         slot.segments, slot.last_used, slot.last_request, kv, slot.used_at)
+        return SlotState(slot.index, slot.conversation(), kv)
 
     def adopt(self, slot: S, state: SlotState) -> None:
         """Give ``slot`` the bookkeeping of ``state`` (its KV is already in place)."""

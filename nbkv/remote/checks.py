@@ -12,28 +12,21 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from nbkv.core.events import EventBus, SlotsChanged
 from nbkv.kv import reasons
 from nbkv.kv.slot_table import SlotTable
+from nbkv.remote.server_slot import DRAIN_S, ServerSlot
 from nbkv.remote.steering import Ledger
 from nbkv.remote.watch import ServerWatch, SlotView
 
-if TYPE_CHECKING:
-    from nbkv.remote.llama_server import _Slot
-
 log = logging.getLogger("nbkv.remote.connect")
-
-#: the longest a request waits for the server to let go of an answer nbkv closed (then it
-#: goes, and its record says whether another task ran beside it)
-DRAIN_S = 60.0
 
 
 class ServerChecks:
     """``poll``, the check before a request, restarts: the table against ``/slots``."""
 
-    table: SlotTable[_Slot]
+    table: SlotTable[ServerSlot]
     watch: ServerWatch
     ledger: Ledger
     events: EventBus
@@ -89,7 +82,7 @@ class ServerChecks:
             self.events.publish(SlotsChanged("server"))
         return changed
 
-    def _differs(self, s: _Slot, v: SlotView) -> str:
+    def _differs(self, s: ServerSlot, v: SlotView) -> str:
         """Why the server's view of slot ``s`` contradicts nbkv's, or ``""`` (lock held)."""
         if v.processing:
             return "another client is using this slot"
@@ -161,7 +154,7 @@ class ServerChecks:
                 return False
             time.sleep(0.05)
 
-    def _look(self, slot: _Slot) -> tuple[dict[int, SlotView], str]:
+    def _look(self, slot: ServerSlot) -> tuple[dict[int, SlotView], str]:
         """Read ``/slots`` before a request (exact mode): a restart, another client's use.
 
         Returns what it saw and a note when another client used the pinned slot (its

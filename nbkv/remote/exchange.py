@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nbkv.core.errors import IncompleteReplyError, ServerError
 from nbkv.core.events import Progress, RequestRecord
@@ -22,17 +22,11 @@ from nbkv.kv.segments import message_segments
 from nbkv.prompt.builder import Prompt
 from nbkv.remote import steering
 from nbkv.remote.base import UNKNOWN, RemoteJob
-from nbkv.remote.checks import DRAIN_S
+from nbkv.remote.server_slot import DRAIN_S, SERVER_RAM, ServerEngine, ServerSlot
 from nbkv.remote.steering import Offered, Step
 from nbkv.remote.watch import SlotView
 
-if TYPE_CHECKING:
-    from nbkv.remote.llama_server import LlamaServerEngine, _Slot
-
 log = logging.getLogger("nbkv.remote.connect")
-
-#: where a conversation the server parked in its host-memory prompt cache is restored from
-SERVER_RAM = "server-ram"
 
 
 @dataclass
@@ -56,8 +50,8 @@ class Outcome:
 class Exchange:
     """The HTTP side of one request: steering requests, then the streamed completion."""
 
-    def __init__(self, engine: LlamaServerEngine, job: RemoteJob, prompt: Prompt,
-                 slot: _Slot) -> None:
+    def __init__(self, engine: ServerEngine, job: RemoteJob, prompt: Prompt,
+                 slot: ServerSlot) -> None:
         self.engine, self.job, self.p, self.slot = engine, job, prompt, slot
         self.out = Outcome()
         self.sent_held: list[int] = []  # what the slot held when the completion was sent

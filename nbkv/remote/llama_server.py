@@ -7,7 +7,6 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,16 +27,17 @@ from nbkv.core.events import (
 from nbkv.core.messages import normalize
 from nbkv.kv import policy, reasons
 from nbkv.kv.segments import message_segments
-from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable, TableSlot
+from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable
 from nbkv.media.messages import contains_images
 from nbkv.prompt.builder import Prompt, PromptBuilder
 from nbkv.prompt.templates import ChatTemplate
 from nbkv.remote import steering
 from nbkv.remote.base import POLL_INTERVAL, PROBE, RemoteBase, RemoteJob
 from nbkv.remote.checks import ServerChecks
-from nbkv.remote.exchange import SERVER_RAM, Exchange
+from nbkv.remote.exchange import Exchange
 from nbkv.remote.facts import ServerFacts
 from nbkv.remote.http_client import ServerClient
+from nbkv.remote.server_slot import SERVER_RAM, ServerSlot
 from nbkv.remote.settle import Settler
 from nbkv.remote.steering import Ledger, Offered
 from nbkv.remote.watch import ServerWatch
@@ -77,43 +77,6 @@ class ServerVocab:
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Tokens back to text."""
         return self._client.post("/detokenize", {"tokens": list(tokens)})["content"]
-
-
-@dataclass
-class _Slot(TableSlot):
-    """What nbkv knows of one server slot: the tokens it expects the server's KV to hold."""
-
-    held: list[int] = field(default_factory=list)
-    settled: int = 0  # leading positions of ``held`` whose KV is canonical (exact mode)
-    junk: bool = False  # ``held`` ends with a steering request's junk token
-    failed: str = ""  # the error that left the slot's content unknown
-    rewriting: bool = False  # its reply is being rewritten on the server (nbkv.remote.settle)
-    known: bool = True  # False after a failure: the server's content is not known
-    verified: bool = True
-    note: str = ""
-    server_tokens: int | None = None  # n_prompt_tokens at the last /slots poll
-    version: int = 0  # bumped when a request takes or leaves the slot (stale polls skip it)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.held
-
-    def snapshot(self) -> SlotInfo:
-        return SlotInfo(self.index, self.index, self.capacity, self.session, tuple(self.held),
-                        tuple(self.hashes), tuple(self.msg_ends), self.last_used, self.pending,
-                        self.segments, self.last_request, self.settled, memory="server",
-                        verified=self.verified, note=self.note)
-
-    def forget(self, note: str = "") -> None:
-        self.held = []
-        self.settled = 0
-        self.junk = False
-        self.failed = ""
-        self.forget_messages()
-        self.known = not note
-        self.verified = not note
-        self.note = note
-        self.version += 1
 
 
 class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
@@ -176,8 +139,8 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         self._waiting = 0  # requests waiting for their turn (an idle-time rewrite yields)
         self.draining: set[int] = set()  # slots still computing an answer nbkv closed
         self.restart_note = ""  # how the last restart of the server was noticed
-        self.table: SlotTable[_Slot] = SlotTable([_Slot(i, self.n_ctx) for i in range(n)],
-                                                 self._cv)
+        self.table: SlotTable[ServerSlot] = SlotTable(
+            [ServerSlot(i, self.n_ctx) for i in range(n)], self._cv)
         self._poll_every = poll_interval
         self._last_poll = 0.0
         self._adopt()
@@ -347,7 +310,8 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         return [e for e in self.ledger.entries()
                 if e.session is not None and e.hashes and e.tokens not in in_slots]
 
-    def _place(self, job: RemoteJob, p: Prompt) -> tuple[_Slot, policy.Plan, SlotInfo | None]:
+    def _place(self, job: RemoteJob, p: Prompt
+               ) -> tuple[ServerSlot, policy.Plan, SlotInfo | None]:
         """Wait for a free slot and choose it with nbkv's policy (no donor copies on a server)."""
         parked = self._parked()
         with self._cv:
@@ -409,7 +373,7 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
 
     # ------------------------------------------------------------------ helpers (Exchange)
 
-    def offer_states(self, target: _Slot, sent: Sequence[int]) -> None:
+    def offer_states(self, target: ServerSlot, sent: Sequence[int]) -> None:
         """A task with ``sent`` starts on ``target``: note what the server may cache now.
 
         llama-server copies every idle slot's state into its prompt cache when a task starts
@@ -439,7 +403,7 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
             return None
         return self.ledger.proven(sent, told)
 
-    def steer_slot(self, slot: _Slot, sent: list[int], fresh: bool,
+    def steer_slot(self, slot: ServerSlot, sent: list[int], fresh: bool,
                    session: str | None) -> int:
         """Send one steering request (``sent`` ends with a junk token); its ``cache_n``.
 
@@ -469,7 +433,7 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
                   now)
         return told
 
-    def hold(self, slot: _Slot, tokens: Sequence[int], settled: int, junk: bool = False
+    def hold(self, slot: ServerSlot, tokens: Sequence[int], settled: int, junk: bool = False
              ) -> None:
         """Slot ``slot`` now holds ``tokens``, the first ``settled`` canonical."""
         with self._cv:
@@ -480,14 +444,14 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
             slot.server_tokens = len(slot.held)
             slot.version += 1
 
-    def lose(self, slot: _Slot, session: str | None, why: str) -> None:
+    def lose(self, slot: ServerSlot, session: str | None, why: str) -> None:
         """A request on ``slot`` failed: its content is not known any more."""
         with self._cv:
             slot.forget(f"slot {slot.index}: {why}, so its content is not known; the next "
                         f"request re-verifies it")
             slot.session = session
 
-    def _complete(self, job: RemoteJob, p: Prompt, slot: _Slot, plan: policy.Plan,
+    def _complete(self, job: RemoteJob, p: Prompt, slot: ServerSlot, plan: policy.Plan,
                   own: SlotInfo | None) -> RequestRecord:
         if self.rule is not None:  # an answer nbkv closed must not run beside this one
             self.drain(job.deadline)
@@ -538,7 +502,7 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         return ex.finish(plan, record, expected, entry,
                          (prev_len, prev_prompt_len, settled_before), before, other_note, own)
 
-    def _restore_point(self, p: Prompt, entry: Offered, slot: _Slot) -> int:
+    def _restore_point(self, p: Prompt, entry: Offered, slot: ServerSlot) -> int:
         """Where to cut a conversation the server may restore: proven canonical, 0 if none."""
         rule = self.rule
         assert rule is not None

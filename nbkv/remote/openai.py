@@ -39,6 +39,7 @@ from nbkv.core.events import (
 )
 from nbkv.core.messages import normalize
 from nbkv.core.requests import SamplingParams
+from nbkv.kv.conversation import Conversation
 from nbkv.kv.segments import message_segments
 from nbkv.kv.slot_table import SlotInfo
 from nbkv.media.messages import contains_images
@@ -149,8 +150,9 @@ class OpenAIEngine(RemoteBase):
             rows = sorted(self._rows.values(), key=lambda r: r.index)
         mirror = self.listener.mirror if self.listener is not None else None
         return tuple(SlotInfo(
-            r.index, -1, self.n_ctx, r.session, r.tokens, (), r.ends, 0, False, r.segments,
-            r.request, len(r.tokens), memory="server", verified=r.verified, note=r.note,
+            r.index, -1, self.n_ctx, Conversation(r.session, r.tokens, (), r.ends, r.segments,
+                                                  last_request=r.request), False,
+            memory="server", verified=r.verified, note=r.note,
             server_cached=None if mirror is None else mirror.cached_prefix(r.tokens))
             for r in rows)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nbkv.core.errors import RestoreError, SaveError, ServerError, UntrustedSaveError
+from nbkv.kv.conversation import Conversation
 from nbkv.kv.slot_table import SlotState
 from nbkv.store.blobstore import (
     body_checksum,
@@ -40,11 +41,10 @@ from nbkv.store.persist import (
     RestoreReport,
     SaveReport,
     SlotSave,
-    check_session_state,
-    kernel_sessions,
     save_root,
     untrusted_message,
 )
+from nbkv.store.session_state import check_session_state, kernel_sessions
 
 if TYPE_CHECKING:
     from nbkv.store.protocols import SessionStoreLike
@@ -179,6 +179,13 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     busy = [i for i in engine.busy_slots() if i in {s["index"] for s in saved}]
     if busy:
         raise RestoreError(f"slots {busy} are serving a request; restore when they are idle")
+    try:  # checked before any slot changes too
+        states = [SlotState(s["index"], Conversation(
+            s["session"], tuple(s["tokens"]), s["hashes"], s["msg_ends"],
+            tuple(segment_from_json(g) for g in s.get("segments", ()))), tuple(s["tokens"]))
+            for s in saved]
+    except (KeyError, TypeError, ValueError) as e:
+        raise RestoreError(f"a saved slot is malformed: {type(e).__name__}: {e}") from e
     done: list[int] = []
     placed = []
     try:
@@ -204,13 +211,10 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
         raise RestoreError(f"the server could not restore the save's slots: {e} (the files "
                            f"live in the --slot-save-path of the server that saved them)"
                            ) from e
-    engine.import_slots([SlotState(
-        s["index"], s["session"], tuple(s["hashes"]), tuple(s["msg_ends"]),
-        tuple(segment_from_json(g) for g in s.get("segments", ())), 0, None, tuple(s["tokens"]))
-        # a save's canonical prefix is its claim: from a save not signed by this user's key
-        # it is not taken, so a trusted forgery can never make a reply claim to be exact
-        for s in saved], {s["index"]: int(s.get("settled", 0)) if why is None else 0
-                          for s in saved})
+    # a save's canonical prefix is its claim: from a save not signed by this user's key it
+    # is not taken, so a trusted forgery can never make a reply claim to be exact
+    engine.import_slots(states, {s["index"]: int(s.get("settled", 0)) if why is None else 0
+                                 for s in saved})
     for sess in body.get("sessions") or ():
         store.get(sess["name"]).load_state(sess)  # turns with their cells and states
     rep = RestoreReport(root, tuple(placed), (), 0, 0,

@@ -18,13 +18,10 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 from nbkv.core.events import SlotRewritten
 from nbkv.remote import steering
-
-if TYPE_CHECKING:
-    from nbkv.remote.llama_server import LlamaServerEngine, _Slot
+from nbkv.remote.server_slot import ServerEngine, ServerSlot
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -32,7 +29,7 @@ log = logging.getLogger("nbkv.remote.connect")
 class Settler:
     """A thread that rewrites finished replies on the server while nothing else runs."""
 
-    def __init__(self, engine: LlamaServerEngine) -> None:
+    def __init__(self, engine: ServerEngine) -> None:
         self._ref = weakref.ref(engine)
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -69,7 +66,7 @@ class Settler:
             del eng
 
     @staticmethod
-    def _pick(eng: LlamaServerEngine) -> tuple[_Slot, list[steering.Step]] | None:
+    def _pick(eng: ServerEngine) -> tuple[ServerSlot, list[steering.Step]] | None:
         rule = eng.rule
         if rule is None:
             return None
@@ -84,7 +81,7 @@ class Settler:
                     return s, steps
         return None
 
-    def _one(self, eng: LlamaServerEngine) -> bool:
+    def _one(self, eng: ServerEngine) -> bool:
         """Rewrite one slot's reply (or as much as it can before a request comes)."""
         found = self._pick(eng)
         if found is None or eng.waiting():

@@ -10,11 +10,12 @@ the views read. States are opaque buffers here (bytes, ctypes arrays): no model 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nbkv.core.errors import RestoreError
 from nbkv.core.events import Segment
+from nbkv.kv.conversation import Conversation, HoldsConversation
 from nbkv.store.blobstore import (
     Blobs,
     decode_units,
@@ -29,78 +30,63 @@ TIERS = (RAM, DISK)
 
 
 @dataclass(frozen=True)
-class ParkedInfo:
+class ParkedInfo(HoldsConversation):
     """One parked conversation as the policy and the views see it (no state buffers)."""
 
     key: str
-    session: str | None
-    tokens: tuple[Any, ...]  # one unit per KV position: token ids and image units
-    hashes: tuple[str, ...]
-    msg_ends: tuple[int, ...]
-    last_used: int
+    conversation: Conversation
     nbytes: int  # its state and checkpoints
     tier: str  # RAM or DISK
-    settled: int = -1  # leading positions whose KV stays exact whatever follows (-1: all)
-    checkpoints: tuple[int, ...] = ()  # positions of its checkpoints
-    used_at: float = 0.0  # wall clock of its last use in a slot: LRU order across processes
-
-    def __post_init__(self) -> None:
-        if self.settled < 0:
-            object.__setattr__(self, "settled", len(self.tokens))
 
     @property
-    def n_tokens(self) -> int:
-        """KV positions the entry holds."""
-        return len(self.tokens)
+    def checkpoints(self) -> tuple[int, ...]:
+        """Positions of its checkpoints."""
+        return tuple(self.conversation.checkpoints)
 
 
-@dataclass(eq=False)
-class ParkedEntry:
+class ParkedEntry(HoldsConversation):
     """Everything needed to put a conversation back into a slot exactly as it was parked.
 
     ``state`` is the sequence's whole state (``llama_state_seq_get_data``); ``checkpoints``
     are ``(pos, partial state)`` pairs, or a :class:`~nbkv.kv.slot_kv.CheckpointSet`.
     ``nbytes`` is computed from the buffers; ``key`` is given by the
     :class:`~nbkv.store.parking.ParkingLot` when the entry is parked; ``settled`` and ``exact_len``
-    default to every token (only proven KV is parked).
+    default to every token (only proven KV is parked). The conversation's bookkeeping is its
+    :class:`~nbkv.kv.conversation.Conversation` (``conversation``; its fields read through).
     """
 
-    session: str | None
-    tokens: Sequence[Any]
-    hashes: Sequence[str]
-    msg_ends: Sequence[int]
-    state: Any
-    checkpoints: Any = ()
-    segments: Sequence[Segment] = ()
-    settled: int | None = None
-    exact_len: int | None = None
-    last_request: int | None = None
-    last_used: int = 0
-    key: str = ""
-    used_at: float = 0.0  # wall clock (time.time()) of its last use in a slot
-    nbytes: int = field(default=0, init=False)
-    tier: str = field(default=RAM, init=False)  # where it was when taken back
-
-    def __post_init__(self) -> None:
-        cps = self.checkpoints
+    def __init__(self, session: str | None, tokens: Sequence[Any], hashes: Sequence[str],
+                 msg_ends: Sequence[int], state: Any, checkpoints: Any = (),
+                 segments: Sequence[Segment] = (), settled: int | None = None,
+                 exact_len: int | None = None, last_request: int | None = None,
+                 last_used: int = 0, key: str = "", used_at: float = 0.0) -> None:
+        cps = checkpoints
         if isinstance(getattr(cps, "items", None), list):  # a CheckpointSet
             cps = [(c.pos, c.data) for c in cps.items]
-        self.checkpoints = tuple((int(pos), data) for pos, data in cps)
-        self.tokens = tuple(self.tokens)
-        self.hashes = tuple(self.hashes)
-        self.msg_ends = tuple(int(e) for e in self.msg_ends)
-        self.segments = tuple(self.segments)
-        n = len(self.tokens)
-        self.exact_len = n if self.exact_len is None else self.exact_len
-        self.settled = self.exact_len if self.settled is None else self.settled
-        if not 0 <= self.settled <= self.exact_len <= n:
-            raise ValueError(f"parked entry: settled {self.settled} <= exact_len "
+        self.checkpoints: tuple[tuple[int, Any], ...] = tuple(
+            (int(pos), data) for pos, data in cps)
+        n = len(tokens)
+        self.exact_len: int = n if exact_len is None else exact_len
+        settled = self.exact_len if settled is None else settled
+        if not 0 <= settled <= self.exact_len <= n:
+            raise ValueError(f"parked entry: settled {settled} <= exact_len "
                              f"{self.exact_len} <= {n} tokens does not hold")
-        if len(self.hashes) != len(self.msg_ends) or any(not 0 < e <= n for e in self.msg_ends):
+        if len(hashes) != len(msg_ends):  # (a parked conversation knows every message)
             raise ValueError("parked entry: message hashes and boundaries disagree")
-        if any(not 0 < pos <= n for pos, _ in self.checkpoints):
-            raise ValueError("parked entry: a checkpoint lies outside its tokens")
+        try:
+            self.conversation = Conversation(
+                session, tokens, hashes, msg_ends, segments, last_used, last_request, used_at,
+                settled, tuple(pos for pos, _ in self.checkpoints))
+        except ValueError as e:
+            raise ValueError(f"parked entry: {e}") from None
+        self.state = state
+        self.key = key
         self.nbytes = nbytes(self.state) + sum(nbytes(d) for _, d in self.checkpoints)
+        self.tier = RAM  # where it was when taken back
+
+    def __repr__(self) -> str:
+        return (f"ParkedEntry(key={self.key!r}, session={self.session!r}, "
+                f"{self.conversation.n_tokens} tokens, {self.nbytes} bytes, {self.tier})")
 
     @classmethod
     def from_snapshot(cls, snap: Any, *, session: str | None, hashes: Sequence[str],
@@ -114,10 +100,7 @@ class ParkedEntry:
 
     def info(self, tier: str) -> ParkedInfo:
         """The light view of this entry, in ``tier``."""
-        return ParkedInfo(self.key, self.session, tuple(self.tokens), tuple(self.hashes),
-                          tuple(self.msg_ends), self.last_used, self.nbytes, tier,
-                          self.settled or 0, tuple(pos for pos, _ in self.checkpoints),
-                          self.used_at)
+        return ParkedInfo(self.key, self.conversation, self.nbytes, tier)
 
 
 # -- the save format -----------------------------------------------------------------------
@@ -129,12 +112,13 @@ def entry_json(e: ParkedEntry, blobs: Blobs) -> dict[str, Any]:
     The one codec of a conversation's record: a save writes its slots with it too (a slot
     adds its ``index``), and :func:`entry_from_json` reads both back.
     """
+    c = e.conversation
     return {
-        "key": e.key, "session": e.session, "tokens": encode_units(e.tokens),
-        "n_tokens": len(e.tokens), "hashes": list(e.hashes), "msg_ends": list(e.msg_ends),
-        "segments": [segment_json(g) for g in e.segments], "settled": e.settled,
-        "exact_len": e.exact_len, "last_request": e.last_request, "last_used": e.last_used,
-        "used_at": e.used_at, "nbytes": e.nbytes, "state": blobs.add(e.state),
+        "key": e.key, "session": c.session, "tokens": encode_units(c.tokens),
+        "n_tokens": len(c.tokens), "hashes": list(c.hashes), "msg_ends": list(c.msg_ends),
+        "segments": [segment_json(g) for g in c.segments], "settled": c.settled,
+        "exact_len": e.exact_len, "last_request": c.last_request, "last_used": c.last_used,
+        "used_at": c.used_at, "nbytes": e.nbytes, "state": blobs.add(e.state),
         "checkpoints": [{"pos": pos, "blob": blobs.add(d)} for pos, d in e.checkpoints],
     }
 
@@ -179,9 +163,13 @@ def info_from_json(d: Any, n_vocab: int, tier: str) -> ParkedInfo:
         cps = tuple(int(c["pos"]) for c in d["checkpoints"])
     except (KeyError, TypeError, ValueError) as e:
         raise RestoreError(f"parked entry {f['key']}: malformed checkpoints") from e
-    return ParkedInfo(f["key"], f["session"], tuple(f["tokens"]), tuple(f["hashes"]),
-                      tuple(f["msg_ends"]), f["last_used"], size, tier,
-                      min(f["settled"], len(f["tokens"])), cps, f["used_at"])
+    try:
+        conv = Conversation(f["session"], f["tokens"], f["hashes"], f["msg_ends"],
+                            f["segments"], f["last_used"], f["last_request"], f["used_at"],
+                            min(f["settled"], len(f["tokens"])), cps)
+    except ValueError as e:
+        raise RestoreError(f"parked entry {f['key']}: {e}") from e
+    return ParkedInfo(f["key"], conv, size, tier)
 
 
 def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,

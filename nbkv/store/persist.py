@@ -37,13 +37,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from nbkv.core.errors import NbkvError, RestoreError, SaveError, UntrustedSaveError
+from nbkv.core.errors import RestoreError, SaveError, UntrustedSaveError
 from nbkv.core.events import SlotsChanged
 from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.core.protocol import Exportable, Parks
@@ -51,7 +51,6 @@ from nbkv.kv.replies import ReplyMemo
 from nbkv.kv.slot_kv import KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.kv.spc import SavedPrompt
-from nbkv.media.images import Image, image_hash, load_image
 from nbkv.media.units import MediaUnit
 from nbkv.store.blobstore import (
     BLOBS,
@@ -67,7 +66,7 @@ from nbkv.store.blobstore import (
     write_file,
 )
 from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json
-from nbkv.store.protocols import Persistable, SessionStoreLike, default_sessions
+from nbkv.store.protocols import Persistable, SessionStoreLike
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
     FORMAT,
     MANIFEST,
@@ -85,11 +84,15 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
     untrusted_message,
     uses_media,
 )
+from nbkv.store.session_state import (
+    check_session_state,
+    kernel_sessions,
+    session_from_json,
+    session_json,
+)
 
 log = logging.getLogger("nbkv")
 SHOWN = 64 << 20  # a save or restore of this many bytes shows its progress (~1 s of disk)
-
-_IMAGE_TAG = "$nbkv_image"
 
 
 # -- reports ---------------------------------------------------------------------------------
@@ -192,68 +195,6 @@ def _require_local(engine: Any, what: str) -> None:
         raise unsupported(engine, what)
 
 
-def kernel_sessions(sessions: Any) -> Any:
-    """``sessions``, or by default the kernel's store when nbkv's sessions are in use.
-
-    The session store sits above persistence (it loads engines): it registers itself
-    (:func:`nbkv.store.protocols.use_default_sessions`).
-    """
-    return sessions if sessions is not None else default_sessions()
-
-
-def check_session_state(sessions: Any, name: str, state: Any) -> None:
-    """Raise :class:`RestoreError` if ``state`` would not load into a session called ``name``."""
-    check = getattr(sessions, "check_state", None)
-    if check is None:
-        return
-    try:
-        check(name, state)
-    except ValueError as e:
-        raise RestoreError(str(e)) from e
-    except (KeyError, TypeError) as e:
-        raise RestoreError(f"a saved session is malformed: {e}") from e
-
-
-# -- encoding --------------------------------------------------------------------------------
-
-
-def _jsonable(value: Any, blobs: Blobs, where: str) -> Any:
-    """A message value as JSON; pictures (PIL, arrays, bytes, Image) become image blobs."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise SaveError(f"{where}: a message has non-string keys")
-        return {k: _jsonable(v, blobs, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v, blobs, f"{where}[{i}]") for i, v in enumerate(value)]
-    try:
-        img = load_image(value)
-    except NbkvError as e:
-        raise SaveError(f"{where}: a {type(value).__name__} in a message cannot be saved "
-                        f"({e})") from e
-    return {_IMAGE_TAG: {"blob": blobs.add(img.data), "width": img.width,
-                         "height": img.height, "hash": img.hash}}
-
-
-def _unjson(value: Any, read: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {_IMAGE_TAG}:
-            d = value[_IMAGE_TAG]
-            try:
-                data = bytes(read(d["blob"]))
-                w, h, hsh = int(d["width"]), int(d["height"]), str(d["hash"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise RestoreError(f"malformed image in a session: {d!r}") from e
-            if len(data) != w * h * 3 or image_hash(w, h, data) != hsh:
-                raise RestoreError(f"a session's picture {hsh[:12]} does not match its pixels")
-            return Image(w, h, data, hsh, "restored")
-        return {k: _unjson(v, read) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unjson(v, read) for v in value]
-    return value
-
-
 # -- capture (scheduler thread) --------------------------------------------------------------
 
 
@@ -315,7 +256,7 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
                 arrays.append({"blob": blobs.add(a.tobytes()), "shape": list(a.shape),
                                "dtype": "float32"})
             emb_json.append({"image": h, "arrays": arrays})
-    sess_json = [_jsonable(s.state_dict(), blobs, f"session {s.name}") for s in store]
+    sess_json = [session_json(s.state_dict(), blobs, f"session {s.name}") for s in store]
     # the replies the saved KV holds: a cell run again after a restore is replayed
     parked = engine.parked() if isinstance(engine, Parks) else ()
     replies = engine.export_replies([s.kv.tokens for s in cap.slots]
@@ -475,14 +416,14 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
                 plan.parked.append(conv)
                 continue
             plan.slots.append(SlotState(
-                int(s["index"]), conv.session, tuple(conv.hashes), tuple(conv.msg_ends),
-                tuple(conv.segments), conv.last_used, None,
-                KVSnapshot.of(conv.state, conv.tokens, int(conv.settled or 0),
-                              int(conv.exact_len or 0), conv.checkpoints), conv.used_at))
+                int(s["index"]), replace(conv.conversation, last_request=None),
+                KVSnapshot.of(conv.state, conv.tokens, conv.settled, conv.exact_len,
+                              conv.checkpoints)))
         if lot is not None:
             saved_parked = lot.decode(body.get("parked", []), read, state)
             for e in saved_parked:
-                e.used_at = e.used_at or created
+                if not e.used_at:
+                    e.conversation = replace(e.conversation, used_at=created)
             plan.parked[:0] = saved_parked
         else:
             plan.not_parked = [f"{e.get('session') or '-'} (parking is off)"
@@ -505,7 +446,7 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
             plan.embeddings.append((str(e["image"]), arrays))
         plan.replies = [ReplyMemo.from_json(m, n_vocab) for m in body.get("replies", [])]
         for s in body.get("sessions", []):
-            session_state: dict[str, Any] = _unjson(s, read)
+            session_state: dict[str, Any] = session_from_json(s, read)
             # checked on a scratch session: the store changes only once all is read
             check_session_state(sessions, str(s["name"]), session_state)
             plan.sessions.append((str(s["name"]), session_state))
