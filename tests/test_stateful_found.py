@@ -174,3 +174,53 @@ def test_unparking_an_older_conversation_of_an_edited_session_loses_nothing(gemm
     # c2's newer conversation is the one parked, never the older (whose tokens leave the
     # newer's): whole, or (sliding window) cut back where its window is put back exactly
     assert held and all(common_prefix(t, latest) == len(t) for t in held), held
+
+
+# ------------------------------------------------------------------ hybrid (lfm2)
+
+
+def test_an_unnamed_conversation_held_by_another_ones_entry_goes_back_to_its_checkpoint():
+    """Found (lfm2, the long profile): three unnamed conversations share the system prompt
+    and first question; c3's own parked entry is dropped (announced: over the RAM budget)
+    and c1's 121-token entry, which shares c3's 42-token prompt and the first 2 of its 3
+    reply tokens, is the only holder left. Hybrid memory goes back only to a checkpoint: c1's
+    are at its messages' ends and the newest (8 at most), none between 28 and 44, so the
+    engine restores 28, the best it holds. The simulation's model counted the 44 shared
+    tokens as servable and asked for 35: it now counts what a holder can go back to."""
+    import test_stateful as T
+
+    from nbkv.kv.policy import common_prefix
+
+    pool = T.Pool("lfm2")
+    m = type("M", (T.EngineMachine,), {"pool": pool})()
+    try:
+        def step(rule, **kw):
+            getattr(m, rule)(**kw)
+            m.nothing_silently_lost()
+            m.the_views_agree()
+
+        q = "What is a CPU?"
+        step("start", config=(2, 150, False, None))
+        step("new_conversation", n=2, named=False, q=q, shared=True)
+        step("next_turn", i=0, n=2, q=q)
+        step("next_turn", i=0, n=6, q=q)
+        step("several_in_one_pass", n=2, picks=[0, 0], q=q)
+        step("several_in_one_pass", n=2, picks=[0, 1], q=q)
+        step("several_in_one_pass", n=3, picks=[0, 1], q=q)
+        step("park_all")
+        step("rerun", i=0, n=2)
+        step("park_all")
+        c3 = m.convs["c3"]
+        prompt = m.e.tokenize_prompt([*c3.messages, T.user(q)])
+        (entry,) = m.e.parked()  # c1's, the only holder of c3's start
+        shared = common_prefix(entry.tokens, prompt)
+        best = max(x for x in entry.checkpoints if x <= shared)
+        assert shared >= len(c3.prompt) > best
+        assert m.own_held(c3, tuple(prompt)) == best  # the model: what can be gone back to
+        (r,) = m.chat([(c3, [*c3.messages, T.user(q)])], 2)  # checks the reply and verify()
+        rec = r.record
+        assert (rec.reason, rec.restored_from, rec.reused_tokens) == ("restored", "ram", best)
+        assert f"{best} tokens of a parked conversation were restored" in rec.reason_text
+    finally:
+        m.teardown()
+        pool.shutdown()
