@@ -224,3 +224,91 @@ def test_an_unnamed_conversation_held_by_another_ones_entry_goes_back_to_its_che
     finally:
         m.teardown()
         pool.shutdown()
+
+
+# ------------------------------------------------------------------ sliding window, put back
+
+
+def librarian(e):
+    """Session "a": a shared-looking system prompt, one short turn."""
+    a = [{"role": "system", "content": "You are a helpful librarian. You recommend one book "
+          "at a time and explain your choice in a single short sentence."},
+         {"role": "user", "content": "What is a CPU?"}]
+    a.append(e.chat(a, session="a", max_tokens=3, temperature=0).message)
+    e.settle()
+    return a
+
+
+def pirate(e):
+    """Session "b", one short turn (33 positions: its window does not continue exactly when
+    put back whole); returns its next turn's messages."""
+    b = [{"role": "system", "content": "You are a pirate. Answer in one short sentence."},
+         {"role": "user", "content": "Name a fruit."}]
+    b.append(e.chat(b, session="b", max_tokens=5, temperature=0).message)
+    e.settle()
+    return [*b, {"role": "user", "content": "And memory?"}]
+
+
+def test_a_slot_displaced_by_a_restore_is_parked_where_it_is_put_back_exactly(gemma3,
+                                                                             tmp_path):
+    """Found (gemma3, the long profile's "the parked state of c1 did not restore;
+    rebuilding"): ``restore()`` parks what the slots held, but parked each sliding-window
+    slot whole, at any length. Put back, a window that does not start a multiple of
+    SWA_CELLS cells in does not continue exactly, so the returning conversation was read
+    again from 0 ("first: nothing of session b was cached"). It is now parked where its
+    next turn resumes (as ``park()`` does), and restored from there."""
+    from nbkv.kv.reach import restorable
+
+    e, off = gemma3
+    e.clear(parked=True)
+    librarian(e)
+    e.save(str(tmp_path / "s"), sessions=())
+    b = pirate(e)
+    e.restore(str(tmp_path / "s"), sessions=())
+    mem = e.memory
+    (held,) = [i for i in e.parked() if i.session == "b"]
+    assert restorable(mem.kind, mem.n_swa, held.n_tokens), held.n_tokens
+    r = e.chat(b, session="b", max_tokens=3, temperature=0)
+    assert r.text == off.chat(b, max_tokens=3, temperature=0).text
+    rec = r.record
+    consistent(rec)
+    assert (rec.reason, rec.restored_from, rec.reused_tokens) == (
+        "restored", "ram", held.n_tokens), rec.reason_text
+    e.settle()
+    assert all(v.identical for v in e.verify()), [str(v) for v in e.verify()]
+
+
+def test_a_sliding_window_state_parked_whole_goes_back_to_its_checkpoint(gemma3):
+    """A sliding-window state parked whole at a length where its window does not continue
+    exactly (as a restore parked displaced slots, and as a save's extra slots are) goes
+    back to its newest checkpoint that does, as the placement counted on: it was thrown
+    away ("did not restore; rebuilding") and the conversation read again from 0."""
+    from nbkv.kv.reach import restorable
+    from nbkv.store.parked import ParkedEntry
+
+    e, off = gemma3
+    e.clear(parked=True)
+    librarian(e)
+    b = pirate(e)
+    sched = e.scheduler
+    (slot,) = [s for s in sched.table if s.session == "b"]
+    mem, n = e.memory, len(slot.kv)
+    cps = [c for c in slot.kv.checkpoints.positions if restorable(mem.kind, mem.n_swa, c)]
+    assert not restorable(mem.kind, mem.n_swa, n) and cps, (n, cps)
+
+    def park_whole():
+        k = sum(1 for x in slot.msg_ends if x <= n)
+        sched.parking.park(ParkedEntry.from_snapshot(
+            slot.kv.snapshot(), session="b", hashes=slot.hashes[:k],
+            msg_ends=slot.msg_ends[:k], segments=slot.segments))
+        sched.table.reset(slot)
+
+    sched.call(park_whole)
+    r = e.chat(b, session="b", max_tokens=3, temperature=0)
+    assert r.text == off.chat(b, max_tokens=3, temperature=0).text
+    rec = r.record
+    consistent(rec)
+    assert (rec.reason, rec.reused_tokens) == ("restored", max(cps)), rec.reason_text
+    assert f"restored {max(cps)} of its {n} tokens" in rec.reason_text
+    e.settle()
+    assert all(v.identical for v in e.verify()), [str(v) for v in e.verify()]

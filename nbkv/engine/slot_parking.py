@@ -48,15 +48,7 @@ def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True,
     if lot is None or not (kv.tokens or slot.redo):
         return None
     t0 = time.perf_counter()
-    exact = sched.settings.exact
-    at = resume_point(sched, slot) if kv.memory.kind == SWA else None
-    if at is not None and at < len(kv) + len(slot.redo):
-        # a state put back whole cannot be cut (only the window before its end is
-        # saved): park it where the next turn resumes
-        sched.table.cut_back(slot, sched.res.rule, at)
-    elif slot.redo or (exact and kv.needs_rewrite):
-        # the rewrite is abandoned: park the proven prefix
-        sched.table.cut_back(slot, sched.res.rule)
+    cut_for_park(sched, slot)
     n = len(kv)
     if not n or not kv.verify():
         return None
@@ -70,6 +62,24 @@ def park_slot(sched: Scheduler, slot: EngineSlot, drop: bool = True,
     log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
               info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
     return info
+
+
+def cut_for_park(sched: Scheduler, slot: EngineSlot) -> None:
+    """Cut ``slot`` back to what its parked state keeps.
+
+    Its proven KV; on sliding-window memory, the point where the next turn resumes
+    (:func:`resume_point`). A sliding-window state put back whole cannot be cut (only the
+    window before its end is saved) and continues exactly only from a
+    :func:`nbkv.kv.reach.restorable` end: parked whole at any other length, it would go
+    back to its newest checkpoint when put back.
+    """
+    kv = slot.kv
+    at = resume_point(sched, slot) if kv.memory.kind == SWA else None
+    if at is not None and at < len(kv) + len(slot.redo):
+        sched.table.cut_back(slot, sched.res.rule, at)
+    elif slot.redo or (sched.settings.exact and kv.needs_rewrite):
+        # the rewrite is abandoned: park the proven prefix
+        sched.table.cut_back(slot, sched.res.rule)
 
 
 def park_branch(sched: Scheduler, slot: EngineSlot, at: int) -> ParkedInfo | None:
@@ -181,16 +191,28 @@ def take_preparked(sched: Scheduler, slot: EngineSlot) -> KVSnapshot | None:
 
 
 def restore_into(slot: EngineSlot, entry: ParkedEntry) -> int:
-    """Put ``entry``'s state into ``slot``'s KV; returns the positions it now holds (0: failed)."""
+    """Put ``entry``'s state into ``slot``'s KV; returns the positions it now holds (0: failed).
+
+    All of them, or (sliding-window memory: a state parked whole where its window does not
+    continue exactly, e.g. a slot that a restore displaced) its first ones, up to the newest
+    checkpoint that does (:meth:`nbkv.kv.slot_kv.SlotKV.put_back`): what the placement
+    counted on (:class:`nbkv.kv.reach.Judge`).
+    """
     kv = slot.kv
     kv.put_back(KVSnapshot.of(entry.state, entry.tokens, entry.settled or 0,
                               entry.exact_len or 0, entry.checkpoints))
-    if len(kv) != len(entry.tokens):
+    n = len(kv)
+    if n and kv.memory.kind == SWA and n < len(entry.tokens) \
+            and list(kv.tokens) == list(entry.tokens[:n]):
+        log.debug("slot[%d]: the parked state of %s went back to its checkpoint at %d of %d",
+                  slot.index, entry.session, n, len(entry.tokens))
+        return n
+    if n != len(entry.tokens):
         log.warning("slot[%d]: the parked state of %s did not restore; rebuilding", slot.index,
                     entry.session)
         kv.clear()
         return 0
-    return len(kv)
+    return n
 
 
 def park_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, every: bool
@@ -258,8 +280,10 @@ def unpark_sessions(sched: Scheduler, lot: ParkingLot, session: str | None, ever
             lot.park(entry)  # llama.cpp refused the state: it stays parked
             done.append(f"{who}: could not be restored into slot {slot.index} (still parked)")
             continue
-        table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes),
-                                    tuple(entry.msg_ends), tuple(entry.segments), 0,
+        k = sum(1 for e in entry.msg_ends if e <= n)  # the messages it holds (n: maybe fewer)
+        segments = tuple(replace(g, end=min(g.end, n)) for g in entry.segments if g.start < n)
+        table.adopt(slot, SlotState(slot.index, entry.session, tuple(entry.hashes[:k]),
+                                    tuple(entry.msg_ends[:k]), segments, 0,
                                     entry.last_request, None, entry.used_at))
         done.append(f"{who}: {n:,} tokens from {entry.tier} into slot {slot.index}")
     return "unparked " + ("; ".join(done) or "nothing")

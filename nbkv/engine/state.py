@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from nbkv.core.errors import EngineBusy, NbkvError, RestoreError
 from nbkv.engine.recompute import Recomputation
 from nbkv.engine.recompute import recompute as recompute_slot
+from nbkv.engine.slot_parking import cut_for_park
 from nbkv.engine.slots import SlotPhase
 from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import EngineState, SlotState
@@ -61,6 +62,10 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     if sched.active or any(s.pending for s in sched.table):
         raise RestoreError("the engine is serving requests: restore when it is idle")
     sched.rewriter.settle_all()  # what is parked below is proven KV
+    if sched.parking is not None:
+        for s in sched.table:  # ... and put back exactly (sliding window: see cut_for_park)
+            if s.tokens:
+                cut_for_park(sched, s)
     backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))
               for s in sched.table]
     try:
@@ -92,11 +97,12 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     if sched.parking is not None:  # what the slots held is parked, not lost
         for _, snap, state in backup:
             if snap is not None:
+                part = held_state(state, len(snap.tokens))  # the messages it still holds
                 sched.parking.park(ParkedEntry.from_snapshot(
-                    snap, session=state.session, hashes=state.hashes,
-                    msg_ends=state.msg_ends, segments=state.segments,
-                    last_request=state.last_request, last_used=state.last_used,
-                    used_at=state.used_at))
+                    snap, session=part.session, hashes=part.hashes,
+                    msg_ends=part.msg_ends, segments=part.segments,
+                    last_request=part.last_request, last_used=part.last_used,
+                    used_at=part.used_at))
     return [recompute_slot(sched, i) for i, _ in placed] if recompute else []
 
 
