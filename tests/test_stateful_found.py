@@ -312,3 +312,42 @@ def test_a_sliding_window_state_parked_whole_goes_back_to_its_checkpoint(gemma3)
     assert f"restored {max(cps)} of its {n} tokens" in rec.reason_text
     e.settle()
     assert all(v.identical for v in e.verify()), [str(v) for v in e.verify()]
+
+
+def test_a_restored_session_is_parked_when_displaced_though_its_later_one_was_parked(model,
+                                                                                     tmp_path):
+    """Found (lfm2, a long-profile-like run; the same on every memory class): session c
+    saved, then carried on and parked; ``restore()`` put the saved conversation back in a
+    slot. Displaced later, it was not parked (the lot keeps a session's most recently used
+    conversation: the one parked since) and nothing was announced, so c's next turn from
+    the restored conversation found only the start it shares with the other. The one c had
+    since now stays parked as an unnamed branch."""
+    heard = []
+    with Engine(model, n_slots=2, n_ctx=N_CTX, cache_min_tokens=20) as e:
+        e.subscribe(lambda ev: isinstance(ev, ParkingDropped) and heard.append(ev))
+        c = [{"role": "system", "content": "You are a chef. Answer in one short sentence."},
+             {"role": "user", "content": "What is a CPU?"}]
+        c.append(e.chat(c, session="c", max_tokens=3, temperature=0).message)
+        e.settle()
+        (saved,) = [s.tokens for s in e.slots() if s.session == "c"]
+        e.save(str(tmp_path / "s"), sessions=())
+        later = [*c, {"role": "user", "content": "Name a fruit."}]
+        e.chat(later, session="c", max_tokens=3, temperature=0)
+        e.settle()
+        e.park(all=True)
+        e.restore(str(tmp_path / "s"), sessions=())
+        for who in ("x", "y"):  # two other sessions take both slots
+            e.chat([{"role": "system", "content": f"You are {who}."},
+                    {"role": "user", "content": "Hi"}], session=who, max_tokens=2,
+                   temperature=0)
+        nxt = [*c, {"role": "user", "content": "And memory?"}]
+        (mine,) = [i for i in e.parked() if i.session == "c"]
+        assert tuple(mine.tokens) == tuple(saved), mine  # the restored conversation
+        assert any(i.session is None and i.n_tokens > mine.n_tokens for i in e.parked())
+        assert heard == []
+        r = e.chat(nxt, session="c", max_tokens=2, temperature=0)
+        rule = e.prefill_rule  # at least all of it, less the canonical cut
+        assert r.record.reason == "restored", r.record.reason_text
+        assert r.record.reused_tokens >= mine.n_tokens - rule.min_chunk - rule.align
+        e.settle()
+        assert all(v.identical for v in e.verify())

@@ -95,11 +95,25 @@ def import_state(sched: Scheduler, placed: Sequence[tuple[int, SlotState]],
     for key, entry in spc:
         sched.spc.put(key, entry.state, entry.tokens)
     if sched.parking is not None:  # what the slots held is parked, not lost
+        # a session the restore put back in a slot goes on from its saved conversation: the
+        # one it had since (parked, or in a slot the restore displaced) stays as an unnamed
+        # branch (as an edit's old branch does), so that neither supersedes the other in
+        # the lot (by its later use, the newer one would have: the restored one, parked
+        # next, was not kept, without a word)
+        restored = {state.session for _, state in placed if state.session is not None}
+        lot = sched.parking
+        for name in restored:
+            info = lot.find(name)
+            since = lot.take(info.key) if info is not None else None
+            if since is not None:
+                since.session = None
+                lot.park(since)
         for _, snap, state in backup:
             if snap is not None:
                 part = held_state(state, len(snap.tokens))  # the messages it still holds
+                who = None if part.session in restored else part.session
                 sched.parking.park(ParkedEntry.from_snapshot(
-                    snap, session=part.session, hashes=part.hashes,
+                    snap, session=who, hashes=part.hashes,
                     msg_ends=part.msg_ends, segments=part.segments,
                     last_request=part.last_request, last_used=part.last_used,
                     used_at=part.used_at))
