@@ -218,16 +218,33 @@ class EngineMachine(RuleBasedStateMachine):
         return c
 
     def own_held(self, c, tokens):
-        """The most of ``tokens`` the engine holds for ``c``: its slot or its parked entry."""
+        """The most of ``tokens`` the engine holds for ``c``: its slot or its parked entry.
+
+        On memory that cannot be cut (hybrid, recurrent), only what a holder can go back to
+        counts: its whole state when ``tokens`` extend all of it, else its newest checkpoint
+        within the shared prefix. The entry holding an unnamed conversation may be another
+        one's with the same start (unnamed conversations are told apart by their tokens
+        only): one whose reply or next message differs from ``c``'s a few positions after
+        ``c``'s prompt shares those positions, but it has no checkpoint there unless its own
+        messages ended there, and its checkpoints are bounded (``max_checkpoints``, the newest
+        kept), so it may go back no further than its system prompt's end.
+        """
         best = 0
-        held = [(s.session, s.tokens) for s in self.e.slots()]
-        held += [(i.session, i.tokens) for i in self.e.parked()]
-        for who, toks in held:
+        held = [(s.session, s.tokens, s.checkpoints) for s in self.e.slots()]
+        held += [(i.session, i.tokens, i.checkpoints) for i in self.e.parked()]
+        for who, toks, cps in held:
             mine = (who == c.session) if c.session is not None else (
                 who is None and common_prefix(toks, c.prompt) >= len(c.prompt) - self.slack)
             if mine and c.prompt:
-                best = max(best, common_prefix(toks, tokens))
+                best = max(best, self.reachable(toks, cps, tokens))
         return best
+
+    def reachable(self, toks, checkpoints, tokens):
+        """Positions of ``tokens`` a holder of ``toks`` with ``checkpoints`` can go back to."""
+        k = common_prefix(toks, tokens)
+        if not self.e.memory.checkpoints or k >= len(toks):
+            return k
+        return max((x for x in checkpoints if x <= k), default=0)
 
     def chat(self, pairs, max_tokens, one_pass=False):
         """Send ``(conv, messages)`` pairs (in one pass if asked); check and record each."""

@@ -62,6 +62,10 @@ class Controls(Runs, Protocol):
         """The requests placed in slots."""
 
     @property
+    def parker(self) -> Parker:
+        """Parks slots' conversations and restores parked ones."""
+
+    @property
     def rewriter(self) -> Rewriter:
         """Finished replies' KV rewritten as canonical prefills."""
 

@@ -67,15 +67,7 @@ class Parker:
         if lot is None or not (kv.tokens or slot.redo):
             return None
         t0 = time.perf_counter()
-        exact = self.settings.exact
-        at = self.resume_point(slot) if kv.memory.kind == SWA else None
-        if at is not None and at < len(kv) + len(slot.redo):
-            # a state put back whole cannot be cut (only the window before its end is
-            # saved): park it where the next turn resumes
-            self.table.cut_back(slot, self.res.rule, at)
-        elif slot.redo or (exact and kv.needs_rewrite):
-            # the rewrite is abandoned: park the proven prefix
-            self.table.cut_back(slot, self.res.rule)
+        self.cut_for_park(slot)
         n = len(kv)
         if not n or not kv.verify():
             return None
@@ -89,6 +81,23 @@ class Parker:
         log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
                   info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
         return info
+
+    def cut_for_park(self, slot: EngineSlot) -> None:
+        """Cut ``slot`` back to what its parked state keeps.
+
+        Its proven KV; on sliding-window memory, the point where the next turn resumes
+        (:meth:`resume_point`). A sliding-window state put back whole cannot be cut (only the
+        window before its end is saved) and continues exactly only from a
+        :func:`nbkv.kv.reach.restorable` end: parked whole at any other length, it would go
+        back to its newest checkpoint when put back.
+        """
+        kv = slot.kv
+        at = self.resume_point(slot) if kv.memory.kind == SWA else None
+        if at is not None and at < len(kv) + len(slot.redo):
+            self.table.cut_back(slot, self.res.rule, at)
+        elif slot.redo or (self.settings.exact and kv.needs_rewrite):
+            # the rewrite is abandoned: park the proven prefix
+            self.table.cut_back(slot, self.res.rule)
 
     def park_branch(self, slot: EngineSlot, at: int) -> ParkedInfo | None:
         """Before its own session's request cuts ``slot`` back to ``at``: keep the branch it cuts.
@@ -197,17 +206,27 @@ class Parker:
     def restore_into(self, slot: EngineSlot, entry: ParkedEntry) -> int:
         """Put ``entry``'s state into ``slot``'s KV; returns the positions it now holds.
 
-        0: the state did not restore (the slot is emptied).
+        All of them, or (sliding-window memory: a state parked whole where its window does not
+        continue exactly, e.g. a slot that a restore displaced) its first ones, up to the
+        newest checkpoint that does (:meth:`nbkv.kv.slot_kv.SlotKV.put_back`): what the
+        placement counted on (:class:`nbkv.kv.reach.Judge`). 0: the state did not restore
+        (the slot is emptied).
         """
         kv = slot.kv
         kv.put_back(KVSnapshot.of(entry.state, entry.tokens, entry.settled or 0,
                                   entry.exact_len or 0, entry.checkpoints))
-        if len(kv) != len(entry.tokens):
+        n = len(kv)
+        if n and kv.memory.kind == SWA and n < len(entry.tokens) \
+                and list(kv.tokens) == list(entry.tokens[:n]):
+            log.debug("slot[%d]: the parked state of %s went back to its checkpoint at %d of %d",
+                      slot.index, entry.session, n, len(entry.tokens))
+            return n
+        if n != len(entry.tokens):
             log.warning("slot[%d]: the parked state of %s did not restore; rebuilding", slot.index,
                         entry.session)
             kv.clear()
             return 0
-        return len(kv)
+        return n
 
     def park_sessions(self, lot: ParkingLot, session: str | None, every: bool
                       ) -> str:
@@ -268,7 +287,8 @@ class Parker:
                 lot.park(entry)  # llama.cpp refused the state: it stays parked
                 done.append(f"{who}: could not be restored into slot {slot.index} (still parked)")
                 continue
-            table.adopt(slot, SlotState(slot.index, entry.conversation, None))
+            # the messages it holds (n: maybe fewer than parked)
+            table.adopt(slot, SlotState(slot.index, entry.conversation.cut(n), None))
             done.append(f"{who}: {n:,} tokens from {entry.tier} into slot {slot.index}")
         return "unparked " + ("; ".join(done) or "nothing")
 

@@ -60,6 +60,10 @@ def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
     if sched.active or any(s.pending for s in sched.table):
         raise RestoreError("the engine is serving requests: restore when it is idle")
     sched.rewriter.settle_all()  # what is parked below is proven KV
+    if sched.parking is not None:
+        for s in sched.table:  # ... and put back exactly (sliding window: see cut_for_park)
+            if s.tokens:
+                sched.parker.cut_for_park(s)
     backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))
               for s in sched.table]
     try:
@@ -89,13 +93,28 @@ def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
     for key, entry in spc:
         sched.spc.put(key, entry.state, entry.tokens)
     if sched.parking is not None:  # what the slots held is parked, not lost
+        # a session the restore put back in a slot goes on from its saved conversation: the
+        # one it had since (parked, or in a slot the restore displaced) stays as an unnamed
+        # branch (as an edit's old branch does), so that neither supersedes the other in
+        # the lot (by its later use, the newer one would have: the restored one, parked
+        # next, was not kept, without a word)
+        restored = {state.session for _, state in placed if state.session is not None}
+        lot = sched.parking
+        for name in restored:
+            info = lot.find(name)
+            since = lot.take(info.key) if info is not None else None
+            if since is not None:
+                since.conversation = replace(since.conversation, session=None)
+                lot.park(since)
         for _, snap, state in backup:
             if snap is not None:
+                part = held_state(state, len(snap.tokens))  # the messages it still holds
+                who = None if part.session in restored else part.session
                 sched.parking.park(ParkedEntry.from_snapshot(
-                    snap, session=state.session, hashes=state.hashes,
-                    msg_ends=state.msg_ends, segments=state.segments,
-                    last_request=state.last_request, last_used=state.last_used,
-                    used_at=state.used_at))
+                    snap, session=who, hashes=part.hashes,
+                    msg_ends=part.msg_ends, segments=part.segments,
+                    last_request=part.last_request, last_used=part.last_used,
+                    used_at=part.used_at))
     return [recompute_slot(sched, i) for i, _ in placed] if recompute else []
 
 
