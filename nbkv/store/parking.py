@@ -114,6 +114,7 @@ class ParkingLot:
         self._done = threading.Condition(self._lock)
         self._queue: queue.Queue[ParkedEntry | None] = queue.Queue(SPILL_QUEUE)
         self._writer: threading.Thread | None = None
+        self._jobs = 0  # spills handed to the writer and not yet finished (discarded ones too)
         self.disk = (DiskTier(disk_dir, disk_bytes, identity, n_vocab, self._lost)
                      if disk_dir is not None else None)
         start = max((self._number(i.key) for i in self.disk.infos()), default=0) \
@@ -225,6 +226,7 @@ class ParkingLot:
         except queue.Full:
             return False
         self._writing[entry.key] = entry
+        self._jobs += 1
         if self._writer is None or not self._writer.is_alive():
             self._writer = threading.Thread(target=self._write_loop, name="nbkv-park-writer",
                                             daemon=True)
@@ -239,6 +241,8 @@ class ParkingLot:
                 return
             with self._lock:
                 if entry.key not in self._writing:  # taken back or dropped while queued
+                    self._jobs -= 1
+                    self._done.notify_all()
                     continue
                 # held: a restore does not recycle the state's buffer while it is written
                 state = entry.state  # noqa: F841
@@ -252,8 +256,11 @@ class ParkingLot:
             with self._lock:
                 try:
                     self._commit(entry, staged)
+                except Exception:  # noqa: BLE001 - the writer serves the next spill
+                    log.exception("parking: committing entry %s to disk failed", entry.key)
                 finally:
                     del state
+                    self._jobs -= 1
                     self._done.notify_all()
 
     def _commit(self, entry: ParkedEntry, staged: Staged | Put) -> None:
@@ -274,16 +281,19 @@ class ParkingLot:
     def flush(self, timeout: float = FLUSH_TIMEOUT) -> None:
         """Wait until every spill handed to the writer thread is on disk (or reported).
 
+        A spill discarded (its entry taken back meanwhile) is waited for too: its files are
+        gone when this returns.
+
         Raises ``TimeoutError`` naming what is still being written after ``timeout`` seconds.
         """
         if threading.current_thread() is self._writer:
             return  # a listener called from the writer: it cannot wait for itself
         with self._lock:
-            if not self._done.wait_for(lambda: not self._writing, timeout):
+            if not self._done.wait_for(lambda: not self._jobs, timeout):
                 raise TimeoutError(
-                    f"parking: {len(self._writing)} conversations still being written to "
+                    f"parking: {self._jobs} spills still being written to "
                     f"{self.disk.dir if self.disk is not None else 'disk'} after {timeout:g} s "
-                    f"({', '.join(self._writing)})")
+                    f"(entries {', '.join(self._writing) or 'taken back meanwhile'})")
 
     def _lost(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
         """The disk tier lost an entry (its budget, its directory deleted, corrupt)."""
