@@ -80,6 +80,8 @@ class Dropped:
 DROPS_KEPT = 50
 #: spills waiting for the writer thread at most (more: the park writes itself, as before)
 SPILL_QUEUE = 2
+#: seconds the writer thread waits idle before it ends (the next spill starts another)
+WRITER_IDLE = 5.0
 #: seconds :meth:`ParkingLot.flush` (and close, spill_all, export) waits for the writer
 FLUSH_TIMEOUT = 120.0
 
@@ -236,7 +238,14 @@ class ParkingLot:
     def _write_loop(self) -> None:
         """The writer thread: each spill written outside the lot's lock, committed under it."""
         while True:
-            entry = self._queue.get()
+            try:
+                entry = self._queue.get(timeout=WRITER_IDLE)
+            except queue.Empty:
+                with self._lock:  # idle: end (a lot nobody closed can then be collected)
+                    if self._queue.empty():
+                        self._writer = None
+                        return
+                continue
             if entry is None:
                 return
             with self._lock:
