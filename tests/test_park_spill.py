@@ -178,3 +178,20 @@ def test_the_writer_ends_when_idle_and_the_next_spill_starts_another(tmp_path, m
         assert lot._writer is None or not lot._writer.is_alive()
     assert sessions(lot, DISK) == {"a", "b"} and sessions(lot, RAM) == {"c"}
     lot.close()
+
+
+def test_a_restore_mid_write_neither_breaks_the_write_nor_recycles_its_buffer(
+        tmp_path, monkeypatch):
+    from nbkv.llama.state_buffers import StateBuffers
+    pool = StateBuffers()
+    lot, a = spilling_lot(tmp_path)
+    gate = Gate(monkeypatch)
+    park_returns(lot, entry("b", last_used=2), gate)
+    assert gate.entered.wait(WAIT)
+    e = lot.take(a.key)
+    state, e.state = e.state, None  # as the engine does after a restore (placement.start)
+    assert not pool.give(state, 1)  # the writer still reads it: not reused by the next park
+    gate.open()
+    lot.flush()
+    assert lot.stats()["writing"] == 0 and files(lot) == [] and not list(lot.dropped)
+    lot.close()

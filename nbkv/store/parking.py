@@ -253,12 +253,13 @@ class ParkingLot:
                     self._jobs -= 1
                     self._done.notify_all()
                     continue
-                # held: a restore does not recycle the state's buffer while it is written
-                state = entry.state  # noqa: F841
+                # its own view of the entry: a restore that takes it back meanwhile empties
+                # the entry's state field, and does not recycle a buffer this one holds
+                job = copy.copy(entry)
             disk = self.disk
             assert disk is not None
             try:
-                staged: Staged | Put = disk.prepare(entry)
+                staged: Staged | Put = disk.prepare(job)
             except Exception as e:  # noqa: BLE001 - reported as the synchronous path does
                 log.exception("parking: writing entry %s to disk failed", entry.key)
                 staged = Put(False, why=f"could not write it to disk: {e}")
@@ -268,7 +269,7 @@ class ParkingLot:
                 except Exception:  # noqa: BLE001 - the writer serves the next spill
                     log.exception("parking: committing entry %s to disk failed", entry.key)
                 finally:
-                    del state
+                    del job
                     self._jobs -= 1
                     self._done.notify_all()
 
