@@ -136,6 +136,7 @@ def test_entries_leaving_ram_spill_to_disk_and_come_back_exact(tmp_path):
     infos = [lot.park(entry("a", tokens=tokens, cps=cps, last_used=1)),
              lot.park(entry("b", last_used=2)), lot.park(entry("c", last_used=3))]
     assert infos[0].tier == RAM
+    lot.flush()  # a's spill is written by the writer thread
     assert sessions(lot, RAM) == {"b", "c"} and sessions(lot, DISK) == {"a"}
     st = lot.stats()
     assert st["spills"] == 1 and st["drops"] == 0

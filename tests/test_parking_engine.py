@@ -292,6 +292,7 @@ def test_a_ram_budget_of_two_entries_spills_the_third_to_disk(model, oracle, ent
         convs = open_conversations(5)
         firsts, sizes = run_one_turn_each(e, oracle, convs)
         assert max(sizes.values()) < 1.2 * min(sizes.values())  # alike: 2 fit, 3 do not
+        e.parking.flush()  # s0's spill is written by the writer thread
         parked = parked_by_session(e)
         assert {s: i.tier for s, i in parked.items()} == {"s0": "disk", "s1": "ram",
                                                           "s2": "ram"}
@@ -309,6 +310,7 @@ def test_a_ram_budget_of_two_entries_spills_the_third_to_disk(model, oracle, ent
         assert rec.reason == RESTORED and rec.restored_from == "disk"
         assert rec.reused_tokens >= firsts["s0"].prompt_tokens - slack(e)
         assert rec.evicted_session == "s3" and rec.evicted_parked == "ram"
+        e.parking.flush()
         st = e.stats()
         assert st["restores"] == 1 and st["spills"] == 2  # s3 parked: s1 left RAM for disk
         assert {s: i.tier for s, i in parked_by_session(e).items()} == {

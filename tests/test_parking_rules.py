@@ -87,6 +87,7 @@ def test_every_eviction_is_announced(tmp_path):
                      on_drop=heard.append)
     for i, s in enumerate("abcde"):
         lot.park(entry(s, used_at=100.0 + i))
+    lot.flush()  # the spills are written by the writer thread
     # RAM holds d and e; c and b spilled; a was deleted by the disk budget
     assert names(lot, RAM) == ["d", "e"] and names(lot, DISK) == ["b", "c"]
     assert [(d.session, d.tier) for d in heard] == [("a", DISK)]

@@ -45,9 +45,10 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,19 @@ class Put:
     why: str = ""  # why it was not written
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A write :meth:`DiskTier.prepare` did, for :meth:`DiskTier.commit` to make an entry."""
+
+    key: str
+    info: ParkedInfo
+    dir: Path  # the namespace it was written under
+    path: Path  # the manifest's name once committed
+    staged: Path  # the manifest, written and fsynced under a temporary name
+    sizes: dict[str, int]  # its blobs: name -> size
+    names: frozenset[str]  # what the sweep keeps until it is committed or discarded
+
+
 #: ``on_lost(info, why, corrupt)``: an entry left the disk other than by take or delete
 LostCallback = Callable[[ParkedInfo, str, bool], None]
 
@@ -213,6 +227,8 @@ class DiskTier:
         self.adopted = 0  # entries taken over from engines that were closed
         self.gone: str | None = None  # why the directory cannot be written, if it cannot
         self._index: dict[str, _Record] = {}
+        self._pending: set[str] = set()  # files of writes prepared, not yet committed
+        self._pending_lock = threading.Lock()
         self._fd: int | None = None
         self.dir = self._make_namespace()
         self._closer = weakref.finalize(self, _close_fd, self._fd)
@@ -251,7 +267,21 @@ class DiskTier:
         """Write ``entry``, then delete the oldest entries to stay within the budget.
 
         Not written (a :class:`Put` saying why): an entry larger than the whole budget, one
-        the file system refuses, or any while the directory is :attr:`gone`.
+        the file system refuses, or any while the directory is :attr:`gone`. The same as
+        :meth:`prepare` then :meth:`commit`, in one call.
+        """
+        if not self._usable():
+            return Put(False, why=f"the disk tier is gone: {self.gone}")
+        staged = self.prepare(entry)
+        return staged if isinstance(staged, Put) else self.commit(staged)
+
+    def prepare(self, entry: ParkedEntry) -> Staged | Put:
+        """The write phase of :meth:`put`, safe outside the caller's lock (one at a time).
+
+        Writes the entry's blobs and its manifest under a temporary name (fsynced), touching
+        no index: the entry is not on disk until :meth:`commit` renames the manifest into
+        place, so a crash before leaves no entry. Until then :meth:`_sweep` keeps its files.
+        ``entry``'s buffers must stay unwritten meanwhile. A :class:`Put` when not written.
         """
         blobs = Blobs()
         record = entry_json(entry, blobs)
@@ -259,22 +289,52 @@ class DiskTier:
         if sum(sizes.values()) > self.budget:
             return Put(False, why=f"larger than the whole disk budget "
                                   f"({sum(sizes.values()):,} > {self.budget:,} bytes)")
-        if not self._usable():
-            return Put(False, why=f"the disk tier is gone: {self.gone}")
-        self.delete(entry.key)
+        directory = self.dir
         body = {"format": FORMAT, "version": VERSION, "identity": self.identity,
                 "created": time.time(), "entry": record, "blobs": blobs.table()}
-        path = self.dir / ENTRIES / entry_file(entry.key)
+        path = directory / ENTRIES / entry_file(entry.key)
+        staged = path.with_name(f".{path.name}.staged.tmp")
+        names = {*sizes, path.name}
+        with self._pending_lock:  # a sweep keeps these files from now on
+            self._pending |= names
         try:
-            write_blobs(self.dir, blobs)
-            write_file(path, [manifest_text(body).encode()])
-            fsync_dir(path.parent)
+            write_blobs(directory, blobs)
+            write_file(staged, [manifest_text(body).encode()])
         except OSError as e:
-            path.unlink(missing_ok=True)
-            self._sweep()
+            staged.unlink(missing_ok=True)
+            self.release(names)
             return Put(False, why=f"could not write it to {path.parent}: {e}")
-        self._index[entry.key] = _Record(entry.info(DISK), path, sizes)
-        return Put(True, self._fit_budget(keep=entry.key))
+        return Staged(entry.key, entry.info(DISK), directory, path, staged, sizes,
+                      frozenset(names))
+
+    def commit(self, staged: Staged) -> Put:
+        """The commit phase of :meth:`put` (under the caller's lock): the entry is on disk.
+
+        Renames the manifest into place, adds the entry to the index and keeps the budget.
+        """
+        try:
+            if staged.dir != self.dir or not self._usable():
+                raise OSError(f"the directory changed while it was written ({self.gone or ''})")
+            self.delete(staged.key)
+            os.replace(staged.staged, staged.path)
+            fsync_dir(staged.path.parent)
+        except OSError as e:
+            self.discard(staged)
+            return Put(False, why=f"could not write it to {staged.path.parent}: {e}")
+        self._index[staged.key] = _Record(staged.info, staged.path, staged.sizes)
+        self.release(staged.names)
+        return Put(True, self._fit_budget(keep=staged.key))
+
+    def discard(self, staged: Staged) -> None:
+        """Drop a prepared write: its manifest, and its blobs no committed entry names."""
+        staged.staged.unlink(missing_ok=True)
+        self.release(staged.names)
+        self._sweep()
+
+    def release(self, names: Iterable[str]) -> None:
+        """Stop keeping the files of a write (its blobs, its manifest's temporary names)."""
+        with self._pending_lock:
+            self._pending.difference_update(names)
 
     def _fit_budget(self, keep: str | None = None) -> tuple[ParkedInfo, ...]:
         """Delete the least recently used entries (not ``keep``) until within the budget."""
@@ -383,13 +443,18 @@ class DiskTier:
         path.unlink(missing_ok=True)
 
     def _sweep(self) -> None:
-        keep: set[str] = set()
-        for r in self._index.values():
-            keep.update(r.blobs)
-        # writes here are this engine's, one at a time: a temporary file left is a failed one
-        sweep(self.dir, keep, stale_tmp=lambda f: True)
-        for f in (self.dir / ENTRIES).glob(".*.tmp"):
-            f.unlink(missing_ok=True)
+        with self._pending_lock:  # held throughout: a write starting now waits for it
+            keep = set(self._pending)
+            for r in self._index.values():
+                keep.update(r.blobs)
+
+            def stale(f: Path) -> bool:  # writes here are this engine's: one not pending failed
+                return not any(n in f.name for n in self._pending)
+
+            sweep(self.dir, keep, stale_tmp=stale)
+            for f in (self.dir / ENTRIES).glob(".*.tmp"):
+                if stale(f):
+                    f.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ the namespace
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -43,7 +44,7 @@ from typing import Any
 from nbkv.core.errors import InvalidRequestError, RestoreError
 from nbkv.llama.memplan import free_memory
 from nbkv.store.blobstore import Blobs
-from nbkv.store.park_disk import DiskTier
+from nbkv.store.park_disk import DiskTier, Put, Staged
 from nbkv.store.parked import DISK, RAM, TIERS, ParkedEntry, ParkedInfo, entry_from_json, entry_json
 
 __all__ = ["DISK", "RAM", "TIERS", "Dropped", "ParkedEntry", "ParkedInfo", "ParkingLot",
@@ -77,6 +78,12 @@ class Dropped:
 
 #: evictions kept for ``%kvcache parked``
 DROPS_KEPT = 50
+#: spills waiting for the writer thread at most (more: the park writes itself, as before)
+SPILL_QUEUE = 2
+#: seconds the writer thread waits idle before it ends (the next spill starts another)
+WRITER_IDLE = 5.0
+#: seconds :meth:`ParkingLot.flush` (and close, spill_all, export) waits for the writer
+FLUSH_TIMEOUT = 120.0
 
 
 class ParkingLot:
@@ -104,6 +111,12 @@ class ParkingLot:
         self._order: dict[str, int] = {}  # key -> when it was parked (LRU ties)
         self._lock = threading.RLock()
         self._counts = {"parks": 0, "restores": 0, "spills": 0, "drops": 0}
+        # entries leaving RAM for disk, written by the writer thread: still served from RAM
+        self._writing: dict[str, ParkedEntry] = {}
+        self._done = threading.Condition(self._lock)
+        self._queue: queue.Queue[ParkedEntry | None] = queue.Queue(SPILL_QUEUE)
+        self._writer: threading.Thread | None = None
+        self._jobs = 0  # spills handed to the writer and not yet finished (discarded ones too)
         self.disk = (DiskTier(disk_dir, disk_bytes, identity, n_vocab, self._lost)
                      if disk_dir is not None else None)
         start = max((self._number(i.key) for i in self.disk.infos()), default=0) \
@@ -115,7 +128,7 @@ class ParkingLot:
     def entries(self) -> tuple[ParkedInfo, ...]:
         """Every parked conversation, most recently used first."""
         with self._lock:
-            out = [e.info(RAM) for e in self._ram.values()]
+            out = [e.info(RAM) for e in (*self._ram.values(), *self._writing.values())]
             if self.disk is not None:
                 out += self.disk.infos()
         return tuple(sorted(out, key=lambda i: (-i.used_at, -i.last_used, i.key)))
@@ -126,17 +139,23 @@ class ParkingLot:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._ram) + (len(self.disk) if self.disk is not None else 0)
+            return len(self._ram) + len(self._writing) + (
+                len(self.disk) if self.disk is not None else 0)
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
-            return key in self._ram or (self.disk is not None and key in self.disk)
+            return key in self._ram or key in self._writing or (
+                self.disk is not None and key in self.disk)
 
     @property
     def ram_used(self) -> int:
-        """Bytes of the entries in RAM."""
+        """Bytes of the entries in RAM (those being written to disk included)."""
         with self._lock:
-            return sum(e.nbytes for e in self._ram.values())
+            return self._resident() + sum(e.nbytes for e in self._writing.values())
+
+    def _resident(self) -> int:
+        """Bytes of the RAM tier's entries, within its budget (not those being written)."""
+        return sum(e.nbytes for e in self._ram.values())
 
     # ------------------------------------------------------------------ parking
 
@@ -171,10 +190,11 @@ class ParkingLot:
         if entry.nbytes > self.ram_bytes:
             return entry.info(DISK) if self._spill(entry, drop) else None
         self._ram[entry.key] = entry
-        while self.ram_used > self.ram_bytes:
+        while self._resident() > self.ram_bytes:
             victim = min(self._ram.values(), key=self._lru)
             del self._ram[victim.key]
-            self._spill(victim, drop or victim is not entry)
+            if victim is entry or not self._spill_later(victim):
+                self._spill(victim, drop or victim is not entry)
         if entry.key in self._ram:
             return entry.info(RAM)
         return entry.info(DISK) if self.disk is not None and entry.key in self.disk else None
@@ -198,6 +218,92 @@ class ParkingLot:
         if drop:
             self._announce(entry.info(RAM), why)
         return False
+
+    def _spill_later(self, entry: ParkedEntry) -> bool:
+        """Hand ``entry`` to the writer thread; False when its queue is full (write it now)."""
+        if self.disk is None:
+            return False
+        try:
+            self._queue.put_nowait(entry)
+        except queue.Full:
+            return False
+        self._writing[entry.key] = entry
+        self._jobs += 1
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(target=self._write_loop, name="nbkv-park-writer",
+                                            daemon=True)
+            self._writer.start()
+        return True
+
+    def _write_loop(self) -> None:
+        """The writer thread: each spill written outside the lot's lock, committed under it."""
+        while True:
+            try:
+                entry = self._queue.get(timeout=WRITER_IDLE)
+            except queue.Empty:
+                with self._lock:  # idle: end (a lot nobody closed can then be collected)
+                    if self._queue.empty():
+                        self._writer = None
+                        return
+                continue
+            if entry is None:
+                return
+            with self._lock:
+                if entry.key not in self._writing:  # taken back or dropped while queued
+                    self._jobs -= 1
+                    self._done.notify_all()
+                    continue
+                # its own view of the entry: a restore that takes it back meanwhile empties
+                # the entry's state field, and does not recycle a buffer this one holds
+                job = copy.copy(entry)
+            disk = self.disk
+            assert disk is not None
+            try:
+                staged: Staged | Put = disk.prepare(job)
+            except Exception as e:  # noqa: BLE001 - reported as the synchronous path does
+                log.exception("parking: writing entry %s to disk failed", entry.key)
+                staged = Put(False, why=f"could not write it to disk: {e}")
+            with self._lock:
+                try:
+                    self._commit(entry, staged)
+                except Exception:  # noqa: BLE001 - the writer serves the next spill
+                    log.exception("parking: committing entry %s to disk failed", entry.key)
+                finally:
+                    del job
+                    self._jobs -= 1
+                    self._done.notify_all()
+
+    def _commit(self, entry: ParkedEntry, staged: Staged | Put) -> None:
+        """Under the lock: the spill of ``entry`` is on disk, or reported as not written."""
+        assert self.disk is not None
+        if self._writing.pop(entry.key, None) is None:  # taken back or dropped meanwhile
+            if isinstance(staged, Staged):
+                self.disk.discard(staged)
+            return
+        put = staged if isinstance(staged, Put) else self.disk.commit(staged)
+        if put.written:
+            self._counts["spills"] += 1
+            log.debug("parked entry %s spilled to disk", entry.key)
+            return
+        self._order.pop(entry.key, None)
+        self._announce(entry.info(RAM), put.why)
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT) -> None:
+        """Wait until every spill handed to the writer thread is on disk (or reported).
+
+        A spill discarded (its entry taken back meanwhile) is waited for too: its files are
+        gone when this returns.
+
+        Raises ``TimeoutError`` naming what is still being written after ``timeout`` seconds.
+        """
+        if threading.current_thread() is self._writer:
+            return  # a listener called from the writer: it cannot wait for itself
+        with self._lock:
+            if not self._done.wait_for(lambda: not self._jobs, timeout):
+                raise TimeoutError(
+                    f"parking: {self._jobs} spills still being written to "
+                    f"{self.disk.dir if self.disk is not None else 'disk'} after {timeout:g} s "
+                    f"(entries {', '.join(self._writing) or 'taken back meanwhile'})")
 
     def _lost(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
         """The disk tier lost an entry (its budget, its directory deleted, corrupt)."""
@@ -226,8 +332,8 @@ class ParkingLot:
         file, deleted, and None is returned: the caller rebuilds.
         """
         with self._lock:
-            entry = self._ram.pop(key, None)
-            if entry is not None:
+            entry = self._ram.pop(key, None) or self._writing.pop(key, None)
+            if entry is not None:  # one being written: the write is discarded
                 entry.tier = RAM
             elif self.disk is not None and key in self.disk:
                 entry = self.disk.take(key)
@@ -241,7 +347,7 @@ class ParkingLot:
     def borrow(self, key: str) -> ParkedEntry | None:
         """The entry ``key``, left in the lot: another conversation restores a copy of it."""
         with self._lock:
-            entry = self._ram.get(key)
+            entry = self._ram.get(key) or self._writing.get(key)
             if entry is not None:
                 entry = copy.copy(entry)  # the buffers are never written: shared
                 entry.tier = RAM
@@ -257,7 +363,7 @@ class ParkingLot:
         """Forget the entry ``key`` (not counted as a budget drop)."""
         with self._lock:
             self._order.pop(key, None)
-            if self._ram.pop(key, None) is not None:
+            if self._ram.pop(key, None) is not None or self._writing.pop(key, None) is not None:
                 return True
             return self.disk is not None and self.disk.delete(key)
 
@@ -272,6 +378,7 @@ class ParkingLot:
         with self._lock:
             n = len(self)
             self._ram.clear()
+            self._writing.clear()  # their writes are discarded
             self._order.clear()
             if self.disk is not None:
                 self.disk.clear()
@@ -286,6 +393,7 @@ class ParkingLot:
         with self._lock:
             if self.disk is None:
                 return 0
+            self.flush()
             moved = 0
             for entry in sorted(self._ram.values(), key=self._lru):
                 del self._ram[entry.key]
@@ -293,8 +401,17 @@ class ParkingLot:
             return moved
 
     def close(self) -> None:
-        """Release the disk tier's namespace, for another engine to take over."""
+        """Release the disk tier's namespace, for another engine to take over.
+
+        Waits for the writer thread first (:meth:`flush`; ``TimeoutError`` if it is stuck,
+        and the namespace stays held), then stops it.
+        """
         if self.disk is not None:
+            self.flush()
+            writer = self._writer
+            if writer is not None and writer.is_alive():
+                self._queue.put(None, timeout=FLUSH_TIMEOUT)
+                writer.join(FLUSH_TIMEOUT)
             self.disk.close()
 
     # ------------------------------------------------------------------ figures
@@ -309,10 +426,12 @@ class ParkingLot:
                 "adopted": disk.adopted if disk is not None else 0,
                 "disk_gone": disk.gone if disk is not None else None,
                 "ram_bytes": self.ram_used,
+                "writing": len(self._writing),  # in RAM, being written to disk
                 "disk_bytes": disk.used if disk is not None else 0,
                 "ram_budget": self.ram_bytes,
                 "disk_budget": disk.budget if disk is not None else 0,
-                "entries": {RAM: len(self._ram), DISK: len(disk) if disk is not None else 0},
+                "entries": {RAM: len(self._ram) + len(self._writing),
+                            DISK: len(disk) if disk is not None else 0},
             }
 
     # ------------------------------------------------------------------ saves
@@ -323,7 +442,7 @@ class ParkingLot:
         Disk entries are read and checked (one that fails is skipped, as by :meth:`take`).
         """
         with self._lock:
-            entries = list(self._ram.values())
+            entries = [*self._ram.values(), *self._writing.values()]
             if self.disk is not None:
                 entries += [e for e in (self.disk.read(i.key) for i in self.disk.infos())
                             if e is not None]
