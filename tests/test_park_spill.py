@@ -50,6 +50,7 @@ def park_returns(lot, e, gate):
         gate.open()
         t.join(WAIT)
         pytest.fail("park() waited for the disk write")
+    assert gate.entered.wait(WAIT)  # ... and the writer thread holds the write it handed off
     return out[0]
 
 
@@ -64,7 +65,6 @@ def test_the_park_returns_while_its_spill_is_written(tmp_path, monkeypatch):
     lot, a = spilling_lot(tmp_path)
     gate = Gate(monkeypatch)
     assert park_returns(lot, entry("b", last_used=2), gate).tier == RAM
-    assert gate.entered.wait(WAIT)  # the writer thread holds a's write
     # in flight: still in RAM, served from there, counted there
     assert {(i.session, i.tier) for i in lot.entries()} == {("a", RAM), ("b", RAM)}
     st = lot.stats()
@@ -89,7 +89,6 @@ def test_an_entry_taken_back_mid_write_leaves_nothing_on_disk(tmp_path, monkeypa
     a = lot.park(entry("a", cps=shared, last_used=1))
     gate = Gate(monkeypatch)
     park_returns(lot, entry("b", last_used=2), gate)
-    assert gate.entered.wait(WAIT)
     e = lot.take(a.key)  # its session comes back while its spill is written
     assert e.tier == RAM and bytes(e.state) == bytes(buf(1000, ord("a")))
     assert a.key not in lot
@@ -109,7 +108,6 @@ def test_a_sweep_during_the_write_keeps_its_files(tmp_path, monkeypatch):
     a = lot.park(entry("a", last_used=1))
     gate = Gate(monkeypatch, "write_file")  # blobs written, the manifest held
     park_returns(lot, entry("b", last_used=2), gate)
-    assert gate.entered.wait(WAIT)
     assert lot.drop(other.key)  # sweeps while a's blob is written and not yet named
     gate.open()
     lot.flush()
@@ -123,7 +121,6 @@ def test_close_waits_for_the_writer(tmp_path, monkeypatch):
     lot, a = spilling_lot(tmp_path)
     gate = Gate(monkeypatch)
     park_returns(lot, entry("b", last_used=2), gate)
-    assert gate.entered.wait(WAIT)
     with pytest.raises(TimeoutError, match="still being written"):
         lot.flush(timeout=0.05)  # bounded, with a clear error
     closing = threading.Thread(target=lot.close, daemon=True)
@@ -142,7 +139,6 @@ def test_spill_all_waits_for_the_writer(tmp_path, monkeypatch):
     lot, a = spilling_lot(tmp_path)
     gate = Gate(monkeypatch)
     park_returns(lot, entry("b", last_used=2), gate)
-    assert gate.entered.wait(WAIT)
     threading.Timer(0.05, gate.open).start()  # spill_all writes b itself: the gate must open
     assert lot.spill_all() == 1
     assert sessions(lot, DISK) == {"a", "b"} and lot.stats()["writing"] == 0
@@ -154,7 +150,6 @@ def test_a_write_error_is_reported_as_the_synchronous_path_does(tmp_path, monkey
     lot, a = spilling_lot(tmp_path, on_drop=heard.append)
     gate = Gate(monkeypatch, fail=OSError(errno.ENOSPC, "No space left on device"))
     park_returns(lot, entry("b", last_used=2), gate)
-    assert gate.entered.wait(WAIT)
     gate.open()
     lot.flush()
     assert [(d.session, d.tier) for d in heard] == [("a", RAM)]
@@ -187,7 +182,6 @@ def test_a_restore_mid_write_neither_breaks_the_write_nor_recycles_its_buffer(
     lot, a = spilling_lot(tmp_path)
     gate = Gate(monkeypatch)
     park_returns(lot, entry("b", last_used=2), gate)
-    assert gate.entered.wait(WAIT)
     e = lot.take(a.key)
     state, e.state = e.state, None  # as the engine does after a restore (placement.start)
     assert not pool.give(state, 1)  # the writer still reads it: not reused by the next park

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nbkv.core.errors import InvalidRequestError, NbkvError
@@ -71,12 +70,11 @@ class Parker:
         n = len(kv)
         if not n or not kv.verify():
             return None
-        k = sum(1 for e in slot.msg_ends if e <= n)
-        segments = tuple(replace(s, end=min(s.end, n)) for s in slot.segments if s.start < n)
+        held = slot.conversation().cut(n)  # the messages and map its KV holds
         snap = self.take_preparked(slot) or kv.snapshot()
         info = lot.park(ParkedEntry.from_snapshot(
-            snap, session=None if branch else slot.session, hashes=slot.hashes[:k],
-            msg_ends=slot.msg_ends[:k], segments=segments, last_request=slot.last_request,
+            snap, session=None if branch else slot.session, hashes=held.hashes,
+            msg_ends=held.msg_ends, segments=held.segments, last_request=slot.last_request,
             last_used=slot.last_used, used_at=slot.used_at), drop=drop)
         log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
                   info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
