@@ -36,24 +36,23 @@ write, and the entries it held are reported lost; where it cannot be made again,
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbkv.core.errors import RestoreError, UntrustedSaveError
+from nbkv.core.errors import InvalidRequestError, RestoreError, UntrustedSaveError
 from nbkv.store.blobstore import (
     BLOB_NAME,
     BLOBS,
@@ -67,13 +66,21 @@ from nbkv.store.blobstore import (
     write_blobs,
     write_file,
 )
+from nbkv.store.park_adopt import (
+    ENGINES,
+    ENTRIES,
+    LOCK,
+    adopt_orphans,
+    entry_file,
+    flock,
+    unlink,
+)
 from nbkv.store.parked import (
     DISK,
     ParkedEntry,
     ParkedInfo,
     entry_from_json,
     entry_json,
-    info_from_json,
 )
 from nbkv.store.save_checks import restream
 
@@ -81,11 +88,6 @@ log = logging.getLogger("nbkv.store.parking")
 
 FORMAT = "nbkv-parked"
 VERSION = 1
-ENTRIES = "entries"
-ENGINES = "engines"
-LOCK = "lock"
-_ENTRY_FILE = re.compile(r"[0-9a-f]{32}\.json")
-LEGACY_TMP_AGE = 3600.0  # nbkv 0.1's layout has no lock: a temporary file this old is stale
 GIB = 1 << 30
 
 
@@ -99,11 +101,6 @@ def default_disk_budget(root: Path) -> int:
     except OSError:
         free = 4 * GIB
     return min(free // 4, 16 * GIB)
-
-
-def entry_file(key: str) -> str:
-    """The manifest name of the entry ``key`` (a digest: session names never make paths)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
 
 
 def _canon(identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -143,34 +140,6 @@ def servable(parked: Any, mine: Mapping[str, Any]) -> tuple[list[str], int | Non
             "attention states move between slot counts)"], None
 
 
-def _flock(fd: int, blocking: bool = False) -> bool:
-    """Take an exclusive ``flock`` on ``fd``; False when another holder has it."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: every other namespace looks live
-        return not blocking
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _orphaned(ns: Path, legacy: bool) -> Iterator[bool]:
-    """Hold ``ns``'s lock if nobody does (its engine is gone); yields whether it is held."""
-    target = ns / ENTRIES if legacy else ns / LOCK
-    try:
-        fd = os.open(target, os.O_RDONLY if legacy else os.O_RDWR)
-    except OSError:  # no lock file: a namespace being made, or not one at all
-        yield False
-        return
-    try:
-        yield _flock(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class _Record:
     info: ParkedInfo
@@ -186,6 +155,7 @@ class Put:
     written: bool
     evicted: tuple[ParkedInfo, ...] = ()
     why: str = ""  # why it was not written
+    full: bool = False  # not written because the disk (or the user's quota) is full
 
 
 @dataclass(frozen=True)
@@ -226,13 +196,17 @@ class DiskTier:
         self.skipped = 0  # entries found corrupt, and deleted
         self.adopted = 0  # entries taken over from engines that were closed
         self.gone: str | None = None  # why the directory cannot be written, if it cannot
+        self.undeleted: set[Path] = set()  # manifests the file system would not delete yet
         self._index: dict[str, _Record] = {}
         self._pending: set[str] = set()  # files of writes prepared, not yet committed
         self._pending_lock = threading.Lock()
         self._fd: int | None = None
-        self.dir = self._make_namespace()
+        try:
+            self.dir = self._make_namespace()
+        except OSError as e:  # (a directory the door found writable, turned read-only)
+            raise InvalidRequestError(f"park_dir {str(self.root)!r} cannot be used: {e}") from e
         self._closer = weakref.finalize(self, _close_fd, self._fd)
-        self._adopt_orphans()
+        adopt_orphans(self)
         self._fit_budget()
 
     # ------------------------------------------------------------------ what is there
@@ -300,10 +274,11 @@ class DiskTier:
         try:
             write_blobs(directory, blobs)
             write_file(staged, [manifest_text(body).encode()])
-        except OSError as e:
-            staged.unlink(missing_ok=True)
+        except OSError as e:  # a full disk, a directory turned read-only or deleted
+            unlink(staged)
             self.release(names)
-            return Put(False, why=f"could not write it to {path.parent}: {e}")
+            return Put(False, why=f"could not write it to {path.parent}: {e}",
+                       full=e.errno in (errno.ENOSPC, errno.EDQUOT))
         return Staged(entry.key, entry.info(DISK), directory, path, staged, sizes,
                       frozenset(names))
 
@@ -327,7 +302,7 @@ class DiskTier:
 
     def discard(self, staged: Staged) -> None:
         """Drop a prepared write: its manifest, and its blobs no committed entry names."""
-        staged.staged.unlink(missing_ok=True)
+        unlink(staged.staged)
         self.release(staged.names)
         self._sweep()
 
@@ -346,10 +321,11 @@ class DiskTier:
                      victim.info.session or "-", victim.info.n_tokens)
             self.delete(victim.info.key)
             gone.append(victim.info)
-            self._tell(victim.info, "over the disk budget")
+            self.tell(victim.info, "over the disk budget")
         return tuple(gone)
 
-    def _tell(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
+    def tell(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
+        """Announce an entry that left the disk other than by take or delete."""
         if self.on_lost is not None:
             self.on_lost(info, why, corrupt)
 
@@ -364,7 +340,7 @@ class DiskTier:
             self._usable()  # the directory was deleted: its entries are announced lost
             return None
         try:
-            body = self._body(rec.path)
+            body = self.body(rec.path)
             diffs, _ = servable(body.get("identity"), self.identity)
             if diffs:
                 raise RestoreError("parked by another engine: " + "; ".join(diffs))
@@ -381,20 +357,24 @@ class DiskTier:
             if entry.key != key:
                 raise RestoreError(f"it holds entry {entry.key!r}, not {key!r}")
         except (RestoreError, OSError) as e:
-            self._skip(rec.path, str(e))
+            self.skip(rec.path, str(e))
             self.delete(key)
-            self._tell(rec.info, f"unreadable: {e}", corrupt=True)
+            self.tell(rec.info, f"unreadable: {e}", corrupt=True)
             return None
         return entry
 
     def take(self, key: str) -> ParkedEntry | None:
-        """:meth:`read` the entry, then delete it from disk."""
+        """:meth:`read` the entry, then delete it from disk.
+
+        Read, it is served even where its file cannot be deleted (a directory turned
+        read-only): :meth:`delete` says so, and tries again later.
+        """
         entry = self.read(key)
         self.delete(key)
         return entry
 
     @staticmethod
-    def _body(path: Path) -> dict[str, Any]:
+    def body(path: Path) -> dict[str, Any]:
         """The checked body of an entry manifest (format, version, checksum, blob table)."""
         try:
             doc = json.loads(path.read_text())
@@ -423,11 +403,16 @@ class DiskTier:
     # ------------------------------------------------------------------ deleting
 
     def delete(self, key: str) -> bool:
-        """Forget the entry ``key`` and delete its files (blobs no other entry names)."""
+        """Forget the entry ``key`` and delete its files (blobs no other entry names).
+
+        Never raises: a manifest the file system will not delete (a directory turned
+        read-only) is logged and kept in :attr:`undeleted`, deleted at the next chance.
+        """
         rec = self._index.pop(key, None)
         if rec is None:
             return False
-        rec.path.unlink(missing_ok=True)
+        if unlink(rec.path) is not None:
+            self.undeleted.add(rec.path)
         fsync_dir(rec.path.parent)
         self._sweep()
         return True
@@ -437,12 +422,17 @@ class DiskTier:
         for key in list(self._index):
             self.delete(key)
 
-    def _skip(self, path: Path, why: str) -> None:
+    def skip(self, path: Path, why: str) -> None:
+        """An entry's manifest failed a check: never served, deleted (counted, logged)."""
         log.warning("parked entry %s skipped and deleted: %s", path, why)
         self.skipped += 1
-        path.unlink(missing_ok=True)
+        if unlink(path) is not None:
+            self.undeleted.add(path)
 
     def _sweep(self) -> None:
+        for path in list(self.undeleted):  # manifests left before: try again
+            if unlink(path, quiet=True) is None:
+                self.undeleted.discard(path)
         with self._pending_lock:  # held throughout: a write starting now waits for it
             keep = set(self._pending)
             for r in self._index.values():
@@ -454,13 +444,17 @@ class DiskTier:
             sweep(self.dir, keep, stale_tmp=stale)
             for f in (self.dir / ENTRIES).glob(".*.tmp"):
                 if stale(f):
-                    f.unlink(missing_ok=True)
+                    unlink(f, quiet=True)
 
     # ------------------------------------------------------------------ the namespace
 
     def _make_namespace(self) -> Path:
         """Create and lock this engine's namespace; returns its directory."""
         engines = self.root / ENGINES
+        if engines.exists() and not engines.is_dir():
+            raise InvalidRequestError(
+                f"park_dir {str(self.root)!r} is not a parking directory: its {ENGINES!r} "
+                "entry is a file (move it away, or give another park_dir)")
         engines.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode())
         name = f"{digest.hexdigest()[:12]}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -468,7 +462,7 @@ class DiskTier:
         (new / ENTRIES).mkdir(parents=True)
         (new / BLOBS).mkdir()
         self._fd = os.open(new / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        _flock(self._fd, blocking=True)
+        flock(self._fd, blocking=True)
         os.rename(new, engines / name)
         fsync_dir(engines)
         return engines / name
@@ -497,103 +491,29 @@ class DiskTier:
             self._sweep()  # entries whose manifests survive elsewhere keep their blobs
             ok = True
         for info in lost:
-            self._tell(info, "its file was deleted from the parking directory")
+            self.tell(info, "its file was deleted from the parking directory")
         return ok
 
-    def _adopt_orphans(self) -> None:
-        """Take over the servable entries of namespaces whose engine is gone."""
-        spaces = [(p, False) for p in sorted((self.root / ENGINES).iterdir())
-                  if p.is_dir() and p != self.dir
-                  # a hidden one is being made (not yet locked), unless a killed one
-                  and (not p.name.startswith(".") or _older_than(p, LEGACY_TMP_AGE))]
-        if (self.root / ENTRIES).is_dir():
-            spaces.append((self.root, True))  # nbkv 0.1's layout
-        for ns, legacy in spaces:
-            with _orphaned(ns, legacy) as mine:
-                if mine:
-                    try:
-                        self._adopt(ns, legacy)
-                    except OSError as e:  # another process's files: leave them
-                        log.warning("parking directory: could not adopt %s: %s", ns, e)
+    # ------------------------------------------------------------------ adoption's view
 
-    def _adopt(self, ns: Path, legacy: bool) -> None:
-        """Move ``ns``'s servable entries here; clean what no manifest of it names."""
-        found: list[tuple[Path, dict[str, Any], int | None]] = []
-        stays: set[str] = set()  # blobs the entries left behind name
-        for path in sorted((ns / ENTRIES).iterdir()):
-            if not _ENTRY_FILE.fullmatch(path.name):
-                continue
-            try:
-                body = self._body(path)
-                info_from_json(body.get("entry"), self.n_vocab, DISK)
-            except RestoreError as e:  # its engine is gone: nobody else reads it
-                self._skip(path, str(e))
-                continue
-            diffs, slots_from = servable(body.get("identity"), self.identity)
-            if diffs:
-                log.info("parked entry %s left alone: %s", path, "; ".join(diffs))
-                stays.update(body["blobs"])
-                continue
-            found.append((path, body, slots_from))
-        numbers = [_number(k) for k in self._index]
-        for path, body, slots_from in sorted(found, key=lambda f: (
-                f[1]["entry"].get("used_at", 0), f[1]["entry"].get("last_used", 0))):
-            key = str(body["entry"]["key"])
-            if key in self._index:
-                number = max([*numbers, _number(key)]) + 1
-                numbers.append(number)
-                key = f"{key.rpartition('#')[0] or '-'}#{number}"
-                body["entry"]["key"] = key
-            if self._move(ns, path, body, key, stays):
-                info = info_from_json(body["entry"], self.n_vocab, DISK)
-                target = self.dir / ENTRIES / entry_file(key)
-                self._index[key] = _Record(info, target, {
-                    n: m["size"] for n, m in body["blobs"].items()}, slots_from)
-                self.adopted += 1
-        tmp_ok = (lambda f: _older_than(f, LEGACY_TMP_AGE)) if legacy else (lambda f: True)
-        for d in (ns / ENTRIES, ns):
-            for f in d.iterdir():
-                if f.name.endswith(".tmp") and tmp_ok(f):
-                    f.unlink(missing_ok=True)
-        sweep(ns, stays, stale_tmp=tmp_ok)
-        if not legacy and not any((ns / ENTRIES).iterdir()):
-            shutil.rmtree(ns, ignore_errors=True)
-        if self.adopted:
-            log.info("parking directory %s: %d entries taken over from engines that were "
-                     "closed", self.root, self.adopted)
+    def keys(self) -> list[str]:
+        """The keys of the entries on disk."""
+        return list(self._index)
 
-    def _move(self, ns: Path, path: Path, body: dict[str, Any], key: str,
-              stays: set[str]) -> bool:
-        """Move one manifest and its blobs from ``ns`` into this namespace."""
-        for name in body["blobs"]:
-            src, dst = ns / BLOBS / name, self.dir / BLOBS / name
-            if dst.exists():  # moved with an entry adopted before (blobs are shared)
-                continue
-            if not src.is_file():
-                self._skip(path, f"blob {name} is missing")
-                self._tell(info_from_json(body["entry"], self.n_vocab, DISK),
-                           f"unreadable: blob {name} is missing", corrupt=True)
-                return False
-            if name in stays:  # an entry left behind names it too
-                shutil.copyfile(src, dst)
-            else:
-                os.replace(src, dst)
-        write_file(self.dir / ENTRIES / entry_file(key), [manifest_text(body).encode()])
-        path.unlink(missing_ok=True)
-        return True
+    def holds(self, key: str, blobs: Iterable[str]) -> bool:
+        """Whether the entry ``key`` is here already, naming the same ``blobs``."""
+        rec = self._index.get(key)
+        return rec is not None and set(rec.blobs) == set(blobs)
 
+    def servable(self, identity: Any) -> tuple[list[str], int | None]:
+        """:func:`servable` against this engine's identity."""
+        return servable(identity, self.identity)
 
-def _number(key: str) -> int:
-    tail = key.rpartition("#")[2]
-    return int(tail) if tail.isdigit() else 0
-
-
-def _older_than(f: Path, seconds: float) -> bool:
-    try:
-        return time.time() - f.stat().st_mtime > seconds
-    except OSError:
-        return False
-
+    def add(self, key: str, info: ParkedInfo, blobs: dict[str, int],
+            slots_from: int | None = None) -> None:
+        """Index an entry whose manifest was just committed under this namespace."""
+        self._index[key] = _Record(info, self.dir / ENTRIES / entry_file(key), blobs,
+                                   slots_from)
 
 def _close_fd(fd: int | None) -> None:
     if fd is not None:
