@@ -39,9 +39,20 @@ def seconds(name: str, value: Any, optional: bool = False) -> Any:
 
 
 def session_name(value: Any) -> Any:
-    """``value`` if it names a session (a non-empty str) or is None, else an error."""
+    """``value`` if it names a session (a non-empty str) or is None, else an error.
+
+    A name must be text that can be written (UTF-8): a lone surrogate (what a file name
+    undecodable in the locale, or an escape such as ``U+DCFF`` leaves) is refused.
+    """
     if value is not None and not (isinstance(value, str) and value):
         raise InvalidRequestError(f"session must be a non-empty str or None, not {value!r}")
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"session must be valid text: {value!r} holds a lone surrogate "
+                f"({value[e.start:e.end]!r} at {e.start})") from None
     return value
 
 

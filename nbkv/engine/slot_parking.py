@@ -301,7 +301,11 @@ class Parker:
             return 0
         for s in self.table:
             if not s.pending and (s.tokens or s.redo):
-                self.park_slot(s)
+                try:
+                    self.park_slot(s)
+                except Exception:  # noqa: BLE001 - one slot's failure never keeps the others
+                    log.exception("slot[%d] (%s): could not be parked at close", s.index,
+                                  s.session)
         return lot.spill_all()
 
 

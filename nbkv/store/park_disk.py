@@ -92,7 +92,11 @@ GIB = 1 << 30
 
 
 def default_disk_budget(root: Path) -> int:
-    """A quarter of the free space where ``root`` is, at most 16 GiB."""
+    """A quarter of the free space where ``root`` is, at most 16 GiB.
+
+    At least half of it up to 1 GiB: on a small disk a quarter would refuse every entry as
+    larger than the whole budget (a disk that fills up deletes the oldest entries).
+    """
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -100,7 +104,7 @@ def default_disk_budget(root: Path) -> int:
         free = shutil.disk_usage(probe).free
     except OSError:
         free = 4 * GIB
-    return min(free // 4, 16 * GIB)
+    return max(min(free // 4, 16 * GIB), min(free // 2, GIB))
 
 
 def _canon(identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -241,13 +245,36 @@ class DiskTier:
         """Write ``entry``, then delete the oldest entries to stay within the budget.
 
         Not written (a :class:`Put` saying why): an entry larger than the whole budget, one
-        the file system refuses, or any while the directory is :attr:`gone`. The same as
-        :meth:`prepare` then :meth:`commit`, in one call.
+        the file system refuses, or any while the directory is :attr:`gone`. On a full disk,
+        older entries are deleted first (:meth:`make_room`). The same as :meth:`prepare`
+        then :meth:`commit`, in one call.
         """
         if not self._usable():
             return Put(False, why=f"the disk tier is gone: {self.gone}")
-        staged = self.prepare(entry)
-        return staged if isinstance(staged, Put) else self.commit(staged)
+        while True:
+            staged = self.prepare(entry)
+            if isinstance(staged, Staged):
+                return self.commit(staged)
+            if not (staged.full and self.make_room(entry.info(DISK))):
+                return staged
+
+    def make_room(self, newer: ParkedInfo) -> bool:
+        """The disk is full: delete the least recently used entry older than ``newer``.
+
+        Announced (``on_lost``); False when no entry here is older. The newest entries stay,
+        as the budget keeps them.
+        """
+        older = [r for k, r in self._index.items() if k != newer.key
+                 and (r.info.used_at, r.info.last_used) <= (newer.used_at, newer.last_used)]
+        if not older:
+            return False
+        victim = min(older, key=lambda r: (r.info.used_at, r.info.last_used)).info
+        log.info("disk full: parked entry %s (%s) deleted to make room for %s", victim.key,
+                 victim.session or "-", newer.key)
+        self.delete(victim.key)
+        self.tell(victim, f"the disk is full: deleted to make room for a newer entry "
+                          f"({newer.session or 'an unnamed conversation'})")
+        return True
 
     def prepare(self, entry: ParkedEntry) -> Staged | Put:
         """The write phase of :meth:`put`, safe outside the caller's lock (one at a time).

@@ -205,7 +205,11 @@ class ParkingLot:
     def _spill(self, entry: ParkedEntry, drop: bool = True) -> bool:
         """Move an entry leaving RAM to disk; False when it is dropped (or handed back)."""
         if self.disk is not None:
-            put = self.disk.put(entry)
+            try:
+                put = self.disk.put(entry)
+            except Exception as e:  # noqa: BLE001 - one entry's failure never stops the others
+                log.exception("parking: writing entry %s to disk failed", entry.key)
+                put = Put(False, why=f"could not write it to disk: {e!r}")
             if put.written:
                 self._counts["spills"] += 1
                 log.debug("parked entry %s spilled to disk", entry.key)
@@ -256,13 +260,7 @@ class ParkingLot:
                 # its own view of the entry: a restore that takes it back meanwhile empties
                 # the entry's state field, and does not recycle a buffer this one holds
                 job = copy.copy(entry)
-            disk = self.disk
-            assert disk is not None
-            try:
-                staged: Staged | Put = disk.prepare(job)
-            except Exception as e:  # noqa: BLE001 - reported as the synchronous path does
-                log.exception("parking: writing entry %s to disk failed", entry.key)
-                staged = Put(False, why=f"could not write it to disk: {e}")
+            staged = self._prepare(entry, job)
             with self._lock:
                 try:
                     self._commit(entry, staged)
@@ -272,6 +270,26 @@ class ParkingLot:
                     del job
                     self._jobs -= 1
                     self._done.notify_all()
+
+    def _prepare(self, entry: ParkedEntry, job: ParkedEntry) -> Staged | Put:
+        """The writer thread's write of ``job`` (``entry``'s copy), outside the lock.
+
+        On a full disk, older disk entries are deleted (announced) while ``entry`` is still
+        to be written, and the write is tried again.
+        """
+        disk = self.disk
+        assert disk is not None
+        while True:
+            try:
+                staged: Staged | Put = disk.prepare(job)
+            except Exception as e:  # noqa: BLE001 - reported as the synchronous path does
+                log.exception("parking: writing entry %s to disk failed", entry.key)
+                return Put(False, why=f"could not write it to disk: {e!r}")
+            if not (isinstance(staged, Put) and staged.full):
+                return staged
+            with self._lock:
+                if entry.key not in self._writing or not disk.make_room(entry.info(DISK)):
+                    return staged
 
     def _commit(self, entry: ParkedEntry, staged: Staged | Put) -> None:
         """Under the lock: the spill of ``entry`` is on disk, or reported as not written."""
@@ -388,7 +406,8 @@ class ParkingLot:
         """With a disk tier, write every RAM entry to disk (oldest first); returns how many.
 
         What the disk budget or the file system refuses is announced as dropped: the RAM
-        tier ends with the process (``Engine.close``).
+        tier ends with the process (``Engine.close``). One entry that fails, whatever the
+        error, never keeps the others from disk.
         """
         with self._lock:
             if self.disk is None:
