@@ -346,3 +346,15 @@ def test_a_full_disk_during_a_take_over_loses_no_entry(tmp_path, link):
             tier.close()
         assert len(here) <= 3
         assert adopted(root) == want, f"disk full at write {at}"
+
+
+def test_a_disk_filled_by_someone_else_loses_no_more_than_the_entry_needs(tmp_path, monkeypatch):
+    lot = ParkingLot(ram_bytes=0, disk_dir=tmp_path, identity=IDENTITY)
+    for i, s in enumerate("abcde"):
+        lot.park(entry(s, last_used=i))
+    full_after(monkeypatch, 0)  # deleting entries frees nothing that helps
+    assert lot.park(entry("f", last_used=9)) is None
+    gone = [d.session for d in lot.dropped]
+    assert gone == ["a", "b", "f"]  # two freed more than f needs: then f is dropped
+    assert sessions(lot, DISK) == {"c", "d", "e"}
+    lot.close()

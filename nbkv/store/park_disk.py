@@ -251,30 +251,36 @@ class DiskTier:
         """
         if not self._usable():
             return Put(False, why=f"the disk tier is gone: {self.gone}")
+        freed = 0
         while True:
             staged = self.prepare(entry)
             if isinstance(staged, Staged):
                 return self.commit(staged)
-            if not (staged.full and self.make_room(entry.info(DISK))):
+            if not staged.full or freed > entry.nbytes:
                 return staged
+            room = self.make_room(entry.info(DISK))
+            if not room:
+                return staged
+            freed += room
 
-    def make_room(self, newer: ParkedInfo) -> bool:
+    def make_room(self, newer: ParkedInfo) -> int:
         """The disk is full: delete the least recently used entry older than ``newer``.
 
-        Announced (``on_lost``); False when no entry here is older. The newest entries stay,
-        as the budget keeps them.
+        Announced (``on_lost``). Returns its bytes, 0 when no entry here is older. The
+        newest entries stay, as the budget keeps them; a writer stops making room once it
+        freed more than its entry needs (the disk is then filled by someone else).
         """
         older = [r for k, r in self._index.items() if k != newer.key
                  and (r.info.used_at, r.info.last_used) <= (newer.used_at, newer.last_used)]
         if not older:
-            return False
+            return 0
         victim = min(older, key=lambda r: (r.info.used_at, r.info.last_used)).info
         log.info("disk full: parked entry %s (%s) deleted to make room for %s", victim.key,
                  victim.session or "-", newer.key)
         self.delete(victim.key)
         self.tell(victim, f"the disk is full: deleted to make room for a newer entry "
                           f"({newer.session or 'an unnamed conversation'})")
-        return True
+        return max(victim.nbytes, 1)
 
     def prepare(self, entry: ParkedEntry) -> Staged | Put:
         """The write phase of :meth:`put`, safe outside the caller's lock (one at a time).

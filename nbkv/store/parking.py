@@ -279,17 +279,20 @@ class ParkingLot:
         """
         disk = self.disk
         assert disk is not None
+        freed = 0
         while True:
             try:
                 staged: Staged | Put = disk.prepare(job)
             except Exception as e:  # noqa: BLE001 - reported as the synchronous path does
                 log.exception("parking: writing entry %s to disk failed", entry.key)
                 return Put(False, why=f"could not write it to disk: {e!r}")
-            if not (isinstance(staged, Put) and staged.full):
+            if not (isinstance(staged, Put) and staged.full) or freed > entry.nbytes:
                 return staged
             with self._lock:
-                if entry.key not in self._writing or not disk.make_room(entry.info(DISK)):
-                    return staged
+                room = disk.make_room(entry.info(DISK)) if entry.key in self._writing else 0
+            if not room:
+                return staged
+            freed += room
 
     def _commit(self, entry: ParkedEntry, staged: Staged | Put) -> None:
         """Under the lock: the spill of ``entry`` is on disk, or reported as not written."""
