@@ -358,3 +358,25 @@ def test_a_disk_filled_by_someone_else_loses_no_more_than_the_entry_needs(tmp_pa
     assert gone == ["a", "b", "f"]  # two freed more than f needs: then f is dropped
     assert sessions(lot, DISK) == {"c", "d", "e"}
     lot.close()
+
+
+# ------------------------------------------------------------------ two writers of one save
+
+
+def test_a_save_over_one_another_process_wrote_since_is_warned(tmp_path, recwarn):
+    from nbkv.core.errors import SaveOverwrittenWarning
+    from nbkv.store import persist
+    from nbkv.store.blobstore import write_file
+    from nbkv.store.save_checks import MANIFEST
+
+    write_file(tmp_path / MANIFEST, [b'{"mine": 1}'])
+    persist.warn_if_overwritten(tmp_path)  # never seen here: an old save, replaced quietly
+    persist.seen(tmp_path)  # ... this process wrote (or restored) it
+    persist.warn_if_overwritten(tmp_path)
+    assert not recwarn.list
+    write_file(tmp_path / MANIFEST, [b'{"theirs": 2}'])  # another process's save, renamed in
+    with pytest.warns(SaveOverwrittenWarning, match="another process"):
+        persist.warn_if_overwritten(tmp_path)
+    persist.seen(tmp_path)
+    persist.warn_if_overwritten(tmp_path)
+    assert not [w for w in recwarn.list if w.category is SaveOverwrittenWarning]

@@ -90,6 +90,14 @@ class SaveError(NbkvError, OSError):
     """
 
 
+class SaveOverwrittenWarning(UserWarning):
+    """A save replaced one that another writer wrote since this process last saw it.
+
+    Another process (or engine) saved to the same directory after this process last saved
+    or restored there: the last writer wins, and this save did.
+    """
+
+
 class RestoreError(NbkvError):
     """A save cannot be restored into this engine; the engine is left unchanged.
 
