@@ -380,3 +380,27 @@ def test_a_save_over_one_another_process_wrote_since_is_warned(tmp_path, recwarn
     persist.seen(tmp_path)
     persist.warn_if_overwritten(tmp_path)
     assert not [w for w in recwarn.list if w.category is SaveOverwrittenWarning]
+
+
+# ------------------------------------------------------------------ a save's unnamed entries
+
+
+def test_a_restore_does_not_park_an_unnamed_entry_beside_an_identical_one(tmp_path):
+    from dataclasses import replace
+
+    from nbkv.store import blobstore
+
+    lot = ParkingLot(ram_bytes=1 << 20)
+    for tokens, last_used in (((1, 2, 3, 4), 1), ((1, 2, 3, 5), 2)):
+        e = entry("x", tokens=tokens, last_used=last_used)
+        e.conversation = replace(e.conversation, session=None)
+        lot.park(e)
+    lot.park(entry("named", last_used=3))
+    saved = blobstore.Blobs()
+    items = lot.export(saved)
+    blobstore.write_blobs(tmp_path, saved)
+    again = lot.decode(items, blobstore.Reader(tmp_path, saved.table()))
+    placed = lot.import_(again)  # the same save restored into the lot it came from
+    assert len(lot) == 3  # was: 5, the two unnamed ones twice
+    assert sorted(p.session or "-" for p in placed) == ["-", "-", "named"]
+    assert all(e.key in lot for e in again)

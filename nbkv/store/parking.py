@@ -486,14 +486,22 @@ class ParkingLot:
                 ) -> list[ParkedInfo | None]:
         """Park decoded entries, least recently used first, beside those already parked.
 
-        ``replace`` forgets every entry first. Returns where each went (None: over the
-        budgets, dropped and announced).
+        ``replace`` forgets every entry first. An unnamed entry that one already parked
+        holds (unnamed, the same tokens, as far settled) is not parked twice: it takes that
+        entry's key. Returns where each went (None: over the budgets, dropped and announced).
         """
         with self._lock:
             if replace:
                 self.clear()
             out = []
             for e in sorted(entries, key=lambda e: (e.used_at, e.last_used)):
+                same = None if e.session is not None else next(
+                    (i for i in self.entries() if i.session is None and i.tokens == e.tokens
+                     and i.settled == e.settled), None)
+                if same is not None:
+                    e.key = same.key
+                    out.append(same)
+                    continue
                 info = self._park(e, force=True)  # the save's, asked for by name
                 self._counts["parks"] += 1
                 out.append(info)
