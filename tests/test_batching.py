@@ -75,3 +75,17 @@ def test_a_copied_set_is_independent():
     other.drop_after(4)
     assert cps.positions == (5,)
     assert other.positions == ()
+
+
+def test_message_boundaries_outlive_the_newest_checkpoints():
+    cps = CheckpointSet(max_entries=4)  # the newest 2 stay
+    cps.pin((30, 90))  # the system prompt's end, the second message's start
+    for pos in (30, 40, 90, 100, 150, 200, 250, 300):  # turns go on: 8 checkpoints for 4 places
+        cps.add(pos, pos, 1)
+    assert cps.positions == (30, 90, 250, 300)  # unpinned: (90, 150, 250, 300), the system end lost
+    cps.pin((30, 90, 150))  # more boundaries than room: the system prompt's end stays longest
+    cps.add(350, 350, 1)
+    assert cps.positions == (30, 90, 300, 350)
+    cps.pin((30, 150, 250, 300))
+    cps.add(400, 400, 1)
+    assert 30 in cps.positions and cps.copy().pinned == cps.pinned

@@ -40,7 +40,10 @@ if TYPE_CHECKING:
     from nbkv.engine.rewrite import Pace
     from nbkv.engine.slot_parking import Parker
     from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+    from nbkv.kv.invariance import PrefillRule
+    from nbkv.kv.slot_kv import MemoryInfo, SlotKV
     from nbkv.kv.spc import SystemPromptStore
+    from nbkv.prompt.builder import Prompt
     from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
@@ -209,11 +212,7 @@ class Placer:
                     parked=parked_to is not None, keep=kept)
         job.place(slot, reuse, memo, held_after)
         if mem.takes_checkpoints:
-            near = checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens))
-            if mem.kind == SWA:  # where a window put back continues exactly
-                near = tuple(restore_point(p.tokens, w, rule, mem.kind, mem.n_swa) for w in near)
-            job.stops = tuple(e for e in invariance.checkpoint_stops(p.tokens, near, rule)
-                              if e > reuse and restorable(mem.kind, mem.n_swa, e))
+            job.stops = plan_checkpoints(slot.kv, mem, rule, p, reuse)
         job.sampler = Sampler(job.params, self.res.model.n_vocab,
                               [t for t in p.tokens if isinstance(t, int)])
         imc = cfg.cache == "imc"
@@ -296,6 +295,23 @@ def checkpoint_wanted(every_cut: bool, ends: list[int], n: int) -> tuple[int, ..
     """
     every = range(CHECKPOINT_INTERVAL, n, CHECKPOINT_INTERVAL) if every_cut else ()
     return (*ends, *every, n - REPLY_TAIL, n)
+
+
+def plan_checkpoints(kv: SlotKV, mem: MemoryInfo, rule: PrefillRule, p: Prompt, reuse: int
+                     ) -> tuple[int, ...]:
+    """Where the prefill of ``p`` (from ``reuse``) stops to take checkpoints.
+
+    The stops of :func:`checkpoint_wanted`; on sliding-window memory, where a window put
+    back continues exactly. Those at ``p``'s message boundaries are pinned in ``kv``'s
+    checkpoints (:meth:`nbkv.kv.slot_kv.CheckpointSet.pin`): a return to an earlier message
+    resumes there, so they outlive the newest ones.
+    """
+    near = checkpoint_wanted(mem.checkpoints, p.ends, len(p.tokens))
+    if mem.kind == SWA:  # where a window put back continues exactly
+        near = tuple(restore_point(p.tokens, w, rule, mem.kind, mem.n_swa) for w in near)
+    kv.checkpoints.pin(invariance.checkpoint_stops(p.tokens, near[:len(p.ends)], rule))
+    return tuple(e for e in invariance.checkpoint_stops(p.tokens, near, rule)
+                 if e > reuse and restorable(mem.kind, mem.n_swa, e))
 
 
 def displaced(slot: EngineSlot, plan: policy.Plan, session: str | None) -> bool:

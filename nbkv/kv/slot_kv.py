@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,13 +143,17 @@ class Checkpoint:
 class CheckpointSet:
     """A slot's checkpoints, bounded in number and bytes: the newest kept, older ones thinned.
 
-    Pure bookkeeping: no llama.cpp here, so the choice of checkpoint is tested without one.
+    The positions :meth:`pin` names (where the prompt's messages start: a return to an
+    earlier message resumes there) are thinned last, the first of them (the system prompt's
+    end) only when nothing else is left. Pure bookkeeping: no llama.cpp here, so the choice
+    of checkpoint is tested without one.
     """
 
     max_entries: int = 8
     items: list[Checkpoint] = field(default_factory=list)  # sorted by pos
     _clock: Any = field(default_factory=lambda: itertools.count(1), repr=False)
     max_bytes: int | None = None  # None: no byte bound
+    pinned: frozenset[int] = frozenset()  # message boundaries: thinned last
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -172,12 +176,18 @@ class CheckpointSet:
             # end and just before it): they stay; of the older ones, the one closest to its
             # predecessor goes (least recently used on ties), so what is left stays spread
             # over the conversation and an edit of an early message still finds one near it
+            # (message boundaries last, the first of them never while another is left)
             old = self.items[: max(len(self.items) - self.keep_recent, 1)]
-            gaps = [(c.pos - (self.items[i - 1].pos if i else 0), c.used, i)
-                    for i, c in enumerate(old)]
-            victim = self.items.pop(min(gaps)[2])
+            first = min(self.pinned, default=-1)
+            gaps = [(c.pos == first, c.pos in self.pinned, c.pos - (
+                self.items[i - 1].pos if i else 0), c.used, i) for i, c in enumerate(old)]
+            victim = self.items.pop(min(gaps)[4])
             evicted.append(victim.pos)
         return evicted
+
+    def pin(self, positions: Iterable[int]) -> None:
+        """The message boundaries of the prompt being served: thinned last (:meth:`add`)."""
+        self.pinned = frozenset(positions)
 
     def _over_bytes(self) -> bool:
         return self.max_bytes is not None and self.nbytes > self.max_bytes
@@ -203,7 +213,8 @@ class CheckpointSet:
 
     def copy(self) -> CheckpointSet:
         """An independent set sharing the (immutable) checkpoint data."""
-        out = CheckpointSet(self.max_entries, _clock=self._clock, max_bytes=self.max_bytes)
+        out = CheckpointSet(self.max_entries, _clock=self._clock, max_bytes=self.max_bytes,
+                            pinned=self.pinned)
         out.items = [Checkpoint(c.pos, c.data, c.nbytes, c.used) for c in self.items]
         return out
 

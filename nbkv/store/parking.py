@@ -493,7 +493,7 @@ class ParkingLot:
         with self._lock:
             if replace:
                 self.clear()
-            out = []
+            out: list[ParkedInfo | None] = []
             for e in sorted(entries, key=lambda e: (e.used_at, e.last_used)):
                 same = None if e.session is not None else next(
                     (i for i in self.entries() if i.session is None and i.tokens == e.tokens
