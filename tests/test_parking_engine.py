@@ -24,7 +24,7 @@ from test_families import assert_kv_exact, model_for, user
 
 from conftest import assert_consistent, picture, run_py
 from nbkv import Engine
-from nbkv.core.events import RequestStarted
+from nbkv.core.events import ParkingDropped, RequestStarted
 from nbkv.engine.slot_parking import Parker
 from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import policy, reach
@@ -405,6 +405,33 @@ def test_a_bad_disk_entry_is_skipped_logged_and_rebuilt(disk_engine, oracle, cap
     assert any(manifest.name in m and says in m for m in warned), warned
     assert e.stats()["parked_skipped_corrupt"] == skipped + 1
     assert not manifest.exists() and "s0" not in parked_by_session(e)
+    assert_verified(e)
+
+
+def test_a_park_directory_turned_read_only_still_serves_and_admits(disk_engine, oracle):
+    """Issue 48: a disk error turns the directory read-only mid-session. The entry parked
+    there is served (was: a raw OSError [Errno 30]), and new conversations get in: each
+    slot they take is parked nowhere, announced (ParkingDropped), and nothing raises."""
+    from tests.test_park_faults import read_only
+
+    e, root = disk_engine
+    convs, info = park_s0_on_disk(e, oracle)
+    heard = []
+    unsub = e.subscribe(lambda ev: isinstance(ev, ParkingDropped) and heard.append(ev))
+    mp = pytest.MonkeyPatch()
+    read_only(mp, root)
+    try:
+        rec = say(e, oracle, convs["s0"], QUESTIONS[1], "s0")
+        assert rec.restored_from == "disk"
+        more = open_conversations(5)
+        for s in ("s3", "s4"):  # each takes a slot whose conversation cannot be parked
+            say(e, oracle, more[s], QUESTIONS[0], s)
+    finally:
+        mp.undo()
+    e.settle()
+    unsub()
+    assert heard and all("Read-only" in d.why for d in heard), [d.why for d in heard]
+    assert "s0" not in parked_by_session(e)
     assert_verified(e)
 
 
