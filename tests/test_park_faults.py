@@ -404,3 +404,13 @@ def test_a_restore_does_not_park_an_unnamed_entry_beside_an_identical_one(tmp_pa
     assert len(lot) == 3  # was: 5, the two unnamed ones twice
     assert sorted(p.session or "-" for p in placed) == ["-", "-", "named"]
     assert all(e.key in lot for e in again)
+
+
+def test_an_engines_entry_made_a_file_mid_session_is_announced_not_raised(tmp_path):
+    lot, a = on_disk(tmp_path)
+    shutil.rmtree(tmp_path / ENGINES)
+    (tmp_path / ENGINES).write_text("not a directory")
+    assert lot.take(a.key) is None  # was: InvalidRequestError out of a request
+    assert [d.session for d in lot.dropped] == ["a"]
+    assert "is a file" in lot.stats()["disk_gone"]
+    lot.close()

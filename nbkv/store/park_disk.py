@@ -513,7 +513,7 @@ class DiskTier:
             self._closer()  # the old lock (a finalizer runs once)
             self.dir = self._make_namespace()
             self._closer = weakref.finalize(self, _close_fd, self._fd)
-        except OSError as e:
+        except (OSError, InvalidRequestError) as e:  # (its engines entry made a file)
             self.gone = f"{self.root} cannot be written ({e})"
             log.warning("parking directory: %s; parked conversations stay in RAM", self.gone)
             ok = False
