@@ -365,7 +365,7 @@ def test_a_disk_filled_by_someone_else_loses_no_more_than_the_entry_needs(tmp_pa
 
 def test_a_save_over_one_another_process_wrote_since_is_warned(tmp_path, recwarn):
     from nbkv.core.errors import SaveOverwrittenWarning
-    from nbkv.store import persist
+    from nbkv.store import save_checks as persist
     from nbkv.store.blobstore import write_file
     from nbkv.store.save_checks import MANIFEST
 

@@ -36,7 +36,6 @@ import hashlib
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from nbkv.core.errors import RestoreError, SaveError, SaveOverwrittenWarning, UntrustedSaveError
+from nbkv.core.errors import RestoreError, SaveError, UntrustedSaveError
 from nbkv.core.events import SlotsChanged
 from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.core.protocol import Exportable, Parks
@@ -81,9 +80,11 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
     read_manifest,
     restream,
     save_root,
+    seen,
     stream_count,
     untrusted_message,
     uses_media,
+    warn_if_overwritten,
 )
 from nbkv.store.session_state import (
     check_session_state,
@@ -275,9 +276,7 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     total = sum(len(mv) for mv in blobs.data.values())
     with _locked(root, exclusive=True) as locked, \
             _bytes_task(progress, total, f"saving to {root}") as done:
-        warn_if_overwritten(root)
         written = _write(root, body, blobs, locked, done)
-        seen(root)
     rep = SaveReport(root, tuple(reports), tuple(cap.busy), len(spc_json), len(emb_json),
                      tuple(s["name"] for s in sess_json),
                      sum(len(mv) for mv in blobs.data.values()), written,
@@ -285,38 +284,6 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     engine.last_save = rep
     log.info("%s", rep)
     return rep
-
-
-#: each save directory's manifest as this process last wrote or read it (inode, mtime, size)
-_SEEN: dict[Path, tuple[int, int, int]] = {}
-
-
-def _stamp(root: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(root / MANIFEST)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-def seen(root: Path) -> None:
-    """Remember ``root``'s manifest as this process has just written or read it."""
-    stamp = _stamp(root)
-    if stamp is not None:
-        _SEEN[root.resolve()] = stamp
-
-
-def warn_if_overwritten(root: Path) -> None:
-    """Warn before a save replaces a manifest another writer replaced since :func:`seen`.
-
-    Called under the save directory's lock: a :class:`SaveOverwrittenWarning`.
-    """
-    before, now = _SEEN.get(root.resolve()), _stamp(root)
-    if before is not None and now is not None and now != before:
-        warnings.warn(SaveOverwrittenWarning(
-            f"the save in {root} was written by another process (or engine) since this one "
-            "last saved or restored it; this save replaces it (the last writer wins)"),
-            stacklevel=4)
 
 
 @contextlib.contextmanager
@@ -356,10 +323,12 @@ def _bytes_task(progress: Reporter | bool | None, total: int, what: str
 
 def _write(root: Path, body: dict[str, Any], blobs: Blobs, locked: bool = False,
            on_blob: Callable[[int], None] | None = None) -> int:
+    warn_if_overwritten(root)  # (under the lock, when there is one)
     try:
         written = write_blobs(root, blobs, on_blob)
         written += write_file(root / MANIFEST, [manifest_text(body).encode()])
         fsync_dir(root)
+        seen(root)
     except OSError as e:
         raise SaveError(f"could not write the save to {root}: {e} (the previous save there, "
                         "if any, is intact)") from e

@@ -15,10 +15,17 @@ import logging
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.errors import InvalidRequestError, NbkvError, RestoreError, UntrustedSaveError
+from nbkv.core.errors import (
+    InvalidRequestError,
+    NbkvError,
+    RestoreError,
+    SaveOverwrittenWarning,
+    UntrustedSaveError,
+)
 from nbkv.store.blobstore import body_checksum, untrusted
 
 if TYPE_CHECKING:
@@ -226,3 +233,35 @@ def offer(engine: Persistable, path: str | os.PathLike | None = None) -> str | N
                 "it back, recomputing every slot by a full prefill")
     return (f"a save of this notebook from {when} fits this engine ({n} slot(s); "
             f"{sessions}): %kvcache restore brings it back (or %kvcache load --restore)")
+
+
+#: each save directory's manifest as this process last wrote or read it (inode, mtime, size)
+_SEEN: dict[Path, tuple[int, int, int]] = {}
+
+
+def _stamp(root: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(root / MANIFEST)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def seen(root: Path) -> None:
+    """Remember ``root``'s manifest as this process has just written or read it."""
+    stamp = _stamp(root)
+    if stamp is not None:
+        _SEEN[root.resolve()] = stamp
+
+
+def warn_if_overwritten(root: Path) -> None:
+    """Warn before a save replaces a manifest another writer replaced since :func:`seen`.
+
+    Called under the save directory's lock: a :class:`SaveOverwrittenWarning`.
+    """
+    before, now = _SEEN.get(root.resolve()), _stamp(root)
+    if before is not None and now is not None and now != before:
+        warnings.warn(SaveOverwrittenWarning(
+            f"the save in {root} was written by another process (or engine) since this one "
+            "last saved or restored it; this save replaces it (the last writer wins)"),
+            stacklevel=5)
