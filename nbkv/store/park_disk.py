@@ -20,7 +20,9 @@ once its lock is held, so nobody sees it unlocked) and looks at the others. A na
 lock nobody holds is orphaned: its engine was closed, or its process died. Its entries that
 this engine can serve (signed by this user's key, same model, context, KV layout and build;
 another number of slots on plain attention, whose states are re-addressed when read) are
-adopted: moved into this engine's namespace, keeping their order of use. Entries of another
+adopted: copied into this engine's namespace (hard links where the file system allows) and
+committed there before their old manifests go, keeping their order of use
+(:mod:`nbkv.store.park_adopt`: a kill or a full disk meanwhile loses no entry). Entries of another
 identity are left where they are. What an orphaned namespace holds that none of its
 manifests names (the blobs and temporary files of a killed writer) is deleted, and an
 emptied one is removed. A namespace whose lock is held is never touched. The layout of nbkv
@@ -31,7 +33,10 @@ An entry that fails a check when it is read (truncated, corrupt, edited, not sig
 user's nbkv key) is never served: it is skipped with a warning naming its file and why, and
 deleted. If the directory is deleted while the engine runs, it is made again at the next
 write, and the entries it held are reported lost; where it cannot be made again,
-:attr:`DiskTier.gone` says why and nothing is written.
+:attr:`DiskTier.gone` says why and nothing is written. A directory that turns read-only
+still serves what it holds; a file it cannot delete is retried later; a write it refuses is
+reported (and the entry announced dropped by the lot). On a full disk, the oldest entries
+make room for a newer one.
 """
 
 from __future__ import annotations
