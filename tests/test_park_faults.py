@@ -343,6 +343,8 @@ def test_a_full_disk_during_a_take_over_loses_no_entry(tmp_path, link):
             mp.setattr(park_adopt, "write_file", fail(real_write))
             tier = DiskTier(root, identity=IDENTITY)  # the disk fills up while it takes over
             here = {i.key: bytes(tier.read(i.key).state) for i in tier.infos()}
+            named = {n for i in tier.infos() for n in tier._index[i.key].blobs}
+            assert {p.name for p in (tier.dir / "blobs").iterdir()} == named  # no copy left over
             tier.close()
         assert len(here) <= 3
         assert adopted(root) == want, f"disk full at write {at}"

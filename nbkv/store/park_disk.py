@@ -216,6 +216,7 @@ class DiskTier:
             raise InvalidRequestError(f"park_dir {str(self.root)!r} cannot be used: {e}") from e
         self._closer = weakref.finalize(self, _close_fd, self._fd)
         adopt_orphans(self)
+        self._sweep()  # the copies of an adoption cut short (a full disk): no manifest names them
         self._fit_budget()
 
     # ------------------------------------------------------------------ what is there
