@@ -85,7 +85,7 @@ def test_first_continued_copied_edited_system_evicted_cleared(engine):
     victim = rec.evicted_session
     assert victim in ("alice", "bob")
     if rec.reused_tokens:  # it kept the template's opening it shares with the victim's slot
-        assert rec.reason == reasons.COPIED and f"held {victim}'s conversation" in \
+        assert rec.reason == reasons.SHARED and f"held {victim}'s conversation" in \
             rec.reason_text
     else:
         assert rec.reason == reasons.FIRST

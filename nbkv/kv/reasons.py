@@ -28,17 +28,18 @@ from nbkv.core.codes import (
     RELOADED,
     REPLAYED,
     RESTORED,
+    SHARED,
     SYSTEM_CHANGED,
     TEMPLATE_DRIFT,
     UNCACHED,
     common_prefix,
     tier_words,
 )
-from nbkv.core.events import WINDOW, Divergence
+from nbkv.core.events import REUSED, WINDOW, Divergence
 
 __all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
            "IMAGE_CHANGED", "OVERFLOW", "PARKED", "REASONS", "RELOADED", "REPLAYED", "RESTORED",
-           "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Divergence"]
+           "SHARED", "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Divergence"]
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def explain(
                                   f"shared start) were copied from {donor_session}'s slot")
         if reuse:  # the start it shares with the conversation the slot held, kept in place
             held = f"{kept_from}'s conversation" if kept_from else "another conversation"
-            return Reason(COPIED, f"{who} was not cached; the slot it got held {held}, whose "
+            return Reason(SHARED, f"{who} was not cached; the slot it got held {held}, whose "
                                   f"first {reuse} tokens it shares, so those were kept")
         return Reason(FIRST, f"nothing of {who} was cached")
     div = _branch(own, tokens, ends, roles)
@@ -264,6 +265,9 @@ class Explanation:
     cached_tail: str
     new_head: str
     new_tail: str
+    #: what became of ``cached_tail``: "trimmed" (cut from the slot), or "reused" for a
+    #: replayed request (its reply given again, the later turns kept)
+    tail_state: str = "trimmed"
 
 
 #: requests whose cached and new units are kept for :func:`explain_request`
@@ -295,4 +299,5 @@ def explain_request(records: Sequence[Any], compared: Mapping[int, tuple[Sequenc
     cut = rec.divergence.position if rec.divergence is not None else min(
         common_prefix(cached, new), len(cached))
     return Explanation(rec, text_of(cached[:cut]), text_of(cached[cut:]), text_of(new[:cut]),
-                       text_of(new[cut:]))
+                       text_of(new[cut:]),
+                       REUSED if getattr(rec, "reason", "") == REPLAYED else "trimmed")

@@ -324,7 +324,7 @@ def parked(ws: Workspace, args: Any) -> Any:
     lot = getattr(engine, "parking", None)
     if lot is None or not isinstance(engine, Parks):
         return disp.Message("parking is off for this engine (nothing is parked)")
-    rows = tuple((i.session or "(unnamed)", vocab.tier_words(i.tier), f"{i.n_tokens:,}",
+    rows = tuple((vocab.parked_name(i), vocab.tier_words(i.tier), f"{i.n_tokens:,}",
                   f"{i.nbytes / 2**20:.1f} MiB") for i in engine.parked())
     st = lot.stats()
     notes = [f"{len(rows)} parked; RAM {st['ram_bytes'] / 2**20:.1f} of "

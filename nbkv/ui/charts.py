@@ -418,6 +418,7 @@ class Point:
     prompt: int
     text: str  # the request in words (its hover)
     ttft_text: str  # its first-token time in parts
+    cell: str = ""  # the notebook cell that sent it (``[3]``'s 3), when known
 
 
 def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50) -> list[Point]:

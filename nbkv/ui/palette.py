@@ -32,6 +32,8 @@ BRANCH_COLOR = "#444c56"
 #: also hatched and struck through, so the two never look alike
 TRIMMED_TINT = "#f4b4b2"
 PREFILLED_TINT = "#ffe680"
+#: ... and a replayed request's cached side: its reply given again, the later turns kept
+REUSED_TINT = "#bfe3cf"
 
 #: neutral ink: text, marks, grids and backgrounds
 INK = "#222222"  # marks (checkpoints, divergence), strong text

@@ -152,7 +152,7 @@ def shelf_html(parked: Sequence[Any]) -> str:
     term = vocab.PARKING["parked"]
     rows = "".join(
         f'<div class="nbkv-parked" data-session="{esc(p.session or "")}">'
-        f"{esc(p.session or '-')} · {len(p.tokens):,} tokens · {size_text(p.nbytes)} · "
+        f"{esc(vocab.parked_name(p))} · {len(p.tokens):,} tokens · {size_text(p.nbytes)} · "
         f"{tip(vocab.PARKING[p.tier].tip, esc(vocab.tier_words(p.tier)), 'nbkv-tier')}</div>"
         for p in parked)
     total = size_text(sum(p.nbytes for p in parked))

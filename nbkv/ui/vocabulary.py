@@ -63,6 +63,9 @@ EVENTS = _table(
          "a shared start (such as a system prompt) was copied from another conversation's "
          "slot instead of being read again", _BAR, "/",
          ("prefix-salvage", "token prefix salvaged")),
+    Term("shared", "shared start kept",
+         "a new conversation got a slot whose conversation starts the same way (such as a "
+         "system prompt): those tokens were kept in place, nothing was copied", _BAR, "-"),
     Term("reloaded", "engine reloaded",
          "the engine was loaded again (%kvcache load): its cache started empty, so the "
          "conversation was read again", _BAR, "+"),
@@ -246,8 +249,26 @@ def restored(record: Any) -> str:
 
 
 def bar(record: Any) -> Term:
-    """The timeline bar of a request: a restore is its own kind, else the event's."""
+    """The timeline bar of a request: a restore is its own kind, else the event's.
+
+    A replayed request is drawn as replayed even when a parked conversation was restored
+    first (its figures line, ``explain`` and the charts all say "replayed").
+    """
+    if getattr(record, "reason", "") == "replayed":
+        return EVENTS["replayed"]
     return EVENTS["restored"] if getattr(record, "restored_from", "") else event(record)
+
+
+def parked_name(entry: Any) -> str:
+    """A parked conversation's name: its session, or whose earlier branch it is.
+
+    An edit's old branch is parked unnamed (``session`` None, ``branch_of`` the session it
+    was cut from): ``bob's earlier branch``.
+    """
+    if getattr(entry, "session", None) is not None:
+        return str(entry.session)
+    who = getattr(entry, "branch_of", None)
+    return f"{who}'s earlier branch" if who is not None else "an earlier branch"
 
 
 def lru_tip(rank: int, used: int) -> str:
