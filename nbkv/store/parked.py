@@ -124,8 +124,9 @@ def entry_json(e: ParkedEntry, blobs: Blobs) -> dict[str, Any]:
         "segments": [segment_json(g) for g in c.segments], "settled": c.settled,
         "exact_len": e.exact_len, "last_request": c.last_request, "last_used": c.last_used,
         "used_at": c.used_at, "nbytes": e.nbytes, "state": blobs.add(e.state),
-        "branch_of": e.branch_of,
         "checkpoints": [{"pos": pos, "blob": blobs.add(d)} for pos, d in e.checkpoints],
+        # an unnamed branch's session (written only then: the format of the rest is as it was)
+        **({"branch_of": e.branch_of} if e.branch_of is not None else {}),
     }
 
 

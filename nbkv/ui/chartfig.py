@@ -31,8 +31,9 @@ from nbkv.ui.palette import (
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 #: the longest message text a hover carries (the figure stays small)
 HOVER_CHARS = 80
-_HOVER_BAR = ("%{customdata[0]} · message %{customdata[1]} · %{customdata[2]}<br>"
-              "tokens %{customdata[3]}–%{customdata[4]}<br>%{customdata[5]}<extra></extra>")
+#: a span's hover: its kind's words, then message, role, token range and text (customdata)
+_HOVER_BAR = ("{words} · message %{{customdata[0]}} · %{{customdata[1]}}<br>"
+              "tokens %{{customdata[2]}}–%{{customdata[3]}}<br>%{{customdata[4]}}<extra></extra>")
 
 
 def _short(text: str) -> str:
@@ -60,19 +61,23 @@ def _map_bars(m: MapModel) -> list[dict[str, Any]]:
             continue
         words, color = BARS[name]
         thin = {"trimmed": (0.25, 0.1), "held": (0.2, -0.45)}.get(name)
+        # a request row's span: its message's text is on the message row above it
+        texts = [_short(b.text) if not b.row.endswith(" · request") or name in ("trimmed",)
+                 else "" for b in bars]
         trace: dict[str, Any] = {
             "type": "bar", "orientation": "h", "name": words, "legendgroup": name,
             "y": [b.row for b in bars], "x": [b.end - b.start for b in bars],
             "base": [b.start for b in bars],
-            "marker": {"color": color, "opacity": [b.shade for b in bars],
-                       "line": {"color": PAPER, "width": 1}},
-            "customdata": [[words, b.message, b.role, b.start, b.end, _short(b.text)]
-                           for b in bars],
-            "hovertemplate": _HOVER_BAR, "meta": {"nbkv": name},
+            "marker": {"color": color, "line": {"color": PAPER, "width": 1}},
+            "customdata": [[b.message, b.role, b.start, b.end, t]
+                           for b, t in zip(bars, texts, strict=True)],
+            "hovertemplate": _HOVER_BAR.format(words=words), "meta": {"nbkv": name},
         }
+        if any(b.shade != 1.0 for b in bars):
+            trace["marker"]["opacity"] = [b.shade for b in bars]
         if thin is not None:
             trace["width"], trace["offset"] = thin
-            trace["hovertemplate"] = "%{customdata[0]}: %{customdata[5]}<extra></extra>"
+            trace["hovertemplate"] = f"{words}: %{{customdata[4]}}<extra></extra>"
         traces.append(trace)
     return traces
 
