@@ -149,3 +149,45 @@ def test_the_conversation_view_says_a_parked_conversation_comes_back():
     for view in (conversation_html([s], (), parked), conversation_text([s], (), parked)):
         assert "parked on disk: 40 tokens (its next turn restores them)" in view
     assert "not in KV now (its next turn rebuilds it)" in conversation_html([s])
+
+
+def test_displayed_charts_are_plotly_outputs_updated_in_place_and_small(quiet):
+    """Displayed, the KV map and the timeline are outputs of their own (plotly figure and
+    PNG, no HTML), sent again only when they changed, each update <= 100 kB, a lesson's
+    worth of updates <= 1 MB; the widget does not draw them again as SVG."""
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import PLOTLY_MIME
+    from nbkv.ui.widgets import KVMap
+
+    ipython_shell()
+    eng = Engine()
+    feed = Feed(eng, live=False)
+    tl, kv = Timeline(eng, feed), KVMap(eng, feed)
+    with capture_output() as cap:
+        display(tl)
+        display(kv)
+    assert len(cap.outputs) == 6  # each: the live view, its snapshot, its chart
+    charts = [o for o in cap.outputs if PLOTLY_MIME in o.data]
+    assert len(charts) == 2 and all("image/png" in o.data and "text/html" not in o.data
+                                    for o in charts)
+    assert charts[1].data[PLOTLY_MIME]["layout"]["yaxis"]["categoryarray"] == [
+        "slot 0", "slot 0 · request", "slot 1", "slot 1 · request"]
+    assert not tl.svg and not kv.svg
+    (chart,) = tl.chart_outputs
+    for i in range(1, 31):  # a lesson's requests, the chart refreshed after each
+        eng.bus.publish(RequestFinished(restore_record(i, reason="replayed" if i > 15
+                                                       else "restored")))
+        feed.flush()
+        with capture_output() as cap:
+            assert chart.refresh()
+        (update,) = cap.outputs
+        assert update.transient == charts[0].transient  # the same output, updated
+        assert chart.refresh() is False  # nothing changed: nothing sent
+    assert tl.view.value == "" and "<svg" not in tl.static_html()
+    assert max(chart.sizes) <= 100_000 and sum(chart.sizes) <= 1_000_000
+    shown = update.data[PLOTLY_MIME]
+    replayed = [t for t in shown["data"] if t.get("meta", {}).get("nbkv") == "replayed"]
+    assert replayed and len(replayed[0]["x"]) == 15
