@@ -164,7 +164,7 @@ def _ttft_traces(pts: Sequence[Point], xs: list[str]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{
         "type": "scatter", "mode": "lines+markers", "name": "first token", "x": xs,
         "y": [p.ttft_ms for p in pts], "yaxis": "y2",
-        "text": [f"{p.text}<br>{p.ttft_text}".replace("\n", "<br>") for p in pts],
+        "text": [f"request {p.id}<br>{p.ttft_text}" for p in pts],  # its words: panel 1
         "hovertemplate": "%{text}<extra></extra>", "line": {"color": NEUTRAL, "width": 1.5},
         "marker": {"size": 6, "color": NEUTRAL}, "meta": {"nbkv": "ttft"}}]
     est = [(x, p.estimate_ms) for x, p in zip(xs, pts, strict=True) if p.estimate_ms is not None]
