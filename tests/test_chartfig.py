@@ -176,3 +176,11 @@ def test_explain_draws_a_replayed_reply_as_reused_not_trimmed():
     edited = explain_request(history, compared, text_of, 2)
     assert edited.tail_state == "trimmed"
     assert EXPLAIN_TRIMMED in ExplainReport(edited)._repr_html_()
+
+
+def test_counts_are_words_never_s_in_brackets():
+    from nbkv.core.codes import counted
+
+    assert [counted(n, "message") for n in (0, 1, 3)] == ["0 messages", "1 message",
+                                                          "3 messages"]
+    assert counted(2, "parked conversation") == "2 parked conversations"

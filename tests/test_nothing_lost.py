@@ -112,14 +112,14 @@ def test_clear_keeps_the_parked_conversations_and_says_so(clean, oracle, tier):
     say(e, oracle, x, QUESTIONS[0], "x")
     fill_slots(e, oracle)
     said = e.clear()
-    assert "1 parked conversation(s) kept" in said and "o0" in said and "o1" in said
+    assert "1 parked conversation kept" in said and "o0" in said and "o1" in said
     assert all(s.empty for s in e.slots()) and list(parked(e)) == ["x"]
     back = say(e, oracle, x, QUESTIONS[1], "x")
     assert back.reason == RESTORED and back.restored_from == tier
     assert_verified(e)
     fill_slots(e, oracle, start=2)  # x parked again
     said = e.clear(parked=True)
-    assert "; 1 parked conversation(s)" in said and e.parked() == ()
+    assert "; 1 parked conversation" in said and e.parked() == ()
 
 
 # ------------------------------------------------------------------ (c) unnamed conversations

@@ -48,6 +48,11 @@ PARKED = "parked"
 TIERS = {"ram": "RAM", "disk": "disk", "server-ram": "the server's RAM"}
 
 
+def counted(n: int, word: str, many: str = "") -> str:
+    """``1 message``, ``3 messages``: a count and its noun, never ``message(s)``."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
 def tier_words(tier: str) -> str:
     """``RAM`` or ``disk``: where a conversation was parked."""
     return TIERS.get(tier, tier)

@@ -33,6 +33,7 @@ from nbkv.core.codes import (
     TEMPLATE_DRIFT,
     UNCACHED,
     common_prefix,
+    counted,
     tier_words,
 )
 from nbkv.core.events import REUSED, WINDOW, Divergence
@@ -143,9 +144,10 @@ def explain(
               if donor_session is not None and reuse else "")
     if dropped:
         div = find_divergence(own.tokens, tokens, ends, roles) if own is not None else None
-        return Reason(OVERFLOW, f"the conversation outgrew its slot: the {dropped} oldest "
-                                f"message(s) were dropped, so the cache matched only up to "
-                                f"where they were{copied}", div)
+        oldest = ("the oldest message was" if dropped == 1
+                  else f"the {dropped} oldest messages were")
+        return Reason(OVERFLOW, f"the conversation outgrew its slot: {oldest} dropped, so the "
+                                f"cache matched only up to where they were{copied}", div)
     if restored is not None:
         return _restored(who, session, trace, restored, tokens, ends, roles, reuse, wanted,
                          can_trim)
@@ -202,8 +204,8 @@ def explain(
             code, text = SYSTEM_CHANGED, f"the system prompt changed at token {div.position}"
         else:
             code = EDITED
-            text = (f"kept {k} message(s), re-read from message {k} ({div.role}, edited) at "
-                    f"token {div.position}")
+            text = (f"kept {counted(k, 'message')}, re-read from message {k} ({div.role}, "
+                    f"edited) at token {div.position}")
     if not can_trim and reuse < wanted:
         return Reason(CHECKPOINT, text + _checkpoint_note(reuse, wanted), div)
     return Reason(code, text, div)

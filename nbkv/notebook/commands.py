@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.codes import counted
 from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.protocol import ClearsParked, Parks, Saves, Verifiable
@@ -153,7 +154,7 @@ def _kept(ws: Workspace, args: Any) -> Any:
     ws.sync_autosave()
     kept = sum(1 for s in engine.slots() if s.tokens)
     parked = len(engine.parked()) if isinstance(engine, Parks) else 0
-    what = f"{kept} slot(s) in use" + (f", {parked} parked" if parked else "")
+    what = f"{counted(kept, 'slot')} in use" + (f", {parked} parked" if parked else "")
     line = (f"kept the loaded engine: same model and settings, so its caches stay ({what}); "
             "%kvcache load --reload starts afresh")
     if args.restore:

@@ -204,7 +204,7 @@ def event(record: Any) -> Term:
 
 
 def reason_line(record: Any) -> str:
-    """``edited message: kept 3 message(s), re-read from ...``: the event's words and why."""
+    """``edited message: kept 3 messages, re-read from ...``: the event's words and why."""
     term = event(record)
     detail = getattr(record, "reason_text", "")
     return f"{term.words}: {detail}" if detail else term.words
