@@ -292,7 +292,7 @@ def test_where_the_cut_is_told_in_turns():
                                                                "prefilled")])
     assert cut_from(rec, (0, 1, 1, 2)) == "turn 2's reply"
     change = TurnChange("alice", 2, "replaced", CellRef("c", 3), (3, 4), (0, 1, 1, 2))
-    assert change.describe(rec) == ("re-ran cell [3]: replaced turn 2 of alice · cut 10 "
+    assert change.describe(rec) == ("re-ran cell [3]: replaced turn 2 of alice · trimmed 10 "
                                     "tokens from turn 2's reply onwards · turns 3–4 are now "
                                     "stale")
     assert TurnChange("a", 1, "appended").describe(rec) == ""
@@ -588,7 +588,7 @@ def test_cells_are_turns_in_a_real_kernel(kernel, model_path):
     assert rec["strategy"] == "hash-hit" and rec["reused"] == rec["prompt"] - 2
     assert rec["trimmed"] > 0  # the old reply and turn 3 were cut from the slot
     assert (f"why: re-ran cell [{n}]: turn 2 of alice is the same as before, so the turns "
-            f"after it stay · cut {rec['trimmed']} tokens from turn 2's reply onwards") in out
+            f"after it stay · trimmed {rec['trimmed']} tokens from turn 2's reply onwards") in out
 
     # edit cell 2 and re-run it: the cut lands in the edited message
     edited = "%%chat alice\nAnd what does a hard disk do?"

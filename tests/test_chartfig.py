@@ -184,3 +184,54 @@ def test_counts_are_words_never_s_in_brackets():
     assert [counted(n, "message") for n in (0, 1, 3)] == ["0 messages", "1 message",
                                                           "3 messages"]
     assert counted(2, "parked conversation") == "2 parked conversations"
+
+
+# Machado, Oliveira and Fernandes (2009), severity 1: linear RGB as a protanope or a
+# deuteranope sees it
+MACHADO = {
+    "protanopia": ((0.152286, 1.052583, -0.204868), (0.114503, 0.786281, 0.099216),
+                   (-0.003882, -0.048116, 1.051998)),
+    "deuteranopia": ((0.367322, 0.860646, -0.227968), (0.280085, 0.672501, 0.047413),
+                     (-0.011820, 0.042940, 0.968881)),
+}
+
+
+def _lab(color: str, vision: str | None) -> tuple[float, float, float]:
+    """CIELAB of an sRGB colour, as seen with ``vision`` (None: normal)."""
+    srgb = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in srgb]
+    if vision:
+        lin = [min(max(sum(m * c for m, c in zip(row, lin, strict=True)), 0.0), 1.0)
+               for row in MACHADO[vision]]
+    xyz = [sum(m * c for m, c in zip(row, lin, strict=True)) / w for row, w in zip(
+        ((0.4124, 0.3576, 0.1805), (0.2126, 0.7152, 0.0722), (0.0193, 0.1192, 0.9505)),
+        (0.95047, 1.0, 1.08883), strict=True)]
+    f = [v ** (1 / 3) if v > 0.008856 else 7.787 * v + 16 / 116 for v in xyz]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+def test_the_key_colours_stay_apart_for_red_green_colour_blindness():
+    from nbkv.ui.palette import RESTORED_COLOR, ROLE_COLORS, TODO_COLOR
+
+    key_pairs = [  # drawn side by side, each pair in one chart
+        (COLORS["reused"], COLORS["prefilled"]), (COLORS["reused"], COLORS["trimmed"]),
+        (COLORS["prefilled"], COLORS["trimmed"]), (COLORS["reused"], COLORS["generated"]),
+        (COLORS["prefilled"], TODO_COLOR), (REPLAYED_COLOR, COLORS["reused"]),
+        (RESTORED_COLOR, COLORS["reused"]), (REPLAYED_COLOR, RESTORED_COLOR),
+        (ROLE_COLORS["user"], ROLE_COLORS["assistant"]),
+        (ROLE_COLORS["system"], ROLE_COLORS["user"]),
+        (ROLE_COLORS["user"], COLORS["generated"]),
+        (ROLE_COLORS["assistant"], COLORS["generated"])]
+    for a, b in key_pairs:
+        for vision in (None, "protanopia", "deuteranopia"):
+            la, lb = _lab(a, vision), _lab(b, vision)
+            delta = sum((x - y) ** 2 for x, y in zip(la, lb, strict=True)) ** 0.5
+            assert delta >= 25, (a, b, vision, round(delta, 1))
+
+
+def test_one_hatch_per_kind_of_event_and_mirror_images_never_both():
+    shapes = {t.code: t.pattern for t in vocab.EVENTS.values()}
+    assert shapes["copied"] != shapes["edited"]
+    used = set(shapes.values())
+    assert not {"/", "\\"} <= used  # a diagonal and its mirror look alike at bar size
+    assert shapes["copied"] == shapes["shared"] != shapes["continued"]

@@ -267,7 +267,8 @@ def test_kv_map_shows_messages_states_and_progress(engine, story):
     want = by_message([s for s in segs if s.state != "generated"], rec.slot)
     assert {k: on_slot(started.bars[k], rec.slot) for k in want} == want
     assert set(want) == {"system", "user", "assistant"}
-    assert list(started.opacity["user"]) == [0.7, 0.7]  # odd messages shaded
+    # solid, neighbours parted by a white edge: pale means "read new" on every surface
+    assert list(started.opacity["user"]) == [1.0, 1.0]
     # hover: message index, role, token range, preview
     first_user = started.hover["user"][0]
     assert first_user[:2] == [1, "user"] and first_user[4].startswith("What is a CPU?")

@@ -218,7 +218,7 @@ class Bar:
     message: int | str  # the message index ("-" for a trimmed band)
     role: str
     text: str  # the message's start, the image, or what was trimmed
-    shade: float = 1.0  # odd messages are drawn lighter, so that neighbours stand apart
+    shade: float = 1.0  # drawn lighter (a request row's span read new: pale on every surface)
 
 
 @dataclass
@@ -280,7 +280,8 @@ def kvmap_model(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Req
         run = running.get(s.index)
         segs = run.record.segments if run is not None else s.segments
         for seg in messages(segs):
-            m.bars[role_key(seg)].append(_bar(top, seg, 1.0 if seg.message % 2 == 0 else 0.7))
+            # solid: pale means "read new" on every surface; a white edge parts neighbours
+            m.bars[role_key(seg)].append(_bar(top, seg))
         for name, seg in states(segs, run):
             m.bars[name].append(_bar(bottom, seg))
         if getattr(s, "server_cached", None):
@@ -340,7 +341,7 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
             title = (f"{words} · message {b.message} · {b.role} · tokens {b.start}–{b.end}: "
                      f"{b.text}")
             out.append(svg_rect(x(b.start), ys[b.row], x(b.end) - x(b.start), row, color, title,
-                             shade + f' data-bar="{esc(name)}"'))
+                             shade + f' stroke="{PAPER}" data-bar="{esc(name)}"'))
     for label, pos in m.checkpoints:
         if pos <= right:
             out.append(f'<line x1="{x(pos):.1f}" x2="{x(pos):.1f}" y1="{ys[label] - 2}" '

@@ -6,9 +6,11 @@ No other module spells a colour (``tests/test_vocabulary.py`` checks it); what e
 
 from __future__ import annotations
 
-#: what happened to KV positions in a request
-COLORS = {"reused": "#2e9e5b", "prefilled": "#f08c2e", "generated": "#8e5cc7",
-          "trimmed": "#d9534f"}
+#: what happened to KV positions in a request. Told apart by lightness as well as hue, so
+#: that they read for red-green colour blindness too (``tests/test_chartfig.py`` simulates
+#: it): reused mid green, read new light orange, generated dark violet, trimmed dark red
+COLORS = {"reused": "#2e9e5b", "prefilled": "#f08c2e", "generated": "#4b2c7a",
+          "trimmed": "#7f0000"}
 #: prompt positions of a request in flight that are still to be read
 TODO_COLOR = "#f8d3ad"
 #: the positions an image's embeddings occupy

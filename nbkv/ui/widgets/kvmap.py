@@ -1,8 +1,8 @@
 """KV position map: what each slot's positions hold, and what the latest request did to them.
 
-Per slot, two rows over positions ``0..capacity``: the messages (coloured by role,
-alternating shade per message, image spans marked) and the slot's latest request (reused,
-read new, generated, with the trimmed span as a thin red band); checkpoints (hybrid and
+Per slot, two rows over positions ``0..capacity``: the messages (coloured by role, solid,
+parted by a white edge, image spans marked) and the slot's latest request (reused, read
+new, generated, with the trimmed span as a thin dark-red band); checkpoints (hybrid and
 recurrent models) are ticks on the messages row. Hover a span for its message index, role,
 token range and a preview. A request in flight is drawn as it progresses.
 
