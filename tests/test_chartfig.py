@@ -235,3 +235,14 @@ def test_one_hatch_per_kind_of_event_and_mirror_images_never_both():
     used = set(shapes.values())
     assert not {"/", "\\"} <= used  # a diagonal and its mirror look alike at bar size
     assert shapes["copied"] == shapes["shared"] != shapes["continued"]
+
+
+def test_the_latest_replys_span_says_the_reply_not_generation_prompt():
+    from nbkv.kv.segments import message_segments
+
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    segs = message_segments(msgs, [12, 20], 24, 20, 30, "Hello there.")
+    merged = charts.messages(segs)
+    assert [(s.start, s.end, s.preview) for s in merged][-1] == (20, 30, "Hello there.")
+    waiting = message_segments(msgs, [12, 20], 24, 20, 24, "")  # no reply yet
+    assert charts.messages(waiting)[-1].preview == "(generation prompt)"
