@@ -310,6 +310,10 @@ def test_conversation_view_shows_states_counts_branches_and_forks():
     page = conversation_html(list(store))
     assert page.count('data-state="stale"') == 1 and page.count('data-state="live"') == 3
     assert "[11]" in page and "[20]" in page and "[21]" in page
+    # each cell beside the request it sent, as the charts number it (#5 [3])
+    ids = [t.record.id for t in a.turns if t.record is not None]
+    assert ids and all('class="nbkv-request-id"' in page and f">#{n}</span>" in page
+                       for n in ids)
     assert "⎇ re-run: turn 3 answered on its earlier version" in page
     # the fork is drawn once, under alice's turn 2, with only its own turn
     assert page.count('class="nbkv-fork"') == 1 and "forked after turn 2" in page

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -85,7 +84,10 @@ def test_a_second_run_all_is_drawn_replayed_everywhere():
 
 
 def test_request_numbers_carry_their_cells():
-    pts = [replace(p, cell=str(p.id + 2)) for p in charts.timeline_points(session())]
+    cells = {r.id: SimpleNamespace(label=f"[{r.id + 2}]") for r in session()}
+    pts = charts.timeline_points(session(), cell_of=lambda r: cells.get(r.id))
+    assert pts[0].cell == "[3]" and pts[0].text.startswith("request 1 · alice · cell [3]\n")
+    assert charts.timeline_points(session())[0].cell == ""
     fig = chartfig.timeline_figure(pts)
     assert fig["layout"]["xaxis"]["categoryarray"][:2] == ["#1 [3]", "#2 [4]"]
     assert "cell" in fig["layout"]["xaxis"]["title"]["text"]

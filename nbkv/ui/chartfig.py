@@ -131,7 +131,7 @@ def kvmap_figure(m: MapModel) -> dict[str, Any]:
 
 def point_label(p: Point) -> str:
     """A request on the timeline's x axis: its number, and its cell's when known."""
-    return f"#{p.id}" + (f" [{p.cell}]" if p.cell else "")
+    return f"#{p.id}" + (f" {p.cell}" if p.cell else "")
 
 
 def _salvage_traces(pts: Sequence[Point], xs: list[str]) -> list[dict[str, Any]]:

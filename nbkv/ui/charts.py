@@ -11,7 +11,7 @@ Hover a bar for its message, role, token range and text (SVG ``<title>``). Colou
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -419,19 +419,30 @@ class Point:
     prompt: int
     text: str  # the request in words (its hover)
     ttft_text: str  # its first-token time in parts
-    cell: str = ""  # the notebook cell that sent it (``[3]``'s 3), when known
+    cell: str = ""  # the notebook cell that sent it (``[3]``), when known
 
 
-def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50) -> list[Point]:
-    """The latest ``max_requests`` requests as the timeline draws them."""
+def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50,
+                    cell_of: Callable[[RequestRecord], Any] | None = None) -> list[Point]:
+    """The latest ``max_requests`` requests as the timeline draws them.
+
+    ``cell_of(record)``: the notebook cell that sent it (a ``label`` such as ``[3]``, or
+    None), so that request numbers and cell numbers name each other.
+    """
     rate = prefill_rate(history)
     out = []
     for r in list(history)[-max_requests:]:
         est = no_cache_ttft(r, rate)
+        ref = cell_of(r) if cell_of is not None else None
+        cell = str(getattr(ref, "label", "")) if ref is not None else ""
+        text = request_text(r)
+        if cell:
+            head, _, rest = text.partition("\n")
+            text = f"{head} · cell {cell}\n{rest}"
         out.append(Point(r.id, vocab.bar(r).code if r.reused_tokens else "nothing-reused",
                          r.salvage_pct, r.ttft_s * 1000, None if est is None else est * 1000,
                          r.reused_tokens, r.prefilled_tokens, r.prompt_tokens,
-                         request_text(r), ttft_text(r)))
+                         text, ttft_text(r), cell))
     return out
 
 

@@ -236,7 +236,7 @@ def timeline_png(pts: Sequence[Point], width: int = WIDTH) -> bytes:
     every = max(1, n // 12)
     for i, p in enumerate(pts):
         if i % every == 0:
-            c.text(cx(i), y0 + 6, f"#{p.id}" + (f" [{p.cell}]" if p.cell else ""), 10, MUTED,
+            c.text(cx(i), y0 + 6, f"#{p.id}" + (f" {p.cell}" if p.cell else ""), 10, MUTED,
                    "ms")
     c.text(left + pw / 2, y0 + 20, "request # [cell]", 11, TEXT, "ms")
     seen = list(dict.fromkeys(p.bar for p in pts))

@@ -39,7 +39,8 @@ class CacheDashboard(Displayed, W.VBox):
         self.feed.attach(self)
         self.slots = SlotCards(engine, self.feed)
         self.kvmap = KVMap(engine, self.feed)
-        self.timeline = Timeline(engine, self.feed)
+        self.timeline = Timeline(engine, self.feed,
+                                 cell_of=getattr(sessions, "cell_of", None))
         self.conversations = Conversations(engine, self.feed, sessions)  # default: the kernel's
         self.legend = W.HTML(legend_html())
         self.hider = W.HTML()

@@ -38,8 +38,10 @@ class Timeline(FeedView, W.VBox):
                           "displayed: its plotly chart is an output of its own)")
 
     def __init__(self, engine: Any, feed: Feed | None = None, max_requests: int = 50,
-                 **kw: Any) -> None:
+                 cell_of: Any = None, **kw: Any) -> None:
         self.engine = engine
+        #: the notebook cell that sent a request (``record -> CellRef | None``), when known
+        self.cell_of = cell_of
         self.points: list[Point] = []
         self._drawn: tuple[Any, ...] = ()
         self.hider = W.HTML()
@@ -68,7 +70,7 @@ class Timeline(FeedView, W.VBox):
         if key == self._drawn:
             return
         self._drawn = key
-        self.points = charts.timeline_points(history, self.max_requests)
+        self.points = charts.timeline_points(history, self.max_requests, self.cell_of)
         with self.hold_sync():
             self.view.value = charts.draw_timeline(self.points) if self.svg else ""
             self.shown = len(self.points)
@@ -80,7 +82,7 @@ class Timeline(FeedView, W.VBox):
 
     def chart(self) -> tuple[dict[str, Any], Any, str]:
         """The timeline now: its plotly figure, a function drawing its PNG, its text."""
-        pts = charts.timeline_points(self.engine.history, self.max_requests)
+        pts = charts.timeline_points(self.engine.history, self.max_requests, self.cell_of)
         return (chartfig.timeline_figure(pts), lambda: raster.timeline_png(pts),
                 f"nbkv timeline: {len(pts)} requests")
 
