@@ -248,3 +248,34 @@ def test_the_latest_replys_span_says_the_reply_not_generation_prompt():
     assert [(s.start, s.end, s.preview) for s in merged][-1] == (20, 30, "Hello there.")
     waiting = message_segments(msgs, [12, 20], 24, 20, 24, "")  # no reply yet
     assert charts.messages(waiting)[-1].preview == "(generation prompt)"
+
+
+def test_kvcache_slots_and_history_show_their_table_then_their_chart():
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.display import history_table
+
+    ipython_shell()
+    history = session()
+    cells = {r.id: SimpleNamespace(label=f"[{r.id}]") for r in history}
+    table = history_table(history, 4, cell_of=lambda r: cells.get(r.id))
+    shown = chartfig.history_chart(table, history, 4, lambda r: cells.get(r.id))
+    assert shown.rows == table.rows and str(shown) == str(table)  # the table reads through
+    with capture_output() as cap:
+        from IPython.display import display
+
+        display(shown)
+    first, chart = cap.outputs
+    assert first.data["text/plain"].startswith("last 4 requests")  # the table, first
+    fig = chart.data[chartfig.PLOTLY_MIME]
+    assert fig["layout"]["xaxis"]["categoryarray"] == ["#3 [3]", "#4 [4]", "#5 [5]", "#6 [6]"]
+    assert "image/png" in chart.data and "text/html" not in chart.data
+
+    slots = chartfig.slots_chart("slots table", SimpleNamespace(
+        n_ctx=1024, n_slots=1, history=history,
+        slots=lambda: [SimpleNamespace(**{**vars(slot_after(history)), "last_request": 6})]))
+    assert slots.figure["layout"]["yaxis"]["categoryarray"] == ["slot 0", "slot 0 · request"]
+    assert str(slots) == "slots table"
+    drawn = {t["meta"]["nbkv"] for t in slots.figure["data"]}
+    assert {"system", "user", "assistant", "reused"} <= drawn  # messages, and the last request

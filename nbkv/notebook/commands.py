@@ -21,6 +21,7 @@ from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.protocol import ClearsParked, Parks, Saves, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui import vocabulary as vocab
+from nbkv.ui.chartfig import history_chart, slots_chart
 from nbkv.ui.figures import ExplainReport
 from nbkv.ui.views import LoadProgress
 
@@ -251,8 +252,9 @@ def _offer_restore(ws: Workspace, engine: Engine, restore: bool, trust: bool = F
 
 
 def slots(ws: Workspace, args: Any) -> Any:
-    """One row per slot, with its KV strip."""
-    return disp.slots_table(ws.engine())
+    """One row per slot, with its KV strip; then the KV map as a chart."""
+    engine = ws.engine()
+    return slots_chart(disp.slots_table(engine), engine)
 
 
 def stats(ws: Workspace, args: Any) -> Any:
@@ -263,8 +265,10 @@ def stats(ws: Workspace, args: Any) -> Any:
 def history(ws: Workspace, args: Any) -> Any:
     """The last requests, one row each, with the notebook cell that sent each."""
     _at_least_one(args, "last")
-    return disp.history_table(ws.engine().history, 20 if args.last is None else args.last,
-                              cell_of=ws.store.cell_of)
+    last = 20 if args.last is None else args.last
+    history = ws.engine().history
+    return history_chart(disp.history_table(history, last, cell_of=ws.store.cell_of),
+                         history, last, ws.store.cell_of)
 
 
 def explain(ws: Workspace, args: Any) -> Any:

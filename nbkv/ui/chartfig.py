@@ -214,6 +214,63 @@ def timeline_figure(pts: Sequence[Point]) -> dict[str, Any]:
 # ------------------------------------------------------------------ the bundle
 
 
+class WithChart:
+    """What a command shows, then its chart: two outputs, one MIME bundle each.
+
+    ``%kvcache slots`` is its table and the KV map, ``%kvcache history`` its table and the
+    timeline. A terminal (or ``str``) gets the table's text alone; the table's own fields
+    (``rows``, ``_repr_html_``, ...) read through.
+    """
+
+    def __init__(self, shown: Any, figure: dict[str, Any], png: Any, text: str) -> None:
+        self.shown, self.figure, self.png, self.text = shown, figure, png, text
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "shown":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.shown, name)
+
+    def bundle(self) -> dict[str, Any]:
+        """The chart's bundle (its PNG drawn now)."""
+        return bundle(self.figure, self.png(), self.text)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.shown)
+        display(self.bundle(), raw=True)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self.shown))
+
+    def __str__(self) -> str:
+        return str(self.shown)
+
+
+def slots_chart(shown: Any, engine: Any) -> WithChart:
+    """``shown`` (the slots table), then the engine's KV map as a chart."""
+    from nbkv.ui.charts import kvmap_model
+    from nbkv.ui.map_rows import map_rows
+    from nbkv.ui.raster import kvmap_png
+    from nbkv.ui.static import last_by_slot
+
+    rows, server = map_rows(engine)
+    m = kvmap_model(rows, engine.n_ctx, {} if server else last_by_slot(engine), None, True,
+                    server, getattr(engine, "block_size", None))
+    return WithChart(shown, kvmap_figure(m), lambda: kvmap_png(m), f"KV map: {m.title}")
+
+
+def history_chart(shown: Any, history: Sequence[Any], last: int,
+                  cell_of: Any = None) -> WithChart:
+    """``shown`` (the history table), then its last ``last`` requests as the timeline."""
+    from nbkv.ui.charts import timeline_points
+    from nbkv.ui.raster import timeline_png
+
+    pts = timeline_points(history, max(last, 1), cell_of)
+    return WithChart(shown, timeline_figure(pts), lambda: timeline_png(pts),
+                     f"timeline: {len(pts)} requests")
+
+
 def bundle(figure: dict[str, Any], png: bytes, text: str) -> dict[str, Any]:
     """One chart's MIME bundle: the plotly figure, its PNG, and a line of plain text.
 
