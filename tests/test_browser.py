@@ -1,7 +1,9 @@
 """The teaching notebooks in a real browser: JupyterLab on localhost, headless Chromium.
 
-Runs every cell of ``notebooks/01_quickstart.ipynb`` and checks that the dashboard's slot
-cards, KV map, timeline and legend rendered, without JavaScript errors, and that every output
+Opens the committed ``notebooks/01_quickstart.ipynb`` before running it (its charts show:
+pictures or plotly figures, no wall of hover text), runs every cell and checks that the
+dashboard's slot cards, KV map and timeline (plotly figures; hovering a bar shows its
+message) and legend rendered, without JavaScript errors, and that every output
 names events in the words of ``nbkv.ui.vocabulary``; counts the websocket bytes the dashboard
 costs; runs it all again ("Run All" a second time: every chat cell replayed, the chat cells'
 time a small share of the first run's); reloads the page and finds every chart drawn again;
@@ -220,11 +222,30 @@ class Notebook:
         found = (re.match(r"slot \d+: ([^·]+?) ·", t) for t in lines)
         return [m.group(1) for m in found if m]
 
+    def figures(self) -> list[dict]:
+        """The plotly figures drawn on the page: each one's kind and traces (as plotted)."""
+        return figures(self.page)
+
     def charts(self) -> dict[str, int]:
-        """What the live charts draw: the KV map's bars, the timeline's requests."""
+        """What the live charts draw: the KV map's spans, the timeline's requests."""
+        out = {"kvmap": 0, "timeline": 0}
+        for f in self.figures():
+            if f["kind"] == "kvmap":
+                out["kvmap"] += sum(t["n"] for t in f["traces"] if t["kind"] != "capacity")
+            elif f["kind"] == "timeline":
+                out["timeline"] += sum(t["n"] for t in f["traces"] if t["kind"] == "ttft")
+        return out
+
+    def hover_a_message(self) -> str:
+        """Hover the first message span of the first KV map; what its hover label says."""
         page = self.page
-        return {"kvmap": page.locator(".nbkv-kvmap-view svg rect[data-bar]").count(),
-                "timeline": page.locator(".nbkv-timeline-view svg [data-bar]").count()}
+        kinds = [f["kind"] for f in self.figures()]
+        plot = page.locator(".js-plotly-plot").nth(kinds.index("kvmap"))
+        plot.scroll_into_view_if_needed()
+        # the first trace is the slots' capacity (no hover); the next, the first role's spans
+        plot.locator(".barlayer .trace").nth(1).locator(".point").first.hover()
+        page.wait_for_timeout(300)
+        return plot.locator(".hoverlayer").inner_text()
 
     def reload(self) -> None:
         """Reload the page, as after a browser refresh or a lost connection."""
@@ -239,12 +260,34 @@ class Notebook:
         """No error shown, no event spelled outside the vocabulary, nothing raised in JS."""
         body = self.page.locator(".jp-Notebook").inner_text()
         assert "Error displaying widget" not in body and "Traceback" not in body
+        assert "Failed to initialize model" not in body
         outputs = self.page.locator(".jp-OutputArea-output").evaluate_all(
             "els => els.map(e => e.innerText).join(' ')")
         assert not vocabulary.misspellings(outputs)
         assert not self.errors, f"JavaScript errors: {self.errors}"
         ours = [c for c in self.console if OURS.search(c)]
         assert not ours, f"console errors from the widgets: {ours}"
+
+
+def figures(page) -> list[dict]:
+    """The plotly figures on ``page`` (``.js-plotly-plot``): kind and traces, as plotted."""
+    return page.locator(".js-plotly-plot").evaluate_all(
+        "els => els.map(e => ({kind: ((e.layout || {}).meta || {}).nbkv || '', "
+        "traces: (e.data || []).map(t => ({kind: (t.meta || {}).nbkv || '', "
+        "name: t.name || '', n: (t.x || []).length, custom: t.customdata || null}))}))")
+
+
+def _check_first_open(nb: Notebook, shots: Path) -> None:
+    """The committed notebook before it runs (as on Binder, untrusted): its charts show, as
+    plotly figures or their pictures, and no chart is a wall of hover text."""
+    page = nb.page
+    page.screenshot(path=str(shots / "quickstart-first-open.png"), full_page=True)
+    drawn = (page.locator(".js-plotly-plot").count()
+             + page.locator(".jp-OutputArea-output img").count())
+    assert drawn >= 2, drawn
+    text = page.locator(".jp-Notebook").inner_text()
+    assert not re.search(r"message \d+ · \w+ · tokens \d+", text), "a wall of hover text"
+    nb.check_outputs()
 
 
 @contextmanager
@@ -334,6 +377,7 @@ def _reload_and_count(nb: Notebook, shots: Path, name: str) -> None:
 def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
     shots = _shots(tmp_path)
     with _open(lab, tmp_path, "01_quickstart.ipynb") as nb:
+        _check_first_open(nb, shots)
         nb.run_all()
         # the dashboard's creation: every widget model it opened, and what they hold
         opened = nb.received(opening=True)
@@ -350,9 +394,12 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
         assert cards.count() == 2
         texts = [cards.nth(i).inner_text() for i in range(2)]
         assert all("/2048 tokens" in t for t in texts) and any("bob" in t for t in texts)
-        assert page.locator(".nbkv-kvmap .nbkv-kvmap-view svg.nbkv-kvmap-svg").count() == 1
-        assert page.locator(".nbkv-timeline .nbkv-timeline-view svg.nbkv-timeline-svg").count() == 1
+        # the charts are plotly figures (outputs of their own), with their traces
+        kinds = [f["kind"] for f in nb.figures()]
+        assert "kvmap" in kinds and "timeline" in kinds, kinds
         assert nb.charts()["kvmap"] > 4 and nb.charts()["timeline"] > 4
+        hover = nb.hover_a_message()  # a bar's hover: its message, role and tokens
+        assert re.search(r"message \d+ · \w+", hover) and "tokens" in hover, hover
         # one legend, visible at the top of the dashboard
         assert page.locator(".nbkv-dashboard .nbkv-legend").is_visible()
         # its snapshot beside it is hidden while the live view shows
@@ -365,7 +412,13 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
         assert in_report == 3 and page.locator(".nbkv-explain").count() == 1 + in_report
         nb.check_outputs()
         # Run All again: the engine is kept, every chat cell is replayed
+        before = nb.charts()
         figures = _run_twice(nb, "01", replayed=4)  # (the sampler's cell shows no figures)
+        # the figures followed the second run live (replaced in place: their display id)
+        assert nb.charts()["timeline"] > before["timeline"], (before, nb.charts())
+        drawn = [t for f in nb.figures() if f["kind"] == "timeline" for t in f["traces"]]
+        assert any(t["kind"] == "replayed" for t in drawn)
+        assert not any(t["kind"] == "restored" for t in drawn)  # replayed, not "restored"
         assert "kept the loaded engine" in page.locator(".jp-Notebook").inner_text()
         assert figures["chat_share"] <= 0.15  # the issue's target; ~0.01 measured
         nb.check_outputs()
@@ -428,6 +481,9 @@ def _check_static_export(notebook: Path, tmp_path: Path) -> None:
             assert "sampler" in snap.locator(".nbkv-slot-cards").inner_text()
             assert re.search(r"\b10 requests", snap.inner_text())  # Run All twice: 5 + 5
             assert "CacheDashboard(children=" not in page.inner_text("body")
+            # every chart as its picture (a figure's PNG: nbconvert shows no plotly JSON)
+            pictures = page.locator(".jp-OutputArea-output img")
+            assert pictures.count() >= 2 and pictures.first.is_visible()
             assert not vocabulary.misspellings(page.locator(".jp-OutputArea").evaluate_all(
                 "els => els.map(e => e.innerHTML).join(' ')"))
         finally:
@@ -445,12 +501,11 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         legend = page.locator(".nbkv-table .nbkv-legend").first  # under %kvcache slots
         legend.scroll_into_view_if_needed()
         assert legend.is_visible() and "reused" in legend.inner_text()
-        snapshot = page.locator(".nbkv-kvmap").nth(1)  # the map taken right after the edit
-        snapshot.scroll_into_view_if_needed()
-        page.wait_for_timeout(500)
-        snapshot.screenshot(path=str(shots / "imc-kvmap.png"))
+        maps = [f for f in figures(page) if f["kind"] == "kvmap"]
+        assert len(maps) >= 2  # the dashboard's, and the map taken right after the edit
+        page.locator(".js-plotly-plot").last.screenshot(path=str(shots / "imc-kvmap.png"))
         # it marks where Alice's edited prompt left the cached conversation (a triangle)
-        assert snapshot.locator("svg.nbkv-kvmap-svg path.nbkv-diverged").count() >= 1
+        assert any(t["kind"] == "divergence" for f in maps for t in f["traces"])
         page.screenshot(path=str(shots / "imc.png"), full_page=True)
 
     shots = _shots(tmp_path)
@@ -545,18 +600,22 @@ def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path
     def check(page, shots):
         maps = page.locator(".nbkv-kvmap")
         assert maps.count() == 2  # SmolLM2 + mlp, then the Qwen2-VL-shaped pair
-        qwen = maps.nth(1)
-        qwen.scroll_into_view_if_needed()
+        kinds = [f["kind"] for f in figures(page)]
+        assert kinds.count("kvmap") == 2, kinds
+        qwen_fig = [f for f in figures(page) if f["kind"] == "kvmap"][1]
+        chart = page.locator(".js-plotly-plot").nth(
+            [i for i, k in enumerate(kinds) if k == "kvmap"][1])
+        chart.scroll_into_view_if_needed()
         page.wait_for_timeout(500)
-        qwen.screenshot(path=str(shots / "vision-qwen-kvmap.png"))
-        hovers = qwen.locator(".nbkv-kvmap-view svg rect > title").all_text_contents()
+        chart.screenshot(path=str(shots / "vision-qwen-kvmap.png"))
+        hovers = [row[4] for t in qwen_fig["traces"] for row in (t["custom"] or [])]
         spans = [h for h in hovers if "image tokens on" in h]
         assert len(spans) == 4, hovers  # two pictures, on the messages and the request row
         assert all(h.endswith(": 9 image tokens on 3 positions") for h in spans)  # 3x3 merged
         # the map's legend sits above it, clear of its axis
-        legend = qwen.locator(".nbkv-legend").bounding_box()
-        chart = qwen.locator(".nbkv-kvmap-view svg.nbkv-kvmap-svg").bounding_box()
-        assert legend["y"] + legend["height"] <= chart["y"] + 1
+        legend = maps.nth(1).locator(".nbkv-legend").bounding_box()
+        box = chart.bounding_box()
+        assert legend["y"] + legend["height"] <= box["y"] + 1
         # the thumbnails sit above the reply they were sent with
         cell = page.locator(".jp-CodeCell", has_text="--image gradient.png").first
         kinds = cell.locator(".jp-OutputArea-output").evaluate_all(
@@ -590,8 +649,10 @@ def test_remote_engine_dashboard_renders_in_chromium(lab, tmp_path):
         # the slot another client used behind nbkv's back is flagged, on its card and map
         assert any("not verified" in t for t in texts)
         assert dash.locator(".nbkv-kvmap .nbkv-unverified").count() == 1
-        assert page.locator(".nbkv-kvmap-view svg rect[data-bar]").count() > 4
-        assert page.locator(".nbkv-timeline-view svg [data-bar]").count() > 4
+        drawn = figures(page)
+        assert {"kvmap", "timeline"} <= {f["kind"] for f in drawn}, drawn
+        assert sum(t["n"] for f in drawn if f["kind"] == "kvmap" for t in f["traces"]
+                   if t["kind"] != "capacity") > 4
         assert page.locator(".nbkv-figures").count() >= 5
         page.screenshot(path=str(shots / "remote.png"), full_page=True)
 

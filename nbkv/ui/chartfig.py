@@ -61,9 +61,10 @@ def _map_bars(m: MapModel) -> list[dict[str, Any]]:
             continue
         words, color = BARS[name]
         thin = {"trimmed": (0.25, 0.1), "held": (0.2, -0.45)}.get(name)
-        # a request row's span: its message's text is on the message row above it
-        texts = [_short(b.text) if not b.row.endswith(" · request") or name in ("trimmed",)
-                 else "" for b in bars]
+        # a request row's span: its message's text is on the message row above it (an
+        # image's positions, and a trimmed band, say what they are)
+        texts = [_short(b.text) if not b.row.endswith(" · request") or name == "trimmed"
+                 or b.text.startswith("image ") else "" for b in bars]
         trace: dict[str, Any] = {
             "type": "bar", "orientation": "h", "name": words, "legendgroup": name,
             "y": [b.row for b in bars], "x": [b.end - b.start for b in bars],
@@ -118,7 +119,7 @@ def kvmap_figure(m: MapModel) -> dict[str, Any]:
                 "marker": {"color": CAPACITY}, "hoverinfo": "skip", "showlegend": False,
                 "meta": {"nbkv": "capacity"}}
     height = 90 + 26 * max(len(m.rows), 1)
-    layout = _layout(m.title, height, barmode="overlay", bargap=0.15)
+    layout = _layout(m.title, height, barmode="overlay", bargap=0.15, meta={"nbkv": "kvmap"})
     layout["xaxis"] = {"range": [0, m.right], "title": {"text": "KV position"},
                        "gridcolor": RULE, "zeroline": False}
     layout["yaxis"] = {"categoryorder": "array", "categoryarray": list(m.rows),
@@ -191,7 +192,7 @@ def timeline_figure(pts: Sequence[Point]) -> dict[str, Any]:
     """:func:`nbkv.ui.charts.timeline_points` as a plotly figure: three panels, one x axis."""
     xs = [point_label(p) for p in pts]
     layout = _layout("per request: prompt served from cache, first token, prompt tokens", 430,
-                     barmode="stack", bargap=0.3)
+                     barmode="stack", bargap=0.3, meta={"nbkv": "timeline"})
     layout["margin"]["l"] = 60
     layout["legend"]["y"] = -0.16
     layout["xaxis"] = {"type": "category", "title": {"text": "request # [cell]"},
