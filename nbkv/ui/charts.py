@@ -1,11 +1,12 @@
-"""The charts as inline SVG: the KV map and the timeline, live and in static pages.
+"""The charts' models, the KV map and the timeline, and their drawing as inline SVG.
 
-One drawing for every surface: the dashboard's live views (:mod:`nbkv.ui.widgets`) send this
-SVG to the browser (no plotting library, nothing to load there), and the static fallbacks and
-the report page (:mod:`nbkv.ui.static`, :mod:`nbkv.ui.page`) embed the same. Each chart is
-first computed as data (:class:`MapModel`, :class:`Point`) that the tests read, then drawn.
-Hover a bar for its message, role, token range and text (SVG ``<title>``). Colours from
-:mod:`nbkv.ui.palette`, words from :mod:`nbkv.ui.vocabulary`; nothing here imports Jupyter.
+Each chart is first computed as data (:class:`MapModel`, :class:`Point`) that the tests
+read; that one model feeds every drawing: the plotly figure a notebook shows
+(:mod:`nbkv.ui.chartfig`, hover and zoom), its PNG (:mod:`nbkv.ui.raster`), and the inline
+SVG drawn here, for the report page (:mod:`nbkv.ui.page`), the static pages
+(:mod:`nbkv.ui.static`) and a view placed inside another layout. Hover a bar for its
+message, role, token range and text. Colours from :mod:`nbkv.ui.palette`, words from
+:mod:`nbkv.ui.vocabulary`; nothing here imports Jupyter.
 """
 
 from __future__ import annotations
