@@ -191,3 +191,52 @@ def test_displayed_charts_are_plotly_outputs_updated_in_place_and_small(quiet):
     shown = update.data[PLOTLY_MIME]
     replayed = [t for t in shown["data"] if t.get("meta", {}).get("nbkv") == "replayed"]
     assert replayed and len(replayed[0]["x"]) == 15
+
+
+class LessonEngine(Engine):
+    """:class:`Engine` with what a dashboard's header reads."""
+
+    model = SimpleNamespace(name="SmolLM2-135M")
+
+    def stats(self):
+        h = self.history
+        prompt = sum(r.prompt_tokens for r in h)
+        reused = sum(r.reused_tokens for r in h)
+        return {"requests": len(h), "salvage_pct": 100 * reused / prompt if prompt else 0.0}
+
+
+def test_a_displayed_dashboard_costs_at_most_a_megabyte_over_a_lesson(quiet):
+    """A lesson's two Run Alls (12 requests each), the dashboard's outputs refreshed after
+    every request: every chart update <= 100 kB, all of its bytes together <= 1 MB."""
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import bundle_size
+    from nbkv.ui.widgets import CacheDashboard
+
+    ipython_shell()
+    eng = LessonEngine()
+    dash = CacheDashboard(eng, live=False, sessions=())
+    sent: list[int] = []
+    try:
+        with capture_output() as cap:
+            display(dash)
+        first = [bundle_size(o.data) for o in cap.outputs]
+        charts = dash.chart_outputs
+        assert len(charts) == 2 and len(cap.outputs) == 4  # live view, snapshot, 2 charts
+        assert dash.outputs[1:] == charts
+        for i in range(1, 25):
+            eng.bus.publish(RequestFinished(restore_record(
+                i, reason="restored" if i <= 12 else "replayed")))
+            dash.feed.flush()
+            with capture_output() as cap:
+                for out in dash.outputs:  # the snapshot and the charts
+                    out.refresh()
+            sent += [bundle_size(o.data) for o in cap.outputs]
+    finally:
+        dash.close()
+    assert max(sent) <= 100_000 and len(sent) >= 24
+    total = sum(first) + sum(sent)
+    print(f"dashboard over a lesson: {total} bytes in {len(sent)} updates")
+    assert total <= 1_000_000

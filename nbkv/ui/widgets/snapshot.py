@@ -179,7 +179,8 @@ class Displayed:
         self.hider.value = hide_rule(self.model_id)  # type: ignore[attr-defined]
         outputs: list[Any] = [Snapshot(self)]
         outputs += [ChartOutput(view.chart) for view in charts]
-        self.chart_outputs = outputs[1:]
+        #: the outputs beside the live view (its snapshot, then its charts), refreshed in place
+        self.outputs, self.chart_outputs = outputs, outputs[1:]
         if self.feed.live:
             self.feed.snapshots += outputs
 
