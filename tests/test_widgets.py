@@ -797,7 +797,9 @@ def test_a_displayed_view_keeps_a_snapshot_that_follows_the_cache(engine, sent, 
     try:
         with capture_output() as cap:
             display(dash)
-        view, snap = cap.outputs
+        view, snap, *charts = cap.outputs  # the KV map and the timeline: outputs of their own
+        assert [sorted(c.data) for c in charts] == [
+            ["application/vnd.plotly.v1+json", "image/png", "text/plain"]] * 2
         assert "application/vnd.jupyter.widget-view+json" in view.data
         assert "text/html" not in view.data and "live view" in view.data["text/plain"]
         uid = dash.model_id
@@ -822,8 +824,10 @@ def test_a_displayed_view_keeps_a_snapshot_that_follows_the_cache(engine, sent, 
             while shot.refreshes == 0 and time.monotonic() < deadline:
                 time.sleep(0.02)
         assert shot.refreshes == 1
-        (update,) = [o for o in cap.outputs if o.transient.get("display_id")]
-        assert update.transient == snap.transient  # the snapshot's own output, updated
+        updates = [o for o in cap.outputs if o.transient.get("display_id")]
+        (update,) = [o for o in updates if o.transient == snap.transient]  # updated in place
+        assert {o.transient["display_id"] for o in updates} <= {
+            o.transient["display_id"] for o in (snap, *charts)}  # and the charts, in theirs
         html = update.data["text/html"]
         assert f"{len(engine.history)} requests" in html and "snap" in html, html[:300]
         assert dash.feed.refresh_snapshots() == 0  # nothing changed since: nothing sent
@@ -847,7 +851,7 @@ def test_a_closed_engine_leaves_the_snapshot_with_its_last_requests(sent):
     with capture_output():
         display(dash)
     e.chat([user("Hi.")], session="last", max_tokens=2, temperature=0)
-    assert dash.feed.refresh_snapshots() == 1
+    assert dash.feed.refresh_snapshots() == 3  # its snapshot, the KV map, the timeline
     e.close()
     assert dash.feed.refresh_snapshots() == 0  # it keeps the request, not "engine closed"
     assert "last" in dash.feed.snapshots[0]._shown
