@@ -240,3 +240,29 @@ def test_a_displayed_dashboard_costs_at_most_a_megabyte_over_a_lesson(quiet):
     total = sum(first) + sum(sent)
     print(f"dashboard over a lesson: {total} bytes in {len(sent)} updates")
     assert total <= 1_000_000
+
+
+def test_a_report_in_a_notebook_is_its_page_then_its_charts(quiet):
+    """Inline, ``%kvcache report`` shows its page without inline SVG (an untrusted notebook
+    strips it), then the KV map and the timeline as plotly figures with their PNGs; the
+    page written to a file keeps its SVG (it opens in any browser, offline)."""
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import PLOTLY_MIME
+    from nbkv.ui.page import report
+
+    ipython_shell()
+    eng = LessonEngine()
+    for i in (1, 2):
+        eng.bus.publish(RequestFinished(restore_record(i)))
+    page = report(eng, explain_last=0)
+    with capture_output() as cap:
+        display(page)
+    html, kvmap, timeline = cap.outputs
+    assert "<svg" not in html.data["text/html"] and "nbkv-report" in html.data["text/html"]
+    kinds = [o.data[PLOTLY_MIME]["layout"]["meta"]["nbkv"] for o in (kvmap, timeline)]
+    assert kinds == ["kvmap", "timeline"] and all("image/png" in o.data for o in (kvmap,
+                                                                                   timeline))
+    assert "nbkv-kvmap-svg" in page.html() and "nbkv-timeline-svg" in page.html()
