@@ -164,8 +164,11 @@ def test_displayed_charts_are_plotly_outputs_updated_in_place_and_small(quiet):
 
     ipython_shell()
     eng = Engine()
+    eng.bus.publish(RequestFinished(restore_record(99)))
     feed = Feed(eng, live=False)
     tl, kv = Timeline(eng, feed), KVMap(eng, feed)
+    feed.flush()
+    assert "<svg" in tl.view.value and "<svg" in kv.view.value  # not displayed: SVG here
     with capture_output() as cap:
         display(tl)
         display(kv)
@@ -175,7 +178,7 @@ def test_displayed_charts_are_plotly_outputs_updated_in_place_and_small(quiet):
                                     for o in charts)
     assert charts[1].data[PLOTLY_MIME]["layout"]["yaxis"]["categoryarray"] == [
         "slot 0", "slot 0 · request", "slot 1", "slot 1 · request"]
-    assert not tl.svg and not kv.svg
+    assert not tl.svg and not kv.svg and tl.view.value == kv.view.value == ""
     (chart,) = tl.chart_outputs
     for i in range(1, 31):  # a lesson's requests, the chart refreshed after each
         eng.bus.publish(RequestFinished(restore_record(i, reason="replayed" if i > 15

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import ipywidgets as W
-from traitlets import Bool, Int
+from traitlets import Bool, Int, observe
 
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import BARS, MapModel  # noqa: F401 - the map's bars, for callers
@@ -73,6 +73,11 @@ class KVMap(FeedView, W.VBox):
                 f'<div class="nbkv-unverified" style="color:{COLORS["trimmed"]};'
                 f'font-size:12px">✗ {static.esc(row)}: not verified: {static.esc(note)}</div>'
                 for row, note in m.unverified)
+
+    @observe("svg")
+    def _svg_changed(self, change: Any) -> None:
+        if not change["new"]:  # its chart is an output of its own now: not drawn here
+            self.view.value = ""
 
     def map_model(self, state: LiveState) -> MapModel:
         """What the map shows in ``state``: every slot's rows (requests in flight drawn)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import ipywidgets as W
-from traitlets import Bool, Int, validate
+from traitlets import Bool, Int, observe, validate
 
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import Point
@@ -75,6 +75,12 @@ class Timeline(FeedView, W.VBox):
             self.view.value = charts.draw_timeline(self.points) if self.svg else ""
             self.shown = len(self.points)
             self.note.value = "engine closed" if state.closed else ""
+
+    @observe("svg")
+    def _svg_changed(self, change: Any) -> None:
+        self._drawn = ()  # drawn again (or not) at the next redraw
+        if not change["new"]:  # its chart is an output of its own now: not drawn here
+            self.view.value = ""
 
     def chart_views(self) -> list[Any]:
         """Displayed, the timeline is a chart output of its own."""
