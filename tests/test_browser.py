@@ -677,3 +677,39 @@ def _wait_until_done(page, n_code: int) -> None:
                           ".jp-OutputArea-output[data-mime-type*='stderr']").all_inner_texts()
     raise AssertionError(f"notebook stopped, or did not finish in {RUN_TIMEOUT} s: {prompts}; "
                          f"errors: {[e[-800:] for e in errors]}")
+
+
+def test_a_lost_view_is_hidden_by_its_snapshot():
+    """A notebook reopened with a new kernel has no widget models: the view's output reads
+    "Error displaying widget: model not found" (its renderer's text, no element in it). The
+    snapshot just after it hides that output, and nothing else (an output area as JupyterLab
+    and Notebook 7 build it: a prompt, then the output node)."""
+    from playwright.sync_api import sync_playwright
+
+    from nbkv.ui.widgets.snapshot import lost_rule
+
+    _need_browser()
+
+    def child(cid: str, cls: str, inner: str) -> str:
+        return (f'<div class="jp-OutputArea-child" id="{cid}"><div class="jp-OutputPrompt">'
+                f'</div><div class="jp-OutputArea-output {cls}">{inner}</div></div>')
+
+    lost = "Error displaying widget: model not found"
+    page_of = lambda mine: (  # noqa: E731
+        '<div class="jp-OutputArea">' + child("other", "jupyter-widgets", lost)
+        + child("mine", "jupyter-widgets", mine)
+        + child("snap", "", f'<div data-nbkv-snapshot="u1">{lost_rule("u1")}cards</div>')
+        + "</div>")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            shown = {}
+            for name, mine in (("lost", lost), ("live", '<div class="lm-Widget">view</div>')):
+                page.set_content(page_of(mine))
+                shown[name] = page.evaluate(
+                    "[...document.querySelectorAll('.jp-OutputArea-child')]"
+                    ".map(e => getComputedStyle(e).display !== 'none')")
+        finally:
+            browser.close()
+    assert shown == {"lost": [True, False, True], "live": [True, True, True]}

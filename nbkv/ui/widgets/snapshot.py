@@ -69,6 +69,20 @@ def hide_rule(uid: str) -> str:
             f".jp-OutputArea-child:has({sel}){{display:none!important}}</style>")
 
 
+def lost_rule(uid: str) -> str:
+    """The style rule with which a snapshot hides its own view once that view is lost.
+
+    A notebook saved and opened again with a new kernel has no widget models: the view's
+    output would read "Error displaying widget: model not found" (its renderer's text, with
+    no element in it) above the snapshot that stands in for it. Only that output, the one
+    just before this snapshot, is hidden; a trusted notebook applies it.
+    """
+    out = ".jp-OutputArea-output"  # (a :has() cannot hold another: three side by side)
+    return (f"<style>.jp-OutputArea-child:has(> {out}.jupyter-widgets):not(:has(> {out} > *))"
+            f':has(+ .jp-OutputArea-child [data-nbkv-snapshot="{uid}"]){{display:none}}'
+            "</style>")
+
+
 class Snapshot:
     """A displayed view's static output, refreshed in place (``display_id``)."""
 
@@ -85,7 +99,8 @@ class Snapshot:
         """The snapshot's display data: the view's static HTML, marked to be hidden live."""
         body = self.view.static_html()
         self._shown = body
-        return {"text/html": f'<div data-nbkv-snapshot="{self.view.model_id}">{body}</div>',
+        uid = self.view.model_id
+        return {"text/html": f'<div data-nbkv-snapshot="{uid}">{lost_rule(uid)}{body}</div>',
                 "text/plain": f"nbkv {self.view.label}: the cache as last shown"}
 
     def refresh(self) -> bool:
