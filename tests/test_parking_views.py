@@ -269,3 +269,28 @@ def test_a_report_in_a_notebook_is_its_page_then_its_charts(quiet):
     assert kinds == ["kvmap", "timeline"] and all("image/png" in o.data for o in (kvmap,
                                                                                    timeline))
     assert "nbkv-kvmap-svg" in page.html() and "nbkv-timeline-svg" in page.html()
+
+
+def test_a_chart_that_cannot_be_drawn_says_so_and_the_next_refresh_draws_it(quiet):
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import PLOTLY_MIME
+    from nbkv.ui.widgets.snapshot import ChartOutput
+
+    ipython_shell()
+    fig = {"data": [], "layout": {}}
+    broken = [True]
+
+    def source():
+        if broken[0]:
+            raise RuntimeError("no slots yet")
+        return fig, lambda: b"\x89PNG", "chart"
+
+    with capture_output() as cap:
+        out = ChartOutput(source)
+    assert cap.outputs[0].data == {"text/plain": "nbkv chart: not drawn (the log says why)"}
+    broken[0] = False
+    with capture_output() as cap:
+        assert out.refresh()
+    assert PLOTLY_MIME in cap.outputs[0].data and out.sizes

@@ -92,7 +92,8 @@ class KVMap(FeedView, W.VBox):
 
     def chart(self) -> tuple[dict[str, Any], Any, str]:
         """The map as it is now: its plotly figure, a function drawing its PNG, its text."""
-        m = self.map_model(self.feed.snapshot())  # the render thread may be drawing meanwhile
+        state = self.feed.snapshot()  # the render thread may be drawing meanwhile
+        m = self.model if state.closed else self.map_model(state)  # closed: as last drawn
         return (chartfig.kvmap_figure(m), lambda: raster.kvmap_png(m),
                 f"nbkv KV map: {m.title}, {m.segments} spans")
 

@@ -136,8 +136,12 @@ class ChartOutput:
         self.last = 0.0
         self.sizes: list[int] = []
         self._figure: dict[str, Any] | None = None
-        figure, png, text = source()
-        self.handle = display(self._bundle(figure, png, text), raw=True, display_id=True)
+        try:
+            first = self._bundle(*source())
+        except Exception:  # noqa: BLE001 - the live view must still show; a refresh retries
+            log.exception("nbkv: the chart could not be drawn")
+            first = {"text/plain": "nbkv chart: not drawn (the log says why)"}
+        self.handle = display(first, raw=True, display_id=True)
 
     def _bundle(self, figure: dict[str, Any], png: Callable[[], bytes],
                 text: str) -> dict[str, Any]:
