@@ -243,9 +243,8 @@ class Notebook:
         plot = page.locator(".js-plotly-plot").nth(kinds.index("kvmap"))
         plot.scroll_into_view_if_needed()
         # the first trace is the slots' capacity (no hover); the next, the first role's spans
-        plot.locator(".barlayer .trace").nth(1).locator(".point").first.hover()
-        page.wait_for_timeout(300)
-        return plot.locator(".hoverlayer").inner_text()
+        _hover(page, plot.locator(".barlayer .trace").nth(1).locator(".point").first)
+        return plot.locator(".hoverlayer").text_content() or ""
 
     def reload(self) -> None:
         """Reload the page, as after a browser refresh or a lost connection."""
@@ -267,6 +266,13 @@ class Notebook:
         assert not self.errors, f"JavaScript errors: {self.errors}"
         ours = [c for c in self.console if OURS.search(c)]
         assert not ours, f"console errors from the widgets: {ours}"
+
+
+def _hover(page, point) -> None:
+    """Move the mouse over a plotly point (its drag layer covers it: no element hover)."""
+    box = point.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_timeout(300)
 
 
 def figures(page) -> list[dict]:
@@ -713,3 +719,45 @@ def test_a_lost_view_is_hidden_by_its_snapshot():
         finally:
             browser.close()
     assert shown == {"lost": [True, False, True], "live": [True, True, True]}
+
+
+def test_the_figures_draw_and_hover_in_plotly_js(tmp_path):
+    """The KV map and timeline figures in plotly.js itself (the copy the plotly wheel ships,
+    the one jupyterlab-plotly loads), in Chromium with no network: every span drawn,
+    hovering a message span shows its message, role and tokens, no JavaScript error."""
+    plotly_offline = pytest.importorskip("plotly.offline")
+    from playwright.sync_api import sync_playwright
+    from test_chartfig import session, slot_after
+
+    from nbkv.ui import chartfig, charts
+
+    _need_browser()
+    history = session()
+    m = charts.kvmap_model([slot_after(history)], 1024, {0: history[-1]})
+    figs = {"kvmap": chartfig.kvmap_figure(m),
+            "timeline": chartfig.timeline_figure(charts.timeline_points(history))}
+    page_html = ("<html><head><meta charset='utf-8'><script>" + plotly_offline.get_plotlyjs()
+                 + "</script></head><body>" + "".join(
+                     f"<div id='{k}' style='width:720px'></div><script>Plotly.newPlot('{k}', "
+                     f"{json.dumps(f)}.data, {json.dumps(f)}.layout)</script>"
+                     for k, f in figs.items()) + "</body></html>")
+    path = tmp_path / "figures.html"
+    path.write_text(page_html, encoding="utf-8")
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(path.as_uri())
+            page.wait_for_selector("#timeline .main-svg")
+            spans = page.locator("#kvmap .barlayer .point").count()
+            points = page.locator("#timeline .scatterlayer .point").count()
+            _hover(page, page.locator("#kvmap .barlayer .trace").nth(1).locator(".point").first)
+            hover = page.locator("#kvmap .hoverlayer").text_content()
+        finally:
+            browser.close()
+    assert not errors, errors
+    assert spans >= m.segments + len(m.rows)  # every span, and each row's capacity
+    assert points >= len(history)  # a first-token point per request
+    assert re.search(r"system · message 0 · system", hover) and "tokens 0–12" in hover, hover
