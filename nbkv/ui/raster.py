@@ -223,7 +223,8 @@ def timeline_png(pts: Sequence[Point], width: int = WIDTH) -> bytes:
                 c.box(xa, yv(p.salvage_pct), xb, yv(0), term.color, term.pattern)
             elif k == 2:
                 c.box(xa, yv(p.reused), xb, yv(0), COLORS["reused"])
-                c.box(xa, yv(p.prompt), xb, yv(p.reused), COLORS["prefilled"])
+                if p.prompt > p.reused:
+                    c.box(xa, yv(p.prompt), xb, yv(p.reused), COLORS["prefilled"])
         if k == 1:
             est = [(cx(i), yv(p.estimate_ms)) for i, p in enumerate(pts)
                    if p.estimate_ms is not None]
