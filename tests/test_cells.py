@@ -292,7 +292,7 @@ def test_where_the_cut_is_told_in_turns():
                                                                "prefilled")])
     assert cut_from(rec, (0, 1, 1, 2)) == "turn 2's reply"
     change = TurnChange("alice", 2, "replaced", CellRef("c", 3), (3, 4), (0, 1, 1, 2))
-    assert change.describe(rec) == ("re-ran cell [3]: replaced turn 2 of alice · cut 10 "
+    assert change.describe(rec) == ("re-ran cell [3]: replaced turn 2 of alice · trimmed 10 "
                                     "tokens from turn 2's reply onwards · turns 3–4 are now "
                                     "stale")
     assert TurnChange("a", 1, "appended").describe(rec) == ""
@@ -310,6 +310,10 @@ def test_conversation_view_shows_states_counts_branches_and_forks():
     page = conversation_html(list(store))
     assert page.count('data-state="stale"') == 1 and page.count('data-state="live"') == 3
     assert "[11]" in page and "[20]" in page and "[21]" in page
+    # each cell beside the request it sent, as the charts number it (#5 [3])
+    ids = [t.record.id for t in a.turns if t.record is not None]
+    assert ids and all('class="nbkv-request-id"' in page and f">#{n}</span>" in page
+                       for n in ids)
     assert "⎇ re-run: turn 3 answered on its earlier version" in page
     # the fork is drawn once, under alice's turn 2, with only its own turn
     assert page.count('class="nbkv-fork"') == 1 and "forked after turn 2" in page
@@ -588,7 +592,7 @@ def test_cells_are_turns_in_a_real_kernel(kernel, model_path):
     assert rec["strategy"] == "hash-hit" and rec["reused"] == rec["prompt"] - 2
     assert rec["trimmed"] > 0  # the old reply and turn 3 were cut from the slot
     assert (f"why: re-ran cell [{n}]: turn 2 of alice is the same as before, so the turns "
-            f"after it stay · cut {rec['trimmed']} tokens from turn 2's reply onwards") in out
+            f"after it stay · trimmed {rec['trimmed']} tokens from turn 2's reply onwards") in out
 
     # edit cell 2 and re-run it: the cut lands in the edited message
     edited = "%%chat alice\nAnd what does a hard disk do?"

@@ -102,3 +102,22 @@ def test_a_record_whose_parts_disagree_is_refused_by_name():
     for broken in ({**SAVED, "msg_ends": [5, 10]}, {**SAVED, "hashes": ["h1"]}):
         with pytest.raises(RestoreError):
             info_from_json(broken, 50_000, "disk")
+
+
+def test_an_unnamed_branch_keeps_whose_it_was_through_its_json():
+    """An edit's old branch is parked unnamed; the views name it after its session."""
+    from nbkv.ui.vocabulary import parked_name
+
+    e = ParkedEntry(None, list(range(1, 10)), ["h1", "h2"], [5, 9], b"state-bytes",
+                    [(5, b"cp5")], SEGS, 7, 8, 3, 11, "b#2", 1234.5, branch_of="bob")
+    blobs = Blobs()
+    saved = entry_json(e, blobs)
+    assert saved["branch_of"] == "bob" and saved["session"] is None
+    data = {_name(b"state-bytes"): b"state-bytes", _name(b"cp5"): b"cp5"}
+    back = entry_from_json(saved, data.__getitem__, 50_000)
+    info = info_from_json(saved, 50_000, "disk")
+    assert (back.branch_of, e.info("ram").branch_of, info.branch_of) == ("bob",) * 3
+    assert [parked_name(x) for x in (info, e.info("ram"), _entry().info("ram"))] == [
+        "bob's earlier branch", "bob's earlier branch", "ann"]
+    assert parked_name(ParkedEntry(None, [1], ["a"], [1], b"s").info("ram")) == (
+        "an earlier branch")

@@ -18,7 +18,8 @@ from test_parking_engine import MAX, N_CTX, Oracle, assert_verified, slack
 from conftest import run_py
 from nbkv import Engine
 from nbkv.core.events import ParkingDropped
-from nbkv.kv.reasons import COPIED, FIRST, RESTORED
+from nbkv.kv import reasons
+from nbkv.kv.reasons import FIRST, RESTORED
 from nbkv.llama.models import default_model_path
 from nbkv.ui.figures import summary
 
@@ -111,14 +112,14 @@ def test_clear_keeps_the_parked_conversations_and_says_so(clean, oracle, tier):
     say(e, oracle, x, QUESTIONS[0], "x")
     fill_slots(e, oracle)
     said = e.clear()
-    assert "1 parked conversation(s) kept" in said and "o0" in said and "o1" in said
+    assert "1 parked conversation kept" in said and "o0" in said and "o1" in said
     assert all(s.empty for s in e.slots()) and list(parked(e)) == ["x"]
     back = say(e, oracle, x, QUESTIONS[1], "x")
     assert back.reason == RESTORED and back.restored_from == tier
     assert_verified(e)
     fill_slots(e, oracle, start=2)  # x parked again
     said = e.clear(parked=True)
-    assert "; 1 parked conversation(s)" in said and e.parked() == ()
+    assert "; 1 parked conversation" in said and e.parked() == ()
 
 
 # ------------------------------------------------------------------ (c) unnamed conversations
@@ -304,12 +305,14 @@ def test_a_newcomer_that_keeps_a_shared_start_is_not_called_first(model, oracle,
         rec = say(one, oracle, [{"role": "system", "content": SHARED}], "Recommend a poem.",
                   "newcomer")
         assert rec.reused_tokens > 0 and rec.evicted_session == "x"
-        assert rec.reason == COPIED and "x's conversation" in rec.reason_text, rec.reason_text
+        assert rec.reason == reasons.SHARED and "x's conversation" in rec.reason_text, \
+            rec.reason_text
+        assert rec.donor_slot is None and "copied" not in summary(rec)  # no copy ran
         assert "x" in parked(one)
         # x starts over with another system prompt: a new conversation, not an eviction
         x2 = [{"role": "system", "content": OTHERS[0]}]
         rec = say(one, oracle, x2, QUESTIONS[0], "x")
-        assert rec.reason in (FIRST, COPIED), rec.reason_text
+        assert rec.reason in (FIRST, reasons.SHARED), rec.reason_text
 
 
 # ------------------------------------------------------------------ issue 32: the park dir

@@ -32,7 +32,7 @@ class Parker:
 
     def clear_parked(self):
         self.calls.append(("clear_parked",))
-        return "forgot 1 parked conversation(s)"
+        return "forgot 1 parked conversation"
 
 
 class Loaded(Exception):
@@ -129,7 +129,7 @@ def test_clear_keeps_or_forgets_the_parked_conversations(magics):
     eng = magics.store.engine = Clearer()
     assert "sessions keep their messages" in str(magics.kvcache("clear --all"))
     magics.kvcache("clear --all --parked")
-    assert str(magics.kvcache("clear --parked")) == "forgot 1 parked conversation(s)"
+    assert str(magics.kvcache("clear --parked")) == "forgot 1 parked conversation"
     assert eng.calls == [("clear", None, False), ("clear", None, True), ("clear_parked",)]
     with pytest.raises(UsageError, match="--parked"):
         magics.kvcache("clear")

@@ -149,3 +149,148 @@ def test_the_conversation_view_says_a_parked_conversation_comes_back():
     for view in (conversation_html([s], (), parked), conversation_text([s], (), parked)):
         assert "parked on disk: 40 tokens (its next turn restores them)" in view
     assert "not in KV now (its next turn rebuilds it)" in conversation_html([s])
+
+
+def test_displayed_charts_are_plotly_outputs_updated_in_place_and_small(quiet):
+    """Displayed, the KV map and the timeline are outputs of their own (plotly figure and
+    PNG, no HTML), sent again only when they changed, each update <= 100 kB, a lesson's
+    worth of updates <= 1 MB; the widget does not draw them again as SVG."""
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import PLOTLY_MIME
+    from nbkv.ui.widgets import KVMap
+
+    ipython_shell()
+    eng = Engine()
+    eng.bus.publish(RequestFinished(restore_record(99)))
+    feed = Feed(eng, live=False)
+    tl, kv = Timeline(eng, feed), KVMap(eng, feed)
+    feed.flush()
+    assert "<svg" in tl.view.value and "<svg" in kv.view.value  # not displayed: SVG here
+    with capture_output() as cap:
+        display(tl)
+        display(kv)
+    assert len(cap.outputs) == 6  # each: the live view, its snapshot, its chart
+    charts = [o for o in cap.outputs if PLOTLY_MIME in o.data]
+    assert len(charts) == 2 and all("image/png" in o.data and "text/html" not in o.data
+                                    for o in charts)
+    assert charts[1].data[PLOTLY_MIME]["layout"]["yaxis"]["categoryarray"] == [
+        "slot 0", "slot 0 · request", "slot 1", "slot 1 · request"]
+    assert not tl.svg and not kv.svg and tl.view.value == kv.view.value == ""
+    (chart,) = tl.chart_outputs
+    for i in range(1, 31):  # a lesson's requests, the chart refreshed after each
+        eng.bus.publish(RequestFinished(restore_record(i, reason="replayed" if i > 15
+                                                       else "restored")))
+        feed.flush()
+        with capture_output() as cap:
+            assert chart.refresh()
+        (update,) = cap.outputs
+        assert update.transient == charts[0].transient  # the same output, updated
+        assert chart.refresh() is False  # nothing changed: nothing sent
+    assert tl.view.value == "" and "<svg" not in tl.static_html()
+    assert max(chart.sizes) <= 100_000 and sum(chart.sizes) <= 1_000_000
+    shown = update.data[PLOTLY_MIME]
+    replayed = [t for t in shown["data"] if t.get("meta", {}).get("nbkv") == "replayed"]
+    assert replayed and len(replayed[0]["x"]) == 15
+
+
+class LessonEngine(Engine):
+    """:class:`Engine` with what a dashboard's header reads."""
+
+    model = SimpleNamespace(name="SmolLM2-135M")
+
+    def stats(self):
+        h = self.history
+        prompt = sum(r.prompt_tokens for r in h)
+        reused = sum(r.reused_tokens for r in h)
+        return {"requests": len(h), "salvage_pct": 100 * reused / prompt if prompt else 0.0}
+
+
+def test_a_displayed_dashboard_costs_at_most_a_megabyte_over_a_lesson(quiet):
+    """A lesson's two Run Alls (12 requests each), the dashboard's outputs refreshed after
+    every request: every chart update <= 100 kB, all of its bytes together <= 1 MB."""
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import bundle_size
+    from nbkv.ui.widgets import CacheDashboard
+
+    ipython_shell()
+    eng = LessonEngine()
+    dash = CacheDashboard(eng, live=False, sessions=())
+    sent: list[int] = []
+    try:
+        with capture_output() as cap:
+            display(dash)
+        first = [bundle_size(o.data) for o in cap.outputs]
+        charts = dash.chart_outputs
+        assert len(charts) == 2 and len(cap.outputs) == 4  # live view, snapshot, 2 charts
+        assert dash.outputs[1:] == charts
+        for i in range(1, 25):
+            eng.bus.publish(RequestFinished(restore_record(
+                i, reason="restored" if i <= 12 else "replayed")))
+            dash.feed.flush()
+            with capture_output() as cap:
+                for out in dash.outputs:  # the snapshot and the charts
+                    out.refresh()
+            sent += [bundle_size(o.data) for o in cap.outputs]
+    finally:
+        dash.close()
+    assert max(sent) <= 100_000 and len(sent) >= 24
+    total = sum(first) + sum(sent)
+    print(f"dashboard over a lesson: {total} bytes in {len(sent)} updates")
+    assert total <= 1_000_000
+
+
+def test_a_report_in_a_notebook_is_its_page_then_its_charts(quiet):
+    """Inline, ``%kvcache report`` shows its page without inline SVG (an untrusted notebook
+    strips it), then the KV map and the timeline as plotly figures with their PNGs; the
+    page written to a file keeps its SVG (it opens in any browser, offline)."""
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import PLOTLY_MIME
+    from nbkv.ui.page import report
+
+    ipython_shell()
+    eng = LessonEngine()
+    for i in (1, 2):
+        eng.bus.publish(RequestFinished(restore_record(i)))
+    page = report(eng, explain_last=0)
+    with capture_output() as cap:
+        display(page)
+    html, kvmap, timeline = cap.outputs
+    assert "<svg" not in html.data["text/html"] and "nbkv-report" in html.data["text/html"]
+    kinds = [o.data[PLOTLY_MIME]["layout"]["meta"]["nbkv"] for o in (kvmap, timeline)]
+    assert kinds == ["kvmap", "timeline"] and all("image/png" in o.data for o in (kvmap,
+                                                                                   timeline))
+    assert "nbkv-kvmap-svg" in page.html() and "nbkv-timeline-svg" in page.html()
+
+
+def test_a_chart_that_cannot_be_drawn_says_so_and_the_next_refresh_draws_it(quiet):
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.chartfig import PLOTLY_MIME
+    from nbkv.ui.widgets.snapshot import ChartOutput
+
+    ipython_shell()
+    fig = {"data": [], "layout": {}}
+    broken = [True]
+
+    def source():
+        if broken[0]:
+            raise RuntimeError("no slots yet")
+        return fig, lambda: b"\x89PNG", "chart"
+
+    with capture_output() as cap:
+        out = ChartOutput(source)
+    assert cap.outputs[0].data == {"text/plain": "nbkv chart: not drawn (the log says why)"}
+    broken[0] = False
+    with capture_output() as cap:
+        assert out.refresh()
+    assert PLOTLY_MIME in cap.outputs[0].data and out.sizes

@@ -16,6 +16,8 @@ from conftest import assert_consistent, scratch_reply
 from nbkv import Engine
 from nbkv.kv.replies import ReplyBook, ReplyMemo, deterministic, digest, settings_key
 from nbkv.llama.sampling import SamplingParams
+from nbkv.ui import vocabulary as vocab
+from nbkv.ui.figures import ttft_parts
 
 MAX = 8
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
@@ -185,6 +187,10 @@ def test_a_parked_conversation_is_restored_and_replayed(engine):
     r = engine.chat(msgs, session="pat", max_tokens=MAX, temperature=0, replay=True)
     assert r.text == first.text and r.record.reason == "replayed"
     assert r.record.restored_from == "ram" and r.record.prefilled_tokens == 0
+    # its first-token time in parts adds up: the restore is a part of its own, not waited
+    assert r.record.restore_s > 0
+    assert sum(s for _, s in ttft_parts(r.record)) == pytest.approx(r.record.ttft_s)
+    assert vocab.bar(r.record).code == "replayed"  # the charts say replayed, as its figures
     slot = engine.slots()[r.record.slot]  # the restored conversation's messages, and map
     assert slot.session == "pat" and slot.hashes and slot.msg_ends[-1] <= slot.n_tokens
     assert {s.state for s in slot.segments} <= {"reused", "kept"} and slot.segments[0].start == 0
@@ -229,6 +235,7 @@ def test_an_edit_keeps_the_branch_it_cuts_so_run_all_again_replays_every_turn(en
     edited = engine.chat(edit, **kw)
     assert edited.record.reason == "edited" and edited.record.trimmed_tokens > 0
     assert [p.session for p in engine.parked()] == [None]  # the old branch, kept
+    assert [vocab.parked_name(p) for p in engine.parked()] == ["ed's earlier branch"]
     for msgs, first in turns:  # Run All again: the old cells, then the edit's
         r = engine.chat(msgs, **kw)
         assert r.text == first.text and r.record.reason == "replayed", r.record.reason_text

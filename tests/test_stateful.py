@@ -334,7 +334,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert rec.prompt_tokens == len(prompt) and rec.session == c.session
         if rec.reason == reasons.FIRST:
             assert rec.reused_tokens == 0, (rec.reason, rec.reason_text)
-        if rec.reason in (reasons.COPIED, reasons.CONTINUED):
+        if rec.reason in (reasons.COPIED, reasons.SHARED, reasons.CONTINUED):
             assert rec.reused_tokens > 0, (rec.reason, rec.reason_text)
         if rec.reason == reasons.RESTORED:
             assert rec.restored_from in ("ram", "disk"), rec

@@ -49,7 +49,7 @@ def consistent(rec):
     """A record's reason agrees with its figures."""
     if rec.reason == "first":
         assert rec.reused_tokens == 0, rec.reason_text
-    if rec.reason in ("copied", "continued"):
+    if rec.reason in ("copied", "shared", "continued"):
         assert rec.reused_tokens > 0, rec.reason_text
     if rec.reason == "restored":
         assert rec.restored_from in ("ram", "disk") and rec.reused_tokens > 0, rec.reason_text

@@ -267,7 +267,8 @@ def test_kv_map_shows_messages_states_and_progress(engine, story):
     want = by_message([s for s in segs if s.state != "generated"], rec.slot)
     assert {k: on_slot(started.bars[k], rec.slot) for k in want} == want
     assert set(want) == {"system", "user", "assistant"}
-    assert list(started.opacity["user"]) == [0.7, 0.7]  # odd messages shaded
+    # solid, neighbours parted by a white edge: pale means "read new" on every surface
+    assert list(started.opacity["user"]) == [1.0, 1.0]
     # hover: message index, role, token range, preview
     first_user = started.hover["user"][0]
     assert first_user[:2] == [1, "user"] and first_user[4].startswith("What is a CPU?")
@@ -796,7 +797,9 @@ def test_a_displayed_view_keeps_a_snapshot_that_follows_the_cache(engine, sent, 
     try:
         with capture_output() as cap:
             display(dash)
-        view, snap = cap.outputs
+        view, snap, *charts = cap.outputs  # the KV map and the timeline: outputs of their own
+        assert [sorted(c.data) for c in charts] == [
+            ["application/vnd.plotly.v1+json", "image/png", "text/plain"]] * 2
         assert "application/vnd.jupyter.widget-view+json" in view.data
         assert "text/html" not in view.data and "live view" in view.data["text/plain"]
         uid = dash.model_id
@@ -821,8 +824,10 @@ def test_a_displayed_view_keeps_a_snapshot_that_follows_the_cache(engine, sent, 
             while shot.refreshes == 0 and time.monotonic() < deadline:
                 time.sleep(0.02)
         assert shot.refreshes == 1
-        (update,) = [o for o in cap.outputs if o.transient.get("display_id")]
-        assert update.transient == snap.transient  # the snapshot's own output, updated
+        updates = [o for o in cap.outputs if o.transient.get("display_id")]
+        (update,) = [o for o in updates if o.transient == snap.transient]  # updated in place
+        assert {o.transient["display_id"] for o in updates} <= {
+            o.transient["display_id"] for o in (snap, *charts)}  # and the charts, in theirs
         html = update.data["text/html"]
         assert f"{len(engine.history)} requests" in html and "snap" in html, html[:300]
         assert dash.feed.refresh_snapshots() == 0  # nothing changed since: nothing sent
@@ -846,7 +851,7 @@ def test_a_closed_engine_leaves_the_snapshot_with_its_last_requests(sent):
     with capture_output():
         display(dash)
     e.chat([user("Hi.")], session="last", max_tokens=2, temperature=0)
-    assert dash.feed.refresh_snapshots() == 1
+    assert dash.feed.refresh_snapshots() == 3  # its snapshot, the KV map, the timeline
     e.close()
     assert dash.feed.refresh_snapshots() == 0  # it keeps the request, not "engine closed"
     assert "last" in dash.feed.snapshots[0]._shown

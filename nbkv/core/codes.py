@@ -20,6 +20,9 @@ MISS = "miss"
 FIRST = "first"  # the session's first request: nothing of it was cached
 CONTINUED = "continued"  # the conversation grew: everything cached was reused
 COPIED = "copied"  # a prefix was copied from another conversation's slot
+#: a new conversation got a slot whose conversation shares its start: those tokens were kept
+#: in place (no copy ran)
+SHARED = "shared"
 RELOADED = "reloaded"  # the engine was loaded again since the session's last request
 EVICTED = "evicted"  # another session's request took this session's slot
 CLEARED = "cleared"  # the user cleared the slot
@@ -34,7 +37,7 @@ RESTORED = "restored"  # a parked conversation was put back into a slot
 REPLAYED = "replayed"  # the same prompt and settings: the cached reply was given again
 
 #: the codes of ``record.reason``; their words are in :data:`nbkv.ui.vocabulary.EVENTS`
-REASONS = (FIRST, CONTINUED, COPIED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
+REASONS = (FIRST, CONTINUED, COPIED, SHARED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
            TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED, RESTORED,
            REPLAYED)
 #: a conversation's fate (not a reason): its slot was taken and it was parked
@@ -43,6 +46,11 @@ PARKED = "parked"
 #: where a conversation was parked (``record.restored_from``, ``evicted_parked``), in the
 #: words every surface uses (:data:`nbkv.ui.vocabulary.PARKING` takes them from here)
 TIERS = {"ram": "RAM", "disk": "disk", "server-ram": "the server's RAM"}
+
+
+def counted(n: int, word: str, many: str = "") -> str:
+    """``1 message``, ``3 messages``: a count and its noun, never ``message(s)``."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
 def tier_words(tier: str) -> str:

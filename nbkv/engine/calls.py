@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbkv.core import validate
+from nbkv.core.codes import counted
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import SlotsChanged
 from nbkv.engine import state as engine_state
@@ -87,13 +88,13 @@ class ControlCalls:
         what = (f"slot {slot}" if slot is not None else "every idle slot") + (
             f": {', '.join(gone)}" if gone else " (empty)")
         if spc:
-            what += f"; {spc} system prompt(s)"
+            what += f"; {counted(spc, 'system prompt')}"
         kept = len(self.parking) if self.parking is not None else 0
         if parked:
-            what += f"; {forgot} parked conversation(s)"
+            what += f"; {counted(forgot, 'parked conversation')}"
         elif kept:
-            what += (f"; {kept} parked conversation(s) kept (clear(parked=True) forgets "
-                     "them)")
+            what += (f"; {counted(kept, 'parked conversation')} kept (clear(parked=True) "
+                     "forgets them)")
         return "cleared " + what
 
     def clear_parked(self) -> str:
@@ -101,7 +102,7 @@ class ControlCalls:
         lot = self._parking_lot()
         n = self.scheduler.call(lot.clear)
         self.events.publish(SlotsChanged("cleared"))
-        return f"forgot {n} parked conversation(s)"
+        return f"forgot {counted(n, 'parked conversation')}"
 
     def probe(self, slot: int, token: int) -> list[float]:
         """Logits the model gives ``token`` appended to ``slot``'s cached tokens (KV unchanged).

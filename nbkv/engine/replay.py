@@ -117,8 +117,12 @@ class Replays:
                       if s.end > n)
         if job.sampler is not None:
             job.sampler.close()
-        rec = replace(job.record, segments=mine, ttft_s=now - job.t_submit,
-                      wait_s=now - job.t_submit, finish_reason=memo.finish_reason,
+        # the first-token time in parts (nbkv.ui.figures.ttft_parts): what placement spent
+        # restoring (a parked conversation put back first) is its own part, not waiting
+        ttft = now - job.t_submit
+        rec = replace(job.record, segments=mine, ttft_s=ttft,
+                      wait_s=max(ttft - job.record.restore_s, 0.0),
+                      finish_reason=memo.finish_reason,
                       replayed_tokens=len(memo.tokens))
         job.record = rec
         job.finished()

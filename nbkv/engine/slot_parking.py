@@ -75,7 +75,8 @@ class Parker:
         info = lot.park(ParkedEntry.from_snapshot(
             snap, session=None if branch else slot.session, hashes=held.hashes,
             msg_ends=held.msg_ends, segments=held.segments, last_request=slot.last_request,
-            last_used=slot.last_used, used_at=slot.used_at), drop=drop)
+            last_used=slot.last_used, used_at=slot.used_at,
+            branch_of=slot.session if branch else None), drop=drop)
         log.debug("parked slot[%d] (%s): %d tokens to %s in %.1f ms", slot.index, slot.session, n,
                   info.tier if info else "nowhere", 1000 * (time.perf_counter() - t0))
         return info

@@ -28,17 +28,19 @@ from nbkv.core.codes import (
     RELOADED,
     REPLAYED,
     RESTORED,
+    SHARED,
     SYSTEM_CHANGED,
     TEMPLATE_DRIFT,
     UNCACHED,
     common_prefix,
+    counted,
     tier_words,
 )
-from nbkv.core.events import WINDOW, Divergence
+from nbkv.core.events import REUSED, WINDOW, Divergence
 
 __all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
            "IMAGE_CHANGED", "OVERFLOW", "PARKED", "REASONS", "RELOADED", "REPLAYED", "RESTORED",
-           "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Divergence"]
+           "SHARED", "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Divergence"]
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,10 @@ def explain(
               if donor_session is not None and reuse else "")
     if dropped:
         div = find_divergence(own.tokens, tokens, ends, roles) if own is not None else None
-        return Reason(OVERFLOW, f"the conversation outgrew its slot: the {dropped} oldest "
-                                f"message(s) were dropped, so the cache matched only up to "
-                                f"where they were{copied}", div)
+        oldest = ("the oldest message was" if dropped == 1
+                  else f"the {dropped} oldest messages were")
+        return Reason(OVERFLOW, f"the conversation outgrew its slot: {oldest} dropped, so the "
+                                f"cache matched only up to where they were{copied}", div)
     if restored is not None:
         return _restored(who, session, trace, restored, tokens, ends, roles, reuse, wanted,
                          can_trim)
@@ -172,7 +175,7 @@ def explain(
                                   f"shared start) were copied from {donor_session}'s slot")
         if reuse:  # the start it shares with the conversation the slot held, kept in place
             held = f"{kept_from}'s conversation" if kept_from else "another conversation"
-            return Reason(COPIED, f"{who} was not cached; the slot it got held {held}, whose "
+            return Reason(SHARED, f"{who} was not cached; the slot it got held {held}, whose "
                                   f"first {reuse} tokens it shares, so those were kept")
         return Reason(FIRST, f"nothing of {who} was cached")
     div = _branch(own, tokens, ends, roles)
@@ -201,8 +204,8 @@ def explain(
             code, text = SYSTEM_CHANGED, f"the system prompt changed at token {div.position}"
         else:
             code = EDITED
-            text = (f"kept {k} message(s), re-read from message {k} ({div.role}, edited) at "
-                    f"token {div.position}")
+            text = (f"kept {counted(k, 'message')}, re-read from message {k} ({div.role}, "
+                    f"edited) at token {div.position}")
     if not can_trim and reuse < wanted:
         return Reason(CHECKPOINT, text + _checkpoint_note(reuse, wanted), div)
     return Reason(code, text, div)
@@ -264,6 +267,9 @@ class Explanation:
     cached_tail: str
     new_head: str
     new_tail: str
+    #: what became of ``cached_tail``: "trimmed" (cut from the slot), or "reused" for a
+    #: replayed request (its reply given again, the later turns kept)
+    tail_state: str = "trimmed"
 
 
 #: requests whose cached and new units are kept for :func:`explain_request`
@@ -295,4 +301,5 @@ def explain_request(records: Sequence[Any], compared: Mapping[int, tuple[Sequenc
     cut = rec.divergence.position if rec.divergence is not None else min(
         common_prefix(cached, new), len(cached))
     return Explanation(rec, text_of(cached[:cut]), text_of(cached[cut:]), text_of(new[:cut]),
-                       text_of(new[cut:]))
+                       text_of(new[cut:]),
+                       REUSED if getattr(rec, "reason", "") == REPLAYED else "trimmed")

@@ -29,8 +29,11 @@ def message_segments(messages: Sequence[Mapping[str, Any]], ends: Sequence[int],
         spans.append((start, end, i, messages[i]["role"], preview(messages[i])))
         start = end
     k = len(messages)
-    spans.append((start, n_prompt, k, "assistant", "(generation prompt)"))
-    spans.append((n_prompt, max(n, n_prompt), k, "assistant", preview({"content": reply})))
+    said = preview({"content": reply})
+    # the reply's message begins with the generation prompt: its span says the reply too
+    # (the views merge the two into one message), until there is none yet
+    spans.append((start, n_prompt, k, "assistant", said or "(generation prompt)"))
+    spans.append((n_prompt, max(n, n_prompt), k, "assistant", said))
     out = []
     for a, b, i, role, text in spans:
         for lo, hi, state in ((a, min(b, reuse), REUSED),

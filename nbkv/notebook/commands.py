@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.codes import counted
 from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.protocol import ClearsParked, Parks, Saves, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui import vocabulary as vocab
+from nbkv.ui.chartfig import history_chart, slots_chart
 from nbkv.ui.figures import ExplainReport
 from nbkv.ui.views import LoadProgress
 
@@ -153,7 +155,7 @@ def _kept(ws: Workspace, args: Any) -> Any:
     ws.sync_autosave()
     kept = sum(1 for s in engine.slots() if s.tokens)
     parked = len(engine.parked()) if isinstance(engine, Parks) else 0
-    what = f"{kept} slot(s) in use" + (f", {parked} parked" if parked else "")
+    what = f"{counted(kept, 'slot')} in use" + (f", {parked} parked" if parked else "")
     line = (f"kept the loaded engine: same model and settings, so its caches stay ({what}); "
             "%kvcache load --reload starts afresh")
     if args.restore:
@@ -250,8 +252,9 @@ def _offer_restore(ws: Workspace, engine: Engine, restore: bool, trust: bool = F
 
 
 def slots(ws: Workspace, args: Any) -> Any:
-    """One row per slot, with its KV strip."""
-    return disp.slots_table(ws.engine())
+    """One row per slot, with its KV strip; then the KV map as a chart."""
+    engine = ws.engine()
+    return slots_chart(disp.slots_table(engine), engine)
 
 
 def stats(ws: Workspace, args: Any) -> Any:
@@ -262,8 +265,10 @@ def stats(ws: Workspace, args: Any) -> Any:
 def history(ws: Workspace, args: Any) -> Any:
     """The last requests, one row each, with the notebook cell that sent each."""
     _at_least_one(args, "last")
-    return disp.history_table(ws.engine().history, 20 if args.last is None else args.last,
-                              cell_of=ws.store.cell_of)
+    last = 20 if args.last is None else args.last
+    history = ws.engine().history
+    return history_chart(disp.history_table(history, last, cell_of=ws.store.cell_of),
+                         history, last, ws.store.cell_of)
 
 
 def explain(ws: Workspace, args: Any) -> Any:
@@ -324,7 +329,7 @@ def parked(ws: Workspace, args: Any) -> Any:
     lot = getattr(engine, "parking", None)
     if lot is None or not isinstance(engine, Parks):
         return disp.Message("parking is off for this engine (nothing is parked)")
-    rows = tuple((i.session or "(unnamed)", vocab.tier_words(i.tier), f"{i.n_tokens:,}",
+    rows = tuple((vocab.parked_name(i), vocab.tier_words(i.tier), f"{i.n_tokens:,}",
                   f"{i.nbytes / 2**20:.1f} MiB") for i in engine.parked())
     st = lot.stats()
     notes = [f"{len(rows)} parked; RAM {st['ram_bytes'] / 2**20:.1f} of "

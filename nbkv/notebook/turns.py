@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nbkv.core.errors import InvalidRequestError
+from nbkv.ui import vocabulary as vocab
 
 if TYPE_CHECKING:
     from nbkv.core.events import RequestRecord
@@ -165,7 +166,8 @@ class TurnChange:
                      + (" on the new history" if self.action == "refreshed" else "")]
         if record is not None and record.trimmed_tokens:
             spot = cut_from(record, self.layout)
-            parts.append(f"cut {record.trimmed_tokens} tokens"
+            # the vocabulary's one word for it (the legend's, the KV map's)
+            parts.append(f"{vocab.STATES['trimmed'].words} {record.trimmed_tokens} tokens"
                          + (f" from {spot} onwards" if spot else ""))
         if self.stale:
             parts.append(f"{span_text(self.stale)} now stale")

@@ -37,6 +37,8 @@ class ParkedInfo(HoldsConversation):
     conversation: Conversation
     nbytes: int  # its state and checkpoints
     tier: str  # RAM or DISK
+    #: an unnamed conversation (an edit's old branch): the session whose branch it was
+    branch_of: str | None = None
 
     @property
     def checkpoints(self) -> tuple[int, ...]:
@@ -59,7 +61,8 @@ class ParkedEntry(HoldsConversation):
                  msg_ends: Sequence[int], state: Any, checkpoints: Any = (),
                  segments: Sequence[Segment] = (), settled: int | None = None,
                  exact_len: int | None = None, last_request: int | None = None,
-                 last_used: int = 0, key: str = "", used_at: float = 0.0) -> None:
+                 last_used: int = 0, key: str = "", used_at: float = 0.0,
+                 branch_of: str | None = None) -> None:
         cps = checkpoints
         if isinstance(getattr(cps, "items", None), list):  # a CheckpointSet
             cps = [(c.pos, c.data) for c in cps.items]
@@ -81,6 +84,8 @@ class ParkedEntry(HoldsConversation):
             raise ValueError(f"parked entry: {e}") from None
         self.state = state
         self.key = key
+        #: an unnamed conversation (``session`` None): the session whose earlier branch it was
+        self.branch_of = branch_of
         self.nbytes = nbytes(self.state) + sum(nbytes(d) for _, d in self.checkpoints)
         self.tier = RAM  # where it was when taken back
 
@@ -92,15 +97,15 @@ class ParkedEntry(HoldsConversation):
     def from_snapshot(cls, snap: Any, *, session: str | None, hashes: Sequence[str],
                       msg_ends: Sequence[int], segments: Sequence[Segment] = (),
                       last_request: int | None = None, last_used: int = 0,
-                      used_at: float = 0.0) -> ParkedEntry:
+                      used_at: float = 0.0, branch_of: str | None = None) -> ParkedEntry:
         """An entry from a :class:`~nbkv.kv.slot_kv.KVSnapshot` and the slot's bookkeeping."""
         return cls(session, snap.tokens, hashes, msg_ends, snap.state, snap.checkpoints,
                    segments, snap.settled, snap.exact_len, last_request, last_used,
-                   used_at=used_at)
+                   used_at=used_at, branch_of=branch_of)
 
     def info(self, tier: str) -> ParkedInfo:
         """The light view of this entry, in ``tier``."""
-        return ParkedInfo(self.key, self.conversation, self.nbytes, tier)
+        return ParkedInfo(self.key, self.conversation, self.nbytes, tier, self.branch_of)
 
 
 # -- the save format -----------------------------------------------------------------------
@@ -120,6 +125,8 @@ def entry_json(e: ParkedEntry, blobs: Blobs) -> dict[str, Any]:
         "exact_len": e.exact_len, "last_request": c.last_request, "last_used": c.last_used,
         "used_at": c.used_at, "nbytes": e.nbytes, "state": blobs.add(e.state),
         "checkpoints": [{"pos": pos, "blob": blobs.add(d)} for pos, d in e.checkpoints],
+        # an unnamed branch's session (written only then: the format of the rest is as it was)
+        **({"branch_of": e.branch_of} if e.branch_of is not None else {}),
     }
 
 
@@ -143,6 +150,8 @@ def _fields(d: Any, n_vocab: int, used_at: float = 0.0) -> dict[str, Any]:
             "last_request": None if req is None else int(req),
             "last_used": int(d["last_used"]),
             "used_at": float(d.get("used_at", used_at)),
+            # saves before unnamed branches were named have none
+            "branch_of": None if d.get("branch_of") is None else str(d["branch_of"]),
         }
         if int(d["n_tokens"]) != len(tokens):
             raise RestoreError(f"parked entry {out['key']}: {len(tokens)} tokens, its record "
@@ -169,7 +178,7 @@ def info_from_json(d: Any, n_vocab: int, tier: str) -> ParkedInfo:
                             min(f["settled"], len(f["tokens"])), cps)
     except ValueError as e:
         raise RestoreError(f"parked entry {f['key']}: {e}") from e
-    return ParkedInfo(f["key"], conv, size, tier)
+    return ParkedInfo(f["key"], conv, size, tier, f["branch_of"])
 
 
 def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
@@ -189,7 +198,7 @@ def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
         buf = (state or read)(d["state"])
         entry = ParkedEntry(f["session"], f["tokens"], f["hashes"], f["msg_ends"], buf, cps,
                             f["segments"], f["settled"], f["exact_len"], f["last_request"],
-                            f["last_used"], f["key"], f["used_at"])
+                            f["last_used"], f["key"], f["used_at"], f["branch_of"])
     except (KeyError, TypeError, ValueError) as e:
         raise RestoreError(f"parked entry {f['key']}: {e}") from e
     if state is None and entry.nbytes != d.get("nbytes"):

@@ -1,17 +1,18 @@
-"""The charts as inline SVG: the KV map and the timeline, live and in static pages.
+"""The charts' models, the KV map and the timeline, and their drawing as inline SVG.
 
-One drawing for every surface: the dashboard's live views (:mod:`nbkv.ui.widgets`) send this
-SVG to the browser (no plotting library, nothing to load there), and the static fallbacks and
-the report page (:mod:`nbkv.ui.static`, :mod:`nbkv.ui.page`) embed the same. Each chart is
-first computed as data (:class:`MapModel`, :class:`Point`) that the tests read, then drawn.
-Hover a bar for its message, role, token range and text (SVG ``<title>``). Colours from
-:mod:`nbkv.ui.palette`, words from :mod:`nbkv.ui.vocabulary`; nothing here imports Jupyter.
+Each chart is first computed as data (:class:`MapModel`, :class:`Point`) that the tests
+read; that one model feeds every drawing: the plotly figure a notebook shows
+(:mod:`nbkv.ui.chartfig`, hover and zoom), its PNG (:mod:`nbkv.ui.raster`), and the inline
+SVG drawn here, for the report page (:mod:`nbkv.ui.page`), the static pages
+(:mod:`nbkv.ui.static`) and a view placed inside another layout. Hover a bar for its
+message, role, token range and text. Colours from :mod:`nbkv.ui.palette`, words from
+:mod:`nbkv.ui.vocabulary`; nothing here imports Jupyter.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -218,7 +219,7 @@ class Bar:
     message: int | str  # the message index ("-" for a trimmed band)
     role: str
     text: str  # the message's start, the image, or what was trimmed
-    shade: float = 1.0  # odd messages are drawn lighter, so that neighbours stand apart
+    shade: float = 1.0  # drawn lighter (a request row's span read new: pale on every surface)
 
 
 @dataclass
@@ -280,7 +281,8 @@ def kvmap_model(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Req
         run = running.get(s.index)
         segs = run.record.segments if run is not None else s.segments
         for seg in messages(segs):
-            m.bars[role_key(seg)].append(_bar(top, seg, 1.0 if seg.message % 2 == 0 else 0.7))
+            # solid: pale means "read new" on every surface; a white edge parts neighbours
+            m.bars[role_key(seg)].append(_bar(top, seg))
         for name, seg in states(segs, run):
             m.bars[name].append(_bar(bottom, seg))
         if getattr(s, "server_cached", None):
@@ -340,7 +342,7 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
             title = (f"{words} · message {b.message} · {b.role} · tokens {b.start}–{b.end}: "
                      f"{b.text}")
             out.append(svg_rect(x(b.start), ys[b.row], x(b.end) - x(b.start), row, color, title,
-                             shade + f' data-bar="{esc(name)}"'))
+                             shade + f' stroke="{PAPER}" data-bar="{esc(name)}"'))
     for label, pos in m.checkpoints:
         if pos <= right:
             out.append(f'<line x1="{x(pos):.1f}" x2="{x(pos):.1f}" y1="{ys[label] - 2}" '
@@ -418,18 +420,30 @@ class Point:
     prompt: int
     text: str  # the request in words (its hover)
     ttft_text: str  # its first-token time in parts
+    cell: str = ""  # the notebook cell that sent it (``[3]``), when known
 
 
-def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50) -> list[Point]:
-    """The latest ``max_requests`` requests as the timeline draws them."""
+def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50,
+                    cell_of: Callable[[RequestRecord], Any] | None = None) -> list[Point]:
+    """The latest ``max_requests`` requests as the timeline draws them.
+
+    ``cell_of(record)``: the notebook cell that sent it (a ``label`` such as ``[3]``, or
+    None), so that request numbers and cell numbers name each other.
+    """
     rate = prefill_rate(history)
     out = []
     for r in list(history)[-max_requests:]:
         est = no_cache_ttft(r, rate)
+        ref = cell_of(r) if cell_of is not None else None
+        cell = str(getattr(ref, "label", "")) if ref is not None else ""
+        text = request_text(r)
+        if cell:
+            head, _, rest = text.partition("\n")
+            text = f"{head} · cell {cell}\n{rest}"
         out.append(Point(r.id, vocab.bar(r).code if r.reused_tokens else "nothing-reused",
                          r.salvage_pct, r.ttft_s * 1000, None if est is None else est * 1000,
                          r.reused_tokens, r.prefilled_tokens, r.prompt_tokens,
-                         request_text(r), ttft_text(r)))
+                         text, ttft_text(r), cell))
     return out
 
 

@@ -167,6 +167,16 @@ def _bar(turn: Turn) -> str:
             f"{r.salvage_pct:.0f}% reused</span>")
 
 
+def _request(turn: Turn) -> str:
+    """``#5``: the request the turn's cell sent, as the charts number it (``#5 [3]``)."""
+    r = turn.record
+    if r is None:
+        return ""
+    return (f'<span class="nbkv-request-id" title="request #{r.id} on the timeline and in '
+            f'%kvcache history" style="font:11px monospace;color:{MUTED};min-width:30px">'
+            f"#{r.id}</span>")
+
+
 def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[int]]) -> str:
     live = turn.live
     count = turn.cell.label if turn.cell is not None and turn.cell.count is not None else (
@@ -202,7 +212,7 @@ def _turn_html(session: Session, i: int, turn: Turn, branches: dict[int, list[in
         f'<div class="nbkv-turn" data-session="{html.escape(session.name, quote=True)}" '
         f'data-turn="{i}" data-state="{turn.state}" style="{style}">'
         f'<span title="{count_tip}" style="font:11px monospace;color:{NEUTRAL};min-width:34px">'
-        f"{html.escape(count)}</span>"
+        f"{html.escape(count)}</span>{_request(turn)}"
         f'<span style="min-width:46px">turn {i}</span>{_bar(turn)}'
         f'<span style="border-left:3px solid {ROLE_COLORS["user"]};padding-left:4px">{q}'
         f"</span><span>→</span>"

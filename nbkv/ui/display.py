@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.codes import counted
 from nbkv.core.protocol import ServerBacked, ServerCacheRows
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.palette import (
@@ -296,7 +297,7 @@ def status_table(engine: EngineLike | None, sessions: Iterable[Any] = ()) -> Tab
             ("requests", f"{s['requests']} ({_events(s)})"),
             ("served from cache", f"{s['reused_tokens']}/{s['prompt_tokens']} prompt tokens "
                                   f"({s['salvage_pct']:.0f}%)"),
-            *((("not verified", f"{unverified} request(s): the server's figures differed "
+            *((("not verified", f"{counted(unverified, 'request')}: the server's figures differed "
                                 f"from nbkv's slot table"),) if unverified else ()),
             ("sessions", ", ".join(names) or "none"),
             *persist_rows(engine),

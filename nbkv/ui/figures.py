@@ -20,6 +20,7 @@ from nbkv.ui.palette import (
     NEUTRAL,
     PAPER,
     PREFILLED_TINT,
+    REUSED_TINT,
     RULE,
     TEXT,
     TRACK,
@@ -196,6 +197,8 @@ class Figures:
 EXPLAIN_TRIMMED = (f"background:repeating-linear-gradient(135deg,{TRIMMED_TINT} 0 5px,{PAPER} 5px "
                    f"7px);text-decoration:line-through {COLORS['trimmed']};")
 EXPLAIN_READ = f"background:{PREFILLED_TINT};"
+#: a replayed request's cached tail: its reply given again and the later turns kept (reused)
+EXPLAIN_REUSED = f"background:{REUSED_TINT};"
 
 
 @dataclass(frozen=True)
@@ -248,8 +251,12 @@ class ExplainReport:
                     f'style="border-left:3px solid {INK};margin:0 1px"></span>'
                     f'<span style="{style}">{esc(tail)}</span></td>')
 
-        trimmed, read = vocab.STATES["trimmed"], vocab.STATES["prefilled"]
-        key = (swatch(TRIMMED_TINT, trimmed, EXPLAIN_TRIMMED)
+        read = vocab.STATES["prefilled"]
+        replayed = self.explanation.tail_state == "reused"
+        tail, tint, tail_style = ((vocab.STATES["reused"], REUSED_TINT, EXPLAIN_REUSED)
+                                  if replayed else
+                                  (vocab.STATES["trimmed"], TRIMMED_TINT, EXPLAIN_TRIMMED))
+        key = (swatch(tint, tail, tail_style)
                + swatch(PREFILLED_TINT, read, EXPLAIN_READ)
                + f'<span style="border-left:3px solid {INK};margin-right:4px"></span>'
                + esc(vocab.MARKS["divergence"].words))
@@ -257,7 +264,7 @@ class ExplainReport:
         return (f'<div class="nbkv-explain" style="font:12px sans-serif">{head}'
                 f'<div style="font:11px sans-serif;color:{TEXT};margin-top:4px">{key}</div>'
                 f'<table style="border-collapse:collapse;width:100%;margin-top:6px"><tr>'
-                + side(ch, ct, EXPLAIN_TRIMMED, "cached (in the slot)")
+                + side(ch, ct, tail_style, "cached (in the slot)")
                 + side(nh, nt, EXPLAIN_READ, "new prompt")
                 + "</tr></table></div>")
 

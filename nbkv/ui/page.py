@@ -3,7 +3,10 @@
 The dashboard (slot cards, KV map, timeline) as inline SVG, the request history, the
 statistics, and the story of the last requests (``%kvcache explain``), in one HTML file with
 no script and nothing fetched from elsewhere: it opens offline, in any browser, and can be
-attached to a bug report or a lesson. Nothing here imports Jupyter.
+attached to a bug report or a lesson. In a notebook (``%kvcache report`` with no file) the
+charts are outputs of their own after the page, one plotly figure and PNG each, as
+everywhere in a notebook: an untrusted notebook strips inline SVG. Nothing here imports
+Jupyter at import time.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ class Report:
     explain_last: int = 3  # the latest requests whose renderings are shown side by side
     title: str = "nbkv: what the KV cache did"
 
-    def body(self) -> str:
-        """The page's content (no ``<html>`` around it): what a notebook shows inline."""
+    def body(self, charts: bool = True) -> str:
+        """The page's content (no ``<html>`` around it).
+
+        ``charts=False``: without the KV map and the timeline (a notebook shows them as
+        outputs of their own).
+        """
         e = self.engine
         when = time.strftime("%Y-%m-%d %H:%M:%S")
         parts = [f'<h2 style="font:bold 16px sans-serif;color:{INK};margin:4px 0">'
                  f"{html.escape(self.title)}</h2>"
                  f'<div style="color:{MUTED};font-size:12px">snapshot of {when}</div>',
-                 static.dashboard_html(e, caption=False),
+                 static.dashboard_html(e, caption=False, charts=charts),
                  history_table(e.history, last=0)._repr_html_(), stats_table(e)._repr_html_()]
         stories = []
         for rec in list(e.history)[-self.explain_last:] if self.explain_last else []:
@@ -64,6 +71,16 @@ class Report:
 
     def _repr_html_(self) -> str:
         return self.body()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        from nbkv.ui.chartfig import history_chart, slots_chart
+
+        e = self.engine
+        display({"text/html": self.body(charts=False), "text/plain": self.title}, raw=True)
+        for chart in (slots_chart(None, e), history_chart(None, e.history, 50)):
+            display(chart.bundle(), raw=True)
 
 
 def _section(title: str) -> str:

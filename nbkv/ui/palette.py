@@ -6,9 +6,11 @@ No other module spells a colour (``tests/test_vocabulary.py`` checks it); what e
 
 from __future__ import annotations
 
-#: what happened to KV positions in a request
-COLORS = {"reused": "#2e9e5b", "prefilled": "#f08c2e", "generated": "#8e5cc7",
-          "trimmed": "#d9534f"}
+#: what happened to KV positions in a request. Told apart by lightness as well as hue, so
+#: that they read for red-green colour blindness too (``tests/test_chartfig.py`` simulates
+#: it): reused mid green, read new light orange, generated dark violet, trimmed dark red
+COLORS = {"reused": "#2e9e5b", "prefilled": "#f08c2e", "generated": "#4b2c7a",
+          "trimmed": "#7f0000"}
 #: prompt positions of a request in flight that are still to be read
 TODO_COLOR = "#f8d3ad"
 #: the positions an image's embeddings occupy
@@ -32,6 +34,8 @@ BRANCH_COLOR = "#444c56"
 #: also hatched and struck through, so the two never look alike
 TRIMMED_TINT = "#f4b4b2"
 PREFILLED_TINT = "#ffe680"
+#: ... and a replayed request's cached side: its reply given again, the later turns kept
+REUSED_TINT = "#bfe3cf"
 
 #: neutral ink: text, marks, grids and backgrounds
 INK = "#222222"  # marks (checkpoints, divergence), strong text

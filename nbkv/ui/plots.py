@@ -1,18 +1,21 @@
-"""Small comparison charts for the lessons, as inline SVG: ``plot(title, series)``.
+"""Small comparison charts for the lessons: ``plot(title, series)``.
 
 A notebook that compares figures (first-token time with and without the cache, salvage per
 turn under three templates) shows them with :func:`plot`: grouped bars or lines, a legend,
-hover titles, no script. Saved with the notebook, the chart reads on GitHub as it did live,
-in a few kilobytes. Colours from :mod:`nbkv.ui.palette`.
+a hover per point. Displayed, a chart is one MIME bundle: a plotly figure
+(:mod:`nbkv.ui.chartfig`, drawn by the browser's jupyterlab-plotly) and the same chart as a
+PNG (:mod:`nbkv.ui.raster`), which an untrusted notebook, GitHub and nbconvert show. The
+inline SVG (:meth:`Plot.svg`) is for the report page. Colours from :mod:`nbkv.ui.palette`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from nbkv.ui.charts import esc, nice_step, steps, svg_rect, svg_root, svg_text
-from nbkv.ui.palette import COLORS, INK, MUTED, NEUTRAL, ROLE_COLORS, RULE, TEXT
+from nbkv.ui.palette import COLORS, INK, MUTED, NEUTRAL, PAPER, ROLE_COLORS, RULE, TEXT
 
 #: the colours series get when none is given, in order
 CYCLE = (ROLE_COLORS["user"], COLORS["prefilled"], COLORS["reused"], COLORS["generated"],
@@ -83,8 +86,39 @@ class Plot:
                 + f'<div class="nbkv-plot-legend" style="font:11px sans-serif;color:{TEXT};'
                   f'margin:2px 0 0 {left}px">{legend}</div>')
 
-    def _repr_html_(self) -> str:
-        return f'<div class="nbkv-plot-box">{self.svg()}</div>'
+    def figure(self) -> dict[str, Any]:
+        """The chart as a plotly figure (JSON: grouped bars or lines, a hover per point)."""
+        xs = list(range(1, max((len(v) for v in self.series.values()), default=0) + 1))
+        data = []
+        for j, (name, values) in enumerate(self.series.items()):
+            color = self.color(j, name)
+            hover = (f"{name}, {self.x_title or 'x'} %{{x}}: %{{y:.4g}} {self.y_title}"
+                     .strip() + "<extra></extra>")
+            if self.kind == "lines":
+                data.append({"type": "scatter", "mode": "lines+markers", "name": name,
+                             "x": xs[:len(values)], "y": list(values),
+                             "line": {"color": color, "width": 2}, "hovertemplate": hover})
+            else:
+                data.append({"type": "bar", "name": name, "x": xs[:len(values)],
+                             "y": list(values), "marker": {"color": color},
+                             "hovertemplate": hover})
+        layout = {"title": {"text": self.title, "font": {"size": 13, "color": INK}},
+                  "width": self.width, "height": self.height + 40, "barmode": "group",
+                  "margin": {"l": 54, "r": 12, "t": 34, "b": 40},
+                  "paper_bgcolor": PAPER, "plot_bgcolor": PAPER,
+                  "font": {"family": "sans-serif", "size": 11, "color": TEXT},
+                  "legend": {"orientation": "h", "y": -0.25},
+                  "xaxis": {"title": {"text": self.x_title}, "tickmode": "linear", "dtick": 1},
+                  "yaxis": {"title": {"text": self.y_title}, "gridcolor": RULE,
+                            "rangemode": "tozero",
+                            **({"range": [0, self.y_max]} if self.y_max else {})}}
+        return {"data": data, "layout": layout}
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        from nbkv.ui.chartfig import bundle
+        from nbkv.ui.raster import plot_png
+
+        return bundle(self.figure(), plot_png(self), repr(self))
 
     def __repr__(self) -> str:
         rows = "; ".join(f"{name}: {', '.join(f'{y:.4g}' for y in v)}"

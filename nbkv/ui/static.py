@@ -152,7 +152,7 @@ def shelf_html(parked: Sequence[Any]) -> str:
     term = vocab.PARKING["parked"]
     rows = "".join(
         f'<div class="nbkv-parked" data-session="{esc(p.session or "")}">'
-        f"{esc(p.session or '-')} · {len(p.tokens):,} tokens · {size_text(p.nbytes)} · "
+        f"{esc(vocab.parked_name(p))} · {len(p.tokens):,} tokens · {size_text(p.nbytes)} · "
         f"{tip(vocab.PARKING[p.tier].tip, esc(vocab.tier_words(p.tier)), 'nbkv-tier')}</div>"
         for p in parked)
     total = size_text(sum(p.nbytes for p in parked))
@@ -196,9 +196,12 @@ def frame(body: str, cls: str, caption: bool = True) -> str:
             f'margin:4px 0">{note}{body}</div>')
 
 
-def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: str = ""
-                   ) -> str:
-    """The whole dashboard: header, legend, slot cards, KV map, timeline (then ``extra``)."""
+def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: str = "",
+                   charts: bool = True) -> str:
+    """The whole dashboard: header, legend, slot cards, KV map, timeline (then ``extra``).
+
+    ``charts=False``: without the KV map and the timeline (outputs of their own).
+    """
     closed = bool(getattr(state, "closed", False))
     running = {run.record.slot: run for run in getattr(state, "running", {}).values()}
     if closed:
@@ -208,8 +211,9 @@ def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: 
     parts = [header_html(engine, len(running)), legend_html(),
              cards_html(slots, last, running, parked_of(engine))]
     rows, server = map_rows(engine)
-    if rows or engine.n_slots:
+    if charts and (rows or engine.n_slots):
         parts.append(kvmap_svg(rows, engine.n_ctx, last, running, server=server,
                                block_size=getattr(engine, "block_size", None)))
-    parts.append(timeline_svg(engine.history))
+    if charts:
+        parts.append(timeline_svg(engine.history))
     return frame("".join(parts) + extra, "nbkv-dashboard-static", caption)

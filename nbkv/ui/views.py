@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+from nbkv.core.codes import counted
 from nbkv.core.events import Progress
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import progress_html, progress_text
@@ -150,7 +151,7 @@ class NotebookChatView(ChatView):
         if thumbs:
             self._display({"text/html": '<div class="nbkv-images" style="margin:2px 0">'
                                         + "".join(thumbs) + "</div>",
-                           "text/plain": f"[{len(thumbs)} image(s)]"}, raw=True)
+                           "text/plain": f"[{counted(len(thumbs), 'image')}]"}, raw=True)
         self._place_reply()  # under the thumbnails
 
     def _show_progress(self, phase: str, done: int, total: int) -> None:

@@ -50,22 +50,30 @@ def _table(*terms: Term) -> dict[str, Term]:
 
 
 _BAR = COLORS["reused"]  # every bar of the salvage chart is "reused": the event is its pattern
+# one hatch per kind of event, shapes that differ at bar size (dots, one diagonal, a cross,
+# level lines, a grid, upright lines): solid, continued; ``.`` its start came from another
+# conversation (copied, or shared and kept); ``/`` a message changed; ``x`` the cache was
+# lost (evicted, cleared, reloaded); ``-`` not kept (overflow, cache off); ``+`` back to a
+# checkpoint; ``|`` the server's own cache
 
 #: how a request was served and why (``record.reason``), one per request
 EVENTS = _table(
     Term("first", "new conversation",
          "the session's first request here: nothing of its conversation was cached",
-         _BAR, ".", ("miss", "first request", "rebuilt")),
+         _BAR, "", ("miss", "first request", "rebuilt")),
     Term("continued", "continued",
          "the conversation grew: everything cached was reused, only the new message was read",
          _BAR, "", ("hash-extend", "hash-hit", "conversation extended", "same messages")),
     Term("copied", "copied prefix",
          "a shared start (such as a system prompt) was copied from another conversation's "
-         "slot instead of being read again", _BAR, "/",
+         "slot instead of being read again", _BAR, ".",
          ("prefix-salvage", "token prefix salvaged")),
+    Term("shared", "shared start kept",
+         "a new conversation got a slot whose conversation starts the same way (such as a "
+         "system prompt): those tokens were kept in place, nothing was copied", _BAR, "."),
     Term("reloaded", "engine reloaded",
          "the engine was loaded again (%kvcache load): its cache started empty, so the "
-         "conversation was read again", _BAR, "+"),
+         "conversation was read again", _BAR, "x"),
     Term("evicted", "rebuilt after eviction",
          "another conversation's request took this conversation's slot, so it was read "
          "again", _BAR, "x"),
@@ -74,27 +82,27 @@ EVENTS = _table(
          _BAR, "x"),
     Term("edited", "edited message",
          "an earlier message changed: everything before it was kept, the rest read again",
-         _BAR, "\\"),
+         _BAR, "/"),
     Term("system-changed", "system prompt changed",
          "the system prompt changed, so the conversation was read again from there",
-         _BAR, "\\"),
+         _BAR, "/"),
     Term("template-drift", "template drift",
          "the same messages rendered to different tokens (e.g. a template that prints the "
-         "date): the cache kept the tokens before the difference", _BAR, "-"),
+         "date): the cache kept the tokens before the difference", _BAR, "/"),
     Term("image-changed", "image changed",
          "a different image at the same place: the conversation was read again from it",
-         _BAR, "\\"),
+         _BAR, "/"),
     Term("overflow", "oldest messages dropped",
          "the conversation outgrew its slot: the oldest messages were dropped to fit",
-         _BAR, "|"),
+         _BAR, "-"),
     Term("checkpoint", "checkpoint restored",
          "this model's memory cannot be cut anywhere: it went back to the nearest saved "
          "checkpoint and read on from there", _BAR, "+"),
     Term("uncached", "not cached",
-         "cache mode spc or off: conversations are not kept between requests", _BAR, "|",
+         "cache mode spc or off: conversations are not kept between requests", _BAR, "-",
          ("cache off", "system prompt restored")),
     Term("server", "server's cache",
-         "the server chose what to reuse (its own prefix cache)", _BAR, "."),
+         "the server chose what to reuse (its own prefix cache)", _BAR, "|"),
     # its own kind of bar: nothing read, nothing decoded
     Term("replayed", "replayed",
          "same prompt and settings, so the same reply: a cell run again with deterministic "
@@ -201,7 +209,7 @@ def event(record: Any) -> Term:
 
 
 def reason_line(record: Any) -> str:
-    """``edited message: kept 3 message(s), re-read from ...``: the event's words and why."""
+    """``edited message: kept 3 messages, re-read from ...``: the event's words and why."""
     term = event(record)
     detail = getattr(record, "reason_text", "")
     return f"{term.words}: {detail}" if detail else term.words
@@ -246,8 +254,26 @@ def restored(record: Any) -> str:
 
 
 def bar(record: Any) -> Term:
-    """The timeline bar of a request: a restore is its own kind, else the event's."""
+    """The timeline bar of a request: a restore is its own kind, else the event's.
+
+    A replayed request is drawn as replayed even when a parked conversation was restored
+    first (its figures line, ``explain`` and the charts all say "replayed").
+    """
+    if getattr(record, "reason", "") == "replayed":
+        return EVENTS["replayed"]
     return EVENTS["restored"] if getattr(record, "restored_from", "") else event(record)
+
+
+def parked_name(entry: Any) -> str:
+    """A parked conversation's name: its session, or whose earlier branch it is.
+
+    An edit's old branch is parked unnamed (``session`` None, ``branch_of`` the session it
+    was cut from): ``bob's earlier branch``.
+    """
+    if getattr(entry, "session", None) is not None:
+        return str(entry.session)
+    who = getattr(entry, "branch_of", None)
+    return f"{who}'s earlier branch" if who is not None else "an earlier branch"
 
 
 def lru_tip(rank: int, used: int) -> str:

@@ -39,7 +39,8 @@ class CacheDashboard(Displayed, W.VBox):
         self.feed.attach(self)
         self.slots = SlotCards(engine, self.feed)
         self.kvmap = KVMap(engine, self.feed)
-        self.timeline = Timeline(engine, self.feed)
+        self.timeline = Timeline(engine, self.feed,
+                                 cell_of=getattr(sessions, "cell_of", None))
         self.conversations = Conversations(engine, self.feed, sessions)  # default: the kernel's
         self.legend = W.HTML(legend_html())
         self.hider = W.HTML()
@@ -70,11 +71,19 @@ class CacheDashboard(Displayed, W.VBox):
         """Show a redraw failure in the header."""
         self.header.value = f'<span style="color:{ERROR}">{html.escape(message)}</span>'
 
+    def chart_views(self) -> list[Any]:
+        """Displayed, the KV map and the timeline are chart outputs of their own."""
+        return [v for v in (self.kvmap, self.timeline) if v in self.children]
+
     def static_html(self) -> str:
-        """The whole dashboard as static HTML and inline SVG, as it is now."""
+        """The whole dashboard as static HTML and inline SVG, as it is now.
+
+        Without the charts once they are outputs of their own.
+        """
         state = self.feed.snapshot()
         return static.dashboard_html(self.engine, state, extra=(
-            "" if state.closed else self.conversations.static_html()))
+            "" if state.closed else self.conversations.static_html()),
+            charts=self.timeline.svg)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         return with_static(super()._repr_mimebundle_(**kwargs), self.static_html)

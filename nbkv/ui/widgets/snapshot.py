@@ -11,6 +11,12 @@ Why a separate output: updating the widget's own output (``update_display_data``
 widget's view and new HTML) makes JupyterLab render the widget again, and the old view is
 never disposed: it keeps following the model, one more each update.
 
+The charts (the KV map, the timeline) are outputs of their own beside it (:class:`ChartOutput`):
+one MIME bundle each, a plotly figure and its PNG (:mod:`nbkv.ui.chartfig`), refreshed the
+same way. They are the live charts too (JupyterLab and Notebook 7 draw the figure with
+hover and zoom; the widget does not draw them again), and what an untrusted notebook,
+GitHub and nbconvert show (the PNG).
+
 The kernel's nbkv widgets are also listed here (:func:`created`, :func:`made_since`), so that
 a notebook cell run again can close the views its previous run made (nothing shows them
 any more; open, they would go on following the engine and be sent again on a page reload).
@@ -23,7 +29,10 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
+
+from nbkv.ui import chartfig
 
 log = logging.getLogger("nbkv.ui.widgets")
 
@@ -60,6 +69,20 @@ def hide_rule(uid: str) -> str:
             f".jp-OutputArea-child:has({sel}){{display:none!important}}</style>")
 
 
+def lost_rule(uid: str) -> str:
+    """The style rule with which a snapshot hides its own view once that view is lost.
+
+    A notebook saved and opened again with a new kernel has no widget models: the view's
+    output would read "Error displaying widget: model not found" (its renderer's text, with
+    no element in it) above the snapshot that stands in for it. Only that output, the one
+    just before this snapshot, is hidden; a trusted notebook applies it.
+    """
+    out = ".jp-OutputArea-output"  # (a :has() cannot hold another: three side by side)
+    return (f"<style>.jp-OutputArea-child:has(> {out}.jupyter-widgets):not(:has(> {out} > *))"
+            f':has(+ .jp-OutputArea-child [data-nbkv-snapshot="{uid}"]){{display:none}}'
+            "</style>")
+
+
 class Snapshot:
     """A displayed view's static output, refreshed in place (``display_id``)."""
 
@@ -76,7 +99,8 @@ class Snapshot:
         """The snapshot's display data: the view's static HTML, marked to be hidden live."""
         body = self.view.static_html()
         self._shown = body
-        return {"text/html": f'<div data-nbkv-snapshot="{self.view.model_id}">{body}</div>',
+        uid = self.view.model_id
+        return {"text/html": f'<div data-nbkv-snapshot="{uid}">{lost_rule(uid)}{body}</div>',
                 "text/plain": f"nbkv {self.view.label}: the cache as last shown"}
 
     def refresh(self) -> bool:
@@ -88,6 +112,54 @@ class Snapshot:
             self.handle.update(self.bundle(), raw=True)
         except Exception:  # noqa: BLE001 - a snapshot must never break the feed
             log.exception("nbkv: the snapshot could not be refreshed")
+            return False
+        self.refreshes += 1
+        return True
+
+
+#: what a chart view gives its output: the figure, a function drawing its PNG, a line of text
+ChartSource = Callable[[], tuple[dict[str, Any], Callable[[], bytes], str]]
+
+
+class ChartOutput:
+    """One chart's output beside a displayed view: plotly figure and PNG, refreshed in place.
+
+    ``sizes`` are the bytes of every bundle sent (the first display, then each update): a
+    figure that did not change is not sent again, nor its PNG drawn.
+    """
+
+    def __init__(self, source: ChartSource) -> None:
+        from IPython.display import display
+
+        self.source = source
+        self.refreshes = 0
+        self.last = 0.0
+        self.sizes: list[int] = []
+        self._figure: dict[str, Any] | None = None
+        try:
+            first = self._bundle(*source())
+        except Exception:  # noqa: BLE001 - the live view must still show; a refresh retries
+            log.exception("nbkv: the chart could not be drawn")
+            first = {"text/plain": "nbkv chart: not drawn (the log says why)"}
+        self.handle = display(first, raw=True, display_id=True)
+
+    def _bundle(self, figure: dict[str, Any], png: Callable[[], bytes],
+                text: str) -> dict[str, Any]:
+        self._figure = figure
+        b = chartfig.bundle(figure, png(), text)
+        self.sizes.append(chartfig.bundle_size(b))
+        return b
+
+    def refresh(self) -> bool:
+        """Show the chart as it is now; False when it did not change (nothing sent)."""
+        self.last = time.monotonic()
+        try:
+            figure, png, text = self.source()
+            if figure == self._figure:
+                return False
+            self.handle.update(self._bundle(figure, png, text), raw=True)
+        except Exception:  # noqa: BLE001 - a chart must never break the feed
+            log.exception("nbkv: the chart could not be refreshed")
             return False
         self.refreshes += 1
         return True
@@ -109,17 +181,27 @@ class Displayed:
         """The view as static HTML, as it is now."""
         raise NotImplementedError
 
+    def chart_views(self) -> list[Any]:
+        """The views among this one whose chart is an output of its own (a ``chart()``)."""
+        return []
+
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
+        charts = self.chart_views()
+        for view in charts:  # the charts are outputs of their own: not drawn twice
+            view.svg = False
         bundle = super()._repr_mimebundle_()  # type: ignore[misc]  # the widget's view
         bundle["text/plain"] = (f"nbkv {self.label}: the live view (the snapshot beside it "
                                 "shows the cache without a kernel)")
         display(bundle, raw=True)
         self.hider.value = hide_rule(self.model_id)  # type: ignore[attr-defined]
-        snap = Snapshot(self)
+        outputs: list[Any] = [Snapshot(self)]
+        outputs += [ChartOutput(view.chart) for view in charts]
+        #: the outputs beside the live view (its snapshot, then its charts), refreshed in place
+        self.outputs, self.chart_outputs = outputs, outputs[1:]
         if self.feed.live:
-            self.feed.snapshots.append(snap)
+            self.feed.snapshots += outputs
 
 
 def refresh_all() -> int:

@@ -3,7 +3,9 @@
 The first-token time is drawn next to a no-cache estimate: the measured time plus the time
 the reused tokens would have taken to read at the prefill speed observed so far. Every
 salvage bar is "reused" green; the request's event (:mod:`nbkv.ui.vocabulary`) is its pattern.
-Drawn as inline SVG (:mod:`nbkv.ui.charts`), the same drawing as the static pages.
+Displayed in a notebook, it is a plotly figure of its own (:meth:`Timeline.chart`, with
+its PNG), refreshed between requests; placed inside another layout it draws inline SVG
+(:mod:`nbkv.ui.charts`). Both from the same :class:`nbkv.ui.charts.Point` list.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import ipywidgets as W
-from traitlets import Int, validate
+from traitlets import Bool, Int, observe, validate
 
-from nbkv.ui import charts, static
+from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import Point
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
 from nbkv.ui.widgets.snapshot import register
@@ -32,10 +34,14 @@ class Timeline(FeedView, W.VBox):
     label = "timeline"
     max_requests = Int(50, help="Most recent requests shown")
     shown = Int(0, help="Requests drawn at the last redraw")
+    svg = Bool(True, help="Draw the timeline in the widget as inline SVG (off when "
+                          "displayed: its plotly chart is an output of its own)")
 
     def __init__(self, engine: Any, feed: Feed | None = None, max_requests: int = 50,
-                 **kw: Any) -> None:
+                 cell_of: Any = None, **kw: Any) -> None:
         self.engine = engine
+        #: the notebook cell that sent a request (``record -> CellRef | None``), when known
+        self.cell_of = cell_of
         self.points: list[Point] = []
         self._drawn: tuple[Any, ...] = ()
         self.hider = W.HTML()
@@ -64,14 +70,35 @@ class Timeline(FeedView, W.VBox):
         if key == self._drawn:
             return
         self._drawn = key
-        self.points = charts.timeline_points(history, self.max_requests)
+        self.points = charts.timeline_points(history, self.max_requests, self.cell_of)
         with self.hold_sync():
-            self.view.value = charts.draw_timeline(self.points)
+            self.view.value = charts.draw_timeline(self.points) if self.svg else ""
             self.shown = len(self.points)
             self.note.value = "engine closed" if state.closed else ""
 
+    @observe("svg")
+    def _svg_changed(self, change: Any) -> None:
+        self._drawn = ()  # drawn again (or not) at the next redraw
+        if not change["new"]:  # its chart is an output of its own now: not drawn here
+            self.view.value = ""
+
+    def chart_views(self) -> list[Any]:
+        """Displayed, the timeline is a chart output of its own."""
+        return [self]
+
+    def chart(self) -> tuple[dict[str, Any], Any, str]:
+        """The timeline now: its plotly figure, a function drawing its PNG, its text."""
+        pts = charts.timeline_points(self.engine.history, self.max_requests, self.cell_of)
+        return (chartfig.timeline_figure(pts), lambda: raster.timeline_png(pts),
+                f"nbkv timeline: {len(pts)} requests")
+
     def static_html(self) -> str:
-        """The three panels as inline SVG (the saved notebook's fallback)."""
+        """The three panels as inline SVG (the saved notebook's fallback).
+
+        Nothing once the chart is an output of its own.
+        """
+        if not self.svg:
+            return ""
         return static.frame(static.timeline_svg(self.engine.history, self.max_requests),
                             "nbkv-timeline-static")
 
