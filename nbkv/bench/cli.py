@@ -32,7 +32,10 @@ engine's design; the others measure the caches against their alternatives.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 import time
 from typing import Any
@@ -41,6 +44,34 @@ from nbkv.bench.registry import SCENARIOS
 from nbkv.bench.report import print_report, targets
 from nbkv.bench.runners import MAX_TOKENS
 from nbkv.llama.models import default_model_path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_facts(argv: list[str] | None) -> dict[str, Any]:
+    """Machine, date and command of a run: what the docs' benchmark page states with it."""
+    import llama_cpp
+
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python -m nbkv.bench", *args]),
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} "
+                   f"{platform.release()}",
+        "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_cpp.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results.json", help="where to write the JSON")
     args = ap.parse_args(argv)
     path = str(args.model or default_model_path())
-    report: dict[str, Any] = {"model": path, "max_tokens": MAX_TOKENS}
+    report: dict[str, Any] = {"model": path, "max_tokens": MAX_TOKENS, "run": run_facts(argv)}
     for name in args.scenario or list(SCENARIOS):
         t0 = time.perf_counter()
         print(f"== {name} ...", file=sys.stderr, flush=True)
