@@ -47,5 +47,6 @@ autodoc_default_options = {"members": True, "undoc-members": False}
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:mod", r"nbkv\..*"),
-    (r"py:(func|meth|class|data|attr|obj)", r"nbkv\.(kv|engine|store|llama|media|prompt|ui|remote|notebook|core)\.[a-z_]+\..*"),
+    (r"py:(func|meth|class|data|attr|obj)",
+     r"nbkv\.(kv|engine|store|llama|media|prompt|ui|remote|notebook|core)\.[a-z_]+\..*"),
 ]

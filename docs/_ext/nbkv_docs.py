@@ -126,6 +126,7 @@ class _Generated(SphinxDirective):
     """Parse generated Markdown lines as if they were in the page."""
 
     def lines(self) -> list[str]:
+        """The Markdown to parse."""
         raise NotImplementedError
 
     def run(self) -> list[nodes.Node]:
@@ -136,26 +137,38 @@ class _Generated(SphinxDirective):
 
 
 class MagicDirective(_Generated):
+    """``{nbkv-magic} NAME``: a magic's usage, docstring and options."""
+
     required_arguments = 1
 
     def lines(self) -> list[str]:
+        """The magic's reference."""
         return magic_lines(self.arguments[0])
 
 
 class SettingsDirective(_Generated):
+    """``{nbkv-settings}``: the ``Nbkv`` traits."""
+
     def lines(self) -> list[str]:
+        """The traits' table."""
         return settings_lines()
 
 
 class ErrorsDirective(_Generated):
+    """``{nbkv-errors}``: every named error."""
+
     def lines(self) -> list[str]:
+        """The errors' table."""
         return errors_lines()
 
 
 class BenchDirective(_Generated):
+    """``{nbkv-bench} PATH``: a bench results JSON (relative to docs/)."""
+
     required_arguments = 1
 
     def lines(self) -> list[str]:
+        """The run's facts and tables."""
         path = Path(self.env.srcdir) / self.arguments[0]
         self.env.note_dependency(str(path))
         return bench_lines(path)
@@ -185,6 +198,7 @@ def resolve_short_name(app: Any, env: Any, node: Any, contnode: Any) -> Any:
 
 
 def setup(app: Any) -> dict[str, Any]:
+    """Register the directives and the short-name resolver."""
     app.connect("missing-reference", resolve_short_name)
     app.add_directive("nbkv-magic", MagicDirective)
     app.add_directive("nbkv-settings", SettingsDirective)
