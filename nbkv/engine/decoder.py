@@ -67,7 +67,7 @@ class Decoder:
         self.res = res
         self.settings = settings
         self.spc = spc  # SPC: where a system prompt's state is saved once prefilled
-        self.pace = pace  # ... and where each chunk's time per row is noted
+        self.pace = pace  # where each prefill chunk's time per row is noted
         self.steps = steps
 
     def prefill(self, job: Job, take: int) -> None:

@@ -75,7 +75,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
     #: ``chat(..., replay=True)`` is understood (a re-run notebook cell asks for it)
     replays = True
     last_save: Any = None  # the latest nbkv.store.persist.SaveReport
-    last_restore: Any = None  # ... and RestoreReport
+    last_restore: Any = None  # the latest nbkv.store.persist.RestoreReport
 
     #: the thread that alone touches the KV (composed here, and imported nowhere else)
     scheduler: Scheduler
