@@ -1,14 +1,11 @@
 """Side-by-side benchmark: nbkv's caches against no cache and llama-cpp-python's own reuse.
 
 ``python -m nbkv.bench`` runs every scenario on the same conversations, in one process, and
-prints a table plus JSON (also written to ``--out``). Timings on shared CPUs are noisy, so
-the figures that matter are *ratios between variants measured in the same run*; where two
-variants are timed against each other they run in A B B A order, so that a machine getting
-faster or slower during the run does not pass for a difference between them.
-
-Chat scenarios call ``engine.settle()`` after every reply: the user reads, and in that idle
-time exact mode rewrites the reply's KV as a batched prefill (README, Exactness). The
-rewrite's own cost is measured separately (``decode``).
+prints a table plus JSON (also written to ``--out``, with the run's machine, date and command:
+the docs' benchmark page renders it). Timings on shared CPUs are noisy, so the figures that
+matter are *ratios between variants measured in the same run*, timed in A B B A order. Chat
+scenarios call ``engine.settle()`` after every reply, the user's reading time, in which exact
+mode rewrites the reply's KV (docs: Exactness); ``decode`` measures the rewrite's own cost.
 
 Variants:
   off        nbkv with cache="off": clear the slot and prefill everything, every request
