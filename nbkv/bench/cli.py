@@ -15,15 +15,13 @@ Variants:
   limit      (single, thrash) the physical floor: only the new tokens, decoded at that
              depth on a raw context with nothing else going on
   sequential / batched   (subagents) the same agents one request at a time / all at once
-  plain (speculative) or exact (decode) / guesses / inexact   the default engine (exact,
-             one token per sequence per step) / speculative=True (a prompt-lookup guess
-             decoded beside each token) / exact=False (no idle-time rewrite of replies)
+  plain (speculative) or exact (decode) / guesses / inexact   the default engine /
+             speculative=True (prompt-lookup guesses) / exact=False (no reply rewrite)
   llama      (decode) llama_cpp.Llama.generate on the same prompt tokens, greedy
 
-Scenarios ``decode`` (single-session generation speed, and what the rewrite costs) and
-``families`` (prefill against the minimum on plain, sliding-window, hybrid and recurrent
-models, with tiny generated models from ``nbkv.fixtures.make_text_model``) measure the
-engine's design; the others measure the caches against their alternatives.
+``decode`` (generation speed, the rewrite's cost) and ``families`` (prefill against the
+minimum on every memory class, with ``nbkv.fixtures.make_text_model``'s tiny models) measure
+the engine's design; the others measure the caches against their alternatives.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ The binary is ``$NBKV_LLAMA_SERVER``, else the one ``python -m nbkv.remote.build
 installed llama-cpp-python's sdist, as ``<sys.prefix>/llama-server-<version>/llama-server``,
 else ``llama-server`` on ``PATH``.
 
-The flags that keep nbkv's slot pinning exact (``SERVER_FLAGS``; the docs' llama-server page
-says why each is needed):
+The flags nbkv's exact slot pinning needs (``SERVER_FLAGS``; the docs say why, each):
 
 - ``-np N`` and ``--no-kv-unified``: one KV buffer per slot, so that llama-server never
   clears an idle slot (and a pinned conversation) to make room;

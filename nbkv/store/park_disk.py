@@ -20,9 +20,9 @@ plain attention another slot count too) are adopted, in their order of use, othe
 alone, and files no manifest names (a killed writer's) are deleted. A namespace whose lock
 is held is never touched; nbkv 0.1's layout (no ``engines/``) counts as orphaned.
 
-An entry that fails a check when it is read is skipped with a warning naming its file and
-why, and deleted. A directory deleted while the engine runs is made again at the next write
-(the entries it held are reported lost); where it cannot be, :attr:`DiskTier.gone` says why.
+An entry failing a check when read is skipped with a warning naming its file, and deleted. A
+directory deleted while the engine runs is made again at the next write (its entries are
+reported lost); where it cannot be, :attr:`DiskTier.gone` says why.
 """
 
 from __future__ import annotations
