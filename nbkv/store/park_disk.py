@@ -10,8 +10,7 @@ engine writes only under its own namespace::
                                         blob's checksum and size
     engines/<id>/blobs/<sha256>.bin     its state and checkpoints, named by content
 
-Everything is written atomically (temporary file, fsync, rename), blobs first, so a crash
-leaves either a whole entry or none. Nothing is pickled.
+Writes are atomic (temp file, fsync, rename; blobs first) and nothing is pickled.
 
 Opening a directory makes the engine's namespace (renamed into place once its lock is held)
 and looks at the others. A namespace whose lock nobody holds is orphaned: its entries this
