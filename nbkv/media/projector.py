@@ -458,7 +458,7 @@ def _split(n: int, step: int) -> list[int]:
     """Sub-batch sizes for ``n`` embeddings, at most ``step`` each, never a lone last one.
 
     llama.cpp's CPU kernels compute a one-row batch differently from larger ones (see the
-    README's *Exactness*); this keeps an image's decode on the multi-row path whenever
+    docs/concepts/exactness.md); this keeps an image's decode on the multi-row path whenever
     ``n >= 2`` and ``step >= 3``, whatever ``n % step`` is.
     """
     sizes = [step] * (n // step) + ([n % step] if n % step else [])
