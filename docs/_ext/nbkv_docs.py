@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -174,27 +175,66 @@ class BenchDirective(_Generated):
         return bench_lines(path)
 
 
-def resolve_short_name(app: Any, env: Any, node: Any, contnode: Any) -> Any:
-    """A docstring's ``:class:`ChatStream``` found by its one documented full name.
+def _exists(dotted: str, module: str | None, cls: str | None) -> bool:
+    """Whether ``dotted`` names a real object, as the docstring's module would see it."""
+    import importlib
 
-    Docstrings name things as their module imports them; a name that matches exactly one
-    documented object (``nbkv.core.streams.ChatStream``) links there, and any other stays a
-    broken reference (an error in ``make test``).
+    starts = [dotted, f"nbkv.{dotted}"]  # nbkv.Engine is a public name
+    if module:
+        starts += [f"{module}.{cls}.{dotted}" if cls else "", f"{module}.{dotted}"]
+    for full in filter(None, starts):
+        parts = full.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj: Any = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            rest = parts[i:]
+            try:
+                while rest:
+                    obj = getattr(obj, rest[0])
+                    rest = rest[1:]
+            except AttributeError:
+                # an instance attribute, set in the class's own code
+                if len(rest) == 1 and inspect.isclass(obj) and re.search(
+                        rf"self\.{rest[0]}\b\s*[:=]", inspect.getsource(obj)):
+                    return True
+                break
+            return True
+    return False
+
+
+def resolve_short_name(app: Any, env: Any, node: Any, contnode: Any) -> Any:
+    """A docstring's reference, resolved as its module imports the name.
+
+    Docstrings name things as their module sees them (``:class:`ChatStream```). A name that
+    matches one documented object (the one nearest the docstring's module and class when
+    several do) links there; a name that exists in the code but is not documented is kept as
+    plain text; any other stays a broken reference, an error in ``make test``.
     """
     if node.get("refdomain") != "py":
         return None
     from sphinx.util.nodes import make_refnode
 
     target = node["reftarget"].lstrip(".~")
-    if target.startswith("nbkv.") and target.count(".") == 1:  # nbkv.Engine: a public name
-        target = target.split(".", 1)[1]
+    module, cls = node.get("py:module"), node.get("py:class")
+    short = target.split(".", 1)[1] if target.startswith("nbkv.") and target.count(".") == 1 \
+        else target  # nbkv.Engine: a public name
     domain = env.get_domain("py")
     found = [(name, obj) for name, obj in domain.objects.items()
-             if name == target or name.endswith("." + target)]
-    if len(found) != 1:
-        return None
-    name, obj = found[0]
-    return make_refnode(app.builder, node["refdoc"], obj.docname, obj.node_id, contnode, name)
+             if name == short or name.endswith("." + short)]
+    for scope in (f"{module}.{cls}." if cls else None, f"{module}." if module else None):
+        near = [f for f in found if scope and f[0].startswith(scope)]
+        if len(near) == 1:
+            found = near
+            break
+    if len(found) == 1:
+        name, obj = found[0]
+        return make_refnode(app.builder, node["refdoc"], obj.docname, obj.node_id, contnode,
+                            name)
+    if _exists(target, module, cls):
+        return contnode
+    return None
 
 
 def setup(app: Any) -> dict[str, Any]:
