@@ -95,3 +95,35 @@ def test_path_check_catches_a_stale_path(tmp_path: Path) -> None:
     assert PATH.findall("see `nbkv/calibrate.py` and nbkv/kv/policy.py.") == [
         "nbkv/calibrate.py", "nbkv/kv/policy.py."]
     assert not (ROOT / "nbkv/calibrate.py").exists()
+
+
+def _ext():  # docs/_ext/nbkv_docs.py (needs sphinx: the docs extra)
+    import importlib
+    import sys
+
+    pytest.importorskip("sphinx")
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        return importlib.import_module("nbkv_docs")
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+
+
+@pytest.mark.parametrize("name", ["kvcache", "chat"])
+def test_magics_reference_lists_every_option(name: str) -> None:
+    """The generated reference holds every argument the magic's parser takes."""
+    from nbkv.notebook.magics import Nbkv
+
+    text = "\n".join(_ext().magic_lines(name))
+    parser = getattr(Nbkv, name).parser
+    for action in parser._actions:
+        for flag in action.option_strings or [action.dest]:
+            if flag not in ("-h", "--help"):
+                assert f"`{flag}`" in text, flag
+
+
+def test_reference_resolver_refuses_a_name_the_code_lacks() -> None:
+    ext = _ext()
+    assert ext._exists("text", "nbkv.core.streams", "ChatStream")  # an instance attribute
+    assert ext._exists("Engine.achat", "nbkv.core.streams", None)  # a public name
+    assert not ext._exists("no_such_name", "nbkv.core.streams", "ChatStream")
