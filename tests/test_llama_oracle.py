@@ -119,7 +119,7 @@ def ask(engine, llm, messages, session):
     prompt = engine.tokenize_prompt(messages)
     # Llama's eval cuts the prompt at multiples of n_batch; a prompt of k*256+1 tokens would
     # leave it a lone last token, which llama.cpp's CPU kernels may round differently from
-    # a batch (README, Exactness), while nbkv never decodes a lone prompt token (255+2).
+    # a batch (docs/concepts/exactness.md), while nbkv never decodes a lone prompt token (255+2).
     # That is a known, nameable difference, not one this oracle is after: the compared
     # prompts must avoid that length (change a question's wording if one lands on it).
     assert len(prompt) % N_BATCH != 1, f"prompt of {len(prompt)} tokens: reword a question"

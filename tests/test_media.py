@@ -443,7 +443,7 @@ def test_copied_sequence_continues_bit_for_bit(model, projector, ctx, baseline):
 
 def test_sub_batch_split_does_not_change_results(model, projector, ctx):
     # multi-row batches compute the same numbers whatever their size; a lone row does not
-    # (README, Exactness), so an image is never split with a lone last embedding: 16 in
+    # (docs/concepts/exactness.md), so an image is never split with a lone last embedding: 16 in
     # sub-batches of 15 decodes as 14 + 2
     from nbkv.llama.backend import Batch
 

@@ -15,7 +15,7 @@ from nbkv.kv.invariance import PrefillRule
 from nbkv.remote import steering
 from nbkv.remote.steering import Ledger, Offered, Step, pieces, route, settles
 
-Q4_1 = PrefillRule(2, 1)  # the embedded SmolLM2 (README, Exactness)
+Q4_1 = PrefillRule(2, 1)  # the embedded SmolLM2 (docs/concepts/exactness.md)
 Q4_K = PrefillRule(8, 4)  # Q4_K_M: 4-aligned chunks of 8+ rows
 
 

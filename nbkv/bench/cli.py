@@ -1,14 +1,11 @@
 """Side-by-side benchmark: nbkv's caches against no cache and llama-cpp-python's own reuse.
 
 ``python -m nbkv.bench`` runs every scenario on the same conversations, in one process, and
-prints a table plus JSON (also written to ``--out``). Timings on shared CPUs are noisy, so
-the figures that matter are *ratios between variants measured in the same run*; where two
-variants are timed against each other they run in A B B A order, so that a machine getting
-faster or slower during the run does not pass for a difference between them.
-
-Chat scenarios call ``engine.settle()`` after every reply: the user reads, and in that idle
-time exact mode rewrites the reply's KV as a batched prefill (README, Exactness). The
-rewrite's own cost is measured separately (``decode``).
+prints a table plus JSON (also written to ``--out``, with the run's machine, date and command:
+the docs' benchmark page renders it). Timings on shared CPUs are noisy, so the figures that
+matter are *ratios between variants measured in the same run*, timed in A B B A order. Chat
+scenarios call ``engine.settle()`` after every reply, the user's reading time, in which exact
+mode rewrites the reply's KV (docs: Exactness); ``decode`` measures the rewrite's own cost.
 
 Variants:
   off        nbkv with cache="off": clear the slot and prefill everything, every request
@@ -18,21 +15,22 @@ Variants:
   limit      (single, thrash) the physical floor: only the new tokens, decoded at that
              depth on a raw context with nothing else going on
   sequential / batched   (subagents) the same agents one request at a time / all at once
-  plain (speculative) or exact (decode) / guesses / inexact   the default engine (exact,
-             one token per sequence per step) / speculative=True (a prompt-lookup guess
-             decoded beside each token) / exact=False (no idle-time rewrite of replies)
+  plain (speculative) or exact (decode) / guesses / inexact   the default engine /
+             speculative=True (prompt-lookup guesses) / exact=False (no reply rewrite)
   llama      (decode) llama_cpp.Llama.generate on the same prompt tokens, greedy
 
-Scenarios ``decode`` (single-session generation speed, and what the rewrite costs) and
-``families`` (prefill against the minimum on plain, sliding-window, hybrid and recurrent
-models, with tiny generated models from ``nbkv.fixtures.make_text_model``) measure the
-engine's design; the others measure the caches against their alternatives.
+``decode`` (generation speed, the rewrite's cost) and ``families`` (prefill against the
+minimum on every memory class, with ``nbkv.fixtures.make_text_model``'s tiny models) measure
+the engine's design; the others measure the caches against their alternatives.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 import time
 from typing import Any
@@ -41,6 +39,34 @@ from nbkv.bench.registry import SCENARIOS
 from nbkv.bench.report import print_report, targets
 from nbkv.bench.runners import MAX_TOKENS
 from nbkv.llama.models import default_model_path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_facts(argv: list[str] | None) -> dict[str, Any]:
+    """Machine, date and command of a run: what the docs' benchmark page states with it."""
+    import llama_cpp
+
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python -m nbkv.bench", *args]),
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} "
+                   f"{platform.release()}",
+        "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_cpp.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results.json", help="where to write the JSON")
     args = ap.parse_args(argv)
     path = str(args.model or default_model_path())
-    report: dict[str, Any] = {"model": path, "max_tokens": MAX_TOKENS}
+    report: dict[str, Any] = {"model": path, "max_tokens": MAX_TOKENS, "run": run_facts(argv)}
     for name in args.scenario or list(SCENARIOS):
         t0 = time.perf_counter()
         print(f"== {name} ...", file=sys.stderr, flush=True)

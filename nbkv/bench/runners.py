@@ -175,7 +175,7 @@ class LimitRunner:
             chunk = tokens[i : i + 255]
             self.batch.clear()
             last = self.batch.add_run(chunk, len(self.tokens), 0, True)
-            if len(chunk) == 1:  # never a lone prompt token, as in nbkv (README, Exactness)
+            if len(chunk) == 1:  # never a lone prompt token, as in nbkv (docs: exactness)
                 self.batch.add(chunk[0], len(self.tokens) + 1, 0, False)
             self.ctx.decode(self.batch)
             self.ctx.seq_rm(0, len(self.tokens) + len(chunk), -1)

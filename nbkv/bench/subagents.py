@@ -131,7 +131,7 @@ def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
         "agents": n_agents, "turns": n_turns, "max_tokens": max_tokens, **out,
         "mean_ttft_s": {k: v["mean_ttft_s"] for k, v in out.items()},
         "decode_step_ceiling": ceiling,
-        # batched replies equal one-at-a-time replies (README, Concurrent sessions)
+        # batched replies equal one-at-a-time replies (docs/concepts/slots-imc.md)
         "replies_identical": all(r == every[0] for r in every),
         "ratios": {
             "batched_over_sequential_tokens_per_s": speedup,

@@ -90,7 +90,7 @@ def quantized(kv_type: str) -> bool:
 
 @dataclass(frozen=True)
 class HardwareOptions:
-    """llama.cpp's placement and KV settings (see the README's "Hardware and memory").
+    """llama.cpp's placement and KV settings (see docs/howto/own-model.md).
 
     Checked here, by name; :mod:`nbkv.llama.hardware` maps the names to llama.cpp's ids.
 

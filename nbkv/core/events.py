@@ -98,19 +98,19 @@ class RequestRecord:
     trimmed_tokens: int
     generated_tokens: int = 0
     donor_slot: int | None = None  # slot the reused prefix was copied from
-    donor_session: str | None = None  # ... and whose conversation it held
+    donor_session: str | None = None  # session whose conversation the donor slot held
     evicted_session: str | None = None
     evicted_tokens: int = 0
     matched_messages: int = 0
     reply_tokens_cached: int = 0  # tokens of the previous reply held in the slot
-    reply_tokens_reused: int = 0  # ... of which re-tokenized identically and were reused
+    reply_tokens_reused: int = 0  # previous reply's tokens reused (re-tokenized identically)
     dropped_messages: int = 0  # oldest messages dropped by overflow='slide'
     media_chunks: int = 0  # image chunks in the prompt
-    media_reused: int = 0  # ... of which were already in the slot's KV
+    media_reused: int = 0  # image chunks already in the slot's KV
     encoder_runs: int = 0  # images sent through the vision encoder by this request
     embedding_cache_hits: int = 0  # images decoded from cached embeddings instead
     draft_tokens: int = 0  # guessed next tokens decoded alongside (speculative, exact mode)
-    draft_accepted: int = 0  # ... that the model confirmed: two tokens from one decode
+    draft_accepted: int = 0  # guesses the model confirmed: two tokens from one decode
     checkpoint_pos: int | None = None  # the checkpoint restored (hybrid/recurrent models)
     reprefilled_tokens: int = 0  # matched positions re-prefilled: the KV could not be cut there
     rewrite_absorbed: int = 0  # previous reply positions re-prefilled before their rewrite ran
@@ -120,7 +120,7 @@ class RequestRecord:
     #: the reply is proven bit-identical to a from-scratch one (exact mode, and a prefill
     #: grouping calibrated as batch-invariant on this model and build)
     exact: bool = True
-    exact_note: str = ""  # ... why not, when a remote engine knows (its figures line says)
+    exact_note: str = ""  # why not exact, when a remote engine knows (its figures line says)
     capacity: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -135,22 +135,23 @@ class RequestRecord:
     segments: tuple[Segment, ...] = ()
     started_at: float = 0.0  # time.time() when the request was admitted
     reason: str = ""  # why it reused what it reused (a code of nbkv.kv.reasons)
-    reason_text: str = ""  # ... in plain words
+    reason_text: str = ""  # the reason in plain words
     divergence: Divergence | None = None  # where the prompt left the cached conversation
     #: False when a remote server's figures disagree with what nbkv expected of the slot
     verified: bool = True
-    note: str = ""  # ... and why (or another remark of a remote engine)
+    note: str = ""  # why not verified (or another remark of a remote engine)
     #: "ram" or "disk" when a parked conversation (nbkv.store.parking) was restored into the slot
     #: first (its time is in ``restore_s``), else ""
     restored_from: str = ""
-    restored_tokens: int = 0  # ... tokens of it the request reused
-    restored_session: str | None = None  # ... whose conversation it was
-    #: ... the restore proper, within ``restore_s``: taking the entry from the lot (a disk
-    #: read too), writing its state into the slot and checking it; not the admission around
-    #: it (matching, trimming) nor parking the slot's conversation (``park_s``)
+    restored_tokens: int = 0  # tokens of the restored conversation the request reused
+    restored_session: str | None = None  # session whose conversation was restored
+    #: the restore of a parked conversation proper, within ``restore_s``: taking the entry
+    #: from the lot (a disk read too), writing its state into the slot and checking it; not
+    #: the admission around it (matching, trimming) nor parking the slot's conversation
+    #: (``park_s``)
     unpark_s: float = 0.0
     evicted_parked: str = ""  # "ram" or "disk": the evicted conversation was parked, not lost
-    park_s: float = 0.0  # ... the time that took (copying its state out), within restore_s
+    park_s: float = 0.0  # time its park took (copying the state out), in restore_s
     #: a replayed request (reason "replayed"): the reply's tokens, given again from the cache
     #: with nothing decoded (``generated_tokens`` counts only tokens decoded)
     replayed_tokens: int = 0
@@ -213,7 +214,7 @@ class SlotRewritten:
     request_id: int | None  # the request whose reply it was
     tokens: int  # positions rewritten
     seconds: float
-    mixed: int = 0  # ... of which during generation (their time is in ``seconds`` too)
+    mixed: int = 0  # rows rewritten during generation (their time is in ``seconds`` too)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ chunks canonical (threshold 2, alignment 1: Q4_0, Q4_1, Q8_0 on CPU), exact mode
 *every* sequence a second row (the guess, or the token itself when there is none): each
 generated row is then computed as a canonical prefill computes it, and the reply needs no
 rewrite at all. Its logits are a two-row batch's, so such replies equal nbkv's own from
-scratch with guesses, not plain llama.cpp's one-row decoding (README, Exactness).
+scratch with guesses, not plain llama.cpp's one-row decoding (docs/concepts/exactness.md).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Decoder:
         self.res = res
         self.settings = settings
         self.spc = spc  # SPC: where a system prompt's state is saved once prefilled
-        self.pace = pace  # ... and where each chunk's time per row is noted
+        self.pace = pace  # where each prefill chunk's time per row is noted
         self.steps = steps
 
     def prefill(self, job: Job, take: int) -> None:

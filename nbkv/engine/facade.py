@@ -57,98 +57,25 @@ __all__ = ["Engine", "SlotInfo", "thrashing"]
 class Engine(TemplatedAPI, ChatAPI, ControlCalls):
     """A persistent multi-slot chat engine with Incremental Message and System Prompt Caches.
 
-    Args:
-        model_path: GGUF file; ``None`` uses ``$NBKV_MODEL`` or the embedded SmolLM2-135M.
-        n_slots: conversations kept in KV at once (one llama.cpp sequence each).
-        n_ctx: context budget of each slot, in tokens (rounded up to a multiple of 256).
-            ``None`` for either: picked from the memory plan (4 x 4096 when the KV takes at
-            most a quarter of the free memory, else smaller), said in ``engine.sized``; a
-            slot longer than the model's trained context is warned about.
-        cache: ``"imc"`` (whole conversations), ``"spc"`` (system prompt only) or ``"off"``.
-        cache_min_tokens: IMC: shortest token prefix worth salvaging from another
-            conversation's slot; SPC: shortest system prompt worth caching.
-        n_batch: tokens per ``llama_decode`` call (prefill chunk size).
-        n_threads: llama.cpp's threads; default what this process may really use: the CPU
-            affinity mask and the cgroup's CPU quota (a container sees every core of its
-            node but may run on a fraction of one), whichever is smaller
-            (:mod:`nbkv.llama.cpus`). ``engine.n_threads`` says what it runs with.
-        template: a Jinja2 chat template overriding the model's own.
-        overflow: ``"error"`` raises :class:`ContextOverflowError` when a prompt does not fit
-            its slot; ``"slide"`` drops the oldest turns (keeping the system prompt) instead.
-        wait_timeout: seconds a request may wait for a free slot.
-        system_prompt_cache: ``True`` is another way to say ``cache="spc"``.
-        on_load_progress: called with the fraction of the model loaded, 0.0 to 1.0.
-        progress: where the load's long steps are shown (the model, the calibration, the
-            projector: :mod:`nbkv.core.progress`): a reporter, ``False`` for nowhere, or
-            ``None`` (default): a bar in the notebook's cell (with ``%load_ext nbkv``), a
-            line on stderr in a terminal, else only the ``nbkv`` logger.
-        flash_attn: ``"off"`` (default), ``"on"`` or ``"auto"`` (``True``/``False`` too). With
-            f16 KV, llama.cpp's CPU flash-attention kernel tiles batches of 64+ tokens, so a
-            prompt prefilled in pieces (what a cache hit does) gets logits up to ~0.7 away
-            from the same prompt prefilled at once: ``exact=True`` refuses it. With quantized
-            K and V the kernel is per-token and exactness holds.
-        type_k, type_v: KV cache types: ``"f16"`` (default), ``"q8_0"`` (about half the
-            memory), ``"q4_0"``, ... (:data:`nbkv.core.config.KV_TYPE_SIZES`); a quantized V cache
-            needs ``flash_attn="on"``.
-        n_gpu_layers: layers offloaded to a GPU: ``None`` (default) is all of them when the
-            llama.cpp build has a GPU backend, else 0; with ``main_gpu``, ``split_mode``
-            (``"layer"``, ``"row"``, ``"none"``) and ``tensor_split`` as in llama.cpp.
-        use_mmap, use_mlock: how the weights are loaded (memory-mapped; locked in RAM).
-        check_memory: plan the KV bytes from the GGUF metadata and refuse, with the figures,
-            a configuration that cannot fit the free memory, before llama.cpp allocates.
-        exact: keep cached KV bit-identical to a from-scratch prefill. Replies are generated
-            one token per step, as plain llama.cpp does; a one-token decode rounds slightly
-            differently from a batched prefill, so once a reply has streamed its KV is
-            rewritten as a batch in the scheduler's idle time (or by the next request that
-            reuses it). ``False`` keeps the token-by-token KV: no rewrite, and a cached reply
-            may then differ from a from-scratch one at near-ties.
-        rewrite: when the reply's KV is rewritten as a batch (exact mode, IMC). ``"auto"``
-            (default): in idle time, and, when requests come back to back (the last reply
-            had no idle time for it), while the reply is generated, in a shadow sequence
-            (:mod:`nbkv.engine.shadow`; it takes one slot's KV memory more, and the reply
-            then decodes slower by what its rows cost); ``"mixed"``: always while the reply
-            is generated; ``"idle"``: only in idle time (or by the next request), with no
-            shadow sequence.
-        speculative: decode a prompt-lookup guess of the next token beside each generated
-            one (:mod:`nbkv.engine.drafts`); a right guess yields two tokens from one decode. The
-            guess is checked against the token sampled the ordinary way. Off by default: a
-            two-row decode costs ~1.6 rows' time on a CPU, and rounds differently from a
-            one-row decode (so replies equal plain llama.cpp's only without guesses).
-            Ignored on hybrid and recurrent models, whose state cannot drop a wrong guess.
-        max_checkpoints: per slot, on models whose KV cannot be trimmed (hybrid, recurrent)
-            or whose state put back from parking or a save cannot (sliding-window): partial
-            states kept at message boundaries (the newest kept, older ones thinned).
-        checkpoint_bytes: per slot, the most bytes its checkpoints may take. ``None``
-            (default): as much as the slot's own KV on sliding-window models, where each
-            checkpoint holds a whole window of the SWA layers; no bound on hybrid and
-            recurrent ones (their checkpoints are the recurrent state alone).
-        mmproj: a vision projector GGUF matching the model: messages may then carry images
-            (OpenAI-style ``image_url`` parts, or PIL images, arrays and bytes from Python).
-            It is checked before llama.cpp sees it; a mismatch raises
-            :class:`~nbkv.core.errors.ProjectorError`.
-        embedding_cache: where image embeddings are kept by content hash (share one between
-            engines if you like); default a private 256 MiB LRU.
-        trust_projector: accept projector types nbkv cannot validate ahead of time.
-        calibration: ``"cached"`` (default) or ``"fresh"``: at load, nbkv measures how this
-            model and build must group prompt rows for cached KV to equal a fresh prefill
-            (:mod:`nbkv.kv.calibrate`: 8-10 CPU-seconds for SmolLM2 with 1 or 2 slots, 3.3 s
-            on 2 quiet cores, with a progress bar; once per model, llama.cpp build and CPU)
-            and prefills that way; ``"fresh"`` measures again. The result is
-            ``engine.prefill_rule`` (``engine.model.exactness`` in words).
-        park_ram, park_dir, park_disk: parking (:mod:`nbkv.store.parking`, IMC only): the
-            conversation a request takes a slot from is kept, and restored when a prompt
-            starts with it. ``park_ram`` bytes of RAM (default the smaller of a quarter of
-            the free RAM and 4 GiB; least recently used leave first); ``park_dir`` an optional
-            disk tier they spill to, within ``park_disk`` bytes (several engines may share
-            one: each writes its own namespace; :meth:`close` spills the slots and RAM there,
-            and the next engine opening it takes them over). ``park_ram=0`` without a
-            ``park_dir`` turns parking off.
+    One llama.cpp context holds ``n_slots`` sequences, each a conversation kept in KV, so a
+    new turn prefills only what the model has not seen. ``model_path`` is a GGUF file
+    (``None``: ``$NBKV_MODEL`` or the embedded SmolLM2-135M); ``cache`` is ``"imc"`` (whole
+    conversations), ``"spc"`` (system prompts only) or ``"off"``. The other keywords are the
+    fields of :class:`~nbkv.core.config.EngineSettings` (slot size, overflow policy,
+    llama.cpp's threads, GPU and KV-type options, exactness and the reply rewrite,
+    checkpoints, the vision projector, parking budgets), checked before the model loads;
+    the docs' "Engine options" page says what each one is for. ``progress`` says where the
+    load's long steps are shown and ``on_load_progress`` is called with the fraction of the
+    model loaded.
+
+    Use it as a context manager, or call :meth:`close`; a closed engine spills what its
+    slots and parking hold to ``park_dir`` when it has one.
     """
 
     #: ``chat(..., replay=True)`` is understood (a re-run notebook cell asks for it)
     replays = True
     last_save: Any = None  # the latest nbkv.store.persist.SaveReport
-    last_restore: Any = None  # ... and RestoreReport
+    last_restore: Any = None  # the latest nbkv.store.persist.RestoreReport
 
     #: the thread that alone touches the KV (composed here, and imported nowhere else)
     scheduler: Scheduler

@@ -38,8 +38,8 @@ class JobState(enum.Enum):
     QUEUED = "queued"  # waiting for a slot
     PREFILL = "prefill"  # prompt positions left to read, text first
     IMAGE = "image"  # an image first, none of it in the KV yet
-    ENCODING = "encoding"  # ... its embeddings being computed on the encoder's thread
-    IMAGE_PART = "image part"  # ... some of its sub-batches in the KV (``image_piece``)
+    ENCODING = "encoding"  # an image first, its embeddings being computed on the encoder's thread
+    IMAGE_PART = "image part"  # an image first, some of its sub-batches in the KV (``image_piece``)
     SAMPLE = "sample"  # the logits of its last position are computed: sample a token
     GENERATE = "generate"  # a sampled token waits to be decoded (``next_token``)
     REPLAY = "replay"  # answered with a reply its slot holds: nothing to decode
@@ -79,14 +79,14 @@ class Job(Request):
         self.t_last_progress = 0.0
         self.drafter = drafter  # speculative guesses from the prompt and reply (None: off)
         self.drafted = 0  # guesses decoded (speculative, exact mode)
-        self.accepted = 0  # ... that the model confirmed
+        self.accepted = 0  # guesses the model confirmed
         self.embeddings: dict[str, Any] = {}  # image hash -> its embeddings, once known
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
         self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
         self.replay = replay  # may be answered with a reply the cache holds (nbkv.engine.replay)
-        self._memo: Any = None  # ... the nbkv.kv.replies.ReplyMemo it is answered with
-        self._memo_held = 0  # ... and how many of its tokens the slot holds after the prompt
+        self._memo: Any = None  # the nbkv.kv.replies.ReplyMemo a replay answers it with
+        self._memo_held = 0  # how many of the memo's tokens the slot holds after the prompt
 
     # ------------------------------------------------------------------ reading
 

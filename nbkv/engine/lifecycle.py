@@ -116,7 +116,7 @@ class Lifecycle:
             try:
                 slot.kv.resync()
                 if slot.kv.copy_queued and not self.active:  # ended before its first decode
-                    slot.kv.run_queued_copy()  # ... and none is coming to run the copy
+                    slot.kv.run_queued_copy()  # no later decode is coming to run the queued copy
             except BaseException:  # noqa: BLE001 - the request must still end
                 log.exception("slot[%d]: could not trim past its tokens", slot.index)
                 self.table.reset(slot)

@@ -157,7 +157,7 @@ class Resources:
             n_slots = auto_slots if n_slots is None else n_slots
             n_ctx = auto_ctx if n_ctx is None else n_ctx
         self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
-        self.n_slots = n_slots  # ... what the config now says, as plain numbers
+        self.n_slots = n_slots  # the config's slot count and size, as plain numbers
         slot_ctx = -(-max(n_ctx, 256) // 256) * 256
         self.plan = memplan.plan(meta, n_slots, slot_ctx, hw.type_k, hw.type_v,
                                  self.model.is_recurrent, self.model.is_hybrid,

@@ -109,7 +109,7 @@ class Placer:
         prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends and donor is None else prev_len
         if entry is not None:  # what is reused is the parked conversation, not the slot's
             prev_len = prev_prompt_len = 0
-        wanted = reuse = plan.reuse  # ... if every cached position were servable as it is
+        wanted = reuse = plan.reuse  # reuse if every cached position were servable as it is
         absorbed = 0
         if donor is None and entry is None and slot.session == job.session and slot.reply_rows:
             # this conversation continues: did its last reply have idle time to be rewritten in?
@@ -121,7 +121,7 @@ class Placer:
         # where a canonical prefill of this prompt may begin (nbkv.kv.invariance)
         reuse = invariance.valid_start(p.tokens, min(reuse, policy.reuse_limit(len(p.tokens))),
                                        rule)
-        target = reuse  # ... on memory that can be cut anywhere
+        target = reuse  # where memory that can be cut anywhere is cut
         kv.last_restore = None
         table.serve(slot, True)
         parked_to = None

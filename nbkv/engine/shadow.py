@@ -58,7 +58,7 @@ class Shadow:
         self.job: Job | None = None  # the generating request it follows
         self.start = 0  # the followed slot's settled prefix, where the shadow's rows begin
         self.rows = 0  # rows it has decoded since
-        self.seconds = 0.0  # ... and the time its copy and chunks took
+        self.seconds = 0.0  # the time the shadow's copy and chunks took
 
     @property
     def busy(self) -> bool:

@@ -45,15 +45,15 @@ class EngineSlot(TableSlot):
     kv: SlotKV = None  # type: ignore[assignment]
     redo: list[Any] = field(default_factory=list)  # positions being rewritten (settling)
     rewrite_n: int = 0  # positions the current rewrite covers
-    rewrite_s: float = 0.0  # ... and the time it has taken so far
+    rewrite_s: float = 0.0  # the time the current rewrite has taken so far
     #: the prompt and reply of its last request: where its next turn resumes (parking)
     last_turn: tuple[Any, str] | None = None
     #: a snapshot of its KV taken in idle time, and the KV version it shows: parking the
     #: slot then costs no copy (nbkv.engine.slot_parking.prepark)
     preparked: tuple[int, KVSnapshot | None] | None = None
-    rewrite_mixed: int = 0  # ... of which were rewritten while the reply was generated
+    rewrite_mixed: int = 0  # positions of the rewrite done while the reply was generated
     t_replied: float = 0.0  # when its last reply ended (time.perf_counter)
-    reply_rows: int = 0  # ... and how many positions rewriting that reply's KV takes
+    reply_rows: int = 0  # positions that rewriting its last reply's KV takes
 
     @property
     def phase(self) -> SlotPhase:

@@ -61,7 +61,7 @@ def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
         raise RestoreError("the engine is serving requests: restore when it is idle")
     sched.rewriter.settle_all()  # what is parked below is proven KV
     if sched.parking is not None:
-        for s in sched.table:  # ... and put back exactly (sliding window: see cut_for_park)
+        for s in sched.table:  # cut where a parked state goes back exactly (cut_for_park)
             if s.tokens:
                 sched.parker.cut_for_park(s)
     backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))

@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = {"n_threads": default_threads(), "flash_attn": FLASH_ATTN["off"],
                         "type_k": kv_type_id("f16"), "type_v": kv_type_id("f16")}
             t0 = time.perf_counter()
-            # ... with the shadow sequence of its default exact mode (rewrite="auto")
+            # and the shadow sequence of its default exact mode (rewrite="auto")
             shadow = classify(model) in (PLAIN, SWA)
             rule = calibrate(model, n_seq=args.slots, can_trim=can_trim, settings=settings,
                              cache=not args.fresh, shadow=shadow, progress=default_reporter()

@@ -1,12 +1,11 @@
 """Batch invariance: how prompt rows must be grouped for cached KV to equal a fresh prefill.
 
 llama.cpp's CPU kernels compute a row of a matrix product differently depending on how many
-rows its batch holds and where the row sits in it: a one-row decode takes a vector kernel,
-K-quant weights take a tiled kernel from 8 rows on, repacked Q4_K weights compute rows in
-blocks of 4 counted from the batch's first row and the rows left over one by one, ...
-(:mod:`nbkv.kv.calibrate` measures the rule of *this* model and build). A cached slot and a
-from-scratch decode give the same KV only if every row is computed by the same kernel in
-both, so every prefill follows one *canonical* grouping, a pure function of the positions:
+rows its batch holds and where the row sits in it (a one-row decode takes a vector kernel,
+K-quant weights a tiled one from 8 rows on, ...; :mod:`nbkv.kv.calibrate` measures the rule
+of *this* model and build). A cached slot and a from-scratch decode give the same KV only if
+every row is computed by the same kernel in both, so every prefill follows one *canonical*
+grouping, a pure function of the positions:
 
 - a *text run* is the text between two images (or the prompt's start and end);
 - inside a run, chunks start at a multiple of ``align`` rows from the run's start, every
@@ -19,10 +18,9 @@ multiple of ``align`` (a *block* row) or after it (a *remainder* row). Block row
 change class when the run grows: they are *settled*. Remainder rows are exact for this very
 prompt, but the next turn computes them again (at most ``align - 1`` rows, plus enough
 settled rows to give the new chunk ``threshold`` rows). Generated tokens are one-row
-decodes: exact when :attr:`PrefillRule.single_row` holds, else rewritten (see the engine):
-in idle time, or while the reply is generated, in a *shadow* sequence that receives its
-settled rows in chunks (:func:`block_chunk`) between generation decodes
-(:attr:`PrefillRule.mixed`).
+decodes: exact when :attr:`PrefillRule.single_row` holds, else rewritten in idle time, or
+while the reply is generated, in a *shadow* sequence that receives its settled rows in
+chunks (:func:`block_chunk`) between generation decodes (:attr:`PrefillRule.mixed`).
 """
 
 from __future__ import annotations

@@ -123,12 +123,8 @@ class ParkedLike(Held, Protocol):
 IN_PLACE, COPY, RESTORE = "in-place", "copy", "restore"
 
 #: positions a copy from another slot must serve beyond what a slot serves in place to be
-#: chosen: llama.cpp copies a slot's whole KV stream (all of its cells, used or not; a
-#: memcpy of n_ctx x KV bytes per token). Measured against prefill per token (64-token
-#: chunks) in one run on 2 loaded cores, 4,096-position slots: SmolLM2 94 MB, 45-52 ms a
-#: copy = 0.6-1.2 tokens of prefill (per-pair max 9.6); Gemma 3 270M 76 MB, 23-45 ms = 0.2-0.3
-#: tokens (max 5.2). Prefill slows more than memcpy under load, so quiet cores put a copy
-#: nearer 10 tokens: 32 stays an upper bound up to ~4k-position slots (larger slots copy more)
+#: chosen: llama.cpp copies a slot's whole KV stream (all of its cells, used or not), whose
+#: cost is a few tokens of prefill on ~4k-position slots (the docs' measurement notes)
 COPY_MARGIN = 32
 
 #: ``judge(candidate, shared, how)``: the positions ``candidate`` really serves when it shares

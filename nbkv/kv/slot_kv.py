@@ -7,25 +7,20 @@ of memory the model has (:func:`classify`):
 - ``sliding-window`` (Gemma 3): a trim is exact while the SWA cache still holds the window
   before the cut (checked with ``seq_pos_min``). A live slot keeps every cell (full-size SWA
   cache), but a whole state put back (parked, saved, SPC) holds only the window before its
-  end; such a slot goes back further through its *checkpoints*, as hybrid memory does: a
-  checkpoint of sliding-window memory is its SWA layers' window at that position.
+  end; such a slot goes back further through its *checkpoints*: the SWA layers' window at
+  that position.
 - ``hybrid`` (LFM2, Granite-H, Qwen3-Next) and ``recurrent`` (Mamba, RWKV): a recurrent
   state cannot be rolled back. The slot keeps *checkpoints*, partial states
-  (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) taken at prefill-chunk boundaries; a trim restores
-  the newest checkpoint at or before the target and the caller prefills the gap.
-
-Checkpoints are bounded per slot in number and in bytes (:class:`CheckpointSet`).
+  (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) taken at prefill-chunk boundaries, bounded in
+  number and bytes (:class:`CheckpointSet`); a trim restores the newest checkpoint at or
+  before the target and the caller prefills the gap.
 
 Every operation ends by verifying ``seq_pos_max`` (and ``seq_pos_min`` where it means
 something) against the recorded tokens; on any disagreement the slot is cleared: KV that
-cannot be proven is never served.
-
-``exact_len`` counts the leading positions whose KV is exactly what a canonical prefill of
-the recorded tokens computes (:mod:`nbkv.kv.invariance`), and ``settled`` those that stay exact
-whatever follows (the remainder rows of a prompt's last chunk are exact for that prompt, but
-a longer one computes them again). Generated tokens are decoded one at a time, which
-llama.cpp's kernels may compute differently; the engine rewrites them later (see
-:attr:`SlotKV.needs_rewrite`).
+cannot be proven is never served. ``exact_len`` counts the leading positions whose KV is what
+a canonical prefill of the tokens computes (:mod:`nbkv.kv.invariance`), ``settled`` those
+that stay exact whatever follows; generated tokens are rewritten later by the engine
+(:attr:`SlotKV.needs_rewrite`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class SlotInfo(HoldsConversation):
     cut_floor: int = 0  # the lowest position its KV can be cut to without a checkpoint
     #: remote engines: False when the server's slot differs from what nbkv expects
     verified: bool = True
-    note: str = ""  # ... and why
+    note: str = ""  # why not verified
     #: OpenAI-compatible servers (a row per session): leading positions the server's prefix
     #: cache holds now, from its KV cache events (None: not followed)
     server_cached: int | None = None

@@ -4,9 +4,8 @@
 limit, mybinder.org) sees every core of its node but may use only a fraction of them: the
 kernel throttles the whole cgroup once its quota of CPU time per period is spent. ggml's
 threads wait for each other at every operation, spinning: with more threads than CPUs, a
-thread that is not running holds all the others up. Measured on 2 cores, 8 threads made a
-fresh load 3.5x slower and decoding 2.3x slower. So llama.cpp gets as many threads as the
-smallest of these allows:
+thread that is not running holds all the others up. So llama.cpp gets as many threads as
+the smallest of these allows:
 
 - the CPUs in the affinity mask (``taskset``, ``docker --cpuset-cpus``);
 - the cgroup's quota, rounded up: ``cpu.max`` (cgroup v2), or ``cpu.cfs_quota_us`` over

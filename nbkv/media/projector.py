@@ -41,7 +41,7 @@ class Projector:
             engines if you like); default a private 256 MiB one.
         n_threads: encoder threads (default: all cores). On CPUs shared with other work,
             1 can be much faster: ggml's threads spin at barriers and stall when a core is
-            taken (a 16-token encode went from 1 ms to ~200 ms with 2 threads on 2 busy cores).
+            taken.
         trust_projector: let projector types nbkv does not validate through (see
             :func:`inspect_projector`).
         flash_attn: the encoder's flash attention, llama.cpp's convention (-1 auto, 0 off).
@@ -458,7 +458,7 @@ def _split(n: int, step: int) -> list[int]:
     """Sub-batch sizes for ``n`` embeddings, at most ``step`` each, never a lone last one.
 
     llama.cpp's CPU kernels compute a one-row batch differently from larger ones (see the
-    README's *Exactness*); this keeps an image's decode on the multi-row path whenever
+    docs/concepts/exactness.md); this keeps an image's decode on the multi-row path whenever
     ``n >= 2`` and ``step >= 3``, whatever ``n % step`` is.
     """
     sizes = [step] * (n // step) + ([n % step] if n % step else [])

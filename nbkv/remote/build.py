@@ -8,8 +8,8 @@ looks: no environment variable needed (Binder's ``postBuild`` and ``make llama-s
 this). A second run finds the binary there and does nothing.
 
 Needs a C++ compiler, ``cmake`` (installed from PyPI into this environment when missing) and
-PyPI (the sdist, ~75 MB). Takes 3-10 minutes on 2 cores; progress is shown as it goes (the
-compile's own percentage).
+PyPI (the sdist). It takes minutes; progress is shown as it goes (the compile's own
+percentage).
 """
 
 from __future__ import annotations

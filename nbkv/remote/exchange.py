@@ -38,7 +38,7 @@ class Outcome:
     finish: str = "cancelled"
     error: BaseException | None = None
     steps: int = 0  # steering requests sent before it
-    steer_s: float = 0.0  # ... and their time
+    steer_s: float = 0.0  # the time the steering requests took
     planned: Step | None = None  # the real request as planned (exact mode)
     exact: bool = False
     exact_note: str = ""

@@ -192,7 +192,7 @@ class OpenAIEngine(RemoteBase):
         except ServerError:
             cfg = None
         if cfg is None:
-            self.live_note = ("start vLLM with --kv-events-config (see the README) for the "
+            self.live_note = ("start vLLM with --kv-events-config (docs/howto/vllm.md) for the "
                               "live block view")
             return
         endpoint, why = subscribe_endpoint(str(cfg["endpoint"]), self.url)

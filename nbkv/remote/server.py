@@ -5,28 +5,20 @@ The binary is ``$NBKV_LLAMA_SERVER``, else the one ``python -m nbkv.remote.build
 installed llama-cpp-python's sdist, as ``<sys.prefix>/llama-server-<version>/llama-server``,
 else ``llama-server`` on ``PATH``.
 
-The flags that keep nbkv's slot pinning exact (``SERVER_FLAGS``):
+The flags nbkv's exact slot pinning needs (``SERVER_FLAGS``; the docs say why, each):
 
-- ``-np N``: N slots, one per conversation nbkv keeps;
-- ``--no-kv-unified``: each slot has its own KV; with a unified KV buffer llama-server clears
-  idle slots to make room (``try_clear_idle_slots``) and, with ``--cache-idle-slots``, when
-  any new task starts, so a pinned conversation would vanish between turns;
-- ``--cache-ram MIB``: llama-server's host-memory prompt cache, the server's parking lot
-  (:mod:`nbkv.store.parking`): a prompt leaving a slot is copied to RAM, and one that comes back
-  is restored from there into whichever slot nbkv pins it to. ``python -m nbkv.remote.server``
-  sizes it from the budget the in-kernel engine parks in (``default_ram_budget()``; its
-  ``--cache-ram MIB`` overrides, 0 = off); the records say when the server restored more
-  than the pinned slot held (``restored_from="server-ram"``). :class:`LlamaServer` leaves
-  it off unless asked (``cache_ram``): tests and benchmarks pin what the server holds;
-- ``--metrics`` and the ``/slots`` endpoint (on by default): the server's own figures;
-- ``--slot-save-path DIR``: slot save, restore and erase (``%kvcache save`` / ``clear``);
-- ``-b 256 -ub 256 -fa off`` and explicit threads: the in-kernel engine's arithmetic, so
-  that a prefill the server computes equals the kernel's (llama-server's defaults, ``-b 2048
-  -ub 512 -fa auto``, turn flash attention on);
-- ``--ui-config``: llama-server does not report these flags, so the launcher states them,
-  with the prefill rule it calibrated for the model on this machine and its start time, in
-  ``/props`` (``ui_settings.nbkv``, :mod:`nbkv.remote.facts`): what lets a remote engine
-  prove its replies exact and notice a restart.
+- ``-np N`` and ``--no-kv-unified``: one KV buffer per slot, so that llama-server never
+  clears an idle slot (and a pinned conversation) to make room;
+- ``--cache-ram MIB``: the server's parking lot, sized from the in-kernel parking budget
+  (``default_ram_budget()``; 0 = off). :class:`LlamaServer` leaves it off unless asked
+  (``cache_ram``): tests and benchmarks pin what the server holds;
+- ``--metrics``, ``/slots`` and ``--slot-save-path DIR``: the server's figures, and slot
+  save, restore and erase (``%kvcache save`` / ``clear``);
+- ``-b 256 -ub 256 -fa off`` and explicit threads: the in-kernel engine's arithmetic;
+- ``--ui-config``: the launcher states these flags, the prefill rule it calibrated for the
+  model on this machine and its start time in ``/props`` (``ui_settings.nbkv``,
+  :mod:`nbkv.remote.facts`), which lets a remote engine prove replies exact and notice a
+  restart.
 
 :class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
 waits; the tests, the benchmark and the remote-engine notebook use it.

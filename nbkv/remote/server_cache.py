@@ -54,7 +54,7 @@ class CacheFacts:
     capacity_tokens: int | None = None
     prefix_caching: bool | None = None
     queries: float | None = None  # prompt tokens looked up in the prefix cache
-    hits: float | None = None  # ... of which found there
+    hits: float | None = None  # prompt tokens found in the prefix cache
     usage: float | None = None  # fraction of the KV cache in use
 
     def stats(self) -> dict[str, Any]:

@@ -82,8 +82,8 @@ class VLLMServer(ServerProcess):
 
     ``model``: a Hugging Face model directory (:func:`nbkv.fixtures.hf_model`).
     ``kv_events``: publish KV cache events on an ``ipc://`` socket (the live block view).
-    ``eager``: no torch.compile warm-up (a start in about half the time on 2 cores; the
-    bench compiles, as a deployment would). ``kv_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
+    ``eager``: no torch.compile warm-up (a much shorter start; the bench compiles, as a
+    deployment would). ``kv_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
     ``threads``: compute threads, bound to the first cores (default: vLLM's choice, which
     keeps a core for the API server).
     """
@@ -130,7 +130,7 @@ class VLLMServer(ServerProcess):
               ) -> VLLMServer:
         """Start it and wait (at most ``timeout`` s) until ``/health`` answers 200.
 
-        A start takes 20 s to several minutes on a CPU: ``progress`` shows each stage as
+        A start takes up to several minutes on a CPU: ``progress`` shows each stage as
         vLLM's log tells it (:data:`STAGES`; :func:`nbkv.core.progress.resolve`).
         """
         t0 = time.monotonic()

@@ -1,42 +1,29 @@
 """The disk tier of the parking lot: parked conversations in the save format, per engine.
 
-A parking directory may be shared by several engines, in one process or in several (two
-notebooks of a project with the same ``--park-dir``). Each engine writes only under its own
-namespace::
+A parking directory may be shared by several engines, in one process or in several. Each
+engine writes only under its own namespace::
 
     engines/<id>/lock                   held (``flock``) by the engine while it is open
-    engines/<id>/entries/<32 hex>.json  one manifest per parked conversation: the engine
-                                        identity it was parked under, the entry's record
-                                        (:func:`nbkv.store.parked.entry_json`) and the
-                                        checksum and size of each of its blobs; the
-                                        manifest carries its own checksum too
+    engines/<id>/entries/<32 hex>.json  one checksummed manifest per parked conversation:
+                                        its engine identity, its record
+                                        (:func:`nbkv.store.parked.entry_json`) and each
+                                        blob's checksum and size
     engines/<id>/blobs/<sha256>.bin     its state and checkpoints, named by content
 
-Everything is written atomically (temporary file, fsync, rename), blobs first, so a crash
-leaves either a whole entry or none. Nothing is pickled.
+Writes are atomic (temp file, fsync, rename; blobs first) and nothing is pickled.
 
-Opening a directory makes the engine's namespace (under a hidden name, renamed into place
-once its lock is held, so nobody sees it unlocked) and looks at the others. A namespace whose
-lock nobody holds is orphaned: its engine was closed, or its process died. Its entries that
-this engine can serve (signed by this user's key, same model, context, KV layout and build;
-another number of slots on plain attention, whose states are re-addressed when read) are
-adopted: copied into this engine's namespace (hard links where the file system allows) and
-committed there before their old manifests go, keeping their order of use
-(:mod:`nbkv.store.park_adopt`: a kill or a full disk meanwhile loses no entry). Entries of another
-identity are left where they are. What an orphaned namespace holds that none of its
-manifests names (the blobs and temporary files of a killed writer) is deleted, and an
-emptied one is removed. A namespace whose lock is held is never touched. The layout of nbkv
-0.1 (``entries/`` and ``blobs/`` at the top, no lock) is treated as orphaned, its temporary
-files as a dead writer's once an hour old.
+Opening a directory makes the engine's namespace (renamed into place once its lock is held)
+and looks at the others. A namespace whose lock nobody holds is orphaned: its entries this
+engine can serve (signed by this user's key, same model, context, KV layout and build; on
+plain attention another slot count too) are adopted in their order of use, copied and
+committed before their old manifests go (:mod:`nbkv.store.park_adopt`: a kill or a full disk
+meanwhile loses nothing); others are left alone, and files no manifest names (a killed
+writer's) are deleted. A namespace whose lock is held is never touched; nbkv 0.1's layout
+(no ``engines/``) counts as orphaned.
 
-An entry that fails a check when it is read (truncated, corrupt, edited, not signed by this
-user's nbkv key) is never served: it is skipped with a warning naming its file and why, and
-deleted. If the directory is deleted while the engine runs, it is made again at the next
-write, and the entries it held are reported lost; where it cannot be made again,
-:attr:`DiskTier.gone` says why and nothing is written. A directory that turns read-only
-still serves what it holds; a file it cannot delete is retried later; a write it refuses is
-reported (and the entry announced dropped by the lot). On a full disk, the oldest entries
-make room for a newer one.
+An entry that fails a check when read is never served: skipped with a warning, deleted. A
+directory that turns read-only still serves what it holds (a file it cannot delete is retried
+later; a refused write is reported); on a full disk the oldest entries make room.
 """
 
 from __future__ import annotations

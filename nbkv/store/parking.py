@@ -1,28 +1,25 @@
 """The parking lot: conversations that lost their slot, kept in RAM and on disk.
 
-Slots are the first level of the cache. When a request takes a slot from another
-conversation, the engine parks that conversation here (:class:`~nbkv.store.parked.ParkedEntry`)
-instead of losing it; a later prompt that starts with its tokens restores it into a slot
-(:func:`nbkv.kv.policy.select` weighs it against the slots) and reads only the rest.
+When a request takes a slot from another conversation, the engine parks that conversation
+here (:class:`~nbkv.store.parked.ParkedEntry`) instead of losing it; a later prompt that
+starts with its tokens restores it into a slot (:func:`nbkv.kv.policy.select` weighs it
+against the slots) and reads only the rest.
 
 - RAM: ``ram_bytes`` of states, least recently used entries leave first, counted in bytes.
 - Disk (optional ``disk_dir``): entries that leave RAM spill there, in the save format
-  (:mod:`nbkv.store.park_disk`), within their own byte budget; without a disk tier they are dropped.
+  (:mod:`nbkv.store.park_disk`), within their own byte budget; else they are dropped.
 
 The lot's rules:
 
 - An entry leaves the lot only when its own session takes it back (:meth:`ParkingLot.take`),
-  when a budget evicts it, or when the user clears the lot. Another conversation that
-  starts with the same tokens (a shared system prompt) restores a copy
-  (:meth:`ParkingLot.borrow`) and leaves the entry in place.
+  when a budget evicts it, or when the user clears the lot. A conversation that starts with
+  the same tokens restores a copy (:meth:`ParkingLot.borrow`) and leaves the entry in place.
 - Every eviction is announced: counted in ``drops``, logged, kept in
   :attr:`ParkingLot.dropped` (session, tokens, why) and passed to ``on_drop``.
 - Least recently used leaves first, by the wall clock of its last use in a slot
   (``used_at``), so the order holds across restarts and restores.
-- At most one entry per session, its most recently used conversation: parking a session
-  again replaces its older entry (an older conversation of a session whose newer one is
-  parked is not parked: the newer one stands for it). A restore's entries replace the
-  current ones: they were asked for by name.
+- At most one entry per session, its most recently used conversation; a restore's entries
+  replace the current ones (they were asked for by name).
 
 Pure bookkeeping over opaque buffers: no model, no llama.cpp; safe to call from any thread.
 """

@@ -7,25 +7,21 @@ A save is a directory::
     blobs/<sha256>.bin     raw bytes, named by their SHA-256: sequence states,
                            checkpoints, system-prompt states, image embeddings, pictures
 
-Nothing is pickled: the manifest is JSON and the blobs are raw bytes whose names are
-checked against ``[0-9a-f]{64}.bin`` before any path is built from them, so a save from
-someone else can neither run code nor make nbkv read outside its directory.
-
-A save is atomic: every blob is written to a temporary file, fsynced and renamed to its
-content name; then the manifest is written the same way and renamed over the old one; only
-then are blobs that no manifest names any more deleted. A crash at any point leaves the
-previous manifest and every blob it names in place.
+Nothing is pickled, and blob names are checked against ``[0-9a-f]{64}.bin`` before any path
+is built from them, so a save from someone else can neither run code nor make nbkv read
+outside its directory. A save is atomic: blobs are written to temporary files, fsynced and
+renamed; then the manifest the same way; only then are blobs no manifest names deleted.
 
 The manifest is signed with an HMAC under the user's key (:mod:`nbkv.store.signing`): a
 save signed by another key or by none is refused with :class:`UntrustedSaveError`, or,
 with ``trust=True``, restored with every slot recomputed from its tokens before it is served.
 
-Restore reads the manifest, checks it against the engine (model and projector fingerprints,
-llama.cpp build, per-slot context, KV layout, memory class) and reads and checksums every
-blob *before* touching the engine; any mismatch raises :class:`~nbkv.core.errors.RestoreError`
+Restore checks the manifest against the engine (model and projector fingerprints, llama.cpp
+build, per-slot context, KV layout, memory class) and reads and checksums every blob
+*before* touching the engine; any mismatch raises :class:`~nbkv.core.errors.RestoreError`
 naming what differs, and the engine stays as it was. The states are then loaded on the
-scheduler thread (no request interleaves), each slot is verified, and on any failure the
-slots are put back as they were.
+scheduler thread, each slot is verified, and on any failure the slots are put back as they
+were.
 """
 
 from __future__ import annotations

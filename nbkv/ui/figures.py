@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 def ttft_parts(r: RequestRecord) -> list[tuple[str, float]]:
     """The first-token time in parts that add up to it, in plain words."""
     # what a request waits for is a free slot, or the scheduler's step in progress: with
-    # no pause between cells, the rewrite of the previous reply (README, Exactness)
+    # no pause between cells, the rewrite of the previous reply (docs/concepts/exactness.md)
     waited = ("waited (for a free slot, or the step in progress: e.g. the rewrite of the "
               "previous reply)" if r.wait_s >= 0.02 else "waited")
     parts = [(waited, r.wait_s), ("restored", r.restore_s)]

@@ -7,7 +7,7 @@ final state of a request is shown). While a prompt is being read, redraws wait f
 first token, and a long prefill is redrawn at most once per ``hold`` seconds; a request's
 end is drawn after ``quiet`` seconds, or, if the next request has started by then, after its
 first token: a redraw (and the browser's, which shares the cores) would otherwise compete
-with the prefill, and with the rewrite of the reply just ended (README, Exactness).
+with the prefill, and with the rewrite of the reply just ended (docs/concepts/exactness.md).
 A view that fails shows its error; nothing is raised.
 """
 
