@@ -11,8 +11,13 @@ DEMO_STAMP := $(VENV)/.demo-$(REQS)
 # the full set holds the demo's: a venv that has it needs nothing more for the demo
 DEMO_NEEDS := $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 # the notebook stack at the versions Binder pins (binder/requirements.txt): one tested set
+# On an x86 CPU with AMX, llama.cpp is built without its AMX kernels (tools/no-amx-flags says
+# why), and pip's wheel cache is bypassed: a cached wheel built with them would come back.
+LLAMA_CFLAGS := $(shell tools/no-amx-flags)
+export CFLAGS := $(strip $(CFLAGS) $(LLAMA_CFLAGS))
+export CXXFLAGS := $(strip $(CXXFLAGS) $(LLAMA_CFLAGS))
 PIP_INSTALL := CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet \
-  -c binder/requirements.txt
+  $(if $(LLAMA_CFLAGS),--no-cache-dir) -c binder/requirements.txt
 
 .PHONY: demo test test-fast bench lint clean browser llama-server binder-test notebooks vllm \
   docs docs-strict
