@@ -136,3 +136,31 @@ def test_connect_refuses_a_server_that_is_not_openai_compatible(tmp_path):
         (tmp_path / "v1" / "models").write_text("<html>a page, not a model list</html>")
         with pytest.raises(ServerUnsupportedError, match="not a model list"):
             nbkv.connect(url)
+
+
+def test_a_closed_connection_is_a_named_error_and_a_quiet_poll(caplog):
+    """An engine closed while its poller's ``/slots`` read was on its way: the read is an
+    EngineClosedError (not httpx's bare RuntimeError), and the poller ends without a word."""
+    import logging
+    import weakref
+
+    from nbkv.core.errors import EngineClosedError
+    from nbkv.remote.http_client import ServerClient
+    from nbkv.remote.llama_server import _poll_loop
+
+    client = ServerClient("http://127.0.0.1:9")
+    client.close()
+    with pytest.raises(EngineClosedError):
+        client.get("/slots")
+
+    class ClosingMidPoll:
+        closed, _poll_every, _last_poll = False, 0.01, 0.0
+
+        def poll(self) -> bool:
+            self.closed = True  # close() ran on another thread meanwhile
+            return client.get("/slots")
+
+    eng = ClosingMidPoll()
+    caplog.set_level(logging.DEBUG, logger="nbkv")
+    _poll_loop(weakref.ref(eng))  # returns: the engine is closed
+    assert not [r for r in caplog.records if r.exc_info], caplog.text

@@ -134,6 +134,8 @@ class PlainLines:
         """Write a line if one is due."""
         with self._lock:
             now = time.monotonic()
+            if step.final and not step.what:  # a bar cleared: nothing to say
+                return
             if step.final:
                 line = f"{step.what}: done in {step.elapsed:.0f} s"
             elif step.what != self._what or now - self._last >= self.every:

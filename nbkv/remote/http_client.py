@@ -19,6 +19,7 @@ import httpx
 
 from nbkv.core.errors import (
     ContextOverflowError,
+    EngineClosedError,
     InvalidRequestError,
     ServerError,
     ServerTimeoutError,
@@ -113,16 +114,22 @@ class ServerClient:
             return resp.json()
         return resp.text
 
-    @staticmethod
-    def _again(send: Any) -> httpx.Response:
+    def _again(self, send: Any) -> httpx.Response:
         """``send()``, once more if the server closed a pooled connection before answering.
 
         Safe to repeat: the server had not read the request (no response byte came back).
+        After :meth:`close` (an engine closed, perhaps while a poll was on its way) it
+        raises :class:`EngineClosedError`, not httpx's bare ``RuntimeError``.
         """
         try:
-            return send()
-        except httpx.RemoteProtocolError:
-            return send()
+            try:
+                return send()
+            except httpx.RemoteProtocolError:
+                return send()
+        except RuntimeError as e:
+            if self._http.is_closed:
+                raise EngineClosedError(f"{self.url}: this connection was closed") from e
+            raise
 
     def _transport_error(self, e: httpx.HTTPError, path: str) -> ServerError:
         if isinstance(e, httpx.TimeoutException):
