@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
 HOLDER = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
-    from nbkv.core.signals import close_on_signal
+    from nbkv.core.signals import close_on_signal, release
 
     out = Path(sys.argv[1])
     if sys.argv[2] == "chain":
@@ -36,8 +36,9 @@ HOLDER = textwrap.dedent("""
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     class Held:
-        def close(self):
+        def close(self):  # as Engine.close: the last release restores the handlers
             out.open("a").write("closed\\n")
+            release(self)
 
     held = Held()
     close_on_signal(held)

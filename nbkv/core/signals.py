@@ -123,13 +123,13 @@ def _handle(signum: int, frame: FrameType | None) -> None:
     if _ending:
         return  # the first one is closing; it ends the process when done
     _ending = True
+    prev = _previous.get(signum, signal.SIG_DFL)  # (the last release restores it meanwhile)
     try:
         log.info("%s: closing what nbkv holds before the process ends",
                  signal.Signals(signum).name)
         close_all()
     finally:
         _ending = False
-    prev = _previous.get(signum, signal.SIG_DFL)
     if callable(prev):
         prev(signum, frame)
         return
