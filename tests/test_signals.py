@@ -127,3 +127,33 @@ def test_a_terminated_process_spills_its_conversations_for_the_next_engine(tmp_p
     with Engine(n_slots=2, n_ctx=512, n_threads=1, park_dir=str(tmp_path)) as e:
         assert e.parking is not None and e.parking.stats()["adopted"] == 5
         assert sorted(i.session for i in e.parked()) == [f"s{i}" for i in range(5)]
+
+
+def test_a_kernel_terminated_by_its_manager_spills_its_conversations(tmp_path):
+    """What Jupyter does to a kernel that does not shut down in time: SIGTERM (to its
+    process group). The kernel's engine spills, as a script's does."""
+    pytest.importorskip("ipykernel")
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), *sys.path]))
+    km.start_kernel(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(60)
+        code = SPILLER.replace("sys.argv[1]", repr(str(tmp_path))).replace(
+            "time.sleep(120)", "")
+        reply = kc.execute_interactive(code, timeout=120, store_history=False,
+                                       output_hook=lambda msg: None)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        km.signal_kernel(signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while km.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not km.is_alive()
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    with Engine(n_slots=2, n_ctx=512, n_threads=1, park_dir=str(tmp_path)) as e:
+        assert e.parking is not None and e.parking.stats()["adopted"] == 5
