@@ -75,3 +75,41 @@ def test_unclosed_engines_exit_cleanly(tmp_path):
         p = subprocess.run([sys.executable, "-c", RESTORE, str(tmp_path / f"save{k}")],
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "restored" in p.stdout, (mode, p.stderr[-2000:])
+
+
+VIEWS = textwrap.dedent("""
+    import atexit, gc
+    import comm
+    import ipywidgets.widgets.widget as widget_module
+
+    held = {}
+
+    def teardown():  # what interpreter teardown does: module globals go, then the objects
+        widget_module._instances = None
+        comm._comm_manager = None  # it held every open comm, and through it its widget
+        held.clear()
+        gc.collect()
+
+    atexit.register(teardown)  # registered first: runs after every other exit hook
+    import nbkv
+    from nbkv.ui.widgets import CacheDashboard, Conversations, KVMap, SlotCards, Timeline
+
+    e = nbkv.Engine(n_slots=2, n_ctx=256, n_threads=1)
+    views = [CacheDashboard(e), KVMap(e), SlotCards(e), Timeline(e), Conversations(e)]
+    e.chat([{"role": "user", "content": "Hi"}], session="a", max_tokens=2)
+    for v in views[:3]:  # as a cell run again closes its views; the others stay open
+        v.close()
+    held["views"] = views
+    del views, v
+    print("end", flush=True)
+""")
+
+
+def test_a_script_with_open_views_exits_without_a_word():
+    """Every widget nbkv made (a view's parts, their layouts and styles included) is closed
+    by the view's close() or, for a view still open, at exit while ipywidgets still works:
+    none is left to close itself after its module's globals are gone (a traceback each)."""
+    p = subprocess.run([sys.executable, "-c", VIEWS], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and p.stdout == "end\n", p.stderr[-3000:]
+    assert "Exception ignored" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]

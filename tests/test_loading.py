@@ -140,8 +140,13 @@ def test_steps_in_words():
     assert resolve(False) is silent and resolve(print) is print
 
 
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
 def test_a_terminal_line_is_rewritten_then_cleared():
-    out = io.StringIO()
+    out = Terminal()
     line = TerminalLine(out, interval=0)
     with Task(line, "loading", total=2) as t:
         t.advance()
@@ -149,6 +154,20 @@ def test_a_terminal_line_is_rewritten_then_cleared():
     text = out.getvalue()
     assert "\rloading: 1 of 2" in text and "\rloading: 2 of 2" in text
     assert text.endswith("\r") and "\n" not in text
+
+
+def test_a_terminal_line_on_a_stream_that_is_not_a_terminal_writes_plain_lines():
+    """A child process's captured stderr, a log file: one whole line per step, no ``\\r``."""
+    out = io.StringIO()
+    with Task(TerminalLine(out, interval=0), "loading x", total=100, unit="%") as t:
+        t.update(0)
+        t.update(50)
+        t.update(90, what="loading x, then its KV cache")
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert lines[:2] == ["loading x: 0%", "loading x, then its KV cache: 90%"]
+    assert lines[2].startswith("loading x, then its KV cache: done in ") and len(lines) == 3
 
 
 def test_plain_lines_for_logs():
@@ -265,3 +284,14 @@ def test_in_a_kernel_an_engine_made_in_a_cell_draws_its_bar_in_that_cell(tmp_pat
     first = re.search(r"\(once per model, llama.cpp build and CPU\): (\d+) of (\d+)", lines[0])
     assert first and int(first[1]) < int(first[2]) == calibrate.steps(1), lines
     assert any(f": {calibrate.steps(1)} of {calibrate.steps(1)}" in s for s in lines)
+
+
+def test_a_terminal_chat_view_draws_progress_only_on_a_terminal():
+    from nbkv.ui.views import TerminalChatView
+
+    for out, drawn in ((io.StringIO(), False), (Terminal(), True)):
+        view = TerminalChatView(out)
+        view.progress("prefill", 10, 100)
+        view.delta("Hello")
+        assert ("\r" in out.getvalue()) is drawn
+        assert out.getvalue().replace("\r", " ").strip().endswith("Hello")

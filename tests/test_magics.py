@@ -53,6 +53,21 @@ def test_no_engine_says_how_to_load(ip):
     assert "%kvcache load" in str(out)
 
 
+def test_unload_ext_unregisters_the_session_formatter(ip):
+    from nbkv.notebook.sessions import Session
+
+    html = ip.display_formatter.formatters["text/html"]
+    assert Session in html.type_printers
+    ip.run_line_magic("unload_ext", "nbkv")
+    try:
+        assert Session not in html.type_printers
+        with pytest.raises(KeyError):
+            html.lookup_by_type(Session)
+    finally:
+        ip.run_line_magic("load_ext", "nbkv")
+    assert Session in html.type_printers
+
+
 def test_autoload_loads_the_configured_default(ip, capsys):
     ip.run_line_magic("config", "Nbkv.autoload = True")
     ip.run_line_magic("config", "Nbkv.slots = 2")
@@ -68,8 +83,9 @@ def test_autoload_loads_the_configured_default(ip, capsys):
     reply, rec = s.messages[1]["content"], s.records[-1]
     assert rec.generated_tokens <= 4 and e.history[-1] == rec
     out = capsys.readouterr().out
-    # the loading progress, then the reply and its figures line
-    assert "loading SmolLM2-135M-Instruct (94 MiB)" in out and ": 100%" in out
+    # the loading progress (not a terminal: whole lines), then the reply and its figures line
+    assert "loading SmolLM2-135M-Instruct (94 MiB): 0%\n" in out and "\r" not in out
+    assert ": done in " in out
     # how it ended is said once, on the figures line
     assert out.endswith(reply + "\n" + Figures(rec).text() + "\n")
 
@@ -357,7 +373,7 @@ def test_loading_again_replaces_the_engine(loaded, capsys):
     chat(loaded, "alice --no-stats --max-tokens 4", "One more?")  # sessions outlive engines
     assert nbkv.session("alice").records[-1].strategy in ("miss", "spc")
     out = capsys.readouterr().out
-    assert "loading SmolLM2-135M-Instruct (94 MiB)" in out and ": 100%" in out
+    assert "loading SmolLM2-135M-Instruct (94 MiB)" in out and ": done in " in out
     assert len(nbkv.session("alice").records[-1].segments) > 0
 
 

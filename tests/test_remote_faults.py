@@ -136,3 +136,88 @@ def test_connect_refuses_a_server_that_is_not_openai_compatible(tmp_path):
         (tmp_path / "v1" / "models").write_text("<html>a page, not a model list</html>")
         with pytest.raises(ServerUnsupportedError, match="not a model list"):
             nbkv.connect(url)
+
+
+def test_a_closed_connection_is_a_named_error_and_a_quiet_poll(caplog):
+    """An engine closed while its poller's ``/slots`` read was on its way: the read is an
+    EngineClosedError (not httpx's bare RuntimeError), and the poller ends without a word."""
+    import logging
+    import weakref
+
+    from nbkv.core.errors import EngineClosedError
+    from nbkv.remote.http_client import ServerClient
+    from nbkv.remote.llama_server import _poll_loop
+
+    client = ServerClient("http://127.0.0.1:9")
+    client.close()
+    with pytest.raises(EngineClosedError):
+        client.get("/slots")
+
+    class ClosingMidPoll:
+        closed, _poll_every, _last_poll = False, 0.01, 0.0
+
+        def poll(self) -> bool:
+            self.closed = True  # close() ran on another thread meanwhile
+            return client.get("/slots")
+
+    eng = ClosingMidPoll()
+    caplog.set_level(logging.DEBUG, logger="nbkv")
+    _poll_loop(weakref.ref(eng))  # returns: the engine is closed
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+
+
+class SlowToAnswer(CutShort):
+    """An OpenAI-compatible server that sends no headers until the test lets it (a long
+    prefill before the first event); ``asked`` is set when a completion came in."""
+
+    asked = threading.Event()
+    release = threading.Event()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        SlowToAnswer.asked.set()
+        SlowToAnswer.release.wait(60)
+        try:
+            super().do_POST()
+        except OSError:  # the client has gone
+            pass
+
+
+def test_a_stream_closed_before_the_server_answers_ends_at_once():
+    """``close()`` on a stream whose server has not sent its headers yet (a long prefill)
+    ends the request then, not when the server begins to answer."""
+    SlowToAnswer.asked.clear()
+    SlowToAnswer.release.clear()
+    with serving(SlowToAnswer) as url:
+        e = nbkv.connect(url)
+        try:
+            stream = e.chat([{"role": "user", "content": "Hi"}], "ann", stream=True,
+                            max_tokens=8)
+            assert SlowToAnswer.asked.wait(30)
+            closer = threading.Thread(target=stream.close, daemon=True)
+            closer.start()
+            closer.join(20)  # a bound: the server holds its answer until released below
+            assert not closer.is_alive(), "close() waited for the server's answer"
+            assert stream.record is not None and stream.record.finish_reason == "cancelled"
+            assert not stream.record.exact
+        finally:
+            SlowToAnswer.release.set()
+            e.close()
+
+
+def test_a_cut_short_llama_server_reply_is_never_exact(monkeypatch):
+    """A reply cancelled before the server's last event has no ``timings.cache_n``: even
+    with every steered row proven, it is not said exact (it was never compared)."""
+    from types import SimpleNamespace as NS
+
+    from nbkv.kv.invariance import PrefillRule
+    from nbkv.remote import exchange, steering
+
+    monkeypatch.setattr(steering, "observed", lambda *a, **kw: (5, True))
+    eng = NS(rule=PrefillRule(8, 4), proven=lambda *a: None, facts=NS(plan_ubatch=256))
+    for final, exact in (({"timings": {"cache_n": 3}}, True), ({}, False)):
+        ex = exchange.Exchange(eng, NS(), NS(tokens=[1, 2, 3, 4, 5]), NS(failed=""))
+        ex.out.planned, ex.out.told, ex.out.final = object(), 3, final
+        ex.judge([1, 2, 3], 3)
+        assert ex.out.exact is exact, ex.out.exact_note
+    assert "cut short" in ex.out.exact_note

@@ -116,6 +116,7 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
     budget = default_ram_budget()
     runners: dict[str, Any] = {}
     server = None
+    server_ms: list[float] = []
     limit: LimitRunner | None = None
     held: dict[str, list[int]] = {s: [] for s in NAMES}
     out: dict[str, Any] = {"sessions": n, "slots": 2, "rounds": rounds,
@@ -178,13 +179,14 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
             runner.close()
         if limit is not None:
             limit.close()
-        if server is not None:
+        if server is not None:  # its log is read before the stop removes it
+            server_ms = _server_cache_ms(server.log_path)
             server.stop()
     ref = [r["text"] for r in results["parking"]]
     replied = {v: rs for v, rs in results.items() if v != "limit"}  # the floor only times
     figures = {v: _figures(_later(rs, n), v != "llama-ram") for v, rs in results.items()}
     if server is not None:
-        ms = _server_cache_ms(server.log_path)
+        ms = server_ms
         figures["server-ram"]["server_cache_update_ms"] = {
             "n": len(ms), "mean": mean(ms), "max": max(ms, default=0.0)}
     parked_tokens = sum(p.n_tokens for p in parked)

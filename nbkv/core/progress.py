@@ -7,7 +7,9 @@ points take one; by default they use :func:`default_reporter`:
 
 - in a kernel with ``%load_ext nbkv``, a progress bar in the running cell (with the same line
   as text, so a saved or exported notebook reads it too; :mod:`nbkv.ui.progress`);
-- in a terminal, one line on stderr, rewritten in place (:class:`TerminalLine`);
+- in a terminal, one line on stderr, rewritten in place (:class:`TerminalLine`; given a
+  stream that is not a terminal, it writes whole lines instead, :class:`PlainLines`, so a
+  log never holds carriage returns);
 - elsewhere (a script piped to a file, a test), the ``nbkv`` logger at INFO only.
 
 :class:`Task` is what long work holds: it times itself, throttles nothing (reporters do),
@@ -74,10 +76,20 @@ def silent(step: Step) -> None:
     """A reporter that shows nothing (the ``nbkv`` logger still gets each work's end)."""
 
 
+def is_terminal(out: TextIO | None) -> bool:
+    """True when ``out`` is a terminal (a closed or detached stream is not)."""
+    try:
+        return out is not None and out.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 class TerminalLine:
     """Steps as one line on a text stream (stderr), rewritten in place, at most 10 a second.
 
-    100% and the work's end are always drawn; the end clears the line.
+    100% and the work's end are always drawn; the end clears the line. On a stream that is
+    not a terminal (a log file, a pipe, a child process's captured stderr) a line rewritten
+    in place would pile up: there it writes :class:`PlainLines` instead.
     """
 
     def __init__(self, out: TextIO | None = None, interval: float = 0.1) -> None:
@@ -86,9 +98,13 @@ class TerminalLine:
         self._last = 0.0
         self._width = 0
         self._lock = threading.Lock()
+        self._plain = None if is_terminal(self.out) else PlainLines(self.out)
 
     def __call__(self, step: Step) -> None:
         """Redraw the line (clear it at the work's end)."""
+        if self._plain is not None:
+            self._plain(step)
+            return
         with self._lock:
             now = time.monotonic()
             if not step.final and step.fraction != 1.0 and now - self._last < self.interval:
@@ -118,6 +134,8 @@ class PlainLines:
         """Write a line if one is due."""
         with self._lock:
             now = time.monotonic()
+            if step.final and not step.what:  # a bar cleared: nothing to say
+                return
             if step.final:
                 line = f"{step.what}: done in {step.elapsed:.0f} s"
             elif step.what != self._what or now - self._last >= self.every:
@@ -142,11 +160,7 @@ def default_reporter() -> Reporter:
     """The reporter for work started now: see the module's doc."""
     if _default is not None:
         return _default()
-    try:
-        tty = sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    return TerminalLine() if tty else silent
+    return TerminalLine() if is_terminal(sys.stderr) else silent
 
 
 def resolve(progress: Reporter | bool | None) -> Reporter:

@@ -32,7 +32,7 @@ from nbkv.engine import verify
 from nbkv.engine.calls import ControlCalls
 from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
-from nbkv.engine.native import Resources, close_at_exit
+from nbkv.engine.native import Resources, close_at_exit, forget_at_exit
 from nbkv.engine.scheduler import Scheduler
 from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
@@ -405,6 +405,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         if lot is not None:
             lot.close()
         self.spc.clear()
+        forget_at_exit(self)
         self.events.publish(SlotsChanged("closed"))
 
     @property

@@ -7,7 +7,9 @@ one :meth:`Resources.close`, which is also what the scheduler thread calls when 
 
 At interpreter exit, engines nobody closed are closed by an ``atexit`` hook *before* module
 teardown: a scheduler thread still inside llama.cpp while Python tears itself down crashes the
-process (a segmentation fault after the script's last line).
+process (a segmentation fault after the script's last line). SIGTERM and SIGHUP, which end the
+process without ``atexit``, close them too (:mod:`nbkv.core.signals`): a ``park_dir`` gets
+what they hold, as after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 from nbkv.core.config import DEFAULTS, EngineSettings, HardwareOptions
 from nbkv.core.errors import NbkvError
 from nbkv.core.progress import Reporter, Task
+from nbkv.core.signals import close_on_signal, release
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import PLAIN, SWA, MemoryInfo, classify, probe_memory
@@ -236,8 +239,15 @@ _open_engines: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def close_at_exit(engine: Closable) -> None:
-    """Close ``engine`` at interpreter exit if nobody has by then (see the module doc)."""
+    """Close ``engine`` at interpreter exit, or on SIGTERM/SIGHUP, if nobody has by then."""
     _open_engines.add(engine)
+    close_on_signal(engine)
+
+
+def forget_at_exit(engine: Closable) -> None:
+    """``engine`` closed: nothing left to close at exit (the last one restores the handlers)."""
+    _open_engines.discard(engine)
+    release(engine)
 
 
 @atexit.register

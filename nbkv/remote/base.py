@@ -12,6 +12,7 @@ from nbkv.core.api import ChatAPI
 from nbkv.core.errors import (
     EngineClosedError,
     InvalidRequestError,
+    ServerError,
 )
 from nbkv.core.events import (
     EventBus,
@@ -22,7 +23,7 @@ from nbkv.core.events import (
 from nbkv.core.requests import Request, SamplingParams
 from nbkv.core.streams import ChatResult, ChatStream
 from nbkv.kv import reasons
-from nbkv.remote.http_client import EventStream, ServerClient
+from nbkv.remote.http_client import EventStream, Opening, ServerClient
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -42,6 +43,7 @@ class RemoteJob(Request):
     def __init__(self, session: str | None, params: SamplingParams, timeout: float) -> None:
         super().__init__(session, params, timeout)
         self.stream: EventStream | None = None
+        self.opening: Opening | None = None  # the stream until its answer begins
         self.text = ""
 
 
@@ -122,7 +124,15 @@ class RemoteBase(ChatAPI):
         Raises what reading raised (a named server error, or ``KeyboardInterrupt``).
         """
         try:
-            job.stream = self.client.stream(path, body)
+            job.opening = Opening()
+            if job.cancel.is_set():
+                return
+            try:
+                job.stream = self.client.stream(path, body, job.opening)
+            except ServerError:
+                if job.cancel.is_set():  # closed while the server had not begun to answer
+                    return
+                raise
             for ev in job.stream:
                 if job.cancel.is_set():
                     return
@@ -136,6 +146,8 @@ class RemoteBase(ChatAPI):
         with self._cv:
             jobs = list(self._jobs)
         for j in jobs:
+            if j.cancel.is_set() and j.opening is not None and not j.opening.closed:
+                j.opening.close()  # a request whose answer had not begun (a long prefill)
             if j.cancel.is_set() and j.stream is not None and not j.stream.closed:
                 j.stream.close()
 

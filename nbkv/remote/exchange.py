@@ -189,6 +189,10 @@ class Exchange:
             out.exact = False
             out.exact_note = (f"the server reused {out.told} tokens where nbkv steered it to "
                               f"{step.start}; what it kept is not proven canonical")
+        elif not out.final:  # cancelled (or failed) before the server's last event
+            out.exact = False
+            out.exact_note = ("the reply was cut short before the server confirmed what it "
+                              "reused (timings.cache_n): a partial reply is not proven")
         else:
             out.exact = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ import httpx
 
 from nbkv.core.errors import (
     ContextOverflowError,
+    EngineClosedError,
     InvalidRequestError,
     ServerError,
     ServerTimeoutError,
@@ -52,6 +54,11 @@ class ServerClient:
         # 5 s) closes them under a request
         self._http = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(
             read_timeout, connect=CONNECT_TIMEOUT), limits=httpx.Limits(keepalive_expiry=2.0))
+        # streams: a connection each, never pooled, so that its socket is known from the
+        # connect on (an Opening can shut it down before the answer's headers)
+        self._streams = httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(
+            read_timeout, connect=CONNECT_TIMEOUT), limits=httpx.Limits(
+                max_keepalive_connections=0))
 
     def get(self, path: str, timeout: float | None = None, **params: Any) -> Any:
         """``GET path``: the decoded JSON (or text, for ``/metrics``)."""
@@ -75,14 +82,30 @@ class ServerClient:
             raise self._status_error(resp, path)
         return resp.headers.get(header)
 
-    def stream(self, path: str, body: dict[str, Any]) -> EventStream:
-        """``POST path`` and read the answer as server-sent events (``data: {...}``)."""
-        try:
+    def stream(self, path: str, body: dict[str, Any], opening: Opening | None = None
+               ) -> EventStream:
+        """``POST path`` and read the answer as server-sent events (``data: {...}``).
+
+        ``opening``: closing it (any thread) ends the request before the answer begins,
+        with a :class:`ServerError` saying so.
+        """
+        http = self._streams
+        ext = {"trace": opening.trace} if opening is not None else {}
+
+        def send() -> httpx.Response:
+            if opening is not None and opening.closed:  # (not sent again once closed)
+                raise httpx.ReadError("closed before the answer began")
             # its own connection, never handed back to the pool: close() may shut its
             # socket down from another thread at any moment
-            resp = self._again(lambda: self._http.send(self._http.build_request(
-                "POST", path, json=body, headers={"Connection": "close"}), stream=True))
+            return http.send(http.build_request("POST", path, json=body, extensions=ext,
+                                                headers={"Connection": "close"}), stream=True)
+
+        try:
+            resp = self._again(send)
         except httpx.HTTPError as e:
+            if opening is not None and opening.closed:
+                raise ServerError(f"{self.url}{path}: cancelled before the server began to "
+                                  f"answer") from e
             raise self._transport_error(e, path) from e
         if resp.status_code >= 400:
             try:
@@ -95,6 +118,7 @@ class ServerClient:
     def close(self) -> None:
         """Close the connection pool."""
         self._http.close()
+        self._streams.close()
 
     def _call(self, method: str, path: str, body: Any, timeout: float | None,
               params: dict[str, Any] | None) -> Any:
@@ -113,16 +137,22 @@ class ServerClient:
             return resp.json()
         return resp.text
 
-    @staticmethod
-    def _again(send: Any) -> httpx.Response:
+    def _again(self, send: Any) -> httpx.Response:
         """``send()``, once more if the server closed a pooled connection before answering.
 
         Safe to repeat: the server had not read the request (no response byte came back).
+        After :meth:`close` (an engine closed, perhaps while a poll was on its way) it
+        raises :class:`EngineClosedError`, not httpx's bare ``RuntimeError``.
         """
         try:
-            return send()
-        except httpx.RemoteProtocolError:
-            return send()
+            try:
+                return send()
+            except httpx.RemoteProtocolError:
+                return send()
+        except RuntimeError as e:
+            if self._http.is_closed:
+                raise EngineClosedError(f"{self.url}: this connection was closed") from e
+            raise
 
     def _transport_error(self, e: httpx.HTTPError, path: str) -> ServerError:
         if isinstance(e, httpx.TimeoutException):
@@ -167,6 +197,49 @@ class ServerClient:
             return ServerError(f"{self.url}{path}: not authorized (HTTP {code}): {message}; "
                                f"pass the key with --api-key-env VAR", code)
         return ServerError(f"{self.url}{path}: HTTP {code}: {message}", code)
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """Shut ``sock`` down (a read blocked in it, in another thread, ends at once)."""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed by either side
+            pass
+
+
+class Opening:
+    """A streamed request until its answer begins: :meth:`close` (any thread) ends it there.
+
+    A server may send an answer's headers only once its first event is ready (llama-server:
+    after a prompt's first batch, or its whole prefill), and the request waits for them in
+    a socket read. The socket is caught as the connection is made (httpx's ``trace``
+    extension), so that a cancel shuts it down at once instead of waiting for the prefill.
+    """
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        """The ``trace`` hook httpx calls: note the socket of the connection just made."""
+        if event != "connection.connect_tcp.complete":
+            return
+        stream = info.get("return_value")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        with self._lock:
+            self._sock = sock
+            closed = self.closed
+        if closed:
+            _shut(sock)
+
+    def close(self) -> None:
+        """End the request: its connection is shut down (and none is made after)."""
+        with self._lock:
+            self.closed = True
+            sock = self._sock
+        _shut(sock)
 
 
 class EventStream:

@@ -549,8 +549,13 @@ def _poll_loop(ref: weakref.ref[LlamaServerEngine]) -> None:
         if due <= 0:
             try:
                 eng.poll()
-            except Exception:  # noqa: BLE001 - a poll must never kill the thread
-                log.debug("poll failed", exc_info=True)
+            except Exception as e:  # noqa: BLE001 - a poll must never kill the thread
+                if eng.closed:
+                    return  # closed mid-poll: nothing went wrong
+                if isinstance(e, (ServerError, EngineClosedError)):
+                    log.debug("poll failed: %s", e)
+                else:
+                    log.debug("poll failed", exc_info=True)
             due = every
         del eng
         time.sleep(min(max(due, 0.05), every))

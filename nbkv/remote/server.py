@@ -21,7 +21,9 @@ The flags nbkv's exact slot pinning needs (``SERVER_FLAGS``; the docs say why, e
   restart.
 
 :class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
-waits; the tests, the benchmark and the remote-engine notebook use it.
+waits; the tests, the benchmark and the remote-engine notebook use it. It never outlives the
+process that started it (:mod:`nbkv.remote.process`), and the log and slot folder it made
+are removed when it stops.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from typing import Any
 
 from nbkv.core.errors import NbkvError, ServerError
 from nbkv.core.progress import Reporter, Task, resolve
+from nbkv.core.signals import close_on_signal, release
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import default_threads
 from nbkv.remote.facts import advert, flags_of
-from nbkv.remote.process import ServerProcess
+from nbkv.remote.process import ServerProcess, die_with_parent
 
 SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
 NO_BINARY = ("no llama-server binary: build one from the installed llama-cpp-python's llama.cpp "
@@ -173,11 +176,11 @@ class LlamaServer(ServerProcess):
         if flash_attn:
             self.argv += ["-fa", flash_attn]
         # also what lets /slots/N?action=erase work (%kvcache clear)
-        self.slot_save_path = slot_save_path or tempfile.mkdtemp(prefix="nbkv-slots-")
+        self.slot_save_path = slot_save_path or self._temp(tempfile.mkdtemp(prefix="nbkv-slots-"))
         Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)
         self.argv += ["--slot-save-path", self.slot_save_path]
         self.argv += list(extra)
-        self.log_path = log_path or tempfile.mktemp(prefix="nbkv-llama-server-", suffix=".log")
+        self.log_path = log_path or self._temp_log("nbkv-llama-server-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.same_build = exe == _own_binary()
         self.advertise = advertise  # state the flags in /props (False: a plain llama-server)
@@ -203,12 +206,16 @@ class LlamaServer(ServerProcess):
 
         ``progress``: where the wait is shown (:func:`nbkv.core.progress.resolve`).
         """
+        Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)  # a start again
         with open(self.log_path, "ab") as log:
             # in the caller's process group: whoever stops the kernel (or the terminal's
-            # Ctrl-C) stops the server too; and stopped by PID at exit, at the latest
+            # Ctrl-C) stops the server too; stopped by PID at exit or on SIGTERM/SIGHUP, and
+            # by the kernel if this process dies first (nbkv.remote.process)
             self.proc = subprocess.Popen(self.command(), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=die_with_parent())
         atexit.register(self.stop)
+        close_on_signal(self)
         with Task(resolve(progress), f"starting llama-server on port {self.port}",
                   f"it loads {Path(self.model).name} for {self.slots} slots", tick=0.5):
             self.wait_ready(timeout)
@@ -221,30 +228,45 @@ class LlamaServer(ServerProcess):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
-                raise ServerError(f"llama-server exited during start-up: {self.tail()}")
+                tail = self.tail()
+                self._stop("exited during start-up")
+                raise ServerError(f"llama-server exited during start-up (its log: "
+                                  f"{self.log_path}): {tail}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        self.stop()
-        raise ServerError(f"llama-server did not become ready in {timeout:.0f} s: {self.tail()}")
+        tail = self.tail()
+        self._stop(f"was not ready in {timeout:.0f} s")
+        raise ServerError(f"llama-server did not become ready in {timeout:.0f} s (its log: "
+                          f"{self.log_path}): {tail}")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the process by its PID, SIGKILL it after ``timeout`` s; idempotent."""
+        """SIGTERM the process by its PID, SIGKILL it after ``timeout`` s; idempotent.
+
+        Its temporary log and slot folder are removed, unless it had died on its own (the
+        log is kept then, and its path logged).
+        """
+        proc = self.proc
+        code = proc.poll() if proc is not None else None
+        self._stop(None if code is None else f"had exited with code {code}", timeout)
+
+    def _stop(self, failed: str | None, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
         atexit.unregister(self.stop)
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout)
-        except ProcessLookupError:
-            pass
+        release(self)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout)
+            except ProcessLookupError:
+                pass
+        self._clean_up(failed)
 
     def kill(self) -> None:
         """SIGKILL it now (a crash, for tests); the object can be started again."""
@@ -285,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
         print(f"llama-server ready: connect with  %kvcache connect {server.url}  "
-              f"(Ctrl-C stops it; log: {server.log_path})", flush=True)
+              f"(Ctrl-C or SIGTERM stops it; log: {server.log_path})", flush=True)
         while server.proc is not None and server.proc.poll() is None:
             time.sleep(0.5)
         print(f"llama-server exited: {server.tail()}", file=sys.stderr)

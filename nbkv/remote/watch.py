@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbkv.core.errors import ServerError, ServerUnsupportedError
+from nbkv.core.errors import EngineClosedError, ServerError, ServerUnsupportedError
 from nbkv.remote.facts import ServerFacts
 from nbkv.remote.http_client import ServerClient
 
@@ -71,7 +71,7 @@ class ServerWatch:
         except ServerUnsupportedError:
             self.has_slots = False
             return None
-        except ServerError as e:
+        except (ServerError, EngineClosedError) as e:  # (closed: the engine closed meanwhile)
             log.debug("/slots read failed: %s", e)
             return None
         self.raw = list(data) if isinstance(data, list) else []

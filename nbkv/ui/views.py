@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from nbkv.core.codes import counted
 from nbkv.core.events import Progress
+from nbkv.core.progress import is_terminal
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import progress_html, progress_text
 from nbkv.ui.figures import Figures, TurnFigures
@@ -174,12 +175,17 @@ class NotebookChatView(ChatView):
 
 
 class TerminalChatView(ChatView):
-    """Streams deltas to a text stream (stdout), progress on one rewritten line."""
+    """Streams deltas to a text stream (stdout), progress on one rewritten line.
+
+    A stream that is not a terminal (a pipe, a log) gets the reply alone: no progress line,
+    whose carriage returns would stay in it.
+    """
 
     def __init__(self, out: TextIO | None = None, refresh: float = 0.1) -> None:
         super().__init__(refresh)
         self._out = out or sys.stdout
         self._progress_len = 0
+        self._tty = is_terminal(self._out)
 
     def _write(self, s: str) -> None:
         self._out.write(s)
@@ -191,6 +197,8 @@ class TerminalChatView(ChatView):
             self._progress_len = 0
 
     def _show_progress(self, phase: str, done: int, total: int) -> None:
+        if not self._tty:
+            return
         line = progress_text(phase, done, total)
         self._write("\r" + line.ljust(self._progress_len))
         self._progress_len = max(self._progress_len, len(line))

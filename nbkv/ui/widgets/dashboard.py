@@ -16,7 +16,7 @@ from nbkv.ui.widgets.conversations import Conversations
 from nbkv.ui.widgets.feed import Feed, LiveState, with_static
 from nbkv.ui.widgets.kvmap import KVMap
 from nbkv.ui.widgets.slots import SlotCards
-from nbkv.ui.widgets.snapshot import Displayed, register
+from nbkv.ui.widgets.snapshot import Displayed, close_parts, register
 from nbkv.ui.widgets.timeline import Timeline
 
 
@@ -95,3 +95,4 @@ class CacheDashboard(Displayed, W.VBox):
                   self.legend, self.hider):
             w.close()
         super().close()
+        close_parts(self)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from nbkv.core.events import Progress, RequestFinished, RequestRecord, RequestStarted, SlotsChanged
 from nbkv.ui.palette import ERROR
-from nbkv.ui.widgets.snapshot import INTERVAL, Displayed
+from nbkv.ui.widgets.snapshot import INTERVAL, Displayed, close_parts
 
 log = logging.getLogger("nbkv.ui.widgets")
 
@@ -305,3 +305,4 @@ class FeedView(Displayed):
         for w in (self.note, self.hider):
             w.close()
         super().close()  # type: ignore[misc]
+        close_parts(self)

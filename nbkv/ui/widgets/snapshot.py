@@ -20,10 +20,14 @@ GitHub and nbconvert show (the PNG).
 The kernel's nbkv widgets are also listed here (:func:`created`, :func:`made_since`), so that
 a notebook cell run again can close the views its previous run made (nothing shows them
 any more; open, they would go on following the engine and be sent again on a page reload).
+At exit, every view still open is closed by an ``atexit`` hook (:func:`close_all`), while
+ipywidgets and the comm manager still exist: a widget left to interpreter teardown closes
+itself after its module's globals are gone, and prints a traceback for every widget.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
@@ -60,6 +64,40 @@ def made_since(mark: int) -> list[Any]:
     """The nbkv views made after :func:`created` returned ``mark``, still alive."""
     with _lock:
         return [v for n, r in _made if n > mark and (v := r()) is not None]
+
+
+def close_parts(widget: Any) -> None:
+    """Close what ``widget.close()`` leaves open: its children (and theirs), layout and style.
+
+    Every ipywidget has a ``Layout`` (and text widgets a style) of its own, a widget too: left
+    open, it stays in ipywidgets' registry until teardown and closes itself then, noisily.
+    """
+    for child in tuple(getattr(widget, "children", ()) or ()):
+        child.close()
+        close_parts(child)
+    for name in ("layout", "style"):
+        part = getattr(widget, name, None)
+        if part is not None and hasattr(part, "comm") and hasattr(part, "close"):
+            part.close()
+
+
+def close_all() -> int:
+    """Close every nbkv view still open, newest first (at exit); how many were closed."""
+    with _lock:
+        views = [v for _, r in reversed(_made) if (v := r()) is not None]
+    closed = 0
+    for view in views:
+        if getattr(view, "comm", None) is None:  # closed already (a dashboard's pieces)
+            continue
+        try:
+            view.close()
+            closed += 1
+        except Exception:  # noqa: BLE001 - exiting: close the others
+            log.debug("closing an nbkv view at exit failed", exc_info=True)
+    return closed
+
+
+atexit.register(close_all)  # every atexit hook runs before module teardown
 
 
 def hide_rule(uid: str) -> str:
