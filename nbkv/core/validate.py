@@ -53,8 +53,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def unicode_text(name: str, value: Any) -> Any:
     """``value`` unless a str in it (or in its lists and dicts) holds a lone surrogate.
 
-    Such a str (``"\\udcff"``, as ``bytes.decode(errors="surrogateescape")`` makes) is not
-    text: it cannot be encoded, so it would fail later, unnamed, in the tokenizer or a hash.
+    Such a str (as ``bytes.decode(errors="surrogateescape")`` makes of bytes that are not UTF-8)
+    is not text: it cannot be encoded, so it would fail later, unnamed, in a tokenizer or hash.
     """
     if isinstance(value, str):
         bad = _SURROGATE.search(value)
