@@ -4,8 +4,8 @@ import datetime
 
 import pytest
 
-from nbkv.core.errors import TemplateError, TemplateLimitError
 from nbkv.core.codes import common_prefix
+from nbkv.core.errors import TemplateError, TemplateLimitError
 from nbkv.core.messages import prefix_hashes
 from nbkv.prompt import templates
 from nbkv.prompt.templates import CHATML, CLOCK_CHATML, ChatTemplate
