@@ -84,7 +84,7 @@ class PromptBuilder:
     """What preparing a prompt needs from the engine: model, template, projector, slot size.
 
     The work is bounded by the slot's size, not by the history's: a rendering is read only
-    until it is too long to fit (:meth:`_render`), nothing is tokenized that cannot fit, and
+    until it is too long to fit (:meth:`_tokenize`), nothing is tokenized that cannot fit, and
     ``overflow="slide"`` searches the cut from the newest messages back (:meth:`_slide`).
     """
 
@@ -125,6 +125,8 @@ class PromptBuilder:
         the slot's size, however long the history; a longer kept history is taken to need
         at least as many tokens as a shorter one.
         """
+        if isinstance(full, _Tokens) and len(full.units) + reserve <= self.n_ctx:
+            return self._finish(full)  # a slot filled to the last position, no reply reserved
         head = 1 if msgs[0]["role"] == "system" else 0
         starts: list[int] = []  # where the kept messages start after each dropped turn
         i, n_msgs = head, len(msgs)
