@@ -4,9 +4,12 @@ Hugging Face chat templates expect a few helpers (``raise_exception``, ``strftim
 the ``tojson`` filter; llama.cpp and transformers both provide them, and so do we.
 
 A template is code someone else wrote, so each rendering is bounded: it may take
-:data:`RENDER_SECONDS`, its ``range()`` calls may yield :data:`RANGE_ITEMS` items together, and
-it may produce (or build by repetition, ``*``) :data:`OUTPUT_CHARS` characters, or fewer where the
-caller asks. Past a bound it stops with :class:`~nbkv.core.errors.TemplateLimitError`.
+:data:`RENDER_SECONDS` (10 s), its ``range()`` calls may yield :data:`RANGE_ITEMS` (a million)
+items together, and it may produce, or build by repetition (``*``, ``**``), :data:`OUTPUT_CHARS`
+(2**26) characters, or fewer where the caller asks. Past a bound it stops with
+:class:`~nbkv.core.errors.TemplateLimitError`. The time is checked as the template calls,
+subscripts, reads attributes and counts: a loop that does none of these (an empty loop over
+the messages within a loop over them) and a single huge filter call run unchecked.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def _too_big(operator: str, left: Any, right: Any) -> bool:
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, with the bounds of :data:`RENDER_SECONDS` and :data:`OUTPUT_CHARS`."""
+    """The sandbox, checking the module's bounds on time, ``range()`` items and built values."""
 
     intercepted_binops = frozenset({"*", "**"})
 
