@@ -4,7 +4,6 @@ import datetime
 
 import pytest
 
-from nbkv.core.codes import common_prefix
 from nbkv.core.errors import TemplateError, TemplateLimitError
 from nbkv.core.messages import prefix_hashes
 from nbkv.prompt import templates
@@ -112,55 +111,3 @@ def test_output_and_built_values_stop_at_the_size_bound(monkeypatch):
     with pytest.raises(TemplateLimitError, match="produced more than 100 characters"):
         ChatTemplate(long).render(MSGS)
 
-
-LOOKAHEAD = (  # reads the next message (loop.last): prefixes are rendered one by one
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if not loop.last %}\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}\nassistant:{% endif %}"
-)
-COUNTED = "{{ messages|length }} messages\n{% for m in messages %}{{ m.content }}\n{% endfor %}"
-JSON = "{{ messages|tojson }}{% if add_generation_prompt %}>{% endif %}"
-SYSTEM_FIRST = (  # a default system prompt unless the first message is one
-    "{% if messages[0]['role'] != 'system' %}<sys>default</sys>{% endif %}"
-    "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.role == 'tool' and "
-    "(loop.index0 + 1 == messages|length or messages[loop.index0 + 1].role != 'tool') %}"
-    "[/tools]{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
-)
-TRAILER = CHATML.replace("{% endfor %}", "{% endfor %}{{ eos_token }}")  # "<" after each
-
-
-def boundaries_by_definition(t, msgs, full):
-    out = []
-    for k in range(len(msgs)):
-        part = t.render(msgs[: k + 1], add_generation_prompt=False)
-        n = len(part) if full.startswith(part) else common_prefix(part, full)
-        out.append(max(n, out[-1] if out else 0))
-    return out
-
-
-@pytest.mark.parametrize("source", [CHATML, CLOCK_CHATML, LOOKAHEAD, COUNTED, JSON,
-                                    SYSTEM_FIRST, TRAILER])
-def test_boundaries_from_one_rendering_are_those_of_every_prefix(source, monkeypatch):
-    monkeypatch.setattr(templates, "_now", lambda: datetime.datetime(2026, 1, 1, 9, 0, 0))
-    roles = ["user", "assistant", "tool", "tool", "assistant"]
-    for first in ("system", "user"):
-        msgs = [{"role": first, "content": "S"}] + [
-            {"role": roles[i % 5], "content": f"m{i}" * (i % 3 + 1)} for i in range(40)]
-        t = ChatTemplate(source, eos_token="</s>")
-        full = t.render(msgs)
-        want = boundaries_by_definition(t, msgs, full)
-        assert t.boundaries(msgs, full) == want
-        assert t.boundaries(msgs, full, prefix_hashes(msgs)) == want  # and remembered alike
-        assert t.boundaries(msgs, full, prefix_hashes(msgs)) == want
-
-
-def test_a_stable_template_renders_a_long_history_a_few_times_not_once_per_message():
-    t = ChatTemplate(CHATML)
-    msgs = [{"role": "user", "content": f"m{i}"} for i in range(200)]
-    full = t.render(msgs)
-    renders = []
-    plain = t._stream
-    t._stream = lambda m, *a, **kw: renders.append(m) or plain(m, *a, **kw)
-    ends = t.boundaries(msgs, full)
-    assert len(renders) <= 8  # one watched rendering, and the checks of a few prefixes
-    t._stream = plain
-    assert ends == boundaries_by_definition(t, msgs, full)

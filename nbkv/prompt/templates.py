@@ -29,7 +29,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nbkv.core.codes import common_prefix
 from nbkv.core.errors import TemplateError, TemplateLimitError
 from nbkv.core.messages import for_template
-from nbkv.prompt.prefixes import Ends, Watched, samples
 
 #: Used only when a model ships no template at all.
 CHATML = (
@@ -187,7 +186,6 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         self.source = source
         self.remember = 4096  # renderings of message prefixes kept by :meth:`boundaries`
-        self.one_by_one = 16  # :meth:`boundaries` renders up to this many new prefixes alone
         self._seen: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (length, hash)
         self._lock = threading.Lock()
         self.bos_token = bos_token
@@ -235,14 +233,7 @@ class ChatTemplate:
         (a prompt that cannot fit a slot) stops there, without being held whole; so does one
         that builds a string or list longer than ``max_chars`` by repetition.
         """
-        return self._stream(for_template(messages), max_chars, add_generation_prompt, extra)
-
-    def _stream(self, msgs: Any, max_chars: int, add_generation_prompt: bool,
-                extra: Mapping[str, Any], ends: Ends | None = None) -> str | None:
-        """Render ``msgs`` (as the template takes them) within the bounds (:meth:`render_within`).
-
-        ``ends.pos`` follows the output's length as it is produced.
-        """
+        msgs = for_template(messages)
         b = _budget
         saved = (b.deadline, b.items, b.max_chars)
         b.deadline, b.items = time.monotonic() + RENDER_SECONDS, 0
@@ -260,8 +251,6 @@ class ChatTemplate:
                 if size > max_chars:
                     return None
                 parts.append(part)
-                if ends is not None:
-                    ends.pos = size
             return "".join(parts)
         except _TooLong:
             return None
@@ -283,67 +272,26 @@ class ChatTemplate:
         hashes) let earlier renderings be remembered: a growing conversation then renders
         only its new messages instead of every prefix again. A remembered rendering is used
         only if ``full`` still starts with it, so time-dependent templates stay correct.
-        Where more than :attr:`one_by_one` prefixes are new, they are found from a single
-        rendering (:mod:`nbkv.prompt.prefixes`), checked against a few real ones.
         """
-        known: list[int | None] = [None] * len(messages)
-        if keys is not None:
-            for k, key in enumerate(keys[: len(messages)]):
+        out: list[Any] = []
+        for k in range(1, len(messages) + 1):
+            n = None
+            key = keys[k - 1] if keys is not None else None
+            if key is not None:
                 with self._lock:
                     seen = self._seen.get(key)
                     if seen is not None:
                         self._seen.move_to_end(key)
                 if seen is not None and hash(full[: seen[0]]) == seen[1]:
-                    known[k] = seen[0]
-        if known.count(None) > self.one_by_one:
-            found = self._from_one_rendering(messages, full, keys)
-            if found is not None:
-                known = list(found)
-        out: list[int] = []
-        for k, n in enumerate(known):
+                    n = seen[0]
             if n is None:
-                n = self._prefix_end(messages, k, full, keys[k] if keys is not None else None)[0]
+                part = self.render(messages[:k], add_generation_prompt=False)
+                stable = full.startswith(part)
+                n = len(part) if stable else common_prefix(part, full)
+                if key is not None and stable:
+                    with self._lock:
+                        self._seen[key] = (n, hash(part))
+                        while len(self._seen) > self.remember:
+                            self._seen.popitem(last=False)
             out.append(max(n, out[-1] if out else 0))
         return out
-
-    def _prefix_end(self, messages: Sequence[Mapping[str, Any]], k: int, full: str,
-                    key: str | None) -> tuple[int, bool]:
-        """Message ``k``'s end by definition, from a rendering of ``messages[:k + 1]``.
-
-        Also whether that rendering is a prefix of ``full`` (it is then remembered under ``key``).
-        """
-        part = self.render(messages[: k + 1], add_generation_prompt=False)
-        stable = full.startswith(part)
-        n = len(part) if stable else common_prefix(part, full)
-        if key is not None and stable:
-            self._remember(key, n, hash(part))
-        return n, stable
-
-    def _remember(self, key: str, n: int, h: int) -> None:
-        with self._lock:
-            self._seen[key] = (n, h)
-            while len(self._seen) > self.remember:
-                self._seen.popitem(last=False)
-
-    def _from_one_rendering(self, messages: Sequence[Mapping[str, Any]], full: str,
-                            keys: Sequence[str] | None) -> list[int] | None:
-        """Every message's end from one watched rendering, or None where a check disagrees."""
-        ends = Ends(len(messages))
-        try:
-            whole = self._stream(Watched(for_template(messages), ends.note), OUTPUT_CHARS,
-                                 False, {}, ends)
-        except TemplateError:  # the template needs a real list: render prefixes one by one
-            return None
-        if whole is None:
-            return None
-        found = ends.ends(whole, full)
-        stable = True
-        for k in samples(len(messages)):
-            n, ok = self._prefix_end(messages, k, full, None)
-            if n != found[k]:
-                return None
-            stable = stable and ok
-        if keys is not None and stable:
-            for key, n in zip(keys, found):
-                self._remember(key, n, hash(full[:n]))
-        return found
