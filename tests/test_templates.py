@@ -4,7 +4,7 @@ import datetime
 
 import pytest
 
-from nbkv.core.errors import TemplateError
+from nbkv.core.errors import TemplateError, TemplateLimitError
 from nbkv.core.messages import prefix_hashes
 from nbkv.prompt import templates
 from nbkv.prompt.templates import CHATML, CLOCK_CHATML, ChatTemplate
@@ -78,3 +78,36 @@ def test_raise_exception_and_sandbox():
         ChatTemplate("{% if %}")
     with pytest.raises(TemplateError, match="render"):
         ChatTemplate("{{ messages[10]['content'] + 1 }}").render(MSGS)
+
+
+def test_nested_ranges_stop_at_the_range_bound():
+    nested = "{% for i in range(2000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}ok"
+    with pytest.raises(TemplateLimitError, match=f"more than {templates.RANGE_ITEMS} items"):
+        ChatTemplate(nested).render(MSGS)
+    small = "{% for i in range(3) %}{% for j in range(2)|reverse %}{{ i }}{{ j }}{% endfor %}" \
+            "{% endfor %}{{ range(5)|list|length }}{{ 4 in range(5) }}{{ range(10)[2:4]|list }}"
+    assert ChatTemplate(small).render(MSGS) == "0100111021205True[2, 3]"
+
+
+def test_a_slow_template_stops_at_the_time_bound(monkeypatch):
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 0.05)
+    quadratic = "{% for a in messages %}{% for b in messages %}{{ b.role[0] }}{% endfor %}" \
+                "{% endfor %}"
+    many = [{"role": "user", "content": "x"}] * 3000
+    with pytest.raises(TemplateLimitError, match="ran past 0.05 s"):
+        ChatTemplate(quadratic).render(many)
+
+
+def test_output_and_built_values_stop_at_the_size_bound(monkeypatch):
+    for huge in ("{{ 'x' * 300000000 }}", "{% set n = 2 ** 1000000000 %}ok",
+                 "{{ ['x'] * 300000000 }}"):
+        with pytest.raises(TemplateLimitError, match="more than"):
+            ChatTemplate(huge).render(MSGS)
+    t = ChatTemplate(CHATML)
+    assert t.render_within(MSGS, 20) is None
+    assert t.render_within(MSGS, 1000) == t.render(MSGS)
+    monkeypatch.setattr(templates, "OUTPUT_CHARS", 100)
+    long = "{% for i in range(50) %}{{ 'abc' }}{% endfor %}"
+    with pytest.raises(TemplateLimitError, match="produced more than 100 characters"):
+        ChatTemplate(long).render(MSGS)
+

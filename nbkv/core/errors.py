@@ -23,6 +23,15 @@ class TemplateError(NbkvError):
     """The chat template failed to render the messages."""
 
 
+class TemplateLimitError(TemplateError):
+    """A chat template ran past one of the bounds on a rendering, and was stopped.
+
+    The bounds (:mod:`nbkv.prompt.templates`): the time one rendering may take, the items
+    its ``range()`` calls may yield together, and the characters it may produce or build by
+    repetition. A template that needs more is runaway or hostile; the message names the bound.
+    """
+
+
 class InvalidRequestError(NbkvError, ValueError):
     """The messages or sampling arguments of a request are malformed."""
 
@@ -30,12 +39,15 @@ class InvalidRequestError(NbkvError, ValueError):
 class ContextOverflowError(NbkvError):
     """A conversation does not fit its slot's context budget."""
 
-    def __init__(self, prompt_tokens: int, capacity: int, reserve: int = 0) -> None:
-        self.prompt_tokens = prompt_tokens
+    def __init__(self, prompt_tokens: int, capacity: int, reserve: int = 0,
+                 at_least: bool = False) -> None:
+        self.prompt_tokens = prompt_tokens  # a lower bound when ``at_least``
         self.capacity = capacity
         self.reserve = reserve
+        self.at_least = at_least  # the prompt was refused from its text's length, untokenized
+        size = f"at least {prompt_tokens}" if at_least else f"{prompt_tokens}"
         super().__init__(
-            f"prompt of {prompt_tokens} tokens (+{reserve} reserved for the reply) does not fit "
+            f"prompt of {size} tokens (+{reserve} reserved for the reply) does not fit "
             f"the slot's context budget of {capacity} tokens; raise n_ctx, shorten the "
             f"conversation, or pass overflow='slide' to drop the oldest turns"
         )

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbkv.core.errors import InvalidRequestError
+from nbkv.core.validate import unicode_text
 
 Message = dict[str, Any]
 
@@ -18,7 +19,11 @@ IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
 
 
 def normalize(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
-    """Validate ``messages`` and return plain-dict copies (callers' objects are never mutated)."""
+    """Validate ``messages`` and return plain-dict copies (callers' objects are never mutated).
+
+    A str in a message that is not valid Unicode (a lone surrogate) is refused here, naming
+    the message, before it can fail in a tokenizer or a hash.
+    """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} dicts")
     if not messages:
@@ -48,6 +53,8 @@ def normalize(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
                 f"messages[{i}] ({role}) content is an empty list: give a string, or at "
                 "least one content part"
             )
+        for key, value in m.items():
+            unicode_text(f"messages[{i}] ({role}) {key}", value)
         out.append(dict(m))
     return out
 
