@@ -36,6 +36,7 @@ from nbkv.engine.native import Resources, close_at_exit
 from nbkv.engine.scheduler import Scheduler
 from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
+from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo
@@ -133,8 +134,12 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             model and build must group prompt rows for cached KV to equal a fresh prefill
             (:mod:`nbkv.kv.calibrate`: 8-10 CPU-seconds for SmolLM2 with 1 or 2 slots, 3.3 s
             on 2 quiet cores, with a progress bar; once per model, llama.cpp build and CPU)
-            and prefills that way; ``"fresh"`` measures again. The result is
-            ``engine.prefill_rule`` (``engine.model.exactness`` in words).
+            and prefills that way; ``"fresh"`` measures again. ``"background"``: what is
+            cached is used; with nothing cached the engine serves at once, records say
+            ``exact=False`` until the proof ends (in a thread of its own, in idle time), then
+            the cached KV is dropped and later replies are exact (:mod:`nbkv.engine.proving`;
+            :meth:`wait_proven`). The result is ``engine.prefill_rule``
+            (``engine.model.exactness`` in words).
         park_ram, park_dir, park_disk: parking (:mod:`nbkv.store.parking`, IMC only): the
             conversation a request takes a slot from is kept, and restored when a prompt
             starts with it. ``park_ram`` bytes of RAM (default the smaller of a quarter of
@@ -233,7 +238,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
-        self.template, self.prefill_rule = res.template, res.rule
+        self.template = res.template
         self.n_threads = res.n_threads
         self.speculative = speculative and self.memory.can_trim
         if speculative and not self.speculative:
@@ -278,8 +283,26 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
             self.parking, self._prompts, shadow)
         self.scheduler.start(self)
+        before = {i.key: i for i in self.parking.entries()} if self.parking is not None else {}
+        self.scheduler.proof = self.res.start_proof(self.scheduler.busy, self.scheduler.wake,
+                                                    before)
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def prefill_rule(self) -> PrefillRule:
+        """How prompts are grouped for exact caching, as proven (:mod:`nbkv.kv.invariance`)."""
+        rule: PrefillRule = self.res.rule
+        return rule
+
+    def wait_proven(self, timeout: float | None = None) -> bool:
+        """Wait for a background proof (``calibration="background"``) to be adopted.
+
+        True once :attr:`prefill_rule` is final (at once if nothing was left to prove);
+        False if ``timeout`` seconds passed first.
+        """
+        proof = self.scheduler.proof
+        return proof is None or proof.wait(timeout)
 
     @property
     def n_slots(self) -> int:
