@@ -100,3 +100,42 @@ def test_a_forged_calibration_is_measured_again(model_path, proven, off, monkeyp
         got = turns(e)
     assert "does not match its contents" in caplog.text and "measuring again" in caplog.text
     assert [t for t, _ in got] == off and all(exact for _, exact in got)
+
+
+@pytest.fixture
+def never_proven(monkeypatch, tmp_path):
+    """Background proofs that never end (until the engine closes): the unproven window."""
+    import time
+
+    from nbkv.engine import proving
+
+    real = proving.calibrate.calibrate
+
+    def forever(*args, gate=None, **kw):
+        if gate is None:  # a load that measures (or reads the cache): as it is
+            return real(*args, **kw)
+        while True:
+            gate()
+            time.sleep(0.005)
+
+    monkeypatch.setattr(proving.calibrate, "calibrate", forever)
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_nothing_grouped_unproven_is_saved_or_spilled_as_proven(model_path, proven, tmp_path,
+                                                               never_proven, monkeypatch):
+    park = tmp_path / "park"
+    e = Engine(model_path, calibration="background", park_dir=str(park), **KW)
+    try:
+        r = e.chat([{"role": "user", "content": ASKS[0]}], session="a", max_tokens=4)
+        assert r.record.exact is False and e.scheduler.proof.pending()
+        e.settle()
+        state = e.export_state()
+        assert state.slots and all(s.kv.settled == 0 and s.kv.exact_len == 0
+                                   for s in state.slots)
+    finally:
+        e.close()
+    # the next engine (proven: its calibration cached) adopts nothing from the park folder
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(proven["dir"]))
+    with Engine(model_path, park_dir=str(park), **KW) as e2:
+        assert e2.prefill_rule.exact and e2.parked() == ()

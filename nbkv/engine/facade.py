@@ -33,6 +33,7 @@ from nbkv.engine.calls import ControlCalls
 from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit
+from nbkv.engine.proving import forget
 from nbkv.engine.scheduler import Scheduler
 from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
@@ -490,6 +491,9 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
         if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
             def spill() -> int:
+                proof = self.scheduler.proof
+                if proof is not None and proof.pending():  # never spill unproven KV
+                    forget(proof, self.table, self.spc, lot, self.scheduler.shadow)
                 self.scheduler.rewriter.settle_all()  # whole replies parked: rewritten first
                 return self.scheduler.parker.spill_all()
 

@@ -90,6 +90,10 @@ class BackgroundProof:
         """A measured rule waits to be adopted."""
         return self.rule is not None and not self._adopted.is_set()
 
+    def pending(self) -> bool:
+        """The engine still serves with the unproven rule (not adopted, not stopped)."""
+        return not self._adopted.is_set()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the rule is adopted (True), the engine closed or ``timeout`` passed."""
         return self._adopted.wait(timeout)
@@ -106,11 +110,12 @@ class BackgroundProof:
             self.thread.join()
 
 
-def adopt(proof: BackgroundProof, res: Any, table: Any, spc: Any, parking: Any,
-          shadow: Any, events: Any) -> PrefillRule:
-    """Swap the engine's rule for the proven one (scheduler thread, idle): see the module."""
-    rule = proof.rule
-    assert rule is not None
+def forget(proof: BackgroundProof, table: Any, spc: Any, parking: Any, shadow: Any) -> int:
+    """Drop what was computed with the unproven rule (scheduler thread, idle).
+
+    The slots, the shadow sequence, the system-prompt store, and the parked entries that
+    are not as they were when the proof began. Returns how many parked entries went.
+    """
     for slot in table:
         table.reset(slot)
     if shadow is not None:
@@ -121,6 +126,15 @@ def adopt(proof: BackgroundProof, res: Any, table: Any, spc: Any, parking: Any,
         for info in parking.entries():
             if proof.parked_before.get(info.key) != info:
                 dropped += parking.drop(info.key)
+    return dropped
+
+
+def adopt(proof: BackgroundProof, res: Any, table: Any, spc: Any, parking: Any,
+          shadow: Any, events: Any) -> PrefillRule:
+    """Swap the engine's rule for the proven one (scheduler thread, idle): see the module."""
+    rule = proof.rule
+    assert rule is not None
+    dropped = forget(proof, table, spc, parking, shadow)
     res.rule = rule
     res.model.prefill_rule = rule
     proof.rule = None
