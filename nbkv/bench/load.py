@@ -10,19 +10,22 @@ from typing import Any
 from nbkv.bench.conversations import mean
 from nbkv.bench.registry import scenario
 from nbkv.engine.facade import Engine
-from nbkv.llama.backend import default_threads
 
 N_CTX = 4096
 
 
-def _llama_load(path: str) -> float:
-    from llama_cpp import Llama
+def _llama_load(path: str) -> tuple[float, float]:
+    """``Llama``'s load, and when its first reply's first token comes (from the load's start)."""
+    from nbkv.bench.runners import LlamaCppRunner
 
     t0 = time.perf_counter()
-    llm = Llama(path, n_ctx=N_CTX, verbose=False, n_threads=default_threads())
+    runner = LlamaCppRunner(path, N_CTX, max_tokens=4)
     took = time.perf_counter() - t0
-    llm.close()
-    return took
+    try:
+        first = runner.turn([{"role": "user", "content": "Say hello."}], "s")["ttft"]
+    finally:
+        runner.close()
+    return took, took + first
 
 
 def _nbkv_load(path: str, mode: str) -> dict[str, Any]:
@@ -62,16 +65,16 @@ def first_load(path: str, quick: bool) -> dict[str, Any]:
     background), in A B C C B A order (A B C if quick)."""
     _llama_load(path)  # the file into the page cache: every load below reads it warm
     order = ["llama", "fresh", "background"]
-    llama: list[float] = []
+    llama: list[tuple[float, float]] = []
     runs: dict[str, list[dict[str, Any]]] = {"fresh": [], "background": []}
     for who in order if quick else order + order[::-1]:
         if who == "llama":
             llama.append(_llama_load(path))
         else:
             runs[who].append(_nbkv_load(path, who))
-    llama_s = mean(llama)
+    llama_s, llama_first = mean([a for a, _ in llama]), mean([b for _, b in llama])
     out: dict[str, Any] = {"model": os.path.basename(path), "llama_load_s": llama_s,
-                           "runs": runs, "ratios": {}}
+                           "llama_first_token_s": llama_first, "runs": runs, "ratios": {}}
     for mode, rs in runs.items():
         ready = mean([r["ready_s"] for r in rs])
         first = mean([r["ready_s"] + r["first_ttft_s"] for r in rs])
@@ -80,6 +83,7 @@ def first_load(path: str, quick: bool) -> dict[str, Any]:
         out[f"{mode}_proven_s"] = mean([r["proven_s"] for r in rs])
         out["ratios"][f"{mode}_ready_over_llama_load"] = ready / llama_s
         out["ratios"][f"{mode}_first_token_over_llama_load"] = first / llama_s
+        out["ratios"][f"{mode}_first_token_over_llama_first_token"] = first / llama_first
     return out
 
 
