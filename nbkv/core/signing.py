@@ -7,7 +7,9 @@ a body and recompute it; only someone who can read the key can make a signature 
 accepts. A manifest signed by another key (another user, another machine), by none (an nbkv
 that did not sign yet, a file written by hand) or not matching its body (edited since) is
 *untrusted*: :mod:`nbkv.store.persist` refuses it unless told to trust it, and then
-recomputes every slot from its tokens before serving it.
+recomputes every slot from its tokens before serving it. The calibration cache's entries are
+signed the same way (:mod:`nbkv.kv.calibration_file`): an untrusted one is measured again.
+It lives in the core, below every layer that signs.
 
 The key is ``$NBKV_SIGNING_KEY`` if set, else ``signing_key`` in the platformdirs user data
 directory (``~/.local/share/nbkv`` on Linux), created on first use with mode 0600. If it
