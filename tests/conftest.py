@@ -81,12 +81,14 @@ def model_path():
 
 @pytest.fixture(scope="session", autouse=True)
 def signing_key(tmp_path_factory):
-    """Saves and parked entries are signed with the test run's own key, never the user's
-    (``$NBKV_SIGNING_KEY``: subprocesses and kernels the tests start use it too)."""
+    """Saves, parked entries and calibrations are signed with the tests' own key, never the
+    user's (``$NBKV_SIGNING_KEY``: subprocesses and kernels the tests start use it too). It
+    lives beside pytest's temporary folders, so that the calibrations one run signs in
+    ``~/.cache/nbkv`` are trusted by the next instead of measured again."""
     from nbkv.store.signing import KEY_ENV
 
     old = os.environ.get(KEY_ENV)
-    os.environ[KEY_ENV] = str(tmp_path_factory.mktemp("signing") / "signing_key")
+    os.environ[KEY_ENV] = str(tmp_path_factory.getbasetemp().parent / "nbkv-test-signing-key")
     yield os.environ[KEY_ENV]
     if old is None:
         os.environ.pop(KEY_ENV, None)

@@ -158,7 +158,8 @@ class HardwareOptions:
         return "on" if quantized(self.type_k) and quantized(self.type_v) else "off"
 
 
-CALIBRATIONS = ("cached", "fresh")  # the stored answer for this model and build, or anew
+#: the stored answer for this model and build, or anew, or (none stored) proven while serving
+CALIBRATIONS = ("cached", "fresh", "background")
 #: when a reply's KV is rewritten as a batch in exact mode (nbkv.engine.shadow)
 REWRITE_MODES = ("auto", "mixed", "idle")
 
@@ -207,7 +208,8 @@ class EngineSettings:
                              if f.name in checked})
         if self.calibration not in CALIBRATIONS:
             raise InvalidRequestError(
-                f"calibration must be 'cached' or 'fresh', not {self.calibration!r}")
+                f"calibration must be 'cached', 'fresh' or 'background', "
+                f"not {self.calibration!r}")
         if self.rewrite not in REWRITE_MODES:
             raise InvalidRequestError(
                 f"rewrite must be one of {', '.join(map(repr, REWRITE_MODES))}, "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
+    from nbkv.engine.proving import BackgroundProof
     from nbkv.engine.rewrite import Pace, Rewriter
     from nbkv.engine.slot_parking import Parker
     from nbkv.engine.slots import EngineTable, ServeSettings
@@ -68,6 +69,10 @@ class Controls(Runs, Protocol):
     @property
     def rewriter(self) -> Rewriter:
         """Finished replies' KV rewritten as canonical prefills."""
+
+    @property
+    def proof(self) -> BackgroundProof | None:
+        """The exactness proof running in the background, if any."""
 
     def busy(self) -> bool:
         """Requests queued or running, or a reply's KV still to rewrite."""

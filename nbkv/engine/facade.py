@@ -33,9 +33,11 @@ from nbkv.engine.calls import ControlCalls
 from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit, forget_at_exit
+from nbkv.engine.proving import forget
 from nbkv.engine.scheduler import Scheduler
 from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
 from nbkv.kv import reasons
+from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.slot_table import SlotInfo
@@ -66,7 +68,8 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
     checkpoints, the vision projector, parking budgets), checked before the model loads;
     the docs' "Engine options" page says what each one is for. ``progress`` says where the
     load's long steps are shown and ``on_load_progress`` is called with the fraction of the
-    model loaded.
+    model loaded. ``calibration="background"`` serves at once, records saying ``exact=False``
+    until the exactness proof ends in idle time (:meth:`wait_proven`).
 
     Use it as a context manager, or call :meth:`close`; a closed engine spills what its
     slots and parking hold to ``park_dir`` when it has one.
@@ -160,7 +163,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         self.config, self.sized, self.plan = res.config, res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
-        self.template, self.prefill_rule = res.template, res.rule
+        self.template = res.template
         self.n_threads = res.n_threads
         self.speculative = speculative and self.memory.can_trim
         if speculative and not self.speculative:
@@ -205,8 +208,26 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
             self.parking, self._prompts, shadow)
         self.scheduler.start(self)
+        before = {i.key: i for i in self.parking.entries()} if self.parking is not None else {}
+        self.scheduler.proof = self.res.start_proof(self.scheduler.busy, self.scheduler.wake,
+                                                    before)
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def prefill_rule(self) -> PrefillRule:
+        """How prompts are grouped for exact caching, as proven (:mod:`nbkv.kv.invariance`)."""
+        rule: PrefillRule = self.res.rule
+        return rule
+
+    def wait_proven(self, timeout: float | None = None) -> bool:
+        """Wait for a background proof (``calibration="background"``) to be adopted.
+
+        True once :attr:`prefill_rule` is final (at once if nothing was left to prove);
+        False if ``timeout`` seconds passed first.
+        """
+        proof = self.scheduler.proof
+        return proof is None or proof.wait(timeout)
 
     @property
     def n_slots(self) -> int:
@@ -394,6 +415,9 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
         if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
             def spill() -> int:
+                proof = self.scheduler.proof
+                if proof is not None and proof.pending():  # never spill unproven KV
+                    forget(proof, self.table, self.spc, lot, self.scheduler.shadow)
                 self.scheduler.rewriter.settle_all()  # whole replies parked: rewritten first
                 return self.scheduler.parker.spill_all()
 

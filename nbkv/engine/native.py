@@ -27,6 +27,7 @@ from nbkv.core.config import DEFAULTS, EngineSettings, HardwareOptions
 from nbkv.core.errors import NbkvError
 from nbkv.core.progress import Reporter, Task
 from nbkv.core.signals import close_on_signal, release
+from nbkv.engine.proving import NOT_PROVEN, BackgroundProof
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import PLAIN, SWA, MemoryInfo, classify, probe_memory
@@ -58,6 +59,7 @@ class Resources:
         #: after the slots' (None: none; wanted in exact IMC mode unless rewrite="idle",
         #: kept where the memory can be cut)
         self.shadow_seq: int | None = None
+        self.proving = False  # a background proof is to run (calibration="background")
         self._want_shadow = (settings.exact and settings.cache == "imc"
                              and settings.rewrite != "idle")
         self._lock = threading.Lock()
@@ -174,14 +176,48 @@ class Resources:
         return n_slots, n_ctx
 
     def _calibrate(self, mode: str) -> PrefillRule:
-        """The model's prefill rule (:mod:`nbkv.kv.calibrate`), checked against ``n_batch``."""
+        """The model's prefill rule (:mod:`nbkv.kv.calibrate`), checked against ``n_batch``.
+
+        ``mode="background"`` and nothing cached: the unproven rule, and :attr:`proving`
+        says a proof is to run (:meth:`start_proof`, once the scheduler exists).
+        """
+        shadow = self.shadow_seq is not None
+        if mode == "background":
+            found = calibrate.known(self.model, n_seq=self.n_slots,
+                                    can_trim=self.memory.can_trim, settings=self.settings,
+                                    shadow=shadow)
+            if found is None:
+                self.proving = True
+                return PrefillRule(2, 1, exact=False, reason=NOT_PROVEN)
+            return self.checked(found)
         try:
             rule = calibrate.calibrate(self.model, n_seq=self.n_slots,
                                        can_trim=self.memory.can_trim, settings=self.settings,
                                        cache=mode == "cached", progress=self.progress,
-                                       shadow=self.shadow_seq is not None)
+                                       shadow=shadow)
         except (NbkvError, RuntimeError) as e:  # e.g. no room for the temporary context
             rule = PrefillRule(2, 1, exact=False, reason=f"the calibration failed: {e}")
+        return self.checked(rule)
+
+    def start_proof(self, busy: Callable[[], bool], wake: Callable[[], None],
+                    parked: dict[str, Any]) -> BackgroundProof | None:
+        """Start the background proof :meth:`_calibrate` left to do (None: none to do).
+
+        ``parked``: the parked entries now (those still the same after the proof are kept).
+        It is stopped first when the resources close (it uses the model).
+        """
+        if not self.proving:
+            return None
+        proof = BackgroundProof(self, busy, wake, cache=True)
+        proof.parked_before = parked
+        self._own(proof, proof.stop)
+        log.info("nbkv serves %s now and proves its exact grouping in the background: "
+                 "records say exact=False until then", self.model.path.name)
+        proof.start()
+        return proof
+
+    def checked(self, rule: PrefillRule) -> PrefillRule:
+        """``rule``, unless ``n_batch`` is too small for it; an inexact one is announced."""
         # next_chunk can then always leave the last chunk threshold rows
         need = max(2 * rule.threshold + rule.align - 2, rule.min_chunk)
         if rule.exact and self.batch.capacity < need:

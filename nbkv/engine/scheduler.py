@@ -40,6 +40,7 @@ from nbkv.engine.jobs import READING, Job, JobState
 from nbkv.engine.lifecycle import Lifecycle
 from nbkv.engine.native import Resources
 from nbkv.engine.placement import Placer
+from nbkv.engine.proving import BackgroundProof, adopt
 from nbkv.engine.replay import Replays
 from nbkv.engine.rewrite import Pace, Rewriter
 from nbkv.engine.shadow import Shadow
@@ -100,6 +101,8 @@ class Scheduler:
                               self.placer, self.active)
         #: the requests' steps into the KV; it reports to the lifecycle
         self.decoder = Decoder(res, settings, spc, self.pace, self.life)
+        #: the exactness proof running in the background, if any (nbkv.engine.proving)
+        self.proof: BackgroundProof | None = None
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -155,6 +158,7 @@ class Scheduler:
     def has_work(self) -> bool:
         """Anything for the scheduler to do (call with ``cv`` held)."""
         return bool(self.queue or self.active or self.control or self.closed
+                    or (self.proof is not None and self.proof.ready())
                     or self.rewriter.settling_slot() is not None
                     or self.parker.prepark_slot(busy=False) is not None)  # (none queued)
 
@@ -188,6 +192,9 @@ class Scheduler:
         elif self.queue:
             with self.cv:  # every slot busy: wait for a change, or a deadline
                 self.cv.wait(0.05)
+        elif self.proof is not None and self.proof.ready():  # idle, and proven meanwhile
+            adopt(self.proof, self.res, self.table, self.spc, self.parking, self.shadow,
+                  self.events)
         else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), or
             slot = self.rewriter.settling_slot()  # copy out the conversation parked next
             if slot is not None:

@@ -42,7 +42,10 @@ def export_state(sched: Controls, only_if_idle: bool = False) -> EngineState:
         if not s.kv.verify():
             log.warning("slot[%d]: KV does not match its tokens; not saved", s.index)
             continue
-        slots.append(sched.table.state_of(s, s.kv.snapshot()))
+        snap = s.kv.snapshot()
+        if sched.proof is not None and sched.proof.pending():  # grouped by an unproven rule:
+            snap = replace(snap, settled=0, exact_len=0)  # ... recomputed before any reuse
+        slots.append(sched.table.state_of(s, snap))
     return EngineState(tuple(slots), tuple(busy), tuple(sched.spc.items()))
 
 

@@ -19,31 +19,35 @@ matters and what the rule means):
 
 The result is cached by model fingerprint, llama.cpp build, CPU features and the settings
 that select other kernels (:func:`key_settings`), not by ``n_ctx``, threads or slot count
-(``$NBKV_CACHE_DIR``, default ``~/.cache/nbkv``, ``calibration.json``). It costs 8-10
+(:mod:`nbkv.kv.calibration_file`: signed, and checked when read). It costs 8-10
 CPU-seconds on SmolLM2 (1 or 2 slots; 14 for any number), once: ``python -m nbkv.kv.calibrate``
 does it ahead of time (Binder's postBuild).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import logging
-import os
-import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from nbkv.core.progress import Reporter, Task, silent
 from nbkv.kv import invariance
+from nbkv.kv.calibration_file import (  # noqa: F401 - the cache's names, also read here
+    FILE,
+    _read,
+    cache_dir,
+    cache_key,
+    cached,
+    cached_entry,
+    store,
+)
 from nbkv.kv.invariance import PrefillRule
-from nbkv.llama.backend import Batch, Context, Model, system_info
+from nbkv.llama.backend import Batch, Context, Model
 from nbkv.llama.gguf_header import gguf_fingerprint
 
 log = logging.getLogger("nbkv")
@@ -56,14 +60,7 @@ POWERS = (1, 2, 4, 8, 16, 32)
 GEN_PREFIX = PREFIX  # rows each sequence holds before the generation test
 GEN_MAX = 8  # generation batches of more sequences than this are not measured
 MIX_CHUNK = 8  # rows of a shadow chunk in the mixed-step proof (rounded up to the rule's)
-FILE = "calibration.json"
-VERSION = 2  # of the measurement and its key: a change invalidates cached results
-
-
-def cache_dir() -> Path:
-    """Where generated and measured files live: ``$NBKV_CACHE_DIR`` or ``~/.cache/nbkv``."""
-    env = os.environ.get("NBKV_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "nbkv"
+VERSION = 3  # of the measurement and its key: a change invalidates cached results
 
 
 class _Probe:
@@ -340,9 +337,23 @@ def _mixed_steps(rule: PrefillRule, ctx: Context, batch: Batch, tokens: Sequence
     return _equal(rows(s, n, n + FOLLOW, True), ref)
 
 
+class _Gated:
+    """A context whose every decode first calls ``gate`` (which may wait, or raise to stop)."""
+
+    def __init__(self, ctx: Context, gate: Callable[[], None]) -> None:
+        self._ctx, self._gate = ctx, gate
+
+    def decode(self, batch: Batch) -> None:
+        self._gate()
+        self._ctx.decode(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
 def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, Any],
               cache: bool = True, progress: Reporter = silent,
-              shadow: bool = False) -> PrefillRule:
+              shadow: bool = False, gate: Callable[[], None] | None = None) -> PrefillRule:
     """The rule of ``model`` in contexts with these ``settings``, measured or cached.
 
     It is measured in a temporary context with ``settings`` (:class:`~nbkv.llama.backend.Context`
@@ -350,11 +361,11 @@ def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, A
     measures again (and stores the new result). A cached measurement of fewer sequences is
     completed by the generation test alone. ``progress`` is told each step. ``shadow``: also
     prove mixed steps (the engine has a shadow sequence beside its ``n_seq`` slots).
+    ``gate``: called before every decode (background proving: it waits while the engine
+    serves, and raises to abandon the measurement).
     """
     n_seq = max(1, min(n_seq, GEN_MAX + 1))
-    key = cache_key(gguf_fingerprint(model.path),
-                    {**key_settings(settings, can_trim, model.params.n_gpu_layers),
-                     "shadow": shadow})
+    key = _key(model, can_trim, settings, shadow)
     known = cached_entry(key) if cache else None
     if known is not None:
         rule = for_sequences(*known, n_seq)
@@ -365,7 +376,8 @@ def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, A
         ctx = Context(model, 256 * (n_seq + shadow), n_seq + shadow, N_ROWS, **settings)
         batch = Batch(N_ROWS)
         try:
-            rule = measure(ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim,
+            probe_ctx = ctx if gate is None else cast(Context, _Gated(ctx, gate))
+            rule = measure(probe_ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim,
                            task=task, grouping=known[0] if known is not None else None,
                            shadow=shadow)
         finally:
@@ -374,6 +386,19 @@ def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, A
     log.info("calibrated %s in %.1f s: %s", model.path.name, rule.seconds, rule.describe())
     store(key, rule, gen_tested=tested(n_seq))
     return rule
+
+
+def _key(model: Model, can_trim: bool, settings: dict[str, Any], shadow: bool) -> str:
+    return cache_key(gguf_fingerprint(model.path),
+                     {**key_settings(settings, can_trim, model.params.n_gpu_layers),
+                      "shadow": shadow})
+
+
+def known(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, Any],
+          shadow: bool = False) -> PrefillRule | None:
+    """The rule :func:`calibrate` would return from its cache alone, or None (to measure)."""
+    found = cached_entry(_key(model, can_trim, settings, shadow))
+    return for_sequences(*found, max(1, min(n_seq, GEN_MAX + 1))) if found else None
 
 
 def key_settings(settings: dict[str, Any], can_trim: bool, gpu_layers: int) -> dict[str, Any]:
@@ -420,63 +445,6 @@ def for_sequences(rule: PrefillRule, gen_tested: int, n_seq: int) -> PrefillRule
     if gen_tested >= GEN_MAX:
         return replace(rule, gen_rows=GEN_MAX)
     return None
-
-
-# -- the cache -------------------------------------------------------------------------------
-
-
-def cache_key(fingerprint: str, settings: dict[str, Any]) -> str:
-    """The key a measurement is cached under: model, build, CPU features, settings."""
-    from nbkv.llama import backend
-
-    body = {"model": fingerprint, "build": backend.llama_cpp_version(),
-            "system": system_info(), **settings}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def cached_entry(key: str, path: Path | None = None) -> tuple[PrefillRule, int] | None:
-    """The rule cached under ``key`` and how many sequences its generation test covered."""
-    entry = _read(path or cache_dir() / FILE).get(key)
-    if not isinstance(entry, dict):
-        return None
-    entry = dict(entry)
-    try:
-        gen_tested = int(entry.pop("gen_tested", 1))
-        return PrefillRule.from_json(entry), gen_tested
-    except (TypeError, ValueError):
-        return None
-
-
-def cached(key: str, path: Path | None = None) -> PrefillRule | None:
-    """The rule cached under ``key``, if any (as measured)."""
-    found = cached_entry(key, path)
-    return found[0] if found is not None else None
-
-
-def store(key: str, rule: PrefillRule, path: Path | None = None, *, gen_tested: int = 1
-          ) -> None:
-    """Cache ``rule`` under ``key`` (atomically; a failure to write is only logged)."""
-    path = path or cache_dir() / FILE
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read(path)
-        data[key] = {**rule.to_json(), "gen_tested": gen_tested}
-        fd, tmp = tempfile.mkstemp(prefix=FILE + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("could not cache the calibration in %s: %s", path, e)
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
 
 
 # -- the command line ------------------------------------------------------------------------

@@ -12,9 +12,12 @@ cut short (an interrupted download) by where its tensor table says the data ends
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import mmap
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 # GGUF value types (gguf.GGUFValueType) and the byte size of the fixed-size ones
@@ -25,15 +28,17 @@ _memo: dict[tuple[str, int, int], str] = {}
 
 
 class _Reader:
-    def __init__(self, f, h) -> None:
-        self.f = f
-        self.h = h
+    """Reads a GGUF header from a memory map, from its start (``pos``: bytes read so far)."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
 
     def read(self, n: int) -> bytes:
-        b = self.f.read(n)
+        b = self.buf[self.pos:self.pos + n]
         if len(b) != n:
             raise ValueError("truncated GGUF header")
-        self.h.update(b)
+        self.pos += n
         return b
 
     def u32(self) -> int:
@@ -43,7 +48,22 @@ class _Reader:
         return struct.unpack("<Q", self.read(8))[0]
 
     def skip_string(self) -> None:
-        self.read(self.u64())
+        n = self.u64()
+        self.pos += n
+        if self.pos > len(self.buf):
+            raise ValueError("truncated GGUF header")
+
+    def skip_strings(self, n: int) -> None:
+        """Read past ``n`` strings (a vocabulary: one length read each, nothing copied)."""
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(n):
+            if pos + 8 > size:
+                raise ValueError("truncated GGUF header")
+            pos += 8 + unpack(buf, pos)[0]
+        if pos > size:
+            raise ValueError("truncated GGUF header")
+        self.pos = pos
 
     def value(self, vtype: int, max_array: int = -1) -> object | None:
         """Read one value; returns it, or None for what is only read past.
@@ -61,6 +81,8 @@ class _Reader:
             return list(struct.unpack("<" + _SCALAR[itype][1] * n, self.read(_FIXED[itype] * n)))
         if itype in _FIXED:
             self.read(_FIXED[itype] * n)
+        elif itype == _STRING:
+            self.skip_strings(n)
         else:
             for _ in range(n):
                 self.value(itype)
@@ -74,9 +96,14 @@ class _Reader:
         return self.u64(), self.u64()
 
 
-class _NoHash:
-    def update(self, b: bytes) -> None:
-        pass
+@contextlib.contextmanager
+def _reader(path: str | os.PathLike) -> Iterator[_Reader]:
+    """A :class:`_Reader` over the file (ValueError for an empty one: no header at all)."""
+    with Path(path).open("rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ValueError("truncated GGUF header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            yield _Reader(buf)
 
 
 #: ggml tensor types: (values per block, bytes per block); ``gguf.GGML_QUANT_SIZES``
@@ -98,8 +125,7 @@ def read_metadata(path: str | os.PathLike, max_array: int = 4096) -> dict[str, o
     Arrays of more than ``max_array`` items and string arrays (the vocabulary) are skipped.
     """
     out: dict[str, object] = {}
-    with Path(path).open("rb") as f:
-        r = _Reader(f, _NoHash())
+    with _reader(path) as r:
         for _ in range(r.header(path)[1]):
             key = r.read(r.u64()).decode("utf-8", errors="replace")
             v = r.value(r.u32(), max_array)
@@ -115,9 +141,7 @@ def gguf_fingerprint(path: str | os.PathLike) -> str:
     key = (str(p), st.st_size, st.st_mtime_ns)
     fp = _memo.get(key)
     if fp is None:
-        h = hashlib.sha256()
-        with p.open("rb") as f:
-            r = _Reader(f, h)
+        with _reader(p) as r:
             n_tensors, n_kv = r.header(p)
             for _ in range(n_kv):
                 r.skip_string()
@@ -126,7 +150,8 @@ def gguf_fingerprint(path: str | os.PathLike) -> str:
                 r.skip_string()
                 r.read(8 * r.u32())  # dims
                 r.read(4 + 8)  # type, offset
-        fp = _memo[key] = f"{st.st_size}:{h.hexdigest()}"
+            digest = hashlib.sha256(r.buf[:r.pos]).hexdigest()  # every byte read past
+        fp = _memo[key] = f"{st.st_size}:{digest}"
     return fp
 
 
@@ -137,8 +162,7 @@ def data_end(path: str | os.PathLike) -> int:
     a tensor of a type unknown here counts up to its offset only. ValueError when the
     header itself is cut short or malformed.
     """
-    with Path(path).open("rb") as f:
-        r = _Reader(f, _NoHash())
+    with _reader(path) as r:
         n_tensors, n_kv = r.header(path)
         align = 32
         for _ in range(n_kv):
@@ -158,8 +182,8 @@ def data_end(path: str | os.PathLike) -> int:
             block, size = _BLOCKS.get(ttype, (1, 0))
             end = max(end, offset + -(-count // block) * size)
         if not n_tensors:
-            return f.tell()
-        start = -(-f.tell() // align) * align
+            return r.pos
+        start = -(-r.pos // align) * align
     return start + end
 
 

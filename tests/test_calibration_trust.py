@@ -1,0 +1,141 @@
+"""A calibration is trusted only where it was proven: background proving, and forged entries.
+
+``calibration="background"`` serves at once with records ``exact=False`` and proves the rule
+on its own thread; a forged (edited) cached entry is measured again, so no reply that differs
+from cache-off is ever marked exact. The embedded model, in a calibration cache of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from nbkv import Engine
+from nbkv.core.events import SlotsChanged
+from nbkv.engine.proving import NOT_PROVEN
+from nbkv.kv.calibration_file import FILE
+
+KW = dict(n_slots=1, n_ctx=512, n_threads=1)
+SYSTEM = "You are a terse assistant. Answer in one short sentence."
+ASKS = ["What is a CPU?", "And memory?", "Why is a cache fast?"]
+
+
+def turns(engine):
+    msgs = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for ask in ASKS:
+        msgs.append({"role": "user", "content": ask})
+        r = engine.chat(msgs, session="s", max_tokens=8, temperature=0)
+        msgs.append(r.message)
+        out.append((r.text, r.record.exact))
+    return out
+
+
+@pytest.fixture(scope="module")
+def off(model_path):
+    with Engine(model_path, cache="off", exact=False, **KW) as e:
+        return [t for t, _ in turns(e)]
+
+
+@pytest.fixture(scope="module")
+def proven(model_path, tmp_path_factory):
+    """An engine that found nothing cached: a reply while it proves, then three after."""
+    d = tmp_path_factory.mktemp("calibration")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NBKV_CACHE_DIR", str(d))
+    events = []
+    with Engine(model_path, calibration="background", **KW) as e:
+        e.subscribe(events.append)
+        unproven = e.prefill_rule
+        first = e.chat([{"role": "user", "content": ASKS[0]}], max_tokens=8, temperature=0)
+        assert e.wait_proven(900)
+        emptied = [len(s.tokens) for s in e.slots()]
+        rule = e.prefill_rule
+        later = turns(e)
+    yield {"dir": d, "unproven": unproven, "first": first, "emptied": emptied,
+           "rule": rule, "later": later, "events": events}
+    mp.undo()
+
+
+def test_background_serves_at_once_unproven_then_exact(proven, off):
+    assert not proven["unproven"].exact and proven["unproven"].reason == NOT_PROVEN
+    assert proven["first"].record.exact is False  # served before the proof: never claimed
+    assert proven["rule"].exact
+    said = [e.reason for e in proven["events"] if isinstance(e, SlotsChanged)
+            and e.reason.startswith("nbkv proved")]
+    assert len(said) == 1 and proven["rule"].describe() in said[0]
+    assert proven["emptied"] == [0]  # the KV grouped by the unproven rule: gone
+    assert [t for t, _ in proven["later"]] == off
+    assert all(exact for _, exact in proven["later"])
+    assert (proven["dir"] / FILE).is_file()  # stored, signed: the next load measures nothing
+
+
+def test_closing_while_proving_ends_the_proof(model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(tmp_path))
+    e = Engine(model_path, calibration="background", **KW)
+    proof = e.scheduler.proof
+    assert proof is not None and proof.thread.is_alive()
+    e.close()
+    assert not proof.thread.is_alive() and not (tmp_path / FILE).exists()
+    assert e.wait_proven(0) is True  # waiters are released
+
+
+def test_a_forged_calibration_is_measured_again(model_path, proven, off, monkeypatch, caplog):
+    """The issue's forgery on the embedded Q4_1: single_row=True (no reply rewrite), its
+    table edited to agree. Signed over the true entry, so the signature gives it away."""
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(proven["dir"]))
+    path = proven["dir"] / FILE
+    data = json.loads(path.read_text())
+    assert data and not proven["rule"].single_row
+    for entry in data.values():
+        rule = entry["body"]["rule"]
+        rule.update(single_row=True, align=1,
+                    table=[[k, True] for k, _ in rule["table"]] or [[1, True]])
+    path.write_text(json.dumps(data))
+    caplog.set_level(logging.WARNING, logger="nbkv")
+    with Engine(model_path, **KW) as e:
+        assert not e.prefill_rule.single_row and e.prefill_rule == proven["rule"]
+        got = turns(e)
+    assert "does not match its contents" in caplog.text and "measuring again" in caplog.text
+    assert [t for t, _ in got] == off and all(exact for _, exact in got)
+
+
+@pytest.fixture
+def never_proven(monkeypatch, tmp_path):
+    """Background proofs that never end (until the engine closes): the unproven window."""
+    import time
+
+    from nbkv.engine import proving
+
+    real = proving.calibrate.calibrate
+
+    def forever(*args, gate=None, **kw):
+        if gate is None:  # a load that measures (or reads the cache): as it is
+            return real(*args, **kw)
+        while True:
+            gate()
+            time.sleep(0.005)
+
+    monkeypatch.setattr(proving.calibrate, "calibrate", forever)
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_nothing_grouped_unproven_is_saved_or_spilled_as_proven(model_path, proven, tmp_path,
+                                                               never_proven, monkeypatch):
+    park = tmp_path / "park"
+    e = Engine(model_path, calibration="background", park_dir=str(park), **KW)
+    try:
+        r = e.chat([{"role": "user", "content": ASKS[0]}], session="a", max_tokens=4)
+        assert r.record.exact is False and e.scheduler.proof.pending()
+        e.settle()
+        state = e.export_state()
+        assert state.slots and all(s.kv.settled == 0 and s.kv.exact_len == 0
+                                   for s in state.slots)
+    finally:
+        e.close()
+    # the next engine (proven: its calibration cached) adopts nothing from the park folder
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(proven["dir"]))
+    with Engine(model_path, park_dir=str(park), **KW) as e2:
+        assert e2.prefill_rule.exact and e2.parked() == ()
