@@ -455,6 +455,15 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             **thrashing(h, self.n_slots),
         }
 
+    def counters(self) -> dict[str, Any]:
+        """The fixed cost so far: decode calls, rows, host time by part, bytes moved.
+
+        From :class:`nbkv.core.counters.KVCounters`, read between steps, plus ``path``:
+        ``"exact"`` or ``"lean"`` (exactness not proven or not asked for).
+        """
+        snap = self.scheduler.call(self.ctx.counters.snapshot)
+        return {**snap, "path": self.res.path}
+
     def close(self) -> None:
         """Cancel running requests, stop the scheduler and free the model and context.
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from nbkv.core.config import DEFAULTS, EngineSettings, HardwareOptions
 from nbkv.core.errors import NbkvError
 from nbkv.core.progress import Reporter, Task
-from nbkv.kv import calibrate
+from nbkv.kv import calibrate, invariance
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import PLAIN, SWA, MemoryInfo, classify, probe_memory
 from nbkv.llama import memplan
@@ -44,13 +44,14 @@ class Resources:
     ctx: Context
     batch: Batch
     memory: MemoryInfo
-    rule: PrefillRule
     projector: Any = None
 
     def __init__(self, settings: EngineSettings, *, embedding_cache: Any,
                  on_load_progress: Callable[[float], object] | None,
                  progress: Reporter) -> None:
         self._closers: list[Callable[[], None]] = []
+        #: exactness asked for (``exact=True``): the exact path where the rule is proven
+        self.exact = settings.exact
         #: the sequence that rewrites replies while they are generated (nbkv.engine.shadow),
         #: after the slots' (None: none; wanted in exact IMC mode unless rewrite="idle",
         #: kept where the memory can be cut)
@@ -128,7 +129,7 @@ class Resources:
                          "flash_attn": FLASH_ATTN[flash_attn],
                          "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v)}
         self.rule = self._calibrate(calibration)
-        self.model.prefill_rule = self.rule
+        self.model.prefill_rule = self.proven
         if mmproj is not None:
             from pathlib import Path
 
@@ -191,6 +192,30 @@ class Resources:
             log.warning("%s", msg)
             warnings.warn(msg, stacklevel=5)
         return rule
+
+    @property
+    def rule(self) -> PrefillRule:
+        """The grouping prefills follow: the calibrated rule on the exact path, else lean.
+
+        The lean one is :func:`nbkv.kv.invariance.lean`; setting it sets the calibrated rule.
+        """
+        return self._grouping
+
+    @rule.setter
+    def rule(self, rule: PrefillRule) -> None:
+        self.proven = rule  # what the calibration found (the model's exactness)
+        self._grouping = (rule if self.exact and rule.exact else invariance.lean(
+            rule, "" if not rule.exact else "exact=False: not asked for"))
+
+    @property
+    def lean(self) -> bool:
+        """The lean path: exactness not proven or not asked for (see :attr:`rule`)."""
+        return not self._grouping.exact
+
+    @property
+    def path(self) -> str:
+        """``"exact"`` or ``"lean"``, as records name it."""
+        return "lean" if self.lean else "exact"
 
     def identity(self, n_ctx: int, type_k: str, type_v: str, flash_attn: str
                  ) -> dict[str, Any]:
