@@ -11,12 +11,11 @@ import math
 
 import pytest
 
+from conftest import SYSTEM, talk
 from nbkv import Engine
 from nbkv.core.counters import KVCounters, RequestCounts
 from nbkv.kv import calibrate, invariance
 from nbkv.kv.invariance import PrefillRule
-
-from conftest import SYSTEM, talk
 
 N_BATCH = 32
 
@@ -121,3 +120,31 @@ def test_no_proven_grouping_takes_the_lean_path(monkeypatch, model_path):
     for rec in recs:
         check_lean(rec, N_BATCH)
     assert recs[1].reprefilled_tokens == 0 and recs[1].rewrite_absorbed == 0
+
+
+def test_fixed_shape_decodes_pad_every_call_and_keep_replies(model_path):
+    rows = 16
+    msgs = [{"role": "system", "content": SYSTEM}]
+    with Engine(model_path, n_slots=1, n_ctx=1024, n_batch=N_BATCH, fixed_rows=rows) as e:
+        before = e.counters()
+        first = talk(e, msgs, "What is a CPU?", "a", max_tokens=6)
+        second = talk(e, msgs, "And memory?", "a", max_tokens=6)
+        after = e.counters()
+        exact = e.prefill_rule.exact
+    calls = after["decode_calls"] - before["decode_calls"]
+    assert after["rows"] - before["rows"] == calls * rows  # one shape, every call
+    assert after["padded_rows"] > before["padded_rows"]
+    assert first.record.prefill_rows == first.record.prefilled_tokens
+    assert all(c <= rows for c in (first.record.prefill_rows // first.record.prefill_calls,))
+    with Engine(model_path, n_slots=1, n_ctx=1024, n_batch=N_BATCH, fixed_rows=rows,
+                cache="off") as off:
+        assert off.chat(msgs[:-1], max_tokens=6, temperature=0).text == second.text
+    assert second.record.exact is exact  # proven (or not) in the padded shape
+
+
+def test_fixed_rows_is_checked():
+    from nbkv.core.errors import InvalidRequestError
+
+    for bad, match in ((-1, "fixed_rows must be an integer"), (64, "at most n_batch")):
+        with pytest.raises(InvalidRequestError, match=match):
+            Engine(None, n_batch=N_BATCH, fixed_rows=bad)

@@ -94,6 +94,8 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             llama.cpp build has a GPU backend, else 0; with ``main_gpu``, ``split_mode``
             (``"layer"``, ``"row"``, ``"none"``) and ``tensor_split`` as in llama.cpp.
         use_mmap, use_mlock: how the weights are loaded (memory-mapped; locked in RAM).
+        fixed_rows: pad every text decode to this many rows (0: off), so the kernels see
+            one batch shape; calibration then proves or refutes exactness in that shape.
         check_memory: plan the KV bytes from the GGUF metadata and refuse, with the figures,
             a configuration that cannot fit the free memory, before llama.cpp allocates.
         exact: keep cached KV bit-identical to a from-scratch prefill. Replies are generated
@@ -188,6 +190,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         tensor_split: Sequence[float] | None = None,
         use_mmap: bool = True,
         use_mlock: bool = False,
+        fixed_rows: int = 0,
         check_memory: bool = True,
         calibration: str = "cached",
         park_ram: int | None = None,
@@ -213,7 +216,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             calibration=calibration, park_ram=park_ram, park_dir=park_dir, park_disk=park_disk,
             n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, split_mode=split_mode,
             tensor_split=tensor_split, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
-            use_mmap=use_mmap, use_mlock=use_mlock)
+            use_mmap=use_mmap, use_mlock=use_mlock, fixed_rows=fixed_rows)
         hw = settings.hardware
         for warning in offload_warnings(hw):
             log.warning("%s", warning)

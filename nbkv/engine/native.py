@@ -118,8 +118,9 @@ class Resources:
             self.ctx = self._own(Context(
                 self.model, slot_ctx * n_seq, n_seq, n_batch, n_threads,
                 flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
-                type_v=kv_type_id(hw.type_v)))
-            self.batch = self._own(Batch(self.ctx.n_batch))
+                type_v=kv_type_id(hw.type_v), fixed_rows=hw.fixed_rows))
+            # fixed-shape decodes: no chunk over the fixed row count
+            self.batch = self._own(Batch(hw.fixed_rows or self.ctx.n_batch))
             self.memory = probe_memory(self.model, self.ctx, self.batch)
             task.update(100)
         #: threads llama.cpp runs (given, else what the CPU budget allows: nbkv.llama.cpus)
@@ -127,7 +128,8 @@ class Resources:
         #: the context settings a temporary context must share to compute the same logits
         self.settings = {"n_threads": self.n_threads,
                          "flash_attn": FLASH_ATTN[flash_attn],
-                         "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v)}
+                         "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v),
+                         **({"fixed_rows": hw.fixed_rows} if hw.fixed_rows else {})}
         self.rule = self._calibrate(calibration)
         self.model.prefill_rule = self.proven
         if mmproj is not None:

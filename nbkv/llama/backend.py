@@ -367,8 +367,18 @@ class Context:
         swa_full: bool = True,
         type_k: int = llama_cpp.GGML_TYPE_F16,
         type_v: int = llama_cpp.GGML_TYPE_F16,
+        fixed_rows: int = 0,
     ) -> None:
         self.model = model
+        #: every text decode padded to this many rows with rows of a scratch sequence, the
+        #: last one (0: off): one batch shape, so the kernels choose one algorithm
+        self.fixed_rows = fixed_rows
+        self.scratch = n_seq_max if fixed_rows else -1
+        if fixed_rows:
+            if fixed_rows > n_batch or fixed_rows > n_ctx // n_seq_max:
+                raise ValueError(f"fixed_rows {fixed_rows} must fit n_batch ({n_batch}) and a "
+                                 f"sequence's context ({n_ctx // n_seq_max})")
+            n_ctx, n_seq_max = n_ctx + n_ctx // n_seq_max, n_seq_max + 1
         p = llama_cpp.llama_context_default_params()
         p.flash_attn_type = flash_attn
         p.type_k = type_k
@@ -400,7 +410,7 @@ class Context:
         self.n_ctx = llama_cpp.llama_n_ctx(ptr)
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(ptr)
         self.n_batch = llama_cpp.llama_n_batch(ptr)
-        self.n_seq_max = n_seq_max
+        self.n_seq_max = n_seq_max - bool(fixed_rows)  # the caller's sequences
         self.buffers = StateBuffers()
         #: ``(src, dst)`` of the copies whose data llama.cpp runs at the next decode
         self.queued_copies: list[tuple[int, int]] = []
@@ -412,9 +422,17 @@ class Context:
 
         ``padded``: of the batch's rows, those that only pad it to a fixed shape (counted).
         """
+        n = batch.n
+        if 0 < n < self.fixed_rows:  # rows of the scratch sequence, no logits
+            padded = self.fixed_rows - n
+            for i in range(padded):
+                batch.add(0, i, self.scratch, False)
         t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ptr, batch.raw)
         self.counters.decoded(batch.n, time.perf_counter() - t0, padded)
+        if self.fixed_rows:
+            batch.n = n
+            llama_cpp.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc} on a batch of {batch.n} tokens")
         self.queued_copies.clear()  # a decode starts by running them
