@@ -55,7 +55,9 @@ def _four_slots(path: str, rounds: int) -> dict[str, Any]:
     convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
     turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(names)]
     out = {}
-    for name, kw in (("exact", {}), ("lean", {"exact": False})):
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (("exact", {}),
+                                                        ("lean", {"exact": False}))
+    for name, kw in variants:
         runner = NbkvRunner(path, "imc", 4, 4096, max_tokens=8, **kw)
         before = runner.engine.counters()
         recs = run_conversations(runner, convs, turns, None)
@@ -78,7 +80,8 @@ def scenario_realistic(path: str, quick: bool) -> dict[str, Any]:
 
     model = str(realistic_model())
     n_turns = 3 if quick else 6
-    logs, costs = {}, {}
+    logs: dict[str, list[list[dict]]] = {}
+    costs: dict[str, dict[str, Any]] = {}
     for name, kw in (("exact", {}), ("inexact", {"exact": False}), ("exact", {}),
                      ("inexact", {"exact": False})):  # A B A B: both see the same load
         log, cost = _agent(model, n_turns, **kw)

@@ -22,8 +22,8 @@ $PY -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VER" -d /
 tar xzf /tmp/gpuprep/llama_cpp_python-"$VER".tar.gz -C /tmp/gpuprep/src
 S=/tmp/gpuprep/src/llama_cpp_python-$VER
 V=$S/vendor/llama.cpp
-rm -rf "$S"/{docs,examples,tests,docker} "$V"/{models,docs,media,benches,tests,examples,pocs,.github} \
-  "$V"/{gguf-py,conversion,scripts,app}
+rm -rf "$S"/{docs,examples,tests,docker,.git,.github} "$V"/{models,docs,media,benches,tests,examples,pocs,.github} \
+  "$V"/{gguf-py,conversion,scripts,app,.git}
 find "$V/tools" -mindepth 1 -maxdepth 1 ! -name mtmd -exec rm -rf {} +
 for b in metal sycl vulkan opencl hexagon et cann musa webgpu zdnn hip kompute blas rpc virtgpu; do
   rm -rf "$V/ggml/src/ggml-$b"
