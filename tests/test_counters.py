@@ -122,8 +122,9 @@ def test_no_proven_grouping_takes_the_lean_path(monkeypatch, model_path):
     assert recs[1].reprefilled_tokens == 0 and recs[1].rewrite_absorbed == 0
 
 
+@pytest.mark.slow  # its calibration (a key of its own) pads every probe decode
 def test_fixed_shape_decodes_pad_every_call_and_keep_replies(model_path):
-    rows = 16
+    rows = 4
     msgs = [{"role": "system", "content": SYSTEM}]
     with Engine(model_path, n_slots=1, n_ctx=1024, n_batch=N_BATCH, fixed_rows=rows) as e:
         before = e.counters()
@@ -135,7 +136,7 @@ def test_fixed_shape_decodes_pad_every_call_and_keep_replies(model_path):
     assert after["rows"] - before["rows"] == calls * rows  # one shape, every call
     assert after["padded_rows"] > before["padded_rows"]
     assert first.record.prefill_rows == first.record.prefilled_tokens
-    assert all(c <= rows for c in (first.record.prefill_rows // first.record.prefill_calls,))
+    assert first.record.prefill_calls >= first.record.prefill_rows / rows  # chunks <= rows
     with Engine(model_path, n_slots=1, n_ctx=1024, n_batch=N_BATCH, fixed_rows=rows,
                 cache="off") as off:
         assert off.chat(msgs[:-1], max_tokens=6, temperature=0).text == second.text
