@@ -8,7 +8,7 @@ are imported below: a new family is a new module, imported there.
 # isort: off
 from nbkv.bench import text, vision, subagents, decode, families, restore, kv_types, remote  # noqa: F401
 from nbkv.bench import thrash  # noqa: F401
-from nbkv.bench import quants, back_to_back, dashboard, load  # noqa: F401
+from nbkv.bench import quants, back_to_back, dashboard, load, lean  # noqa: F401
 # isort: on
 
 from nbkv.bench.back_to_back import scenario_back_to_back

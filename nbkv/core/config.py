@@ -50,7 +50,7 @@ WHOLE_ARGS: dict[str, tuple[int, bool, str]] = {
 PATH_ARGS = ("model_path", "mmproj")
 #: :class:`HardwareOptions` fields
 HARDWARE_ARGS = ("n_gpu_layers", "main_gpu", "split_mode", "tensor_split", "flash_attn",
-                 "type_k", "type_v", "use_mmap", "use_mlock")
+                 "type_k", "type_v", "use_mmap", "use_mlock", "fixed_rows")
 
 
 def check_engine_args(**args: Any) -> None:
@@ -108,6 +108,9 @@ class HardwareOptions:
     type_v: str = "f16"
     use_mmap: bool = True
     use_mlock: bool = False
+    #: pad every text decode to this many rows (a scratch sequence's): one batch shape, for
+    #: GPU builds whose kernels choose their algorithm by batch shape (0: off; <= n_batch)
+    fixed_rows: int = 0
 
     def __post_init__(self) -> None:
         fa = self.flash_attn
@@ -125,6 +128,9 @@ class HardwareOptions:
         if self.n_gpu_layers is not None and (not isinstance(self.n_gpu_layers, int)
                                               or self.n_gpu_layers < -1):
             raise InvalidRequestError("n_gpu_layers must be an integer >= -1 (-1: all layers)")
+        if isinstance(self.fixed_rows, bool) or not isinstance(self.fixed_rows, int) \
+                or self.fixed_rows < 0:
+            raise InvalidRequestError("fixed_rows must be an integer >= 0 (0: off)")
         if self.main_gpu < 0:
             raise InvalidRequestError("main_gpu must be >= 0")
         if self.tensor_split is not None:
@@ -215,6 +221,9 @@ class EngineSettings:
                 f"rewrite must be one of {', '.join(map(repr, REWRITE_MODES))}, "
                 f"not {self.rewrite!r}")
         self.hardware.check_exact(self.exact)
+        if self.hardware.fixed_rows > min(self.n_batch, 256):
+            raise InvalidRequestError(f"fixed_rows must be at most n_batch ({self.n_batch}) "
+                                      "and 256 (the calibration's slots)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineSettings:

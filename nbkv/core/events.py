@@ -155,6 +155,33 @@ class RequestRecord:
     #: a replayed request (reason "replayed"): the reply's tokens, given again from the cache
     #: with nothing decoded (``generated_tokens`` counts only tokens decoded)
     replayed_tokens: int = 0
+    #: "exact" (canonical chunks, rewrites: nbkv.kv.invariance) or "lean" (as few decodes as
+    #: n_batch allows, nothing rewritten: exactness not proven or not asked for)
+    path: str = ""
+    #: the fixed cost (nbkv.core.counters): llama_decode calls that held this request's rows,
+    #: the rows they computed for it, those of its prompt, state bytes moved between host RAM
+    #: and the KV for it, and host time outside llama.cpp by part (admission, sampling, ...)
+    decode_calls: int = 0
+    rows_computed: int = 0
+    prefill_calls: int = 0
+    prefill_rows: int = 0
+    kv_bytes: int = 0
+    host_parts: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def host_s(self) -> float:
+        """Host time spent on this request outside llama.cpp's calls (all parts)."""
+        return sum(s for _, s in self.host_parts)
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens the cache did not hold (prefilled, less matched positions re-read)."""
+        return max(self.prefilled_tokens - self.reprefilled_tokens - self.rewrite_absorbed, 0)
+
+    @property
+    def rows_per_new_token(self) -> float:
+        """Prompt rows computed per new prompt token: 1.0 when nothing is read twice."""
+        return self.prefill_rows / self.new_tokens if self.new_tokens else 0.0
 
     @property
     def salvage_pct(self) -> float:

@@ -79,6 +79,11 @@ class Decoder:
         done = take >= len(job.todo)
         last = batch.add_run(toks, len(kv), kv.seq_id, done)
         t0 = time.perf_counter()
+        counts = job.counts
+        counts.decode_calls += 1
+        counts.rows += take
+        counts.prefill_calls += 1
+        counts.prefill_rows += take
         try:
             self.res.ctx.decode(batch)
         except BaseException as e:  # noqa: BLE001
@@ -150,9 +155,12 @@ class Decoder:
         # requests' tokens (a non-causal one is a single batch)
         total = projector.pieces(ctx, chunk)
         piece = job.image_piece
+        calls, rows = ctx.counters.decode_calls, ctx.counters.rows
         try:
             projector.decode_chunk(ctx, chunk, slot.seq_id, len(slot.kv),
                                    embedding=emb, piece=piece if total > 1 else None)
+            job.counts.decode_calls += ctx.counters.decode_calls - calls
+            job.counts.rows += ctx.counters.rows - rows
         except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
             job.drop_pieces()
             self.steps.fail(job, e, "error")
@@ -207,6 +215,9 @@ class Decoder:
         # llama.cpp gives every sequence of a micro-batch the same rows: only if each holds two
         # is each one's token row a two-row (canonical) computation
         pairs = pairs and all(p[4] is not None for p in plan)
+        for job, _, _, _, extra in plan:
+            job.counts.decode_calls += 1
+            job.counts.rows += 1 + (extra is not None)
         try:
             self.res.ctx.decode(batch)
         except BaseException as e:  # noqa: BLE001 - every request in the batch fails cleanly
@@ -240,6 +251,8 @@ def spc_capture(spc: SystemPromptStore, job: Job) -> None:
     """SPC: save the slot's state now that its prefill has reached the system prompt's end."""
     assert job.spc_key is not None
     kv = job.placed_slot.kv
+    moved = kv.ctx.counters.bytes_read
     spc.put(job.spc_key, kv.save_state(), kv.tokens)
+    job.counts.kv_bytes += kv.ctx.counters.bytes_read - moved
     job.spc_captured()
     log.debug("spc: saved system prompt state, %d tokens", len(kv))

@@ -118,6 +118,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         tensor_split: Sequence[float] | None = None,
         use_mmap: bool = True,
         use_mlock: bool = False,
+        fixed_rows: int = 0,
         check_memory: bool = True,
         calibration: str = "cached",
         park_ram: int | None = None,
@@ -143,7 +144,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             calibration=calibration, park_ram=park_ram, park_dir=park_dir, park_disk=park_disk,
             n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, split_mode=split_mode,
             tensor_split=tensor_split, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
-            use_mmap=use_mmap, use_mlock=use_mlock)
+            use_mmap=use_mmap, use_mlock=use_mlock, fixed_rows=fixed_rows)
         hw = settings.hardware
         for warning in offload_warnings(hw):
             log.warning("%s", warning)
@@ -402,6 +403,15 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             **parking_stats(self.parking),
             **thrashing(h, self.n_slots),
         }
+
+    def counters(self) -> dict[str, Any]:
+        """The fixed cost so far: decode calls, rows, host time by part, bytes moved.
+
+        From :class:`nbkv.core.counters.KVCounters`, read between steps, plus ``path``:
+        ``"exact"`` or ``"lean"`` (exactness not proven or not asked for).
+        """
+        snap = self.scheduler.call(self.ctx.counters.snapshot)
+        return {**snap, "path": self.res.path}
 
     def close(self) -> None:
         """Cancel running requests, stop the scheduler and free the model and context.

@@ -19,6 +19,7 @@ import enum
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.counters import RequestCounts
 from nbkv.core.errors import NbkvError
 from nbkv.core.events import RequestRecord
 from nbkv.core.requests import Request, SamplingParams
@@ -87,6 +88,7 @@ class Job(Request):
         self.replay = replay  # may be answered with a reply the cache holds (nbkv.engine.replay)
         self._memo: Any = None  # the nbkv.kv.replies.ReplyMemo a replay answers it with
         self._memo_held = 0  # how many of the memo's tokens the slot holds after the prompt
+        self.counts = RequestCounts()  # its decodes, rows, host time, bytes (nbkv.core.counters)
 
     # ------------------------------------------------------------------ reading
 

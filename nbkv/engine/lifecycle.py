@@ -66,6 +66,10 @@ class Lifecycle:
 
     def on_logits(self, job: Job, idx: int) -> None:
         """Sample ``job``'s next token from batch row ``idx``; stream it, or finish."""
+        with self.res.ctx.counters.part("sampling", job.counts):
+            self._on_logits(job, idx)
+
+    def _on_logits(self, job: Job, idx: int) -> None:
         now = time.perf_counter()
         model = self.res.model
         slot, sampler = job.placed_slot, job.sampler
@@ -98,6 +102,10 @@ class Lifecycle:
 
     def finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
+        with self.res.ctx.counters.part("lifecycle", job.counts):
+            self._finish(job, reason, error)
+
+    def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         if job.done.is_set():
             return
         job.finished()
@@ -177,4 +185,10 @@ def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None
         draft_accepted=job.accepted,
         error=None if error is None else f"{type(error).__name__}: {error}",
         segments=segments,
+        decode_calls=job.counts.decode_calls,
+        rows_computed=job.counts.rows,
+        prefill_calls=job.counts.prefill_calls,
+        prefill_rows=job.counts.prefill_rows,
+        kv_bytes=job.counts.kv_bytes,
+        host_parts=tuple(sorted(job.counts.host_s.items())),
     )

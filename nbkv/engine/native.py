@@ -28,7 +28,7 @@ from nbkv.core.errors import NbkvError
 from nbkv.core.progress import Reporter, Task
 from nbkv.core.signals import close_on_signal, release
 from nbkv.engine.proving import NOT_PROVEN, BackgroundProof
-from nbkv.kv import calibrate
+from nbkv.kv import calibrate, invariance
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.slot_kv import PLAIN, SWA, MemoryInfo, classify, probe_memory
 from nbkv.llama import memplan
@@ -48,13 +48,14 @@ class Resources:
     ctx: Context
     batch: Batch
     memory: MemoryInfo
-    rule: PrefillRule
     projector: Any = None
 
     def __init__(self, settings: EngineSettings, *, embedding_cache: Any,
                  on_load_progress: Callable[[float], object] | None,
                  progress: Reporter) -> None:
         self._closers: list[Callable[[], None]] = []
+        #: exactness asked for (``exact=True``): the exact path where the rule is proven
+        self.exact = settings.exact
         #: the sequence that rewrites replies while they are generated (nbkv.engine.shadow),
         #: after the slots' (None: none; wanted in exact IMC mode unless rewrite="idle",
         #: kept where the memory can be cut)
@@ -122,8 +123,9 @@ class Resources:
             self.ctx = self._own(Context(
                 self.model, slot_ctx * n_seq, n_seq, n_batch, n_threads,
                 flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
-                type_v=kv_type_id(hw.type_v)))
-            self.batch = self._own(Batch(self.ctx.n_batch))
+                type_v=kv_type_id(hw.type_v), fixed_rows=hw.fixed_rows))
+            # fixed-shape decodes: no chunk over the fixed row count
+            self.batch = self._own(Batch(hw.fixed_rows or self.ctx.n_batch))
             self.memory = probe_memory(self.model, self.ctx, self.batch)
             task.update(100)
         #: threads llama.cpp runs (given, else what the CPU budget allows: nbkv.llama.cpus)
@@ -131,9 +133,10 @@ class Resources:
         #: the context settings a temporary context must share to compute the same logits
         self.settings = {"n_threads": self.n_threads,
                          "flash_attn": FLASH_ATTN[flash_attn],
-                         "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v)}
+                         "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v),
+                         **({"fixed_rows": hw.fixed_rows} if hw.fixed_rows else {})}
         self.rule = self._calibrate(calibration)
-        self.model.prefill_rule = self.rule
+        self.model.prefill_rule = self.proven
         if mmproj is not None:
             from pathlib import Path
 
@@ -230,6 +233,30 @@ class Resources:
             log.warning("%s", msg)
             warnings.warn(msg, stacklevel=5)
         return rule
+
+    @property
+    def rule(self) -> PrefillRule:
+        """The grouping prefills follow: the calibrated rule on the exact path, else lean.
+
+        The lean one is :func:`nbkv.kv.invariance.lean`; setting it sets the calibrated rule.
+        """
+        return self._grouping
+
+    @rule.setter
+    def rule(self, rule: PrefillRule) -> None:
+        self.proven = rule  # what the calibration found (the model's exactness)
+        self._grouping = (rule if self.exact and rule.exact else invariance.lean(
+            rule, "" if not rule.exact else "exact=False: not asked for"))
+
+    @property
+    def lean(self) -> bool:
+        """The lean path: exactness not proven or not asked for (see :attr:`rule`)."""
+        return not self._grouping.exact
+
+    @property
+    def path(self) -> str:
+        """``"exact"`` or ``"lean"``, as records name it."""
+        return "lean" if self.lean else "exact"
 
     def identity(self, n_ctx: int, type_k: str, type_v: str, flash_attn: str
                  ) -> dict[str, Any]:

@@ -81,7 +81,7 @@ class Placer:
         lot = self.parking if cfg.cache == "imc" else None
         parked = list(lot.entries()) if lot is not None else []
         mem = self.res.memory
-        judge = Judge(p.tokens, rule, cfg.exact, mem.kind, mem.n_swa)
+        judge = Judge(p.tokens, rule, cfg.exact and not self.res.lean, mem.kind, mem.n_swa)
         unpark_s = 0.0  # the restore proper: taking a parked entry, putting its state back
         while True:
             plan = table.place(snaps, p, job.session, cache=cfg.cache,
@@ -115,7 +115,8 @@ class Placer:
             # this conversation continues: did its last reply have idle time to be rewritten in?
             self.pace.back_to_back = (job.t_submit - slot.t_replied
                                        < slot.reply_rows * self.pace.row_s)
-        if cfg.exact and entry is None:  # a reply decoded one token at a time is not servable
+        exact = judge.exact  # the exact path (else nothing is cut back)
+        if exact and entry is None:  # a reply decoded one token at a time is not servable
             absorbed = max(min(wanted, prev_len) - source.exact_len, 0)
             reuse = min(reuse, source.settled)
         # where a canonical prefill of this prompt may begin (nbkv.kv.invariance)
@@ -141,7 +142,7 @@ class Placer:
                 restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
                     tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
                 reuse = target = invariance.valid_start(p.tokens, min(
-                    plan.reuse, kv.settled if cfg.exact else held,
+                    plan.reuse, kv.settled if exact else held,
                     policy.reuse_limit(len(p.tokens))), rule)
             if donor is not None:
                 reuse = kv.copy_from(source, reuse)
@@ -230,7 +231,7 @@ class Placer:
             unpark_s=unpark_s if entry is not None else 0.0,
             evicted_parked=parked_to.tier if parked_to is not None else "", park_s=park_s,
             reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
-            rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact)
+            rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact, path=self.res.path)
         if reply_cached and reply_reused < reply_cached:
             log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
                       slot.index, reply_reused, reply_cached)

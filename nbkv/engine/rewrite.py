@@ -72,7 +72,7 @@ class Rewriter:
 
         Only the Incremental Message Cache reuses a slot's reply; SPC and "off" rebuild it.
         """
-        if not self.settings.exact or self.settings.cache != "imc":
+        if not self.settings.exact or self.settings.cache != "imc" or self.res.lean:
             return None
         for s in self.table:
             if s.phase in TO_REWRITE:

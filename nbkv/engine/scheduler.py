@@ -46,7 +46,7 @@ from nbkv.engine.rewrite import Pace, Rewriter
 from nbkv.engine.shadow import Shadow
 from nbkv.engine.slot_parking import Parker
 from nbkv.engine.slots import EngineTable, ServeSettings
-from nbkv.kv.batching import Prefilling, plan_step
+from nbkv.kv.batching import Prefilling, StepPlan, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.slot_kv import SlotKV
 from nbkv.kv.spc import SystemPromptStore
@@ -197,10 +197,13 @@ class Scheduler:
                   self.events)
         else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), or
             slot = self.rewriter.settling_slot()  # copy out the conversation parked next
+            counters = self.res.ctx.counters
             if slot is not None:
-                self.rewriter.settle(slot)
+                with counters.part("rewrite"):
+                    self.rewriter.settle(slot)
             elif (slot := self.parker.prepark_slot(busy=False)) is not None:
-                self.parker.prepark(slot)
+                with counters.part("parking"):
+                    self.parker.prepark(slot)
         return True
 
     def hold(self, on: bool) -> None:
@@ -223,12 +226,16 @@ class Scheduler:
                 self.queue.remove(job)
                 self.life.fail(job, None, "cancelled")
                 continue
+            counters = self.res.ctx.counters
+            moved = counters.bytes_moved
             try:
-                started = self.placer.start(job)
+                with counters.part("placement", job.counts):
+                    started = self.placer.start(job)
             except BaseException as e:  # noqa: BLE001 - reported to the requester
                 self.queue.remove(job)
                 self.life.fail(job, e, "error")
                 continue
+            job.counts.kv_bytes += counters.bytes_moved - moved
             if started:
                 self.queue.remove(job)
                 if job.state is JobState.REPLAY:  # the cached reply: nothing to decode
@@ -252,18 +259,8 @@ class Scheduler:
                     job.placed_slot.kv.resync()
                 self.life.finish(job, "cancelled")
         by_id = {j.id: j for j in self.active}
-        generating = [j for j in self.active if j.state is JobState.GENERATE]
-        prefilling = []
-        for j in self.active:
-            if j.state not in READING:
-                continue
-            image = j.state is not JobState.PREFILL
-            stops = j.stops if j.capture_at is None else (*j.stops, j.capture_at)
-            take = 0 if image else next_chunk(
-                j.prompt.tokens, len(j.placed_slot.kv), self.res.rule, self.res.batch.capacity,
-                stops)
-            prefilling.append(Prefilling(j.id, len(j.todo), j.ready(), image, take))
-        plan = plan_step(prefilling, len(generating))
+        with self.res.ctx.counters.part("planning"):
+            plan, generating = self._plan()
         ran = False
         if plan.prefill is not None:
             job = by_id[plan.prefill]
@@ -278,9 +275,25 @@ class Scheduler:
             generating = [j for j in generating if j.state is JobState.GENERATE]
             self.decoder.generate(generating)
             if self.shadow is not None:
-                self.shadow.step([j for j in generating if not j.done.is_set()])
+                with self.res.ctx.counters.part("shadow"):
+                    self.shadow.step([j for j in generating if not j.done.is_set()])
             ran = True
         return ran
+
+    def _plan(self) -> tuple[StepPlan, list[Job]]:
+        """The next step (:func:`nbkv.kv.batching.plan_step`) and the generating requests."""
+        generating = [j for j in self.active if j.state is JobState.GENERATE]
+        prefilling = []
+        for j in self.active:
+            if j.state not in READING:
+                continue
+            image = j.state is not JobState.PREFILL
+            stops = j.stops if j.capture_at is None else (*j.stops, j.capture_at)
+            take = 0 if image else next_chunk(
+                j.prompt.tokens, len(j.placed_slot.kv), self.res.rule, self.res.batch.capacity,
+                stops)
+            prefilling.append(Prefilling(j.id, len(j.todo), j.ready(), image, take))
+        return plan_step(prefilling, len(generating)), generating
 
 
 def _schedule(ref: weakref.ref[Any], cv: threading.Condition, res: Resources) -> None:

@@ -43,6 +43,11 @@ class Parker:
     :class:`~nbkv.engine.replay.Replays` (whose replies a cut would lose).
     """
 
+    @property
+    def exact_path(self) -> bool:
+        """Exact mode on a proven grouping (else the lean path: nothing is cut back)."""
+        return self.settings.exact and not self.res.lean
+
     def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
                  parking: ParkingLot | None, prompts: PromptBuilder | None,
                  replays: Replays) -> None:
@@ -94,7 +99,7 @@ class Parker:
         at = self.resume_point(slot) if kv.memory.kind == SWA else None
         if at is not None and at < len(kv) + len(slot.redo):
             self.table.cut_back(slot, self.res.rule, at)
-        elif slot.redo or (self.settings.exact and kv.needs_rewrite):
+        elif slot.redo or (self.exact_path and kv.needs_rewrite):
             # the rewrite is abandoned: park the proven prefix
             self.table.cut_back(slot, self.res.rule)
 
@@ -135,7 +140,7 @@ class Parker:
         """
         kv, rule = slot.kv, self.res.rule
         units = [*kv.tokens, *slot.redo]
-        at = kv.settled if self.settings.exact else len(units)
+        at = kv.settled if self.exact_path else len(units)
         turn, prompts = slot.last_turn, self.prompts
         if turn is not None and prompts is not None and turn[0].media is None:
             prompt, reply = turn
@@ -145,7 +150,7 @@ class Parker:
                 nxt = None
             if nxt is not None:
                 at = min(at, policy.common_prefix(nxt.tokens, units))
-        if self.settings.exact:  # and where its window, put back, continues exactly
+        if self.exact_path:  # and where its window, put back, continues exactly
             at = restore_point(units, at, rule, kv.memory.kind, kv.memory.n_swa)
         return at if at < len(units) else None
 
@@ -166,7 +171,7 @@ class Parker:
         slot = min(table, key=lambda s: (s.last_used, s.index))
         if slot.preparked is not None and slot.preparked[0] == slot.kv.version:
             return None  # copied out already (or found not to be parked whole)
-        if self.settings.exact and slot.phase is SlotPhase.UNSETTLED:
+        if self.exact_path and slot.phase is SlotPhase.UNSETTLED:
             return None
         return slot
 

@@ -373,8 +373,9 @@ def calibrate(model: Model, *, n_seq: int, can_trim: bool, settings: dict[str, A
             return rule
     total = steps(n_seq) - (steps(1) if known is not None else 0)
     with Task(progress, WHAT, WHY, total=total, tick=1.0) as task:
-        ctx = Context(model, 256 * (n_seq + shadow), n_seq + shadow, N_ROWS, **settings)
-        batch = Batch(N_ROWS)
+        rows = max(N_ROWS, settings.get("fixed_rows", 0))  # fixed-shape decodes: padded rows
+        ctx = Context(model, 256 * (n_seq + shadow), n_seq + shadow, rows, **settings)
+        batch = Batch(rows)
         try:
             probe_ctx = ctx if gate is None else cast(Context, _Gated(ctx, gate))
             rule = measure(probe_ctx, batch, model.n_vocab, n_seq=n_seq, can_trim=can_trim,
@@ -420,6 +421,8 @@ def key_settings(settings: dict[str, Any], can_trim: bool, gpu_layers: int) -> d
             "can_trim": can_trim, "gpu_layers": gpu_layers, "version": VERSION}
     if body["flash_attn"] != FLASH_ATTN["off"]:
         body["n_threads"] = settings.get("n_threads")
+    if settings.get("fixed_rows"):  # every decode one shape: other kernels, maybe
+        body["fixed_rows"] = settings["fixed_rows"]
     return body
 
 

@@ -243,3 +243,15 @@ def checkpoint_stops(units: Sequence[Any], wanted: Iterable[int], rule: PrefillR
                 if v > 0 and stable_end(units, v, rule) == v:
                     out.add(v)
     return tuple(sorted(out))
+
+
+def lean(rule: PrefillRule, reason: str = "") -> PrefillRule:
+    """The grouping of the lean path: as few decodes as the batch allows, nothing proven.
+
+    Where exactness cannot be proven (no exact grouping, a GPU build) or is not asked for,
+    every chunk takes as many rows as fit (threshold 1, alignment 1), nothing is rewritten and
+    no cached position is cut back. ``rule``'s table and timing are kept for the status line;
+    ``reason`` says why (else ``rule``'s own reason).
+    """
+    return PrefillRule(threshold=1, align=1, exact=False, reason=reason or rule.reason,
+                       table=rule.table, seconds=rule.seconds)

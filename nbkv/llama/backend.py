@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from nbkv.core.counters import KVCounters
 from nbkv.core.errors import DecodeError, KVOrderError, ModelLoadError, ModelNotFoundError
+from nbkv.llama.batch import Batch
 from nbkv.llama.gguf_header import check_complete
 from nbkv.llama.models import display_name
 from nbkv.llama.state_buffers import StateBuffers
@@ -344,52 +347,6 @@ class Model:
             self.ptr = None
 
 
-class Batch:
-    """A reusable ``llama_batch`` for tokens of several sequences."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._b = llama_cpp.llama_batch_init(capacity, 0, 1)
-        self.n = 0
-
-    def clear(self) -> None:
-        """Empty the batch."""
-        self.n = 0
-
-    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
-        """Append a token; returns its index in the batch (for reading its logits)."""
-        i = self.n
-        if i >= self.capacity:
-            raise OverflowError("batch full")
-        b = self._b
-        b.token[i] = token
-        b.pos[i] = pos
-        b.n_seq_id[i] = 1
-        b.seq_id[i][0] = seq
-        b.logits[i] = logits
-        self.n += 1
-        return i
-
-    def add_run(self, tokens: Sequence[int], start_pos: int, seq: int, logits_last: bool) -> int:
-        """Append consecutive tokens of one sequence; returns the index of the last one."""
-        last = len(tokens) - 1
-        for j, t in enumerate(tokens):
-            self.add(t, start_pos + j, seq, logits_last and j == last)
-        return self.n - 1
-
-    @property
-    def raw(self) -> llama_cpp.llama_batch:
-        """The ``llama_batch`` struct, with ``n_tokens`` set."""
-        self._b.n_tokens = self.n
-        return self._b
-
-    def close(self) -> None:
-        """Free the native arrays."""
-        if self._b is not None:
-            llama_cpp.llama_batch_free(self._b)
-            self._b = None
-
-
 class Context:
     """One llama.cpp context with ``n_seq_max`` sequences, each with its own KV stream.
 
@@ -410,8 +367,18 @@ class Context:
         swa_full: bool = True,
         type_k: int = llama_cpp.GGML_TYPE_F16,
         type_v: int = llama_cpp.GGML_TYPE_F16,
+        fixed_rows: int = 0,
     ) -> None:
         self.model = model
+        #: every text decode padded to this many rows with rows of a scratch sequence, the
+        #: last one (0: off): one batch shape, so the kernels choose one algorithm
+        self.fixed_rows = fixed_rows
+        self.scratch = n_seq_max if fixed_rows else -1
+        if fixed_rows:
+            if fixed_rows > n_batch or fixed_rows > n_ctx // n_seq_max:
+                raise ValueError(f"fixed_rows {fixed_rows} must fit n_batch ({n_batch}) and a "
+                                 f"sequence's context ({n_ctx // n_seq_max})")
+            n_ctx, n_seq_max = n_ctx + n_ctx // n_seq_max, n_seq_max + 1
         p = llama_cpp.llama_context_default_params()
         p.flash_attn_type = flash_attn
         p.type_k = type_k
@@ -443,14 +410,29 @@ class Context:
         self.n_ctx = llama_cpp.llama_n_ctx(ptr)
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(ptr)
         self.n_batch = llama_cpp.llama_n_batch(ptr)
-        self.n_seq_max = n_seq_max
+        self.n_seq_max = n_seq_max - bool(fixed_rows)  # the caller's sequences
         self.buffers = StateBuffers()
         #: ``(src, dst)`` of the copies whose data llama.cpp runs at the next decode
         self.queued_copies: list[tuple[int, int]] = []
+        #: decode calls, rows, time inside llama.cpp, state bytes and copies (nbkv.core.counters)
+        self.counters = KVCounters()
 
-    def decode(self, batch: Batch) -> None:
-        """Run the model on ``batch``; raise :class:`DecodeError` on failure."""
+    def decode(self, batch: Batch, padded: int = 0) -> None:
+        """Run the model on ``batch``; raise :class:`DecodeError` on failure.
+
+        ``padded``: of the batch's rows, those that only pad it to a fixed shape (counted).
+        """
+        n = batch.n
+        if 0 < n < self.fixed_rows:  # rows of the scratch sequence, no logits
+            padded = self.fixed_rows - n
+            for i in range(padded):
+                batch.add(0, i, self.scratch, False)
+        t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ptr, batch.raw)
+        self.counters.decoded(batch.n, time.perf_counter() - t0, padded)
+        if self.fixed_rows:
+            batch.n = n
+            llama_cpp.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc} on a batch of {batch.n} tokens")
         self.queued_copies.clear()  # a decode starts by running them
@@ -492,6 +474,7 @@ class Context:
         refuse that with :class:`KVOrderError`; :meth:`copy_queued` tells the caller to wait.
         """
         llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        self.counters.copies += 1
         if src != dst and not self.params.kv_unified:
             self.queued_copies.append((src, dst))
 
@@ -513,6 +496,8 @@ class Context:
         n = llama_cpp.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
         if n != size:
             raise DecodeError(f"could not read the state of sequence {seq} ({n}/{size} bytes)")
+        self.counters.state_reads += 1
+        self.counters.bytes_read += size
         return buf
 
     def recycle(self, state: Any) -> bool:
@@ -541,6 +526,8 @@ class Context:
         if llama_cpp.llama_state_seq_set_data_ext(self.ptr, state, size, seq, flags) != size:
             self.seq_rm(seq)
             raise DecodeError(f"could not restore a saved state into sequence {seq}")
+        self.counters.state_writes += 1
+        self.counters.bytes_written += size
 
     @property
     def n_ubatch(self) -> int:
@@ -577,9 +564,11 @@ class Context:
         )
         if not causal:
             llama_cpp.llama_set_causal_attn(self.ptr, False)
+        t0 = time.perf_counter()
         try:
             rc = llama_cpp.llama_decode(self.ptr, batch)
         finally:
+            self.counters.decoded(k, time.perf_counter() - t0)
             if not causal:
                 llama_cpp.llama_set_causal_attn(self.ptr, True)
         if rc == 0:

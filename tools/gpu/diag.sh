@@ -3,7 +3,7 @@
 # and bench with that variant's environment.
 set -u
 export PYTHONPATH=$PWD:/tmp/gpu/llama:/tmp/gpu/site PYTHONUNBUFFERED=1
-M=/tmp/gpu/m/smollm2.gguf
+M=/tmp/gpu/m/model.gguf
 try() {  # $1: label, $2: env assignments, $3: python kwargs
   echo "== $1"
   env $2 timeout 60 python3 -X faulthandler -c "
