@@ -68,13 +68,15 @@ class Executor:
         self.replays = replays
 
     def run(self, adm: ad.Admission, job: Job, slot: EngineSlot, donor: EngineSlot | None,
-            entry: ParkedEntry | None, unpark_s: float = 0.0) -> Outcome:
+            entry: ParkedEntry | None, unpark_s: float = 0.0, t0: float | None = None
+            ) -> Outcome:
         """Apply ``adm``'s steps to ``slot`` for ``job``; what they did.
 
-        ``donor`` is the slot copied from, ``entry`` the parked conversation restored, and
-        ``unpark_s`` the time taking it from the parking lot took.
+        ``donor`` is the slot copied from, ``entry`` the parked conversation restored,
+        ``unpark_s`` the time taking it from the parking lot took, and ``t0`` when the
+        admission began (its ``restore_s`` counts from there; default: now).
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
         out = Outcome(adm.keep, adm.keep, unpark_s=unpark_s)
         kv = slot.kv
         kv.last_restore = None

@@ -77,7 +77,7 @@ class Placer:
         chosen = self._choose(job)
         if chosen is None:
             return False
-        snaps, plan, entry, taken, unpark_s = chosen
+        snaps, plan, entry, taken, unpark_s, t0 = chosen
         table, cfg = self.table, self.settings
         slot = table[plan.slot]
         donor = table[plan.donor] if plan.donor is not None else None
@@ -88,7 +88,7 @@ class Placer:
         adm = admission.admit(plan, holder(slot), holder(donor) if donor is not None else None,
                               job.session, job.prompt.tokens, self.res.rule, cache=cfg.cache,
                               exact=cfg.exact, taken=taken)
-        out = self.executor.run(adm, job, slot, donor, entry, unpark_s)
+        out = self.executor.run(adm, job, slot, donor, entry, unpark_s, t0)
         if out.parked_to is not None:  # whose conversation was parked, and how much of it
             plan = replace(plan, evicted=snaps[plan.slot].session,
                            evicted_tokens=out.parked_to.n_tokens)
@@ -97,11 +97,13 @@ class Placer:
         return True
 
     def _choose(self, job: Job) -> tuple[tuple[SlotInfo, ...], policy.Plan,
-                                         ParkedEntry | None, bool, float] | None:
+                                         ParkedEntry | None, bool, float, float] | None:
         """The policy's plan for ``job``, with the parked entry it restores taken or borrowed.
 
         None when no slot is free, or the plan must wait for a queued copy. A parked entry
         that cannot be read is logged and skipped: the policy chooses again without it.
+        Also returns whether the entry was taken (else borrowed), the time taking it took,
+        and when the chosen plan's KV work began.
         """
         p, cfg, rule, mem = job.prompt, self.settings, self.res.rule, self.res.memory
         snaps = self.table.snapshots()
@@ -114,6 +116,7 @@ class Placer:
                                     min_tokens=cfg.cache_min_tokens, parked=parked, judge=judge)
             if plan is None or self.must_wait(plan):
                 return None
+            t0 = time.perf_counter()
             info = next((i for i in parked if i.key == plan.parked), None)
             # its own session takes an entry back; any other conversation restores a copy
             taken = info is not None and policy.takes_parked(info, job.session, p.tokens)
@@ -123,7 +126,7 @@ class Placer:
                 entry = lot.take(info.key) if taken else lot.borrow(info.key)
                 unpark_s += time.perf_counter() - t_take
             if plan.parked is None or entry is not None:
-                return snaps, plan, entry, taken, unpark_s
+                return snaps, plan, entry, taken, unpark_s, t0
             parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
 
     def _claim(self, job: Job, adm: admission.Admission, out: Outcome,
