@@ -536,44 +536,80 @@ def rewrite(src, dst, *, drop=(), keys=None, tensors=None):
     return dst
 
 
-def test_wrong_projectors_are_refused_in_python(model, tiny_path, model_path, tmp_path):
+def test_wrong_projectors_are_refused_by_the_preflight(model, tiny_path, model_path, tmp_path):
+    """The header check refuses what is no projector; libmtmd, in the pre-flight's child,
+    refuses the rest with a named error (its own message, or the signal that ended the child
+    and its stderr), and the test process lives on. What libmtmd encodes without complaint
+    loads."""
     from nbkv.media.projector_check import inspect_projector
 
     U32, I32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32
     pos = gguf.GGUFReader(tiny_path).get_tensor(2)
     assert pos.name == "v.position_embd.weight"
+    killed = r"(?s)pre-flight \(.*\) was killed by SIG[A-Z]+: libmtmd cannot use this projector"
     cases = {
-        "512 wide": (make_mmproj(text_width=512), "512-wide embeddings .* takes 576"),
-        "idefics3": (make_mmproj(projector="idefics3"), "<fake_token_around_image>"),
+        "512 wide": (make_mmproj(text_width=512),
+                     r"mismatch between text model \(n_embd = 576\) and mmproj \(n_embd = 512"),
+        "idefics3": (make_mmproj(projector="idefics3"), "lacks an image special token"),
         "text model": (model_path, "not a vision projector"),
         "key type": (rewrite(tiny_path, tmp_path / "k.gguf",
                              keys={"clip.vision.image_size": (32, I32)}),
-                     "image_size is stored as i32"),
+                     killed + ".*stderr tail: .*GGML_ASSERT"),
         "no mm.2": (rewrite(tiny_path, tmp_path / "m.gguf", drop=("mm.2.weight", "mm.2.bias")),
-                    "missing tensor mm.2.weight"),
-        "f16 pos": (rewrite(tiny_path, tmp_path / "p.gguf",
-                            tensors={pos.name: np.array(pos.data).astype(np.float16)}),
-                    "must be F32"),
-        "shape": (rewrite(tiny_path, tmp_path / "s.gguf",
-                          keys={"clip.vision.patch_size": (16, U32)}),
-                  "v.patch_embd.weight"),
+                    killed),
         "no vision": (rewrite(tiny_path, tmp_path / "v.gguf",
                               keys={"clip.has_vision_encoder": (False, gguf.GGUFValueType.BOOL)}),
                       "no vision encoder"),
-        "unvalidated": (rewrite(tiny_path, tmp_path / "u.gguf",
-                                keys={"clip.projector_type": ("ldp", gguf.GGUFValueType.STRING)}),
-                        "not one nbkv validates"),
+        "other type": (rewrite(tiny_path, tmp_path / "u.gguf",
+                               keys={"clip.projector_type": ("ldp", gguf.GGUFValueType.STRING)}),
+                       "libmtmd could not load the projector .*unable to find tensor"),
     }
     for path, match in cases.values():
         with pytest.raises(ProjectorError, match=match):
             inspect_projector(path, model)
+    accepted = {  # the graph reads them without complaint: nothing to refuse
+        "f16 pos": rewrite(tiny_path, tmp_path / "p.gguf",
+                           tensors={pos.name: np.array(pos.data).astype(np.float16)}),
+        "patch 16": rewrite(tiny_path, tmp_path / "s.gguf",
+                            keys={"clip.vision.patch_size": (16, U32)}),
+    }
+    for path in accepted.values():
+        assert inspect_projector(path, model).n_embd_out == 576
     data = tiny_path.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(ProjectorError, match="truncated|not a readable"):
+    with pytest.raises(ProjectorError, match="not a whole GGUF file"):
         inspect_projector(cut, model)
     with pytest.raises(ProjectorError, match="no projector file"):
         inspect_projector(tmp_path / "missing.gguf", model)
+
+
+def test_the_preflight_runs_once_per_pair_of_files(model, tiny_path, tmp_path, monkeypatch):
+    """A second check of the same files asks no child; a refusal is kept too; a file
+    changed on disk is probed again."""
+    import shutil
+
+    from nbkv.media import projector_check
+
+    runs = []
+    real = projector_check._run_child
+
+    def counted(projector, model_path):
+        runs.append(projector)
+        return real(projector, model_path)
+
+    monkeypatch.setattr(projector_check, "_run_child", counted)
+    copy = shutil.copy(tiny_path, tmp_path / "copy.gguf")
+    first = projector_check.inspect_projector(copy, model)
+    assert projector_check.inspect_projector(copy, model) == first and len(runs) == 1
+    bad = rewrite(tiny_path, tmp_path / "bad.gguf", drop=("mm.2.weight", "mm.2.bias"))
+    for _ in range(2):
+        with pytest.raises(ProjectorError, match="killed by"):
+            projector_check.inspect_projector(bad, model)
+    assert len(runs) == 2
+    os.utime(copy, ns=(1, 1))  # another modification time: another file as far as it knows
+    projector_check.inspect_projector(copy, model)
+    assert len(runs) == 3
 
 
 _SUBPROCESS = textwrap.dedent(
@@ -628,7 +664,7 @@ def _run(mode: str) -> subprocess.CompletedProcess:
 def test_mismatched_projector_is_refused_and_the_process_survives():
     r = _run("nbkv")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "refused:" in r.stdout and "<fake_token_around_image>" in r.stdout
+    assert "refused:" in r.stdout and "lacks an image special token" in r.stdout
     assert "still works:" in r.stdout
 
 

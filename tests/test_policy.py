@@ -1,11 +1,13 @@
-"""Slot selection, LRU and pending rules, with fake slots and no model."""
+"""Slot selection, LRU and pending rules, and admissions, with fake slots and no model."""
 
 from dataclasses import dataclass, field
 
 import pytest
 
 from nbkv.core.messages import prefix_hashes
+from nbkv.kv import admission as ad
 from nbkv.kv import policy
+from nbkv.kv.invariance import PrefillRule
 
 
 @dataclass
@@ -323,7 +325,6 @@ def test_a_whole_parked_prompt_keeps_its_last_token_for_logits():
 # ------------------------------------------------------------------ what a candidate serves
 
 from nbkv.kv import reach  # noqa: E402
-from nbkv.kv.invariance import PrefillRule  # noqa: E402
 
 GROUPED = PrefillRule(threshold=8, align=4)  # Q4_K_M-like: 8+ rows in 4-aligned chunks
 
@@ -440,3 +441,122 @@ def test_a_reply_start_that_merges_keeps_the_own_slot_and_its_checkpoint():
     assert plan.slot == 0 and plan.donor is None and plan.parked is None
     assert plan.evicted is None and plan.served == 154 and plan.reuse == 157
     assert plan.matched_messages == 2  # the reply's hash matches, its tokens do not
+
+
+# -- admissions: the policy's choice as one decision (nbkv.kv.admission), no model ---------
+
+ANY = PrefillRule(1, 1)  # every position is a canonical start
+
+
+def held(slot, **kw):
+    return ad.Holder(tuple(slot.tokens), slot.session, tuple(slot.msg_ends), **kw)
+
+
+def admit_for(slots, tokens, msgs, session, *, cache="imc", exact=False, rule=ANY, parked=(),
+              taken=False, **kw):
+    """select() then admit(), as the engine's placer does, over fake slots."""
+    plan = policy.select(slots, tokens, prefix_hashes(msgs), session, parked=parked)
+    by_index = {s.index: s for s in slots}
+    donor = held(by_index[plan.donor], **kw) if plan.donor is not None else None
+    return ad.admit(plan, held(by_index[plan.slot], **kw), donor, session, tokens, rule,
+                    cache=cache, exact=exact, taken=taken)
+
+
+def test_a_continuation_keeps_its_slot_in_place_and_trims_nothing_it_shares():
+    msgs = conv("sys", "hi", "hello!")
+    cached = SYS + [1, 2, 7, 7]
+    s = slot_with(0, msgs[:3], cached, [150, 152, 152], session="a", last_used=5)
+    tokens = cached + [9, 3, 4]
+    a = admit_for([s, FakeSlot(1)], tokens, msgs + [{"role": "user", "content": "more"}], "a")
+    assert a.source == ad.IN_PLACE and a.keep == len(cached) == a.wanted
+    # its own conversation: nothing is parked first; an edit's branch would be, then the trim
+    assert a.steps == (ad.PARK_BRANCH, ad.TRIM) and not a.parks
+    assert ad.reply_reuse(a, a.keep) == (2, 2)  # the reply's two tokens, both reused
+
+
+def test_another_sessions_conversation_is_parked_before_its_slot_is_reused():
+    msgs = conv("sys", "hi")
+    s = slot_with(0, conv("other")[:1], [5] * 20, [20], session="bob", last_used=1)
+    a = admit_for([s], SYS + [1, 2], msgs, "alice")
+    assert a.source == ad.MISS and a.keep == 0
+    assert a.steps[0] == ad.PARK and a.steps[-1] == ad.TRIM and a.parks
+
+
+def test_an_unnamed_request_carrying_an_unnamed_conversation_on_does_not_park_it():
+    msgs = conv("sys", "hi")
+    s = slot_with(0, msgs[:1], SYS, [150])
+    a = admit_for([s], SYS + [1, 2], msgs, None)
+    assert a.source == ad.IN_PLACE and a.keep == 150 and not a.parks
+    named = admit_for([s], SYS + [1, 2], msgs, "alice")  # a named one takes it over: parked
+    assert named.parks and named.keep == 150
+
+
+def test_a_shared_start_is_copied_into_a_free_slot_and_nothing_is_parked_or_branched():
+    msgs_a = conv("sys", "question A", "answer A")
+    a_tokens = SYS + [1, 2, 3] + [4, 4]
+    donor = slot_with(0, msgs_a, a_tokens, [150, 153, 155], session="alice", last_used=2)
+    msgs_b = conv("sys", "question B")
+    a = admit_for([donor, FakeSlot(1)], SYS + [9, 9], msgs_b, "bob")
+    assert a.plan.donor == 0 and a.plan.slot == 1
+    assert a.source == ad.COPY_SOURCE and a.steps == (ad.COPY, ad.TRIM) and a.keep == 150
+    assert ad.reply_reuse(a, a.keep) == (0, 0)  # a copy reuses no reply of its own slot
+
+
+def test_a_parked_conversation_is_restored_after_the_slots_own_is_parked():
+    @dataclass
+    class Parked(FakeSlot):
+        key: str = ""
+
+    msgs = conv("sys", "hi", "hello!")
+    cached = SYS + [1, 2, 7, 7]
+    entry = Parked(-1, list(cached), prefix_hashes(msgs), [150, 152, 152], "alice", 3,
+                   key="alice")
+    other = slot_with(0, conv("x")[:1], [8] * 30, [30], session="bob", last_used=9)
+    tokens = cached + [9]
+    a = admit_for([other], tokens, msgs + [{"role": "user", "content": "more"}], "alice",
+                  parked=[entry], taken=True)
+    assert a.plan.parked == "alice" and a.source == ad.RESTORE_SOURCE and a.taken
+    assert a.steps == (ad.PARK, ad.RESTORE, ad.TRIM)
+    assert (a.prev_len, a.prev_prompt_len) == (0, 0)  # what it reuses is the entry's, not bob's
+
+
+def test_cache_modes_have_their_own_steps_and_sources():
+    msgs = conv("sys", "hi")
+    s = slot_with(0, msgs[:1], SYS, [150], session="a")
+    plan = policy.Plan("spc", 0, 0)
+    spc = ad.admit(plan, held(s), None, "a", SYS + [1, 2], ANY, cache="spc", exact=False)
+    off = ad.admit(policy.Plan("off", 0, 0), held(s), None, "a", SYS + [1, 2], ANY,
+                   cache="off", exact=False)
+    assert spc.source == ad.SPC and spc.steps == (ad.LOAD_SPC, ad.TRIM)
+    assert off.source == ad.MISS and off.steps == (ad.CLEAR, ad.TRIM)
+
+
+def test_exact_mode_keeps_settled_kv_and_counts_what_a_rewrite_would_have_served():
+    msgs = conv("sys", "hi", "hello!")
+    cached = SYS + [1, 2, 7, 7]
+    s = slot_with(0, msgs[:3], cached, [150, 152, 152], session="a")
+    tokens = cached + [9, 3]
+    req = msgs + [{"role": "user", "content": "more"}]
+    a = admit_for([s], tokens, req, "a", exact=True, settled=152, exact_len=152)
+    assert a.wanted == len(cached) and a.keep == 152  # the reply's KV is not settled yet
+    assert a.absorbed == 2  # its two positions, decoded one at a time
+    lax = admit_for([s], tokens, req, "a", exact=False, settled=152, exact_len=152)
+    assert lax.keep == len(cached) and lax.absorbed == 0
+
+
+def test_the_length_kept_is_where_a_canonical_prefill_may_begin():
+    msgs = conv("sys", "hi", "hello!")
+    cached = SYS + [1, 2, 7, 7]
+    s = slot_with(0, msgs[:3], cached, [150, 152, 152], session="a")
+    tokens = cached + [9, 3, 4, 5, 6, 7, 8, 9, 10]
+    a = admit_for([s], tokens, msgs + [{"role": "user", "content": "more"}], "a",
+                  rule=PrefillRule(8, 4))
+    # chunks start 4 apart and leave 8 rows or more: 152 (a multiple of 4) leaves 11
+    assert a.wanted == 154 and a.keep == 152
+
+
+def test_steps_out_of_order_are_refused():
+    with pytest.raises(ValueError, match="out of order"):
+        ad.Admission(policy.Plan(policy.MISS, 0, 0), ad.MISS, (ad.TRIM, ad.PARK), 0, 0)
+    with pytest.raises(ValueError, match="out of order"):
+        ad.Admission(policy.Plan(policy.MISS, 0, 0), ad.MISS, (ad.PARK, ad.PARK), 0, 0)

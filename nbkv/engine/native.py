@@ -112,7 +112,7 @@ class Resources:
             if mmproj is not None:  # a non-causal image must fit one micro-batch
                 from nbkv.media.projector_check import batch_for_projector
 
-                n_batch = batch_for_projector(mmproj, n_batch)
+                n_batch = batch_for_projector(mmproj, self.model, n_batch)
             past = memplan.context_warning(slot_ctx, self.model.n_ctx_train)
             if past:
                 log.warning("%s", past)

@@ -1,19 +1,16 @@
 """Admitting a request: pick its slot, make the slot hold exactly the reusable prefix.
 
-Runs on the scheduler thread. The slot table decides (:mod:`nbkv.kv.slot_table`, through
-:mod:`nbkv.kv.policy`); here the decision is carried out on the KV: a donor's prefix copied,
-the system prompt's state restored (SPC), the slot trimmed back to where a canonical prefill
-of the prompt may begin (:mod:`nbkv.kv.invariance`), or to a checkpoint on memory that cannot be
-cut. Then the request's record is started.
+Runs on the scheduler thread. The slot table's policy chooses (:mod:`nbkv.kv.slot_table`,
+through :mod:`nbkv.kv.policy`); :func:`nbkv.kv.admission.admit` turns the choice into an
+:class:`~nbkv.kv.admission.Admission` (the source, the ordered KV steps, the length kept);
+the :class:`~nbkv.engine.admit.Executor` applies its steps to the slot's KV; the request's
+record is built from the admission and the executor's outcome.
 
-The KV operations of one admission, in this order: the conversation the slot held is parked
-(a read of its state); a parked conversation is restored into it (a whole-state write); a
-donor's prefix is copied into it; the system prompt's state is loaded (SPC, never with a
-copy); it is trimmed (metadata, or a checkpoint's recurrent state). llama.cpp runs the data
-part of a copy at the next decode (:meth:`nbkv.llama.backend.Context.seq_cp`), so across
-the requests admitted in one scheduler pass a slot with a copy queued from or into it takes
-no state write until then: a request whose plan would restore a state into it waits for the
-next pass, one decode step later (:func:`must_wait`).
+llama.cpp runs the data part of a copy at the next decode
+(:meth:`nbkv.llama.backend.Context.seq_cp`), so across the requests admitted in one scheduler
+pass a slot with a copy queued from or into it takes no state write until then: a request
+whose plan would restore a state into it waits for the next pass, one decode step later
+(:meth:`Placer.must_wait`).
 """
 
 from __future__ import annotations
@@ -23,13 +20,14 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from nbkv.core.events import RequestStarted, Segment
+from nbkv.core.events import RequestRecord, RequestStarted, Segment
 from nbkv.engine import replay
+from nbkv.engine.admit import Executor, Outcome
 from nbkv.engine.slots import REPLY_TAIL
-from nbkv.kv import invariance, policy, reasons
+from nbkv.kv import admission, invariance, policy, reasons
 from nbkv.kv.reach import Judge, restorable, restore_point
 from nbkv.kv.segments import prompt_segments
-from nbkv.kv.slot_kv import SWA, trim_valid
+from nbkv.kv.slot_kv import SWA
 from nbkv.llama.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -42,8 +40,10 @@ if TYPE_CHECKING:
     from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
     from nbkv.kv.invariance import PrefillRule
     from nbkv.kv.slot_kv import MemoryInfo, SlotKV
+    from nbkv.kv.slot_table import SlotInfo
     from nbkv.kv.spc import SystemPromptStore
     from nbkv.prompt.builder import Prompt
+    from nbkv.store.parked import ParkedEntry
     from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
@@ -73,136 +73,88 @@ class Placer:
         self.pace = pace
         self.parker = parker
         self.replays = replays
+        self.executor = Executor(res, settings, table, spc, parking, parker, replays)
 
     def start(self, job: Job) -> bool:
         """Pick a slot and prepare its KV; False when no slot is free yet."""
-        p, cfg, table, rule = job.prompt, self.settings, self.table, self.res.rule
-        snaps = table.snapshots()
+        chosen = self._choose(job)
+        if chosen is None:
+            return False
+        snaps, plan, entry, taken, unpark_s, t0 = chosen
+        table, cfg = self.table, self.settings
+        slot = table[plan.slot]
+        donor = table[plan.donor] if plan.donor is not None else None
+        if donor is None and entry is None and slot.session == job.session and slot.reply_rows:
+            # this conversation continues: did its last reply have idle time to be rewritten in?
+            self.pace.back_to_back = (job.t_submit - slot.t_replied
+                                       < slot.reply_rows * self.pace.row_s)
+        adm = admission.admit(plan, holder(slot), holder(donor) if donor is not None else None,
+                              job.session, job.prompt.tokens, self.res.rule, cache=cfg.cache,
+                              exact=cfg.exact and not self.res.lean, taken=taken)
+        out = self.executor.run(adm, job, slot, donor, entry, unpark_s, t0)
+        if out.parked_to is not None:  # whose conversation was parked, and how much of it
+            plan = replace(plan, evicted=snaps[plan.slot].session,
+                           evicted_tokens=out.parked_to.n_tokens)
+        why = self._claim(job, adm, out, snaps, slot, entry, plan)
+        self.events.publish(RequestStarted(self._record(job, adm, out, slot, entry, plan, why)))
+        return True
+
+    def _choose(self, job: Job) -> tuple[tuple[SlotInfo, ...], policy.Plan,
+                                         ParkedEntry | None, bool, float, float] | None:
+        """The policy's plan for ``job``, with the parked entry it restores taken or borrowed.
+
+        None when no slot is free, or the plan must wait for a queued copy. A parked entry
+        that cannot be read is logged and skipped: the policy chooses again without it.
+        Also returns whether the entry was taken (else borrowed), the time taking it took,
+        and when the chosen plan's KV work began.
+        """
+        p, cfg, rule, mem = job.prompt, self.settings, self.res.rule, self.res.memory
+        snaps = self.table.snapshots()
         lot = self.parking if cfg.cache == "imc" else None
         parked = list(lot.entries()) if lot is not None else []
-        mem = self.res.memory
         judge = Judge(p.tokens, rule, cfg.exact and not self.res.lean, mem.kind, mem.n_swa)
         unpark_s = 0.0  # the restore proper: taking a parked entry, putting its state back
         while True:
-            plan = table.place(snaps, p, job.session, cache=cfg.cache,
-                               min_tokens=cfg.cache_min_tokens, parked=parked, judge=judge)
+            plan = self.table.place(snaps, p, job.session, cache=cfg.cache,
+                                    min_tokens=cfg.cache_min_tokens, parked=parked, judge=judge)
             if plan is None or self.must_wait(plan):
-                return False
+                return None
             t0 = time.perf_counter()
             info = next((i for i in parked if i.key == plan.parked), None)
-            taken = info is not None and policy.takes_parked(info, job.session, p.tokens)
             # its own session takes an entry back; any other conversation restores a copy
+            taken = info is not None and policy.takes_parked(info, job.session, p.tokens)
             entry = None
             if info is not None and lot is not None:
                 t_take = time.perf_counter()
                 entry = lot.take(info.key) if taken else lot.borrow(info.key)
                 unpark_s += time.perf_counter() - t_take
             if plan.parked is None or entry is not None:
-                break
+                return snaps, plan, entry, taken, unpark_s, t0
             parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
-        own = table.own(snaps, job.session)
-        slot, donor, strategy = table[plan.slot], plan.donor, plan.strategy
-        kv = slot.kv
-        source_slot = table[donor] if donor is not None else slot
-        source = source_slot.kv
-        prev_len = len(source) + len(source_slot.redo)
-        prev_prompt_len = slot.msg_ends[-1] if slot.msg_ends and donor is None else prev_len
-        if entry is not None:  # what is reused is the parked conversation, not the slot's
-            prev_len = prev_prompt_len = 0
-        wanted = reuse = plan.reuse  # reuse if every cached position were servable as it is
-        absorbed = 0
-        if donor is None and entry is None and slot.session == job.session and slot.reply_rows:
-            # this conversation continues: did its last reply have idle time to be rewritten in?
-            self.pace.back_to_back = (job.t_submit - slot.t_replied
-                                       < slot.reply_rows * self.pace.row_s)
-        exact = judge.exact  # the exact path (else nothing is cut back)
-        if exact and entry is None:  # a reply decoded one token at a time is not servable
-            absorbed = max(min(wanted, prev_len) - source.exact_len, 0)
-            reuse = min(reuse, source.settled)
-        # where a canonical prefill of this prompt may begin (nbkv.kv.invariance)
-        reuse = invariance.valid_start(p.tokens, min(reuse, policy.reuse_limit(len(p.tokens))),
-                                       rule)
-        target = reuse  # where memory that can be cut anywhere is cut
-        kv.last_restore = None
-        table.serve(slot, True)
-        parked_to = None
-        park_s = 0.0
-        restored = None
-        try:
-            if displaced(slot, plan, job.session):
-                t_park = time.perf_counter()
-                # before the slot is cut, copied over or reused
-                parked_to = self.parker.park_slot(slot)
-                park_s = time.perf_counter() - t_park
-            table.drop_rewrite(slot)
-            if entry is not None:
-                t_put = time.perf_counter()
-                held = self.parker.restore_into(slot, entry)  # (it empties the slot first)
-                unpark_s += time.perf_counter() - t_put
-                restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
-                    tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
-                reuse = target = invariance.valid_start(p.tokens, min(
-                    plan.reuse, kv.settled if exact else held,
-                    policy.reuse_limit(len(p.tokens))), rule)
-            if donor is not None:
-                reuse = kv.copy_from(source, reuse)
-                log.debug("imc-copy-prefix: slot[%d] -> slot[%d], %d tokens",
-                          donor, slot.index, reuse)
-            if cfg.cache == "spc":
-                reuse = self._spc_restore(job, slot)
-                strategy = "spc" if reuse else policy.MISS
-            elif cfg.cache == "off":
-                kv.clear()
-                reuse = 0
-            # the same prompt and settings, and the slot holds the reply: nothing is cut
-            found = self.replays.match(job, slot) if donor is None else None
-            memo, held_after = found if found is not None else (None, 0)
-            if memo is not None:
-                trimmed, reuse = 0, len(p.tokens)
-            else:
-                if cfg.cache == "imc" and entry is None and donor is None and parked_to is None:
-                    # an edit: its old branch's replies stay
-                    self.parker.park_branch(slot, reuse)
-                trimmed = len(kv) - reuse if cfg.cache == "imc" else 0
-                if cfg.cache == "imc" and trimmed > 0:
-                    log.debug("imc-trim-prefix: slot[%d] cached_tokens=%d trim_pos=%d",
-                              slot.index, len(kv), reuse)
-                reuse = trim_valid(kv, p.tokens, reuse, rule)
-        except BaseException:
-            kv.resync()
-            table.serve(slot, False)
-            if entry is not None and taken and lot is not None:  # taken from the lot: not lost
-                lot.park(entry)
-            raise
-        if entry is not None and taken:  # its state is in the slot now: the next park reuses
-            # its memory (a borrowed copy shares its buffers with the entry still parked)
-            t_put = time.perf_counter()
-            state, entry.state = entry.state, None
-            self.res.ctx.recycle(state)
-            del state
-            unpark_s += time.perf_counter() - t_put
-        checkpoint_pos = kv.last_restore
-        restore_s = time.perf_counter() - t0
-        # the previous reply, as generated, against its re-tokenization in this prompt
-        reply_cached = max(prev_len - prev_prompt_len, 0) if donor is None else 0
-        reply_reused = min(max(reuse - prev_prompt_len, 0), reply_cached)
-        if not reuse:  # a copy or a restore that kept nothing is not one: say what was done
-            donor, restored = None, None
-        donor_session = (table[donor].session or f"slot {donor}") if donor is not None else None
-        still_parked = job.session is not None and lot is not None and (
-            lot.find(job.session) is not None or (entry is not None and taken))
+
+    def _claim(self, job: Job, adm: admission.Admission, out: Outcome,
+               snaps: tuple[SlotInfo, ...], slot: EngineSlot, entry: ParkedEntry | None,
+               plan: policy.Plan) -> reasons.Reason:
+        """Why ``job`` kept what it kept (returned); the slot is claimed for it, the job placed.
+
+        ``plan`` is the admission's, naming the conversation the executor parked if it did.
+        """
+        p, table, lot = job.prompt, self.table, self.parking
+        reuse, memo, kv = out.reuse, out.memo, slot.kv
+        donor = plan.donor if reuse else None  # a copy or a restore that kept nothing is not one
         if memo is not None:
             why = replay.reason(memo)
             table.compare(job.id, kv.tokens, p.tokens)
         else:
-            why = table.reason(job.id, p, job.session, own, table[donor].tokens
-                               if donor is not None else (), reuse=reuse, wanted=target,
-                               donor_session=donor_session, can_trim=checkpoint_pos is None,
-                               cache=cfg.cache, restored=restored,
-                               kept_from=snaps[plan.slot].session, still_parked=still_parked)
-        if parked_to is not None:  # whose conversation was parked, and how much of it
-            plan = replace(plan, evicted=snaps[plan.slot].session,
-                           evicted_tokens=parked_to.n_tokens)
+            still_parked = job.session is not None and lot is not None and (
+                lot.find(job.session) is not None or (entry is not None and adm.taken))
+            why = table.reason(
+                job.id, p, job.session, table.own(snaps, job.session),
+                table[donor].tokens if donor is not None else (), reuse=reuse,
+                wanted=out.planned, donor_session=(table[donor].session or f"slot {donor}")
+                if donor is not None else None, can_trim=out.checkpoint_pos is None,
+                cache=self.settings.cache, restored=out.restored if reuse else None,
+                kept_from=snaps[plan.slot].session, still_parked=still_parked)
         kept = None
         if memo is not None:  # the slot's messages stay: its own, or those of the parked entry
             kept = (entry.hashes, entry.msg_ends) if entry is not None else (slot.hashes,
@@ -210,35 +162,48 @@ class Placer:
             if entry is not None:
                 table.show(slot, entry.segments)
         table.claim(slot, job.id, job.session, p, reuse, plan.evicted,
-                    parked=parked_to is not None, keep=kept)
-        job.place(slot, reuse, memo, held_after)
+                    parked=out.parked_to is not None, keep=kept)
+        job.place(slot, reuse, memo, out.held_after)
+        return why
+
+    def _record(self, job: Job, adm: admission.Admission, out: Outcome, slot: EngineSlot,
+                entry: ParkedEntry | None, plan: policy.Plan, why: reasons.Reason
+                ) -> RequestRecord:
+        """``job``'s stops, sampler and record: built from its admission and the outcome."""
+        p, cfg, table, mem = job.prompt, self.settings, self.table, self.res.memory
+        rule, reuse, kv = self.res.rule, out.reuse, slot.kv
         if mem.takes_checkpoints:
             job.stops = plan_checkpoints(slot.kv, mem, rule, p, reuse)
         job.sampler = Sampler(job.params, self.res.model.n_vocab,
                               [t for t in p.tokens if isinstance(t, int)])
+        strategy = plan.strategy
+        if admission.LOAD_SPC in adm.steps:
+            strategy = "spc" if out.spc_hit else policy.MISS
+        reply_cached, reply_reused = admission.reply_reuse(adm, reuse)
+        donor = plan.donor if reuse else None
         imc = cfg.cache == "imc"
-        job.record = table.record(
+        restored = entry is not None and reuse
+        job.record = record = table.record(
             job.id, job.session, p, slot, replace(plan, strategy=strategy), reuse, why,
-            prefilled_tokens=len(job.todo), trimmed_tokens=max(trimmed, 0) if imc else 0,
+            prefilled_tokens=len(job.todo), trimmed_tokens=max(out.trimmed, 0) if imc else 0,
             donor_slot=donor, donor_session=table[donor].session if donor is not None else None,
             reply_tokens_cached=reply_cached, reply_tokens_reused=reply_reused,
-            restore_s=restore_s, segments=self.segments(job, len(p.tokens)),
-            media_chunks=p.image_chunks, checkpoint_pos=checkpoint_pos,
-            restored_from=entry.tier if entry is not None and reuse else "",
-            restored_tokens=((len(kv) if memo is not None else reuse)
-                             if entry is not None and reuse else 0),
-            restored_session=entry.session if entry is not None and reuse else None,
-            unpark_s=unpark_s if entry is not None else 0.0,
-            evicted_parked=parked_to.tier if parked_to is not None else "", park_s=park_s,
-            reprefilled_tokens=max(wanted - reuse - absorbed, 0) if imc else 0,
-            rewrite_absorbed=absorbed, exact=cfg.exact and rule.exact, path=self.res.path)
+            restore_s=out.restore_s, segments=self.segments(job, len(p.tokens)),
+            media_chunks=p.image_chunks, checkpoint_pos=out.checkpoint_pos,
+            restored_from=entry.tier if entry is not None and restored else "",
+            restored_tokens=(len(kv) if out.memo is not None else reuse) if restored else 0,
+            restored_session=entry.session if entry is not None and restored else None,
+            unpark_s=out.unpark_s if entry is not None else 0.0,
+            evicted_parked=out.parked_to.tier if out.parked_to is not None else "",
+            park_s=out.park_s,
+            reprefilled_tokens=max(adm.wanted - reuse - adm.absorbed, 0) if imc else 0,
+            rewrite_absorbed=adm.absorbed, exact=cfg.exact and rule.exact, path=self.res.path)
         if reply_cached and reply_reused < reply_cached:
             log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
                       slot.index, reply_reused, reply_cached)
         log.debug("%s: slot[%d] prompt=%d reused=%d prefill=%d", strategy, slot.index,
                   len(p.tokens), reuse, len(job.todo))
-        self.events.publish(RequestStarted(job.record))
-        return True
+        return record
 
     def must_wait(self, plan: policy.Plan) -> bool:
         """``plan`` would write a state into a slot that a queued copy still reads or fills.
@@ -255,31 +220,6 @@ class Placer:
         proj = self.res.projector
         return prompt_segments(job.prompt, job.reuse, n, job.text.text,
                                proj.marker if proj is not None else "\0")
-
-    def _spc_restore(self, job: Job, slot: EngineSlot) -> int:
-        """SPC: put the system prompt's saved KV into ``slot``; returns the tokens restored.
-
-        On the first request with a given system prompt nothing is restored: the prompt is
-        prefilled as usual and the slot's state is saved when the prefill passes its end.
-        """
-        p, min_tokens, rule = job.prompt, self.settings.cache_min_tokens, self.res.rule
-        slot.kv.clear()
-        if p.messages[0]["role"] != "system" or p.ends[0] < min_tokens:
-            return 0
-        key = p.hashes[0]
-        entry = self.spc.get(key, p.tokens)
-        if entry is None:
-            # saved where a canonical chunk ends at or before the system prompt's end (and,
-            # on sliding-window memory, where its window put back continues exactly)
-            at = invariance.valid_start(p.tokens, p.ends[0], rule)
-            mem = self.res.memory
-            if not restorable(mem.kind, mem.n_swa, at):
-                at = restore_point(p.tokens, at, rule, mem.kind, mem.n_swa)
-            if at >= max(min_tokens, rule.min_chunk):
-                job.capture_spc(at, key)
-            return 0
-        slot.kv.load_state(entry.state, entry.tokens)
-        return len(slot.kv)
 
 
 def checkpoint_wanted(every_cut: bool, ends: list[int], n: int) -> tuple[int, ...]:
@@ -315,18 +255,8 @@ def plan_checkpoints(kv: SlotKV, mem: MemoryInfo, rule: PrefillRule, p: Prompt, 
                  if e > reuse and restorable(mem.kind, mem.n_swa, e))
 
 
-def displaced(slot: EngineSlot, plan: policy.Plan, session: str | None) -> bool:
-    """``slot`` holds a conversation that serving ``plan`` would take over: park it first.
-
-    Any conversation but the session's own (which the new one supersedes): another
-    session's, even one the request carries on in place (a fork at its end: the fork may
-    later be edited or cut). An unnamed conversation that an unnamed request carries on in
-    place is that request's own.
-    """
-    if not (slot.tokens or slot.redo):
-        return False
-    if slot.session is not None:
-        return slot.session != session
-    held = slot.msg_ends[-1] if slot.msg_ends else len(slot.tokens) + len(slot.redo)
-    continued = plan.donor is None and plan.parked is None and plan.reuse >= held
-    return not (session is None and continued)
+def holder(slot: EngineSlot) -> admission.Holder:
+    """What :func:`nbkv.kv.admission.admit` reads of a slot: its conversation and its KV's state."""
+    kv = slot.kv
+    return admission.Holder(tuple(kv.tokens), slot.session, tuple(slot.msg_ends), len(slot.redo),
+                            kv.settled, kv.exact_len)

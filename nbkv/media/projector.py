@@ -6,8 +6,9 @@ Model`. It tokenizes prompt text carrying media markers plus images into chunks
 :class:`~nbkv.media.embeddings.EmbeddingService` takes embeddings from the cache when it can), and
 decodes embeddings into any sequence of a :class:`~nbkv.llama.backend.Context` at any position, so
 the engine can rebuild a slot, or serve the same picture in another session, without
-re-running the encoder. The file is checked first (:mod:`nbkv.media.projector_check`), and every
-call's arguments before native code runs: a wrong one would abort the process.
+re-running the encoder. The file is checked first (:mod:`nbkv.media.projector_check`: its header,
+then libmtmd in a child process), and every call's arguments before native code runs: a wrong
+one would abort the process.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class Projector:
         n_threads: encoder threads (default: all cores). On CPUs shared with other work,
             1 can be much faster: ggml's threads spin at barriers and stall when a core is
             taken.
-        trust_projector: let projector types nbkv does not validate through (see
-            :func:`inspect_projector`).
+        trust_projector: skip the checks of what a projector and a text model must agree on
+            that native code does not check (see :func:`inspect_projector`).
         flash_attn: the encoder's flash attention, llama.cpp's convention (-1 auto, 0 off).
 
     Embeddings come from :attr:`embeddings` (an :class:`~nbkv.media.embeddings.EmbeddingService`
@@ -66,8 +67,10 @@ class Projector:
         trust_projector: bool = False,
         flash_attn: int = -1,
         warmup: bool = True,
+        preflight: bool = True,
     ) -> None:
-        self.info = inspect_projector(path, model, trust=trust_projector)
+        # preflight=False: the pre-flight's own child, which may abort
+        self.info = inspect_projector(path, model if preflight else None, trust=trust_projector)
         self.model = model
         self.path = self.info.path
         self.identity = f"{self.info.projector_type}:{file_identity(self.path)[:32]}"
@@ -229,8 +232,9 @@ class Projector:
                 if bad:  # an unknown special token: evaluating it would abort natively
                     prompt.close()
                     raise MediaError(
-                        f"libmtmd produced invalid token id(s) {bad[:3]} for the text model; "
-                        "the projector does not fit it"
+                        f"libmtmd produced invalid token id(s) {bad[:3]} for the text model: "
+                        "it lacks an image special token the projector looks up, so the "
+                        "projector does not fit it"
                     )
                 out.append(MediaChunk(i, "text", len(tokens), n_pos, tokens, _prompt=prompt,
                                       _ptr=ch))
