@@ -838,6 +838,88 @@ def test_a_displayed_view_keeps_a_snapshot_that_follows_the_cache(engine, sent, 
         dash.close()
 
 
+class NoEngine:
+    """What a feed reads of an engine that has run nothing."""
+
+    history: list[Any] = []
+
+    def subscribe(self, cb):
+        return lambda: None
+
+    def slots(self):
+        return ()
+
+
+def test_a_refresh_called_while_the_feed_draws_waits_for_it_and_sends_nothing_again():
+    """The feed's own refresh is drawing a chart's PNG when the kernel asks for one
+    (``make notebooks``, before it saves): that call returns once the chart is sent, and
+    sends nothing itself (before, it took the chart as sent and sent the next one twice
+    over, or on its own: one update too many, and a notebook saved without the chart)."""
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.widgets.snapshot import ChartOutput
+
+    ipython_shell()
+    version, drawing, release = [0], threading.Event(), threading.Event()
+
+    def png():
+        if version[0] == 1 and threading.current_thread().name == "feed":
+            drawing.set()
+            release.wait(WAIT)
+        return b"\x89PNG"
+
+    def source():
+        return {"data": [], "layout": {"v": version[0]}}, png, "chart"
+
+    feed = Feed(NoEngine(), live=False)
+    results: dict[str, Any] = {}
+
+    def refresh(name):
+        n = feed.refresh_snapshots()
+        results[name] = (n, [out.refreshes for out in feed.snapshots])
+
+    with capture_output() as cap:
+        feed.snapshots += [ChartOutput(source), ChartOutput(source)]
+        version[0] = 1
+        own = threading.Thread(target=refresh, args=("feed",), name="feed")
+        own.start()
+        assert drawing.wait(WAIT)  # the feed's refresh draws the first chart's PNG
+        kernel = threading.Thread(target=refresh, args=("kernel",))
+        kernel.start()
+        kernel.join(1.0)  # (only lets a call that does not wait return first)
+        release.set()
+        own.join(WAIT)
+        kernel.join(WAIT)
+    assert results == {"feed": (2, [1, 1]), "kernel": (0, [1, 1])}
+    assert len(cap.outputs) == 4  # each chart: shown, then updated once
+    assert feed.refresh_snapshots() == 0
+
+
+def test_an_update_that_failed_is_sent_again_at_the_next_refresh():
+    """A snapshot or chart whose update raised is not taken as shown: the next refresh sends it."""
+    from types import SimpleNamespace
+
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+    from nbkv.ui.widgets.snapshot import ChartOutput, Snapshot
+
+    ipython_shell()
+    html = ["<p>0</p>"]
+    view = SimpleNamespace(static_html=lambda: html[0], model_id="m", label="view")
+    with capture_output() as cap:
+        outs = [Snapshot(view), ChartOutput(lambda: ({"layout": {"v": html[0]}},
+                                                     lambda: b"\x89PNG", "chart"))]
+        html[0] = "<p>1</p>"
+        for out in outs:
+            update, out.handle.update = out.handle.update, None  # calling it raises
+            assert out.refresh() is False
+            out.handle.update = update
+            assert out.refresh() is True and out.refresh() is False
+    assert len(cap.outputs) == 4 and [o.refreshes for o in outs] == [1, 1]
+
+
 def test_a_closed_engine_leaves_the_snapshot_with_its_last_requests(sent):
     from IPython.display import display
     from IPython.utils.capture import capture_output

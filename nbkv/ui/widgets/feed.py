@@ -127,6 +127,7 @@ class Feed:
         self._queue: list[tuple[float, Any]] = []  # (when published, event)
         self._lock = threading.Lock()
         self._render_lock = threading.RLock()
+        self._refresh_lock = threading.Lock()  # one snapshot refresh at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last = 0.0
@@ -207,13 +208,16 @@ class Feed:
         """Show the cache as it is now in the displayed views' snapshots; how many changed.
 
         The feed does it on its own (throttled, never while a request runs); call it to have
-        a notebook's snapshots final now (``make notebooks`` does, before it saves).
+        a notebook's snapshots final now (``make notebooks`` does, before it saves). One
+        refresh at a time: a call while the feed's own is drawing waits for it to have sent
+        everything, then sends only what changed since.
         """
-        self._apply()
-        if self.state.closed:  # a closed engine: the snapshots keep its last requests
-            return 0
-        self._due = False
-        return sum(1 for snap in list(self.snapshots) if snap.refresh())
+        with self._refresh_lock:  # one under way (the feed thread's) ends first
+            self._apply()
+            if self.state.closed:  # a closed engine: the snapshots keep its last requests
+                return 0
+            self._due = False
+            return sum(1 for snap in list(self.snapshots) if snap.refresh())
 
     def _held(self) -> float:
         """Seconds the next redraw should wait, so as not to compete with a prefill (0: none).

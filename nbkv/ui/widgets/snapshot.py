@@ -130,13 +130,15 @@ class Snapshot:
         self.view = view
         self.refreshes = 0
         self.last = 0.0
-        self._shown = ""
-        self.handle = display(self.bundle(), raw=True, display_id=True)
+        self._shown = self.view.static_html()
+        self.handle = display(self.bundle(self._shown), raw=True, display_id=True)
 
-    def bundle(self) -> dict[str, str]:
-        """The snapshot's display data: the view's static HTML, marked to be hidden live."""
-        body = self.view.static_html()
-        self._shown = body
+    def bundle(self, body: str | None = None) -> dict[str, str]:
+        """The snapshot's display data: the view's static HTML, marked to be hidden live.
+
+        ``body``: that HTML, drawn already (else drawn now).
+        """
+        body = self.view.static_html() if body is None else body
         uid = self.view.model_id
         return {"text/html": f'<div data-nbkv-snapshot="{uid}">{lost_rule(uid)}{body}</div>',
                 "text/plain": f"nbkv {self.view.label}: the cache as last shown"}
@@ -145,9 +147,11 @@ class Snapshot:
         """Show the cache as it is now; False when nothing changed (nothing sent)."""
         self.last = time.monotonic()
         try:
-            if self.view.static_html() == self._shown:
+            body = self.view.static_html()
+            if body == self._shown:
                 return False
-            self.handle.update(self.bundle(), raw=True)
+            self.handle.update(self.bundle(body), raw=True)
+            self._shown = body  # sent: not before (a failed update is sent again next time)
         except Exception:  # noqa: BLE001 - a snapshot must never break the feed
             log.exception("nbkv: the snapshot could not be refreshed")
             return False
@@ -173,17 +177,19 @@ class ChartOutput:
         self.refreshes = 0
         self.last = 0.0
         self.sizes: list[int] = []
-        self._figure: dict[str, Any] | None = None
+        self._figure: dict[str, Any] | None = None  # the figure last sent
+        figure: dict[str, Any] | None = None
         try:
-            first = self._bundle(*source())
+            figure, png, text = source()
+            first = self._bundle(figure, png, text)
         except Exception:  # noqa: BLE001 - the live view must still show; a refresh retries
             log.exception("nbkv: the chart could not be drawn")
-            first = {"text/plain": "nbkv chart: not drawn (the log says why)"}
+            first, figure = {"text/plain": "nbkv chart: not drawn (the log says why)"}, None
         self.handle = display(first, raw=True, display_id=True)
+        self._figure = figure
 
     def _bundle(self, figure: dict[str, Any], png: Callable[[], bytes],
                 text: str) -> dict[str, Any]:
-        self._figure = figure
         b = chartfig.bundle(figure, png(), text)
         self.sizes.append(chartfig.bundle_size(b))
         return b
@@ -196,6 +202,7 @@ class ChartOutput:
             if figure == self._figure:
                 return False
             self.handle.update(self._bundle(figure, png, text), raw=True)
+            self._figure = figure  # sent: not before (a failed update is sent again next time)
         except Exception:  # noqa: BLE001 - a chart must never break the feed
             log.exception("nbkv: the chart could not be refreshed")
             return False
