@@ -617,7 +617,9 @@ def test_cells_are_turns_in_a_real_kernel(kernel, model_path):
 
     # %kvcache history names each request's cell
     _, out = k.run("%kvcache history -n 1")
-    row = out.strip().splitlines()[-1].split()
+    table = [line for line in out.strip().splitlines() if not line.startswith("timeline:")]
+    assert out.strip().splitlines()[-1] == "timeline: 1 request"  # then the chart
+    row = table[-1].split()
     assert row[1:3] == ["alice", f"[{reply['execution_count']}]"]
 
 

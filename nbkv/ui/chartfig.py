@@ -14,6 +14,7 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
+from nbkv.core.codes import counted
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.charts import BARS, MapModel, Point
 from nbkv.ui.palette import (
@@ -269,7 +270,7 @@ def history_chart(shown: Any, history: Sequence[Any], last: int,
 
     pts = timeline_points(history, max(last, 1), cell_of)
     return WithChart(shown, timeline_figure(pts), lambda: timeline_png(pts),
-                     f"timeline: {len(pts)} requests")
+                     f"timeline: {counted(len(pts), 'request')}")
 
 
 def bundle(figure: dict[str, Any], png: bytes, text: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Bool, Int, observe
 
+from nbkv.core.codes import counted
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import BARS, MapModel  # noqa: F401 - the map's bars, for callers
 from nbkv.ui.display import legend_html
@@ -95,7 +96,7 @@ class KVMap(FeedView, W.VBox):
         state = self.feed.snapshot()  # the render thread may be drawing meanwhile
         m = self.model if state.closed else self.map_model(state)  # closed: as last drawn
         return (chartfig.kvmap_figure(m), lambda: raster.kvmap_png(m),
-                f"nbkv KV map: {m.title}, {m.segments} spans")
+                f"nbkv KV map: {m.title}, {counted(m.segments, 'span')}")
 
     def static_html(self) -> str:
         """The map as inline SVG, with its legend (the saved notebook's fallback).

@@ -15,6 +15,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Bool, Int, observe, validate
 
+from nbkv.core.codes import counted
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import Point
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
@@ -90,7 +91,7 @@ class Timeline(FeedView, W.VBox):
         """The timeline now: its plotly figure, a function drawing its PNG, its text."""
         pts = charts.timeline_points(self.engine.history, self.max_requests, self.cell_of)
         return (chartfig.timeline_figure(pts), lambda: raster.timeline_png(pts),
-                f"nbkv timeline: {len(pts)} requests")
+                f"nbkv timeline: {counted(len(pts), 'request')}")
 
     def static_html(self) -> str:
         """The three panels as inline SVG (the saved notebook's fallback).
