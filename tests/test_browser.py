@@ -549,8 +549,8 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         nb.check_outputs()
         # Run All again: all 7 chat cells replay, and the edit's cell (section 3, its own
         # figures line): the edit parked alice's old branch, so her turns 2 and 3 replay too
-        figures = _run_twice(nb, "02", replayed=8)
-        assert figures["chat_share"] <= 0.15  # the issue's target
+        run2 = _run_twice(nb, "02", replayed=8)  # (not "figures": check() calls figures())
+        assert run2["chat_share"] <= 0.15  # the issue's target
         _reload_and_count(nb, shots, "imc")
         _rerun_cells(nb.page, shots)
         nb.check_outputs()
@@ -634,11 +634,13 @@ def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path
     def check(page, shots):
         maps = page.locator(".nbkv-kvmap")
         assert maps.count() == 2  # SmolLM2 + mlp, then the Qwen2-VL-shaped pair
-        kinds = [f["kind"] for f in figures(page)]
-        assert kinds.count("kvmap") == 2, kinds
-        qwen_fig = [f for f in figures(page) if f["kind"] == "kvmap"][1]
+        drawn = figures(page)
+        kinds = [f["kind"] for f in drawn]
+        # the two maps' charts, and between them the one %kvcache slots draws
+        assert kinds.count("kvmap") == 3, kinds
+        qwen_fig = [f for f in drawn if f["kind"] == "kvmap"][-1]
         chart = page.locator(".js-plotly-plot").nth(
-            [i for i, k in enumerate(kinds) if k == "kvmap"][1])
+            [i for i, k in enumerate(kinds) if k == "kvmap"][-1])
         chart.scroll_into_view_if_needed()
         page.wait_for_timeout(500)
         chart.screenshot(path=str(shots / "vision-qwen-kvmap.png"))

@@ -298,3 +298,18 @@ def test_a_chart_that_cannot_be_drawn_says_so_and_the_next_refresh_draws_it(quie
     with capture_output() as cap:
         assert out.refresh()
     assert PLOTLY_MIME in cap.outputs[-1].data and out.sizes  # (after the chart's holder)
+
+
+def test_a_map_shown_right_after_a_request_draws_that_request(quiet):
+    """A view shown at the end of the cell whose request just ended, before the feed's thread
+    applied its events, draws that request (04_vision's Qwen map was drawn one request
+    behind, and its engine closed before the next refresh could catch up)."""
+    from nbkv.ui import chartfig
+    from nbkv.ui.widgets import KVMap
+
+    eng = Engine()
+    feed = Feed(eng, live=False)
+    kv = KVMap(eng, feed)
+    eng.bus.publish(RequestFinished(restore_record(7)))  # queued: no redraw since
+    assert feed.snapshot().last_by_slot[1].id == 7  # what kv.chart() draws from
+    assert kv.chart()[0] == chartfig.kvmap_figure(kv.map_model(feed.snapshot()))

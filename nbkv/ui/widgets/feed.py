@@ -177,7 +177,9 @@ class Feed:
                 self.flush()
 
     def snapshot(self) -> LiveState:
-        """A copy of the state, safe to read on another thread while the feed runs."""
+        """A copy of the state now (the events queued so far applied), safe to read on
+        another thread while the feed runs: a view shown right after a request draws it."""
+        self._apply()
         with self._render_lock:
             st = self.state
             return LiveState({k: replace(v) for k, v in st.running.items()},
