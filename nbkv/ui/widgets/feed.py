@@ -177,8 +177,11 @@ class Feed:
                 self.flush()
 
     def snapshot(self) -> LiveState:
-        """A copy of the state now (the events queued so far applied), safe to read on
-        another thread while the feed runs: a view shown right after a request draws it."""
+        """A copy of the state now, safe to read on another thread while the feed runs.
+
+        The events queued so far are applied first: a view shown right after a request
+        draws that request.
+        """
         self._apply()
         with self._render_lock:
             st = self.state
