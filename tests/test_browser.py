@@ -275,8 +275,31 @@ def _hover(page, point) -> None:
     page.wait_for_timeout(300)
 
 
+def _interactive(page) -> None:
+    """Move the mouse over every chart still showing its picture, as a reader does:
+    jupyterlab-plotly shows a figure's PNG and draws the plotly chart when the mouse enters it
+    (plotly.js loads then). Waits (bounded) until each one is a ``.js-plotly-plot``."""
+    charts = page.locator(".jp-RenderedPlotly")
+    for i in range(charts.count()):
+        chart = charts.nth(i)
+        picture = chart.locator("> img.plot-img")
+        if "js-plotly-plot" in (chart.get_attribute("class") or "") or \
+                not picture.is_visible():
+            continue
+        picture.scroll_into_view_if_needed()
+        page.mouse.move(0, 0)
+        _hover(page, picture)  # the mouse enters it (once in: the chart covers the picture)
+        deadline = time.monotonic() + 30
+        while "js-plotly-plot" not in (chart.get_attribute("class") or "") and \
+                time.monotonic() < deadline:
+            page.wait_for_timeout(200)
+    page.mouse.move(0, 0)
+
+
 def figures(page) -> list[dict]:
-    """The plotly figures on ``page`` (``.js-plotly-plot``): kind and traces, as plotted."""
+    """The plotly figures on ``page`` (``.js-plotly-plot``): kind and traces, as plotted
+    (every chart made interactive first: :func:`_interactive`)."""
+    _interactive(page)
     return page.locator(".js-plotly-plot").evaluate_all(
         "els => els.map(e => ({kind: ((e.layout || {}).meta || {}).nbkv || '', "
         "traces: (e.data || []).map(t => ({kind: (t.meta || {}).nbkv || '', "
@@ -286,7 +309,13 @@ def figures(page) -> list[dict]:
 def _check_first_open(nb: Notebook, shots: Path) -> None:
     """The committed notebook before it runs (as on Binder, untrusted): its charts show, as
     plotly figures or their pictures, and no chart is a wall of hover text."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page = nb.page
+    try:  # its outputs render just after its cells: wait for a chart (bounded)
+        page.wait_for_selector(".jp-OutputArea-output img, .js-plotly-plot", timeout=30_000)
+    except PlaywrightTimeout:
+        pass  # none came: the assertion below says what was drawn
     page.screenshot(path=str(shots / "quickstart-first-open.png"), full_page=True)
     drawn = (page.locator(".js-plotly-plot").count()
              + page.locator(".jp-OutputArea-output img").count())
@@ -314,6 +343,9 @@ def _open(lab, tmp_path, name: str):
             page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                                   timeout=120_000)
+            # the document's spinner goes once its file is read and its cells are built
+            page.wait_for_selector(".jp-NotebookPanel .jp-Spinner", state="detached",
                                    timeout=120_000)
             _dismiss_toasts(page)
             yield nb
@@ -517,8 +549,8 @@ def test_how_imc_works_shows_legend_divergence_and_explain(lab, tmp_path):
         nb.check_outputs()
         # Run All again: all 7 chat cells replay, and the edit's cell (section 3, its own
         # figures line): the edit parked alice's old branch, so her turns 2 and 3 replay too
-        figures = _run_twice(nb, "02", replayed=8)
-        assert figures["chat_share"] <= 0.15  # the issue's target
+        run2 = _run_twice(nb, "02", replayed=8)  # (not "figures": check() calls figures())
+        assert run2["chat_share"] <= 0.15  # the issue's target
         _reload_and_count(nb, shots, "imc")
         _rerun_cells(nb.page, shots)
         nb.check_outputs()
@@ -602,11 +634,13 @@ def test_vision_kv_maps_show_image_spans_and_their_position_counts(lab, tmp_path
     def check(page, shots):
         maps = page.locator(".nbkv-kvmap")
         assert maps.count() == 2  # SmolLM2 + mlp, then the Qwen2-VL-shaped pair
-        kinds = [f["kind"] for f in figures(page)]
-        assert kinds.count("kvmap") == 2, kinds
-        qwen_fig = [f for f in figures(page) if f["kind"] == "kvmap"][1]
+        drawn = figures(page)
+        kinds = [f["kind"] for f in drawn]
+        # the two maps' charts, and between them the one %kvcache slots draws
+        assert kinds.count("kvmap") == 3, kinds
+        qwen_fig = [f for f in drawn if f["kind"] == "kvmap"][-1]
         chart = page.locator(".js-plotly-plot").nth(
-            [i for i, k in enumerate(kinds) if k == "kvmap"][1])
+            [i for i, k in enumerate(kinds) if k == "kvmap"][-1])
         chart.scroll_into_view_if_needed()
         page.wait_for_timeout(500)
         chart.screenshot(path=str(shots / "vision-qwen-kvmap.png"))

@@ -186,8 +186,12 @@ def test_displayed_charts_are_plotly_outputs_updated_in_place_and_small(quiet):
         feed.flush()
         with capture_output() as cap:
             assert chart.refresh()
-        (update,) = cap.outputs
-        assert update.transient == charts[0].transient  # the same output, updated
+        # the same output, updated: a holder as tall as the chart, then the new figure (a
+        # renderer of another type in between: jupyterlab-plotly's keeps an interactive chart)
+        holder, update = cap.outputs
+        assert update.transient == holder.transient == charts[0].transient
+        assert set(holder.data) == {"text/html", "text/plain"} and "height:" in \
+            holder.data["text/html"]
         assert chart.refresh() is False  # nothing changed: nothing sent
     assert tl.view.value == "" and "<svg" not in tl.static_html()
     assert max(chart.sizes) <= 100_000 and sum(chart.sizes) <= 1_000_000
@@ -293,4 +297,19 @@ def test_a_chart_that_cannot_be_drawn_says_so_and_the_next_refresh_draws_it(quie
     broken[0] = False
     with capture_output() as cap:
         assert out.refresh()
-    assert PLOTLY_MIME in cap.outputs[0].data and out.sizes
+    assert PLOTLY_MIME in cap.outputs[-1].data and out.sizes  # (after the chart's holder)
+
+
+def test_a_map_shown_right_after_a_request_draws_that_request(quiet):
+    """A view shown at the end of the cell whose request just ended, before the feed's thread
+    applied its events, draws that request (04_vision's Qwen map was drawn one request
+    behind, and its engine closed before the next refresh could catch up)."""
+    from nbkv.ui import chartfig
+    from nbkv.ui.widgets import KVMap
+
+    eng = Engine()
+    feed = Feed(eng, live=False)
+    kv = KVMap(eng, feed)
+    eng.bus.publish(RequestFinished(restore_record(7)))  # queued: no redraw since
+    assert feed.snapshot().last_by_slot[1].id == 7  # what kv.chart() draws from
+    assert kv.chart()[0] == chartfig.kvmap_figure(kv.map_model(feed.snapshot()))

@@ -178,7 +178,12 @@ class Feed:
                 self.flush()
 
     def snapshot(self) -> LiveState:
-        """A copy of the state, safe to read on another thread while the feed runs."""
+        """A copy of the state now, safe to read on another thread while the feed runs.
+
+        The events queued so far are applied first: a view shown right after a request
+        draws that request.
+        """
+        self._apply()
         with self._render_lock:
             st = self.state
             return LiveState({k: replace(v) for k, v in st.running.items()},

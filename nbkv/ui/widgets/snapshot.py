@@ -201,7 +201,16 @@ class ChartOutput:
             figure, png, text = self.source()
             if figure == self._figure:
                 return False
-            self.handle.update(self._bundle(figure, png, text), raw=True)
+            shown = self._bundle(figure, png, text)
+            # JupyterLab hands an update to the output's renderer, and jupyterlab-plotly's
+            # ignores it once its chart went interactive (hovered): an output of another type
+            # in between (as tall as the chart) makes it build a new one for the new figure
+            holder = {"text/html": f'<div class="nbkv-chart-holder" style="height:'
+                                   f'{int(figure.get("layout", {}).get("height") or 360)}px">'
+                                   "</div>", "text/plain": text}
+            self.sizes.append(chartfig.bundle_size(holder))
+            self.handle.update(holder, raw=True)
+            self.handle.update(shown, raw=True)
             self._figure = figure  # sent: not before (a failed update is sent again next time)
         except Exception:  # noqa: BLE001 - a chart must never break the feed
             log.exception("nbkv: the chart could not be refreshed")
