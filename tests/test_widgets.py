@@ -892,7 +892,9 @@ def test_a_refresh_called_while_the_feed_draws_waits_for_it_and_sends_nothing_ag
         own.join(WAIT)
         kernel.join(WAIT)
     assert results == {"feed": (2, [1, 1]), "kernel": (0, [1, 1])}
-    assert len(cap.outputs) == 4  # each chart: shown, then updated once
+    # each chart: shown, then updated once (a holder, then the figure: see ChartOutput.refresh)
+    figures = [o for o in cap.outputs if "application/vnd.plotly.v1+json" in o.data]
+    assert len(figures) == 4 and len(cap.outputs) == 6
     assert feed.refresh_snapshots() == 0
 
 
@@ -917,7 +919,8 @@ def test_an_update_that_failed_is_sent_again_at_the_next_refresh():
             assert out.refresh() is False
             out.handle.update = update
             assert out.refresh() is True and out.refresh() is False
-    assert len(cap.outputs) == 4 and [o.refreshes for o in outs] == [1, 1]
+    # both shown, then each updated once (the chart's update: a holder, then the figure)
+    assert len(cap.outputs) == 5 and [o.refreshes for o in outs] == [1, 1]
 
 
 def test_a_closed_engine_leaves_the_snapshot_with_its_last_requests(sent):
