@@ -15,7 +15,7 @@ import pytest
 from conftest import SYSTEM, assert_consistent, picture
 from nbkv import Engine
 from nbkv.fixtures import make_mmproj, quantized
-from nbkv.kv import calibrate, invariance
+from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.models import default_model_path
 from nbkv.ui.figures import summary
@@ -214,8 +214,8 @@ def test_verify_finds_the_first_difference_of_a_slot_that_was_not_rewritten(path
         (v,) = e.verify()
         assert not v.identical and not v.claimed and v.max_diff > 0
         lo, hi = v.first_diff
-        prompt = res.record.prompt_tokens
-        # the prompt's KV was proven; the difference starts in the reply
-        assert invariance.valid_start(e.slots()[0].tokens, prompt, e.prefill_rule) <= hi
-        assert lo >= prompt - e.prefill_rule.min_chunk - e.prefill_rule.align
+        # exact=False takes the lean path: the prompt went in one batch, not canonical chunks,
+        # so nothing of the slot is proven and the first difference may lie in the prompt too
+        assert res.record.path == "lean" and not res.record.exact
+        assert 0 <= lo < hi <= len(e.slots()[0].tokens)
         assert "differs" in str(v)
