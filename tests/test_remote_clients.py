@@ -164,10 +164,13 @@ def test_after_a_timeout_the_next_record_says_what_the_server_kept():
         e = nbkv.connect(srv.url, exact=False)
         try:
             msgs = [{"role": "user", "content": "Tell me a story. " * 150}]
-            e.client._http.timeout = httpx.Timeout(0.01, connect=5.0)  # no patience at all
+            clients = (e.client._http, e.client._streams)  # streams have a client of their own
+            for c in clients:
+                c.timeout = httpx.Timeout(0.01, connect=5.0)  # no patience at all
             with pytest.raises(ServerTimeoutError):
                 e.chat(msgs, "ann", max_tokens=8)
-            e.client._http.timeout = httpx.Timeout(600.0, connect=5.0)
+            for c in clients:
+                c.timeout = httpx.Timeout(600.0, connect=5.0)
             r = e.chat(msgs, "ann", max_tokens=8)
             rec = r.record
             assert rec.reused_tokens > 0  # the server kept what it had read before the cut
