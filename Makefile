@@ -48,7 +48,7 @@ docs: $(STAMP)
 	$(SPHINX) -b html docs docs/_build/html
 
 docs-strict: $(STAMP)
-	$(SPHINX) -W --keep-going -n -b html docs docs/_build/html
+	$(SPHINX) -E -W --keep-going -n -b html docs docs/_build/html
 
 # Debian's chromium for tests/test_browser.py (test tools may not download browsers)
 browser:

@@ -24,6 +24,9 @@ extensions = [
 
 # the six lessons render from the outputs saved in notebooks/ (make notebooks), never run here
 nb_execution_mode = "off"
+# a chart's output is plotly's JSON plus a PNG: the site shows the PNG, and myst-nb's warning
+# for the JSON it skips is silenced; docs/_ext/nbkv_docs.py checks every lesson output instead
+suppress_warnings = ["mystnb.unknown_mime_type"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 

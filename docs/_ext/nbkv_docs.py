@@ -237,9 +237,41 @@ def resolve_short_name(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     return None
 
 
+# what myst-nb renders itself; nbkv's charts add plotly's JSON, which the site shows as the
+# PNG every chart bundle carries beside it (nbkv/ui/chartfig.py)
+RENDERED_MIME = {"text/plain", "text/html", "text/markdown", "text/latex", "image/png",
+                 "image/jpeg", "image/svg+xml", "image/gif", "application/javascript",
+                 "application/vnd.jupyter.widget-view+json"}
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def check_lesson_outputs(app: Any) -> None:
+    """Warn (an error under ``-W``) for a lesson output the site could not show.
+
+    conf.py silences myst-nb's own "unknown mime type" warning, which every chart's plotly
+    JSON raises; this check keeps what that warning guarded: a plotly bundle must carry its
+    PNG, and no other unknown type may appear.
+    """
+    from sphinx.util import logging
+
+    log = logging.getLogger(__name__)
+    for path in sorted(Path(app.srcdir, "lessons").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        for n, cell in enumerate(cells):
+            for out in cell.get("outputs", []):
+                kinds = set(out.get("data", {}))
+                unknown = kinds - RENDERED_MIME - {PLOTLY_MIME}
+                if unknown:
+                    log.warning("%s cell %d: output type(s) the site cannot show: %s",
+                                path.name, n, ", ".join(sorted(unknown)))
+                if PLOTLY_MIME in kinds and "image/png" not in kinds:
+                    log.warning("%s cell %d: a chart without its PNG fallback", path.name, n)
+
+
 def setup(app: Any) -> dict[str, Any]:
-    """Register the directives and the short-name resolver."""
+    """Register the directives, the short-name resolver and the lessons' output check."""
     app.connect("missing-reference", resolve_short_name)
+    app.connect("builder-inited", check_lesson_outputs)
     app.add_directive("nbkv-magic", MagicDirective)
     app.add_directive("nbkv-settings", SettingsDirective)
     app.add_directive("nbkv-errors", ErrorsDirective)
