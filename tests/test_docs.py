@@ -127,3 +127,17 @@ def test_reference_resolver_refuses_a_name_the_code_lacks() -> None:
     assert ext._exists("text", "nbkv.core.streams", "ChatStream")  # an instance attribute
     assert ext._exists("Engine.achat", "nbkv.core.streams", None)  # a public name
     assert not ext._exists("no_such_name", "nbkv.core.streams", "ChatStream")
+
+
+def test_docstrings_stay_short() -> None:
+    """A docstring says what a thing is for in a few lines; the docs pages hold the rest."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "nbkv").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and doc.count("\n") + 1 > 25:
+                    long.append(f"{path.relative_to(ROOT)}:{getattr(node, 'name', '<module>')}")
+    assert long == []

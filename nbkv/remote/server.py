@@ -15,10 +15,8 @@ The flags nbkv's exact slot pinning needs (``SERVER_FLAGS``; the docs say why, e
 - ``--metrics``, ``/slots`` and ``--slot-save-path DIR``: the server's figures, and slot
   save, restore and erase (``%kvcache save`` / ``clear``);
 - ``-b 256 -ub 256 -fa off`` and explicit threads: the in-kernel engine's arithmetic;
-- ``--ui-config``: the launcher states these flags, the prefill rule it calibrated for the
-  model on this machine and its start time in ``/props`` (``ui_settings.nbkv``,
-  :mod:`nbkv.remote.facts`), which lets a remote engine prove replies exact and notice a
-  restart.
+- ``--ui-config``: these flags, the calibrated prefill rule and the start time in ``/props``
+  (:mod:`nbkv.remote.facts`), so a remote engine can prove replies exact and see a restart.
 
 :class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
 waits; the tests, the benchmark and the remote-engine notebook use it. It never outlives the

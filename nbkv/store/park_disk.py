@@ -21,9 +21,8 @@ meanwhile loses nothing); others are left alone, and files no manifest names (a 
 writer's) are deleted. A namespace whose lock is held is never touched; nbkv 0.1's layout
 (no ``engines/``) counts as orphaned.
 
-An entry that fails a check when read is never served: skipped with a warning, deleted. A
-directory that turns read-only still serves what it holds (a file it cannot delete is retried
-later; a refused write is reported); on a full disk the oldest entries make room.
+An entry that fails a check when read is never served. A read-only directory still serves
+what it holds; on a full disk the oldest entries make room.
 """
 
 from __future__ import annotations

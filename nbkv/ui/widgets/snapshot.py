@@ -1,11 +1,9 @@
 """What a saved notebook shows of a live view: a static snapshot that follows the cache.
 
 A displayed nbkv widget makes two outputs: the live view (the widget), and beside it a
-snapshot (:class:`Snapshot`: inline SVG and HTML, no script) that its feed refreshes, at most
-every few seconds and only while no request runs, whenever a request has ended since. So
-GitHub, nbviewer, an nbconvert export and a notebook reopened without its kernel show the
-cache after the last request, not as it was when the widget was made. In a running
-notebook the live view hides its snapshot (a style rule only the live view carries).
+snapshot (:class:`Snapshot`: inline SVG and HTML, no script) that its feed refreshes while
+no request runs. So GitHub, nbviewer, an export and a notebook reopened without its kernel
+show the cache after the last request. A live view hides its snapshot (a style rule).
 
 Why a separate output: updating the widget's own output (``update_display_data`` with the
 widget's view and new HTML) makes JupyterLab render the widget again, and the old view is
