@@ -5,9 +5,7 @@ engine writes only under its own namespace::
 
     engines/<id>/lock                   held (``flock``) by the engine while it is open
     engines/<id>/entries/<32 hex>.json  one checksummed manifest per parked conversation:
-                                        its engine identity, its record
-                                        (:func:`nbkv.store.parked.entry_json`) and each
-                                        blob's checksum and size
+                                        its engine, record and blob checksums
     engines/<id>/blobs/<sha256>.bin     its state and checkpoints, named by content
 
 Writes are atomic (temp file, fsync, rename; blobs first) and nothing is pickled.
