@@ -14,8 +14,8 @@ explain output, then edits a ``%%chat`` cell and runs it again, then a stale one
 lines, the conversation view); ``04_vision.ipynb`` (image spans and their position counts on
 the KV map, thumbnails above the reply) and ``05_remote_engine.ipynb`` (the dashboard on a
 llama-server). In Notebook 7 (``jupyter notebook``), 01 is opened before it runs, run and
-reloaded: its charts show each time. Screenshots go to ``$NBKV_SCREENSHOTS`` (default: pytest's temporary
-directory); the figures measured are printed.
+reloaded: its charts show each time. Screenshots go to ``$NBKV_SCREENSHOTS`` (default:
+pytest's temporary directory); the figures measured are printed.
 """
 
 from __future__ import annotations
