@@ -13,8 +13,9 @@ the static snapshots show the KV map, the slot cards and the last request. Runs
 explain output, then edits a ``%%chat`` cell and runs it again, then a stale one (their why
 lines, the conversation view); ``04_vision.ipynb`` (image spans and their position counts on
 the KV map, thumbnails above the reply) and ``05_remote_engine.ipynb`` (the dashboard on a
-llama-server). Screenshots go to ``$NBKV_SCREENSHOTS`` (default: pytest's temporary
-directory); the figures measured are printed.
+llama-server). In Notebook 7 (``jupyter notebook``), 01 is opened before it runs, run and
+reloaded: its charts show each time. Screenshots go to ``$NBKV_SCREENSHOTS`` (default:
+pytest's temporary directory); the figures measured are printed.
 """
 
 from __future__ import annotations
@@ -75,8 +76,29 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 with a token, serving a copy of the notebooks."""
+    yield from _serve(tmp_path_factory, "jupyterlab")
+
+
+@pytest.fixture(scope="module")
+def notebook7(tmp_path_factory):
+    """A Notebook 7 server (``jupyter notebook``), as :func:`lab` starts JupyterLab."""
+    pytest.importorskip("notebook", minversion="7")
+    yield from _serve(tmp_path_factory, "notebook")
+
+
+#: each server's own options (beside the ServerApp's), by the module ``python -m`` runs
+APP_ARGS = {
+    "jupyterlab": ["--LabApp.news_url=None",
+                   "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+    "notebook": [],
+}
+
+
+def _serve(tmp_path_factory, app: str):
+    """Start ``python -m app`` on 127.0.0.1 with a token over a copy of the notebooks; yield
+    (base URL, token, root); stop it and its kernels by its process group (bounded waits)."""
     _need_browser()
-    root = tmp_path_factory.mktemp("lab")
+    root = tmp_path_factory.mktemp(app)
     for name in ("01_quickstart.ipynb", "02_how_imc_works.ipynb", "04_vision.ipynb",
                  "05_remote_engine.ipynb"):
         shutil.copy(ROOT / "notebooks" / name, root)
@@ -94,11 +116,9 @@ def lab(tmp_path_factory):
         '{"windowingMode": "none", "recordTiming": true}')
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+        [sys.executable, "-m", app, "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", *APP_ARGS[app]]
         + (["--allow-root"] if os.geteuid() == 0 else []),
         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -112,7 +132,7 @@ def lab(tmp_path_factory):
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.flush()
-                    pytest.fail("JupyterLab did not start:\n" +
+                    pytest.fail(f"{app} did not start:\n" +
                                 (home / "server.log").read_text()[-3000:])
                 time.sleep(0.5)
         yield base, token, root
@@ -147,8 +167,9 @@ class Notebook:
         self.path = path
         self.frames: list[tuple[int, bool]] = []  # (bytes, opens a widget model)
         self.errors: list[str] = []
+        self.known: re.Pattern | None = None  # a front end's own error, not ours (ignored)
         self.console: list[str] = []
-        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        page.on("pageerror", lambda e: self.errors.append(f"{e}\n{(e.stack or '')[:600]}"))
         page.on("console", lambda m: self.console.append(m.text) if m.type == "error"
                 else None)
         page.on("websocket", self._follow)
@@ -263,7 +284,8 @@ class Notebook:
         outputs = self.page.locator(".jp-OutputArea-output").evaluate_all(
             "els => els.map(e => e.innerText).join(' ')")
         assert not vocabulary.misspellings(outputs)
-        assert not self.errors, f"JavaScript errors: {self.errors}"
+        errors = [e for e in self.errors if self.known is None or not self.known.match(e)]
+        assert not errors, f"JavaScript errors: {errors}"
         ours = [c for c in self.console if OURS.search(c)]
         assert not ours, f"console errors from the widgets: {ours}"
 
@@ -326,8 +348,12 @@ def _check_first_open(nb: Notebook, shots: Path) -> None:
 
 
 @contextmanager
-def _open(lab, tmp_path, name: str):
-    """``name`` open in JupyterLab (a fresh browser profile), as a :class:`Notebook`."""
+def _open(lab, tmp_path, name: str, url: str = "lab/tree/{name}?reset&"):
+    """``name`` open in JupyterLab (a fresh browser profile), as a :class:`Notebook`.
+
+    ``url``: the notebook's page on the server, before its ``token=`` (JupyterLab's, with
+    ``?reset``: a fresh workspace, else the previous notebook reopens beside this one).
+    """
     from playwright.sync_api import sync_playwright
 
     base, token, root = lab
@@ -339,8 +365,7 @@ def _open(lab, tmp_path, name: str):
             page = browser.pages[0] if browser.pages else browser.new_page()
             page.set_default_timeout(60_000)
             nb = Notebook(page, root / name)
-            # ?reset: a fresh workspace (else the previous notebook reopens beside this one)
-            page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
+            page.goto(f"{base}/{url.format(name=name)}token={token}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                                    timeout=120_000)
@@ -463,6 +488,33 @@ def test_quickstart_renders_dashboard_in_chromium(lab, tmp_path):
         _reload_and_count(nb, shots, "quickstart")
         nb.save()
     _check_static_export(lab[2] / "01_quickstart.ipynb", tmp_path)
+
+
+#: Notebook 7.6.5's own error at start-up (its keyboard shortcuts' settings, in its core
+#: bundle), raised on its file browser with no notebook open too: not ours
+NOTEBOOK7_OWN = re.compile(r"Cannot read properties of undefined \(reading 'schema'\)\n"
+                           r"TypeError: [^\n]*\n\s+at \S+/static/notebook/notebook_core\.")
+
+
+def test_quickstart_in_notebook_7(notebook7, tmp_path):
+    """Notebook 7 (``jupyter notebook``), as a learner opens 01 there: before it runs, its
+    charts show (pictures or plotly figures; no wall of hover text, no widget error); Run
+    All draws the live charts as plotly figures with their traces; a reload draws them all
+    again."""
+    shots = _shots(tmp_path)
+    with _open(notebook7, tmp_path, "01_quickstart.ipynb", url="notebooks/{name}?") as nb:
+        nb.known = NOTEBOOK7_OWN
+        assert nb.page.locator("#main-panel, .jp-NotebookApp, #jp-top-panel").count()
+        assert "/lab" not in nb.page.url  # Notebook 7's own page, not JupyterLab's
+        _check_first_open(nb, shots)
+        nb.run_all()
+        kinds = [f["kind"] for f in nb.figures()]
+        assert "kvmap" in kinds and "timeline" in kinds, kinds
+        drawn = nb.charts()
+        assert drawn["kvmap"] > 4 and drawn["timeline"] > 4, drawn
+        nb.page.screenshot(path=str(shots / "notebook7-ran.png"), full_page=True)
+        nb.check_outputs()
+        _reload_and_count(nb, shots, "notebook7")
 
 
 def _check_static_export(notebook: Path, tmp_path: Path) -> None:

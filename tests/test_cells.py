@@ -404,6 +404,55 @@ def test_only_a_chat_cell_is_a_turn(shell):
     assert [t.question for t in turns] == ["Hi.", "Bye."] * 2
 
 
+# 01_quickstart's chat cells: two sessions in two slots, then a third (seeded) that parks one
+QUICKSTART = {
+    "q1": '%%chat --system "You are a concise assistant." --max-tokens 8\nWhat is a KV cache?',
+    "q2": "%%chat --max-tokens 8\nWhy does reusing it help?",
+    "q3": '%%chat bob --system "You answer with short lists." --max-tokens 8\nName red fruits.',
+    "q4": "%%chat bob --max-tokens 8\nWhich are the sweetest?",
+    "q5": "%%chat sampler --temp 0.8 --seed 42 --max-tokens 8\nInvent a name for a cat.",
+}
+
+
+def test_a_second_run_all_says_replayed_in_every_chart_explain_and_figures_line(
+        shell, engine, capsys):
+    """Run All twice, as JupyterLab sends it (the same cell ids): every request of the second
+    run is replayed, one after a restore of the parked conversation, and the figures lines,
+    the charts' bars, ``%kvcache explain`` and the KV map's request row all say so."""
+    from nbkv.ui import charts
+    from nbkv.ui import vocabulary as vocab
+    from nbkv.ui.figures import EXPLAIN_TRIMMED
+
+    engine.clear()
+    for c, src in QUICKSTART.items():
+        cell(shell, c, src)
+    first = len(engine.history)
+    capsys.readouterr()
+    lines = []
+    for c, src in QUICKSTART.items():  # Run All again
+        cell(shell, c, src)
+        lines.append(capsys.readouterr().out)
+    again = list(engine.history)[first:]
+    assert [r.reason for r in again] == ["replayed"] * 5, [r.reason_text for r in again]
+    assert any(r.restored_from for r in again)  # the parked one came back first
+    for r, out in zip(again, lines, strict=True):
+        assert f"slot {r.slot}: replayed" in out, out
+        assert vocab.bar(r).code == "replayed" and vocab.bar(r).words == "replayed"
+    pts = charts.timeline_points(again)
+    assert [p.bar for p in pts] == ["replayed"] * 5  # no gold "restored" bar
+    for r in again:
+        page = shell.run_line_magic("kvcache", f"explain {r.id}")
+        assert page.explanation.tail_state == "reused", r.id
+        html = page._repr_html_()
+        assert "line-through" not in html and EXPLAIN_TRIMMED not in html
+        assert ">trimmed</span>" not in html
+    engine.settle()
+    last = {r.slot: r for r in again}
+    m = charts.kvmap_model(engine.slots(), engine.n_ctx, last)
+    assert not m.bars.get("trimmed") and not m.bars.get("prefilled")
+    assert not m.bars.get("generated") and m.bars.get("reused")
+
+
 # -- a fork's first request: a donor copy, exact KV -----------------------------------------
 
 

@@ -83,6 +83,47 @@ def test_a_second_run_all_is_drawn_replayed_everywhere():
         "first", "continued", "continued", "replayed", "replayed", "replayed"]
 
 
+def test_the_first_token_breakdown_adds_up_as_written():
+    """The engine's record splits its first-token time into parts that sum to it, and the
+    text writes whole milliseconds that sum to the total it writes (each rounded alone,
+    three parts of 4.6 ms would read 5 + 5 + 5 under a total of 14)."""
+    import random
+    import re
+
+    from nbkv.engine.lifecycle import finished_record
+    from nbkv.ui.figures import ttft_text
+
+    # a request that waited, had a parked conversation restored, read its prompt, sampled
+    counts = SimpleNamespace(decode_calls=1, rows=5, prefill_calls=1, prefill_rows=5,
+                             kv_bytes=0, host_s={})
+    job = SimpleNamespace(t_submit=100.0, t_prefill=100.0131, t_first=100.0184,
+                          generated=[1, 2], todo=[], encoder_runs=0, embedding_hits=0,
+                          drafted=0, accepted=0, counts=counts)
+    started = rec(7, "restored", 40, 5, restore_s=0.0052, first_decode_s=0.0011,
+                  wait_s=0.0, ttft_s=0.0, prefill_s=0.0)
+    done = finished_record(job, started, "stop", None, 100.03, ())
+    assert done.ttft_s == pytest.approx(0.0184)
+    assert sum(s for _, s in ttft_parts(done)) == pytest.approx(done.ttft_s)
+    assert [round(s * 1000, 1) for _, s in ttft_parts(done)] == [7.9, 5.2, 4.2, 1.1]
+
+    def written(r: RequestRecord) -> tuple[int, list[int]]:
+        total, split = re.fullmatch(r".*?: (\d+) ms = (.*)", ttft_text(r)).groups()
+        return int(total), [int(n) for n in re.findall(r" (\d+) ms(?: \+|$)", split)]
+
+    thirds = rec(8, "restored", 40, 5, wait_s=0.0046, restore_s=0.0046, prefill_s=0.0046,
+                 first_decode_s=0.0, ttft_s=0.0138)
+    assert written(thirds) == (14, [5, 4, 5, 0])  # 4.6 + 4.6 + 4.6 = 13.8
+    rng = random.Random(47)
+    for i in range(300):
+        w, re_s, pre, first = (rng.uniform(0, 0.02) for _ in range(4))
+        r = rec(i, "continued", 40, 5, wait_s=w, restore_s=re_s, prefill_s=pre + first,
+                first_decode_s=first, ttft_s=w + re_s + pre + first)
+        total, parts = written(r)
+        assert len(parts) == len(ttft_parts(r)) and sum(parts) == total, ttft_text(r)
+        assert all(abs(n - s * 1000) < 1 for n, (_, s) in zip(parts, ttft_parts(r),
+                                                              strict=True)), ttft_text(r)
+
+
 def test_request_numbers_carry_their_cells():
     cells = {r.id: SimpleNamespace(label=f"[{r.id + 2}]") for r in session()}
     pts = charts.timeline_points(session(), cell_of=lambda r: cells.get(r.id))

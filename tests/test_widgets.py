@@ -941,3 +941,61 @@ def test_a_closed_engine_leaves_the_snapshot_with_its_last_requests(sent):
     assert dash.feed.refresh_snapshots() == 0  # it keeps the request, not "engine closed"
     assert "last" in dash.feed.snapshots[0]._shown
     dash.close()
+
+
+#: 01_quickstart's conversations, as its cells send them
+LESSON = [
+    ("main", "You are a concise assistant in a tutorial about prompt caching. Answer in one or "
+             "two short sentences.", ["What is a KV cache in a language model?",
+                                      "Why does reusing it make the next reply start faster?"]),
+    ("bob", "You answer with short lists.", ["Name three red fruits.",
+                                             "Which 2 of them are the sweetest?"]),
+    ("sampler", "", ["Invent a name for a cat."]),
+]
+
+
+def test_one_dashboard_update_after_a_turn_sends_at_most_100_kb(engine, sent):
+    """What a displayed dashboard sends after each turn of a lesson (01's five turns, then
+    Run All again): the live view's widget messages, its snapshot and each chart's update
+    through their display ids (the holder, then plotly's JSON, the PNG and a line of text).
+    At most 100 kB per turn, and 1 MB over the lesson."""
+    import json
+
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    from conftest import ipython_shell
+
+    ipython_shell()
+    engine.clear()
+    dash = CacheDashboard(engine, live=False)
+    dash.feed.live = True  # a live feed whose thread does not run: refreshed by hand here
+    with capture_output():
+        display(dash)
+    per_turn, parts = [], []
+    try:
+        for _ in range(2):  # Run All twice
+            for name, system, questions in LESSON:
+                msgs = [{"role": "system", "content": system}] if system else []
+                for q in questions:
+                    msgs.append(user(q))
+                    n = len(sent)
+                    reply = engine.chat(msgs, session=name, max_tokens=24, temperature=0,
+                                        seed=42)
+                    msgs.append({"role": "assistant", "content": reply.text})
+                    dash.feed.flush()  # the live view's redraw after the request
+                    with capture_output() as cap:
+                        assert dash.feed.refresh_snapshots() >= 2  # the snapshot and a chart
+                    shown = sum(len(json.dumps(o.data)) for o in cap.outputs)
+                    live = sum(len(json.dumps(d, default=str)) for _, d in sent[n:])
+                    per_turn.append(shown + live)
+                    parts.append((shown, live))
+    finally:
+        dash.close()
+    sizes = [c for out in dash.chart_outputs for c in out.sizes]
+    print(f"dashboard update per turn: max {max(per_turn) / 1000:.1f} kB, "
+          f"{sum(per_turn) / 1000:.0f} kB over {len(per_turn)} turns; largest chart bundle "
+          f"{max(sizes) / 1000:.1f} kB; outputs and widget messages per turn (kB): "
+          + ", ".join(f"{a / 1000:.0f}+{b / 1000:.0f}" for a, b in parts))
+    assert len(per_turn) == 10 and max(per_turn) <= 100_000, per_turn
+    assert sum(per_turn) <= 1_000_000

@@ -51,10 +51,31 @@ def ttft_parts(r: RequestRecord) -> list[tuple[str, float]]:
     return parts
 
 
+def whole_ms(total_s: float, parts: list[float]) -> list[int]:
+    """``parts`` (seconds) in whole milliseconds that add up to ``total_s``'s, as written.
+
+    Each part is rounded where the running sum falls, not on its own (three parts of 4.6 ms
+    are 5 + 4 + 5 = 14, never 15 under a total of 14), and the last one ends at the total.
+    """
+    end, at, out = round(total_s * 1000), 0, []
+    cum = 0.0
+    for i, s in enumerate(parts):
+        cum += s * 1000
+        b = end if i == len(parts) - 1 else min(max(round(cum), at), end)
+        out.append(b - at)
+        at = b
+    return out
+
+
 def ttft_text(r: RequestRecord) -> str:
-    """``first token 95 ms = waited 2 ms + restored 0 ms + read ... + first token 1 ms``."""
-    split = " + ".join(f"{what} {s * 1000:.0f} ms" for what, s in ttft_parts(r))
-    return (f"time from the request to the first reply token: {r.ttft_s * 1000:.0f} ms"
+    """``first token 95 ms = waited 2 ms + restored 0 ms + read ... + first token 1 ms``.
+
+    The parts written add up to the total written (:func:`whole_ms`).
+    """
+    parts = ttft_parts(r)
+    ms = whole_ms(r.ttft_s, [s for _, s in parts])
+    split = " + ".join(f"{what} {n} ms" for (what, _), n in zip(parts, ms, strict=True))
+    return (f"time from the request to the first reply token: {round(r.ttft_s * 1000)} ms"
             f" = {split}")
 
 
