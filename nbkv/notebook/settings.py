@@ -57,11 +57,6 @@ class Settings(EngineTraits):
                     ).tag(config=True)
     autosave_interval = Float(30.0, min=1.0, help="Autosave: seconds between two saves at least"
                               ).tag(config=True)
-    park_ram = Int(None, allow_none=True, min=0, help="Bytes of RAM for conversations that "
-                   "lost their slot, parked to be restored instead of read again (None: a "
-                   "quarter of free RAM, at most 4 GiB)").tag(config=True)
-    park_dir = Unicode("", help="Directory where parked conversations go when they leave RAM "
-                                "('' = no disk tier: they are dropped)").tag(config=True)
     frontend = Enum(("auto", "notebook", "terminal"), "auto",
                     help="How %%chat shows replies: 'auto' picks 'notebook' in a Jupyter "
                          "kernel, else 'terminal' (stdout)").tag(config=True)
