@@ -399,5 +399,3 @@ def _legacy_spc(options: dict[str, Any], slots: SlotSettings) -> None:
             "exclusive (IMC already caches the system prompt): pick cache='imc' or 'spc'")
     options["cache"] = "spc"
 
-
-DEFAULTS = EngineSettings()
