@@ -10,7 +10,7 @@ import pytest
 
 from conftest import QUESTIONS, SYSTEM, assert_consistent, fresh_probe, scratch_reply
 from nbkv import Engine
-from nbkv.core.config import HardwareOptions
+from nbkv.core.config import HardwareSettings
 from nbkv.core.errors import InsufficientMemoryError, InvalidRequestError
 from nbkv.llama import memplan
 from nbkv.llama.hardware import devices, gpu_offload, kv_type_id
@@ -64,8 +64,8 @@ def test_flash_attention_with_f16_kv_is_refused_under_exact(model_path):
     with pytest.raises(InvalidRequestError, match="type_k must be one of"):
         Engine(model_path, type_k="q3_weird")
     # auto picks what keeps exactness: off with f16, on with quantized K and V
-    assert HardwareOptions(flash_attn="auto").resolved_flash_attn(exact=True) == "off"
-    assert HardwareOptions(flash_attn="auto", type_k="q8_0", type_v="q8_0"
+    assert HardwareSettings(flash_attn="auto").resolved_flash_attn(exact=True) == "off"
+    assert HardwareSettings(flash_attn="auto", type_k="q8_0", type_v="q8_0"
                            ).resolved_flash_attn(exact=True) == "on"
 
 

@@ -150,7 +150,7 @@ def test_the_calibration_says_no_when_shadow_rows_are_not_canonical(model_path, 
 
 def test_auto_rewrites_while_generating_only_when_requests_come_back_to_back(model_path):
     with Engine(model_path, n_slots=1, n_ctx=1024) as e:  # rewrite="auto"
-        assert e.rewrite == "auto" and e.ctx.n_seq_max == 2
+        assert e.settings.exactness.rewrite == "auto" and e.ctx.n_seq_max == 2
         msgs = first_turn()
         # a fresh engine assumes no idle time (a notebook's Run All, an agent loop)
         first = e.chat(msgs, session="a", max_tokens=REPLY, temperature=0)

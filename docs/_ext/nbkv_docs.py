@@ -3,6 +3,7 @@
 - ``{nbkv-magic} kvcache`` / ``{nbkv-magic} chat``: a magic's reference, read from the
   ``magic_arguments`` parser IPython builds for it (usage, docstring, every option).
 - ``{nbkv-settings}``: the ``Nbkv`` traits (``%config Nbkv.X``), from their ``help=``.
+- ``{nbkv-engine-options}``: the engine's settings, from their fields in ``nbkv.core.config``.
 - ``{nbkv-errors}``: every named error, from :mod:`nbkv.core.errors`.
 - ``{nbkv-bench} PATH``: a ``python -m nbkv.bench`` results JSON as tables, with the run's
   machine, date and command.
@@ -65,6 +66,15 @@ def settings_lines() -> list[str]:
         default = trait.default_value
         rows.append([f"`Nbkv.{name}`", f"`{default!r}`", trait.help])
     return _table(["setting", "default", "what it is for"], rows)
+
+
+def engine_options_lines() -> list[str]:
+    """The engine's settings as a Markdown table, from their fields (nbkv.core.config)."""
+    from nbkv.core.config import described
+
+    rows = [[f"`{f.name}`", f"`{group}`", f"`{f.default!r}`", f.metadata["help"]]
+            for group, f in described()]
+    return _table(["argument", "group", "default", "what it is for"], rows)
 
 
 def errors_lines() -> list[str]:
@@ -153,6 +163,14 @@ class SettingsDirective(_Generated):
     def lines(self) -> list[str]:
         """The traits' table."""
         return settings_lines()
+
+
+class EngineOptionsDirective(_Generated):
+    """``{nbkv-engine-options}``: every engine setting."""
+
+    def lines(self) -> list[str]:
+        """The settings' table."""
+        return engine_options_lines()
 
 
 class ErrorsDirective(_Generated):
@@ -274,6 +292,7 @@ def setup(app: Any) -> dict[str, Any]:
     app.connect("builder-inited", check_lesson_outputs)
     app.add_directive("nbkv-magic", MagicDirective)
     app.add_directive("nbkv-settings", SettingsDirective)
+    app.add_directive("nbkv-engine-options", EngineOptionsDirective)
     app.add_directive("nbkv-errors", ErrorsDirective)
     app.add_directive("nbkv-bench", BenchDirective)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

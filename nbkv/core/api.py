@@ -25,15 +25,36 @@ class ChatAPI:
 
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: Literal[False] = False, **sampling: Any) -> ChatResult: ...
+             stream: Literal[False] = False, overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatResult: ...
 
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: Literal[True], **sampling: Any) -> ChatStream: ...
+             stream: Literal[True], overflow: str | None = None,
+             timeout: float | None = None, **sampling: Any) -> ChatStream: ...
 
     def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: bool = False, **sampling: Any) -> ChatResult | ChatStream:
-        """Reply to ``messages``: a ChatResult, or a ChatStream with ``stream=True``."""
+             stream: bool = False, overflow: str | None = None, timeout: float | None = None,
+             **sampling: Any) -> ChatResult | ChatStream:
+        """Reply to ``messages`` (the whole conversation so far, ending with the user's turn).
+
+        ``session`` names the conversation for slot ownership and the event records.
+        Sampling keywords: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_p``,
+        ``repeat_penalty``, ``repeat_last_n``, ``seed``, ``max_tokens``, ``stop``.
+        With ``stream=True`` returns a :class:`ChatStream` of text deltas, else a
+        :class:`ChatResult`. ``overflow`` overrides the engine's policy for this prompt,
+        ``timeout`` its wait for a slot. ``replay=True`` (engines whose ``replays`` is
+        true): if this prompt was answered before with the same deterministic settings and
+        the slot still holds that reply, give it again from the cache, decoding nothing
+        (:mod:`nbkv.engine.replay`; exact engines only).
+        """
+        self._check_request(session, timeout)
+        s = self._submit(messages, session, overflow, timeout, **sampling)
+        return s if stream else s.result()
+
+    def _submit(self, messages: Sequence[Mapping[str, Any]], session: str | None,
+                overflow: str | None, timeout: float | None, **sampling: Any) -> ChatStream:
+        """Queue one checked request (each engine's own): its stream."""
         raise NotImplementedError
 
     @staticmethod

@@ -1,13 +1,17 @@
-"""The engine's settings that the magics, the traits and :class:`~nbkv.Engine` share.
+"""The engine's settings: five frozen groups, each field declared once, here.
 
-One place for each choice and its default, so ``%kvcache load``, ``%config Nbkv`` and
-``Engine(...)`` cannot disagree. Pure data: importing it loads no model code.
+A field carries its type, its default, its check and its help (``metadata``); from them come
+:class:`~nbkv.Engine`'s flat keywords (:data:`FIELDS` routes each to its group), the
+``%config Nbkv`` traits of ``%kvcache load`` (:mod:`nbkv.notebook.settings`) and the docs'
+"Engine options" table. A new option is one field here. Pure data: importing it loads no
+model code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, ClassVar
 
 from nbkv.core import validate
 from nbkv.core.errors import InvalidRequestError
@@ -21,66 +25,50 @@ FLASH_ATTN_MODES = ("auto", "on", "off")
 SPLIT_MODE_NAMES = ("none", "layer", "row")
 CACHE_MODES = ("imc", "spc", "off")  # whole conversations, system prompt only, nothing
 OVERFLOW_POLICIES = ("error", "slide")  # raise, or drop the oldest turns
+#: the stored answer for this model and build, or anew, or (none stored) proven while serving
+CALIBRATIONS = ("cached", "fresh", "background")
+#: when a reply's KV is rewritten as a batch in exact mode (nbkv.engine.shadow)
+REWRITE_MODES = ("auto", "mixed", "idle")
+
+
+def setting(default: Any, help: str, *, choices: tuple[Any, ...] = (), least: int | None = None,
+            optional: bool = False, hint: str = "", kind: str = "",
+            trait: str = "", trait_default: Any = MISSING) -> Any:
+    """One engine setting: its default, what it is for and how it is checked.
+
+    ``choices``: the values allowed; ``least``: an integer at least this (``optional``: or
+    None; ``hint`` says what None means); ``kind``: ``"path"``, ``"directory"``,
+    ``"seconds"`` or ``"text"`` (a str or None). ``trait``: its ``%config Nbkv`` name, when
+    ``%kvcache load`` offers it (``trait_default``: the trait's default, if not the field's).
+    """
+    meta = {"help": help, "choices": choices, "least": least, "optional": optional,
+            "hint": hint, "kind": kind, "trait": trait,
+            "trait_default": default if trait_default is MISSING else trait_default}
+    return field(default=default, metadata=meta)
 
 
 def check_overflow(overflow: str) -> str:
     """``overflow`` if it is a known policy, else :class:`InvalidRequestError`."""
-    if overflow not in OVERFLOW_POLICIES:
-        raise InvalidRequestError(
-            f"overflow must be one of {OVERFLOW_POLICIES}, not {overflow!r}")
-    return overflow
+    return str(check_value("overflow", overflow, {"choices": OVERFLOW_POLICIES}))
 
 
-#: the engine's integer arguments: name -> (least value, None allowed, what to know)
-WHOLE_ARGS: dict[str, tuple[int, bool, str]] = {
-    "n_slots": (1, True, "None: sized from the memory plan"),
-    "n_ctx": (1, True, "None: sized from the memory plan"),
-    "cache_min_tokens": (0, False, ""),
-    # a decode step can hold two rows (a probe, a guess beside its token): never one
-    "n_batch": (2, False, "tokens per llama_decode call; a step may decode two rows"),
-    "n_threads": (1, True, "None: one per core"),
-    "spc_max_entries": (1, False, "cache='off' caches nothing"),
-    "max_checkpoints": (0, False, ""),
-    "checkpoint_bytes": (0, True, "None: as much as a slot's KV on sliding-window models"),
-    "history_size": (1, False, "request records kept"),
-    "park_ram": (0, True, "None: a quarter of the free RAM, at most 4 GiB; 0: no RAM tier"),
-    "park_disk": (0, True, "None: a quarter of the free disk, at most 16 GiB"),
-}
-#: the engine's file arguments: a path or None (``park_dir`` must also be a usable directory)
-PATH_ARGS = ("model_path", "mmproj")
-#: :class:`HardwareOptions` fields
-HARDWARE_ARGS = ("n_gpu_layers", "main_gpu", "split_mode", "tensor_split", "flash_attn",
-                 "type_k", "type_v", "use_mmap", "use_mlock", "fixed_rows")
-
-
-def check_engine_args(**args: Any) -> None:
-    """Refuse, before a model is loaded, :class:`~nbkv.Engine` arguments that are wrong.
-
-    Checks the arguments named here (a wrong type or range, an unknown cache mode, a path
-    that is not one, a ``park_dir`` that is a file or lies under one...); other names are
-    left to the engine. :class:`InvalidRequestError` names the argument.
-    """
-    for name, value in args.items():
-        if name in WHOLE_ARGS:
-            least, optional, hint = WHOLE_ARGS[name]
-            validate.whole(name, value, least, optional, hint)
-    if "wait_timeout" in args:
-        validate.seconds("wait_timeout", args["wait_timeout"])
-    for name in PATH_ARGS:
-        if name in args:
-            validate.path(name, args[name])
-    if "park_dir" in args:  # found wrong after the model loaded, else
-        validate.directory("park_dir", args["park_dir"])
-    if args.get("template") is not None and not isinstance(args["template"], str):
-        raise InvalidRequestError(f"template must be a Jinja2 chat template (a str) or None, "
-                                  f"not {type(args['template']).__name__}")
-    if "cache" in args and args["cache"] not in CACHE_MODES:
-        raise InvalidRequestError(f"cache must be one of {CACHE_MODES}, not {args['cache']!r}")
-    if "overflow" in args:
-        check_overflow(args["overflow"])
-    hardware = {k: args[k] for k in HARDWARE_ARGS if k in args}
-    if hardware:
-        HardwareOptions(**hardware)
+def check_value(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
+    """``value`` checked as a field with ``meta`` says (:func:`setting`), else the named error."""
+    kind, choices = meta.get("kind", ""), meta.get("choices", ())
+    if choices and value not in choices:
+        raise InvalidRequestError(f"{name} must be one of {choices}, not {value!r}")
+    if meta.get("least") is not None:
+        validate.whole(name, value, meta["least"], meta["optional"], meta["hint"])
+    if kind == "path":
+        validate.path(name, value)
+    elif kind == "directory":  # found wrong after the model loaded, else
+        validate.directory(name, value)
+    elif kind == "seconds":
+        validate.seconds(name, value)
+    elif kind == "text" and value is not None and not isinstance(value, str):
+        raise InvalidRequestError(f"{name} must be a Jinja2 chat template (a str) or None, "
+                                  f"not {type(value).__name__}")
+    return value
 
 
 def quantized(kv_type: str) -> bool:
@@ -88,60 +76,174 @@ def quantized(kv_type: str) -> bool:
     return kv_type not in ("f32", "f16", "bf16")
 
 
-@dataclass(frozen=True)
-class HardwareOptions:
-    """llama.cpp's placement and KV settings (see docs/howto/own-model.md).
-
-    Checked here, by name; :mod:`nbkv.llama.hardware` maps the names to llama.cpp's ids.
-
-    ``n_gpu_layers=None`` offloads every layer when the build has a GPU backend, else none.
-    ``flash_attn`` is ``"auto"``, ``"on"`` or ``"off"`` (``True``/``False`` work too).
-    A quantized ``type_v`` needs flash attention in llama.cpp.
-    """
-
-    n_gpu_layers: int | None = None
-    main_gpu: int = 0
-    split_mode: str = "layer"
-    tensor_split: tuple[float, ...] | None = None
-    flash_attn: str = "off"
-    type_k: str = "f16"
-    type_v: str = "f16"
-    use_mmap: bool = True
-    use_mlock: bool = False
-    #: pad every text decode to this many rows (a scratch sequence's): one batch shape, for
-    #: GPU builds whose kernels choose their algorithm by batch shape (0: off; <= n_batch)
-    fixed_rows: int = 0
+class Group:
+    """A frozen group of settings: every field checked as its metadata says, when made."""
 
     def __post_init__(self) -> None:
-        fa = self.flash_attn
-        if isinstance(fa, bool):
-            object.__setattr__(self, "flash_attn", "on" if fa else "off")
-        elif fa not in FLASH_ATTN_MODES:
-            raise InvalidRequestError(f"flash_attn must be 'auto', 'on' or 'off', not {fa!r}")
-        for name in ("type_k", "type_v"):
-            if getattr(self, name) not in KV_TYPE_SIZES:
-                raise InvalidRequestError(f"{name} must be one of {sorted(KV_TYPE_SIZES)}, "
-                                          f"not {getattr(self, name)!r}")
-        if self.split_mode not in SPLIT_MODE_NAMES:
-            raise InvalidRequestError(f"split_mode must be one of {sorted(SPLIT_MODE_NAMES)}, "
-                                      f"not {self.split_mode!r}")
-        if self.n_gpu_layers is not None and (not isinstance(self.n_gpu_layers, int)
-                                              or self.n_gpu_layers < -1):
-            raise InvalidRequestError("n_gpu_layers must be an integer >= -1 (-1: all layers)")
-        if isinstance(self.fixed_rows, bool) or not isinstance(self.fixed_rows, int) \
-                or self.fixed_rows < 0:
-            raise InvalidRequestError("fixed_rows must be an integer >= 0 (0: off)")
-        if self.main_gpu < 0:
-            raise InvalidRequestError("main_gpu must be >= 0")
+        self._normalize()
+        for f in fields(self):  # type: ignore[arg-type]
+            check_value(f.name, getattr(self, f.name), f.metadata)
+        self._check()
+
+    def _normalize(self) -> None:
+        """Put accepted spellings into their one form (before the checks)."""
+
+    def _check(self) -> None:
+        """What involves several fields of the group (after each field's own check)."""
+
+
+@dataclass(frozen=True)
+class ModelSettings(Group):
+    """The model, its chat template and its vision projector."""
+
+    model_path: str | None = setting(
+        None, "GGUF file; `None` uses `$NBKV_MODEL` or the embedded SmolLM2-135M",
+        kind="path", trait="model", trait_default="")
+    template: str | None = setting(
+        None, "a Jinja2 chat template overriding the model's own", kind="text")
+    mmproj: str | None = setting(
+        None, "a vision projector GGUF matching the model: messages may then carry images. It "
+        "is checked before llama.cpp sees it; a mismatch raises `ProjectorError`", kind="path")
+    trust_projector: bool = setting(
+        False, "accept projector types nbkv cannot validate ahead of time")
+
+
+@dataclass(frozen=True)
+class SlotSettings(Group):
+    """The slots and what they cache: how many, how long, which cache mode, what overflows."""
+
+    n_slots: int | None = setting(
+        4, "conversations kept in KV at once (one llama.cpp sequence each); `None`: picked "
+        "from the memory plan, 4 when they fit", least=1, optional=True,
+        hint="None: sized from the memory plan", trait="slots", trait_default=None)
+    n_ctx: int | None = setting(
+        4096, "context budget of each slot, in tokens (rounded up to a multiple of 256). "
+        "`None` for this or `n_slots`: picked from the memory plan (4 x 4096 when the KV takes "
+        "at most a quarter of the free memory, else smaller), said in `engine.sized`; a slot "
+        "longer than the model's trained context is warned about", least=1, optional=True,
+        hint="None: sized from the memory plan", trait="ctx", trait_default=None)
+    cache: str = setting(
+        "imc", "`\"imc\"` (whole conversations), `\"spc\"` (system prompt only) or `\"off\"`",
+        choices=CACHE_MODES, trait="mode")
+    cache_min_tokens: int = setting(
+        100, "IMC: shortest token prefix worth salvaging from another conversation's slot; "
+        "SPC: shortest system prompt worth caching", least=0, trait="min_tokens")
+    overflow: str = setting(
+        "error", "`\"error\"` raises `ContextOverflowError` when a prompt does not fit its "
+        "slot; `\"slide\"` drops the oldest turns (keeping the system prompt) instead",
+        choices=OVERFLOW_POLICIES, trait="overflow")
+    wait_timeout: float = setting(
+        300.0, "seconds a request may wait for a free slot", kind="seconds")
+    spc_max_entries: int = setting(
+        4, "system prompts the System Prompt Cache keeps", least=1,
+        hint="cache='off' caches nothing")
+    history_size: int = setting(1000, "request records kept", least=1,
+                                hint="request records kept")
+    max_checkpoints: int = setting(
+        8, "per slot, on models whose KV cannot be trimmed (hybrid, recurrent) or whose state "
+        "put back from parking or a save cannot (sliding-window): partial states kept at "
+        "message boundaries (the newest kept, older ones thinned)", least=0)
+    checkpoint_bytes: int | None = setting(
+        None, "per slot, the most bytes its checkpoints may take. `None` (default): as much "
+        "as the slot's own KV on sliding-window models, where each checkpoint holds a whole "
+        "window of the SWA layers; no bound on hybrid and recurrent ones", least=0,
+        optional=True, hint="None: as much as a slot's KV on sliding-window models")
+
+
+@dataclass(frozen=True)
+class ParkingSettings(Group):
+    """Parking (IMC only): where conversations that lost their slot are kept, within what.
+
+    A request that takes a slot parks the conversation that held it, and a prompt that starts
+    with it restores it (``nbkv/store/parking.py``). ``park_ram=0`` without a ``park_dir``
+    turns parking off.
+    """
+
+    park_ram: int | None = setting(
+        None, "bytes of RAM for parked conversations (default the smaller of a quarter of the "
+        "free RAM and 4 GiB; least recently used leave first); `0` without a `park_dir`: "
+        "parking is off", least=0, optional=True,
+        hint="None: a quarter of the free RAM, at most 4 GiB; 0: no RAM tier", trait="park_ram")
+    park_dir: str | None = setting(
+        None, "an optional disk tier parked conversations spill to (several engines may share "
+        "one: each writes its own namespace; `close()` spills the slots and RAM there, and the "
+        "next engine opening it takes them over)", kind="directory", trait="park_dir",
+        trait_default="")
+    park_disk: int | None = setting(
+        None, "bytes the disk tier may take", least=0, optional=True,
+        hint="None: a quarter of the free disk, at most 16 GiB")
+
+
+@dataclass(frozen=True)
+class HardwareSettings(Group):
+    """llama.cpp's threads, batch, placement and KV types (see docs/howto/own-model.md).
+
+    :mod:`nbkv.llama.hardware` maps the names to llama.cpp's ids. A quantized ``type_v``
+    needs flash attention in llama.cpp.
+    """
+
+    n_batch: int = setting(
+        256, "tokens per `llama_decode` call (prefill chunk size)", least=2,
+        hint="tokens per llama_decode call; a step may decode two rows")
+    n_threads: int | None = setting(
+        None, "llama.cpp's threads; default what this process may really use: the CPU "
+        "affinity mask and the cgroup's CPU quota, whichever is smaller "
+        "(`nbkv/llama/cpus.py`). `engine.n_threads` says what it runs with", least=1,
+        optional=True, hint="None: one per core")
+    n_gpu_layers: int | None = setting(
+        None, "layers offloaded to a GPU: `None` (default) is all of them when the llama.cpp "
+        "build has a GPU backend, else 0 (-1: all layers)", least=-1, optional=True,
+        hint="-1: all layers", trait="n_gpu_layers")
+    main_gpu: int = setting(0, "the GPU that holds the model (`split_mode=\"none\"`)", least=0,
+                            trait="main_gpu")
+    split_mode: str = setting("layer", "how layers are split across GPUs, as in llama.cpp",
+                              choices=SPLIT_MODE_NAMES, trait="split_mode")
+    tensor_split: tuple[float, ...] | None = setting(
+        None, "each GPU's share of the model, as in llama.cpp")
+    flash_attn: str = setting(
+        "off", "`\"off\"` (default), `\"on\"` or `\"auto\"` (`True`/`False` too). With f16 KV, "
+        "llama.cpp's CPU flash-attention kernel tiles batches of 64+ tokens, so a prompt "
+        "prefilled in pieces (what a cache hit does) gets other logits than the same prompt "
+        "prefilled at once: `exact=True` refuses it. With quantized K and V the kernel is "
+        "per-token and exactness holds", choices=FLASH_ATTN_MODES, trait="flash_attn")
+    type_k: str = setting(
+        "f16", "K cache type: `\"f16\"` (default), `\"q8_0\"` (about half the memory), "
+        "`\"q4_0\"`, ... (`nbkv.core.config.KV_TYPE_SIZES`)", choices=tuple(KV_TYPE_SIZES),
+        trait="type_k")
+    type_v: str = setting(
+        "f16", "V cache type, as `type_k`; a quantized V cache needs `flash_attn=\"on\"`",
+        choices=tuple(KV_TYPE_SIZES), trait="type_v")
+    use_mmap: bool = setting(True, "memory-map the weights", trait="use_mmap")
+    use_mlock: bool = setting(False, "lock the weights in RAM", trait="use_mlock")
+    fixed_rows: int = setting(
+        0, "experimental, for GPUs: pad every text decode to this many rows (0, the default: "
+        "off; at most `n_batch` and 256) with rows of a scratch sequence, so the kernels see "
+        "one batch shape; calibration then proves or refutes exactness in that shape. On a "
+        "CPU it only costs time", least=0, hint="0: off")
+    check_memory: bool = setting(
+        True, "plan the KV bytes from the GGUF metadata and refuse, with the figures, a "
+        "configuration that cannot fit the free memory, before llama.cpp allocates")
+
+    def _normalize(self) -> None:
+        if isinstance(self.flash_attn, bool):
+            object.__setattr__(self, "flash_attn", "on" if self.flash_attn else "off")
         if self.tensor_split is not None:
-            ts = tuple(float(x) for x in self.tensor_split)
+            try:
+                ts = tuple(float(x) for x in self.tensor_split)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError("tensor_split must be non-negative shares") from e
             if not ts or any(x < 0 for x in ts) or sum(ts) <= 0:
                 raise InvalidRequestError("tensor_split must be non-negative shares, not all 0")
             object.__setattr__(self, "tensor_split", ts)
+
+    def _check(self) -> None:
         if quantized(self.type_v) and self.flash_attn == "off":
             raise InvalidRequestError(
                 f"type_v={self.type_v!r} needs flash attention in llama.cpp (a quantized V "
                 "cache is only read by the flash-attention kernel): pass flash_attn='on'")
+        if self.fixed_rows > min(self.n_batch, 256):
+            raise InvalidRequestError(f"fixed_rows must be at most n_batch ({self.n_batch}) "
+                                      "and 256 (the calibration's slots)")
 
     def check_exact(self, exact: bool) -> None:
         """``exact=True`` with flash attention holds only when K and V are both quantized.
@@ -164,82 +266,136 @@ class HardwareOptions:
         return "on" if quantized(self.type_k) and quantized(self.type_v) else "off"
 
 
-#: the stored answer for this model and build, or anew, or (none stored) proven while serving
-CALIBRATIONS = ("cached", "fresh", "background")
-#: when a reply's KV is rewritten as a batch in exact mode (nbkv.engine.shadow)
-REWRITE_MODES = ("auto", "mixed", "idle")
+@dataclass(frozen=True)
+class ExactnessSettings(Group):
+    """Whether cached KV equals a fresh prefill, how that is proven, and the reply rewrite."""
+
+    exact: bool = setting(
+        True, "keep cached KV bit-identical to a from-scratch prefill. Replies are generated "
+        "one token per step, as plain llama.cpp does; a one-token decode rounds slightly "
+        "differently from a batched prefill, so once a reply has streamed its KV is rewritten "
+        "as a batch in the scheduler's idle time (or by the next request that reuses it). "
+        "`False` keeps the token-by-token KV: no rewrite, and a cached reply may then differ "
+        "from a from-scratch one at near-ties")
+    rewrite: str = setting(
+        "auto", "when the reply's KV is rewritten as a batch (exact mode, IMC). `\"auto\"` "
+        "(default): in idle time, and, when requests come back to back, while the reply is "
+        "generated, in a shadow sequence (`nbkv/engine/shadow.py`; it takes one slot's KV "
+        "memory more, and the reply then decodes slower by what its rows cost); `\"mixed\"`: "
+        "always while the reply is generated; `\"idle\"`: only in idle time (or by the next "
+        "request), with no shadow sequence", choices=REWRITE_MODES)
+    speculative: bool = setting(
+        False, "decode a prompt-lookup guess of the next token beside each generated one "
+        "(`nbkv/engine/drafts.py`); a right guess yields two tokens from one decode. Off by "
+        "default: a two-row decode costs more than a one-row decode on a CPU, and rounds "
+        "differently (so replies equal plain llama.cpp's only without guesses). Ignored on "
+        "hybrid and recurrent models, whose state cannot drop a wrong guess")
+    calibration: str = setting(
+        "cached", "`\"cached\"` (default) or `\"fresh\"`: at load, nbkv measures how this model "
+        "and build must group prompt rows for cached KV to equal a fresh prefill "
+        "(`nbkv/kv/calibrate.py`, once per model, llama.cpp build and CPU, with a progress "
+        "bar) and prefills that way; `\"fresh\"` measures again. `\"background\"`: with nothing "
+        "cached the engine serves at once on the lean path, records saying `exact=False` "
+        "(\"not proven yet\"), proves the grouping on a thread of its own in idle time, then "
+        "drops what it cached meanwhile and serves exact (`engine.wait_proven()` waits for "
+        "it). The result is `engine.prefill_rule` (`engine.model.exactness` in words). The "
+        "file (`calibration-v3.json`) is signed with the user's key; an entry edited, copied "
+        "from another user, or holding bad values is measured again", choices=CALIBRATIONS)
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Every setting of an engine, checked here, in one place, before a model is loaded.
+    """Every setting of an engine, in five frozen groups, checked before a model is loaded.
 
-    :class:`nbkv.Engine` takes these as keyword arguments (its docstring says what each one
-    does); ``%kvcache load`` and ``%config Nbkv`` build the same object, so they cannot
-    disagree. ``n_slots``/``n_ctx`` ``None`` leave the size to the memory plan. An engine
-    keeps what it was asked for as ``engine.settings`` (two loads asking for equal settings
-    ask for the same engine).
+    :class:`nbkv.Engine` takes the groups (``slots=SlotSettings(n_slots=2)``), or their fields
+    as flat keywords (``n_slots=2``), routed by :meth:`of`; ``%kvcache load`` and
+    ``%config Nbkv`` build the same object, so they cannot disagree. An engine keeps what it
+    was asked for as ``engine.settings``, and hands it unchanged to its resources and its
+    scheduler (two loads asking for equal settings ask for the same engine).
     """
 
-    model_path: str | None = None
-    n_slots: int | None = 4
-    n_ctx: int | None = 4096
-    cache: str = "imc"
-    cache_min_tokens: int = 100
-    overflow: str = "error"
-    n_batch: int = 256
-    n_threads: int | None = None
-    template: str | None = None
-    spc_max_entries: int = 4
-    history_size: int = 1000
-    wait_timeout: float = 300.0
-    exact: bool = True
-    rewrite: str = "auto"
-    speculative: bool = False
-    max_checkpoints: int = 8
-    checkpoint_bytes: int | None = None
-    mmproj: str | None = None
-    trust_projector: bool = False
-    check_memory: bool = True
-    calibration: str = "cached"
-    park_ram: int | None = None
-    park_dir: str | None = None
-    park_disk: int | None = None
-    hardware: HardwareOptions = field(default_factory=HardwareOptions)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    slots: SlotSettings = field(default_factory=SlotSettings)
+    parking: ParkingSettings = field(default_factory=ParkingSettings)
+    hardware: HardwareSettings = field(default_factory=HardwareSettings)
+    exactness: ExactnessSettings = field(default_factory=ExactnessSettings)
+
+    #: group name -> its class
+    GROUPS: ClassVar[dict[str, type[Group]]]
 
     def __post_init__(self) -> None:
-        checked = {*WHOLE_ARGS, *PATH_ARGS, "park_dir", "template", "cache", "overflow",
-                   "wait_timeout"}
-        check_engine_args(**{f.name: getattr(self, f.name) for f in fields(self)
-                             if f.name in checked})
-        if self.calibration not in CALIBRATIONS:
-            raise InvalidRequestError(
-                f"calibration must be 'cached', 'fresh' or 'background', "
-                f"not {self.calibration!r}")
-        if self.rewrite not in REWRITE_MODES:
-            raise InvalidRequestError(
-                f"rewrite must be one of {', '.join(map(repr, REWRITE_MODES))}, "
-                f"not {self.rewrite!r}")
-        self.hardware.check_exact(self.exact)
-        if self.hardware.fixed_rows > min(self.n_batch, 256):
-            raise InvalidRequestError(f"fixed_rows must be at most n_batch ({self.n_batch}) "
-                                      "and 256 (the calibration's slots)")
+        for name, cls in self.GROUPS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise InvalidRequestError(f"{name} must be a {cls.__name__}, not "
+                                          f"{type(getattr(self, name)).__name__}")
+        self.hardware.check_exact(self.exactness.exact)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineSettings:
-        """From :class:`nbkv.Engine`'s keyword arguments (the hardware ones included)."""
-        hw = {k: kwargs.pop(k) for k in HARDWARE_ARGS if k in kwargs}
-        if hw.get("tensor_split") is not None:
-            hw["tensor_split"] = tuple(hw["tensor_split"])
-        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)} - {"hardware"})
+    def of(cls, base: EngineSettings | None = None, groups: Mapping[str, Any] | None = None,
+           **options: Any) -> EngineSettings:
+        """``base`` (default: the defaults) with ``groups`` put in and flat ``options`` set.
+
+        Each flat option names a field, routed into its group by :data:`FIELDS`; one named
+        nowhere, or given beside its own group, is an :class:`InvalidRequestError`.
+        ``system_prompt_cache=True`` is another way to say ``cache="spc"``.
+        """
+        base = base if base is not None else cls()
+        if not isinstance(base, cls):
+            raise InvalidRequestError(f"settings must be an EngineSettings, not "
+                                      f"{type(base).__name__}")
+        given = {g: v for g, v in (groups or {}).items() if v is not None}
+        _legacy_spc(options, given.get("slots", base.slots))
+        unknown = sorted(set(options) - set(FIELDS))
         if unknown:
             raise InvalidRequestError(f"unknown engine setting(s) {unknown}")
-        return cls(**kwargs, hardware=HardwareOptions(**hw))
+        both = sorted(n for n in options if FIELDS[n] in given)
+        if both:
+            raise InvalidRequestError(f"{both} given both as keywords and inside their group "
+                                      f"({', '.join(sorted({FIELDS[n] for n in both}))}=): "
+                                      "give each setting once")
+        parts: dict[str, Any] = {g: given.get(g, getattr(base, g)) for g in cls.GROUPS}
+        for g, part in parts.items():
+            mine = {n: v for n, v in options.items() if FIELDS[n] == g}
+            if mine and isinstance(part, cls.GROUPS[g]):
+                parts[g] = replace(part, **mine)  # type: ignore[type-var]
+        return cls(**parts)
 
     @property
     def flash_attn(self) -> str:
         """Flash attention as it will run (``auto`` made concrete for an exact engine)."""
-        return self.hardware.resolved_flash_attn(self.exact)
+        return self.hardware.resolved_flash_attn(self.exactness.exact)
 
 
-DEFAULTS = EngineSettings()
+EngineSettings.GROUPS = {f.name: f.default_factory for f in fields(EngineSettings)  # type: ignore[misc]
+                         if callable(f.default_factory)}
+
+
+def _field_table() -> dict[str, str]:
+    table: dict[str, str] = {}
+    for group, cls in EngineSettings.GROUPS.items():
+        for f in fields(cls):  # type: ignore[arg-type]
+            assert f.name not in table, f"{f.name} is in two groups"
+            table[f.name] = group
+    return table
+
+
+#: every field's name -> the group that holds it: how flat keywords are routed
+FIELDS: dict[str, str] = _field_table()
+
+
+def described() -> list[tuple[str, Any]]:
+    """Every field, with its group's name, in declaration order (for the docs and traits)."""
+    return [(g, f) for g, cls in EngineSettings.GROUPS.items()
+            for f in fields(cls)]  # type: ignore[arg-type]
+
+
+def _legacy_spc(options: dict[str, Any], slots: SlotSettings) -> None:
+    """``system_prompt_cache=True``: ``cache="spc"``; refused beside ``cache="imc"``."""
+    if not options.pop("system_prompt_cache", None):
+        return
+    if options.get("cache", slots.cache) == "imc":
+        raise InvalidRequestError(
+            "the System Prompt Cache and the Incremental Message Cache are mutually "
+            "exclusive (IMC already caches the system prompt): pick cache='imc' or 'spc'")
+    options["cache"] = "spc"
+

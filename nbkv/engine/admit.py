@@ -23,11 +23,12 @@ from nbkv.kv.reach import restorable, restore_point
 from nbkv.kv.slot_kv import trim_valid
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
     from nbkv.engine.replay import Replays
     from nbkv.engine.slot_parking import Parker
-    from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+    from nbkv.engine.slots import EngineSlot, EngineTable
     from nbkv.kv.spc import SystemPromptStore
     from nbkv.store.parked import ParkedEntry, ParkedInfo
     from nbkv.store.parking import ParkingLot
@@ -56,7 +57,7 @@ class Outcome:
 class Executor:
     """Applies admissions to slots: the only code that changes a slot's KV to admit a request."""
 
-    def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
+    def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
                  spc: SystemPromptStore, parking: ParkingLot | None, parker: Parker,
                  replays: Replays) -> None:
         self.res = res
@@ -102,7 +103,7 @@ class Executor:
 
     def _steps(self, adm: ad.Admission, job: Job, slot: EngineSlot, donor: EngineSlot | None,
                entry: ParkedEntry | None, out: Outcome) -> None:
-        p, kv, rule, cache = job.prompt, slot.kv, self.res.rule, self.settings.cache
+        p, kv, rule, cache = job.prompt, slot.kv, self.res.rule, self.settings.slots.cache
         steps = adm.steps
         if ad.PARK in steps:  # before the slot is cut, copied over or reused
             t_park = time.perf_counter()
@@ -116,7 +117,8 @@ class Executor:
             out.restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
                 tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
             out.reuse = out.planned = invariance.valid_start(p.tokens, min(
-                adm.plan.reuse, kv.settled if self.settings.exact and not self.res.lean else held,
+                adm.plan.reuse,
+                kv.settled if self.settings.exactness.exact and not self.res.lean else held,
                 policy.reuse_limit(len(p.tokens))), rule)
         if ad.COPY in steps and donor is not None:
             out.reuse = kv.copy_from(donor.kv, out.reuse)
@@ -149,7 +151,7 @@ class Executor:
         On the first request with a given system prompt nothing is restored: the prompt is
         prefilled as usual and the slot's state is saved when the prefill passes its end.
         """
-        p, min_tokens, rule = job.prompt, self.settings.cache_min_tokens, self.res.rule
+        p, min_tokens, rule = job.prompt, self.settings.slots.cache_min_tokens, self.res.rule
         slot.kv.clear()
         if p.messages[0]["role"] != "system" or p.ends[0] < min_tokens:
             return 0

@@ -19,6 +19,7 @@ from nbkv.engine import state as engine_state
 from nbkv.engine import verify
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.core.events import EventBus
     from nbkv.engine.control import Composed
     from nbkv.engine.slots import EngineTable
@@ -37,7 +38,7 @@ class ControlCalls:
     parking: ParkingLot | None
     events: EventBus
     model: Model
-    cache: str
+    settings: EngineSettings
 
     def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
@@ -55,8 +56,9 @@ class ControlCalls:
 
     def _parking_lot(self) -> ParkingLot:
         if self.parking is None:
-            raise InvalidRequestError("parking is off for this engine (cache mode "
-                                      f"{self.cache!r}, or park_ram=0 without park_dir)")
+            raise InvalidRequestError(f"parking is off for this engine (cache mode "
+                                      f"{self.settings.slots.cache!r}, or park_ram=0 without "
+                                      "park_dir)")
         return self.parking
 
     def clear(self, slot: int | None = None, *, parked: bool = False) -> str:

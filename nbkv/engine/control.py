@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
     from nbkv.engine.proving import BackgroundProof
     from nbkv.engine.rewrite import Pace, Rewriter
     from nbkv.engine.slot_parking import Parker
-    from nbkv.engine.slots import EngineTable, ServeSettings
+    from nbkv.engine.slots import EngineTable
     from nbkv.kv.replies import ReplyBook
     from nbkv.kv.spc import SystemPromptStore
     from nbkv.store.parking import ParkingLot
@@ -35,7 +36,7 @@ class Runs(Protocol):
         """The model, context, batch and prefill rule."""
 
     @property
-    def settings(self) -> ServeSettings:
+    def settings(self) -> EngineSettings:
         """How requests are served (cache mode, exact, ...)."""
 
 

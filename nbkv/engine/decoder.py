@@ -35,9 +35,9 @@ from nbkv.engine.jobs import Job, JobState
 from nbkv.kv import invariance
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.engine.native import Resources
     from nbkv.engine.rewrite import Pace
-    from nbkv.engine.slots import ServeSettings
     from nbkv.kv.spc import SystemPromptStore
 
 log = logging.getLogger("nbkv")
@@ -62,7 +62,7 @@ class Steps(Protocol):
 class Decoder:
     """Decodes the requests' steps into their slots' KV (see the module's docstring)."""
 
-    def __init__(self, res: Resources, settings: ServeSettings, spc: SystemPromptStore,
+    def __init__(self, res: Resources, settings: EngineSettings, spc: SystemPromptStore,
                  pace: Pace, steps: Steps) -> None:
         self.res = res
         self.settings = settings
@@ -181,7 +181,7 @@ class Decoder:
         jobs.sort(key=lambda j: j.placed_slot.seq_id)  # one micro-batch (see nbkv.kv.batching)
         # more rows than the calibration proved would take another kernel: split the step
         limit = self.res.rule.gen_rows
-        size = max(limit // (2 if self.settings.speculative else 1), 1) if limit else len(jobs)
+        size = max(limit // (2 if self.res.speculative else 1), 1) if limit else len(jobs)
         for i in range(0, len(jobs), size):
             self._generate_rows(jobs[i:i + size])
 
@@ -189,7 +189,7 @@ class Decoder:
     def two_row_exact(self) -> bool:
         """Exact mode with guesses on a rule whose two-row chunks are canonical (see above)."""
         rule, cfg = self.res.rule, self.settings
-        return (cfg.exact and cfg.speculative and rule.exact and not rule.single_row
+        return (cfg.exactness.exact and self.res.speculative and rule.exact and not rule.single_row
                 and rule.threshold <= 2 and rule.align == 1)
 
 

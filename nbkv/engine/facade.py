@@ -17,17 +17,23 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any
 
 from nbkv.core import validate
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
-from nbkv.core.config import DEFAULTS, EngineSettings
+from nbkv.core.config import (
+    EngineSettings,
+    ExactnessSettings,
+    HardwareSettings,
+    ParkingSettings,
+    SlotSettings,
+)
 from nbkv.core.errors import EngineClosedError, InvalidRequestError
 from nbkv.core.events import EventBus, ParkingDropped, SlotsChanged
 from nbkv.core.progress import Reporter
 from nbkv.core.progress import resolve as resolve_progress
 from nbkv.core.requests import SamplingParams
-from nbkv.core.streams import ChatResult, ChatStream
+from nbkv.core.streams import ChatStream
 from nbkv.engine import verify
 from nbkv.engine.calls import ControlCalls
 from nbkv.engine.drafts import NgramDrafter
@@ -35,7 +41,7 @@ from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit, forget_at_exit
 from nbkv.engine.proving import forget
 from nbkv.engine.scheduler import Scheduler
-from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+from nbkv.engine.slots import EngineSlot, EngineTable
 from nbkv.kv import reasons
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.oracle import Verification
@@ -61,12 +67,11 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
 
     One llama.cpp context holds ``n_slots`` sequences, each a conversation kept in KV, so a
     new turn prefills only what the model has not seen. ``model_path`` is a GGUF file
-    (``None``: ``$NBKV_MODEL`` or the embedded SmolLM2-135M); ``cache`` is ``"imc"`` (whole
-    conversations), ``"spc"`` (system prompts only) or ``"off"``. The other keywords are the
-    fields of :class:`~nbkv.core.config.EngineSettings` (slot size, overflow policy,
-    llama.cpp's threads, GPU and KV-type options, exactness and the reply rewrite,
-    checkpoints, the vision projector, parking budgets), checked before the model loads;
-    the docs' "Engine options" page says what each one is for. ``progress`` says where the
+    (``None``: ``$NBKV_MODEL`` or the embedded SmolLM2-135M). The settings are one
+    :class:`~nbkv.core.config.EngineSettings` (``settings``), its groups (``slots``,
+    ``parking``, ``hardware``, ``exactness``) or their fields as flat keywords
+    (``n_slots=2, cache="spc", park_dir=...``), checked before the model loads; the docs'
+    "Engine options" page says what each one is for. ``progress`` says where the
     load's long steps are shown and ``on_load_progress`` is called with the fraction of the
     model loaded. ``calibration="background"`` serves at once, records saying ``exact=False``
     until the exactness proof ends in idle time (:meth:`wait_proven`).
@@ -87,131 +92,105 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         self,
         model_path: str | None = None,
         *,
-        n_slots: int | None = DEFAULTS.n_slots,
-        n_ctx: int | None = DEFAULTS.n_ctx,
-        cache: str = DEFAULTS.cache,
-        cache_min_tokens: int = DEFAULTS.cache_min_tokens,
-        n_batch: int = 256,
-        n_threads: int | None = None,
-        template: str | None = None,
-        overflow: str = DEFAULTS.overflow,
-        spc_max_entries: int = 4,
-        history_size: int = 1000,
-        wait_timeout: float = 300.0,
-        system_prompt_cache: bool | None = None,
-        on_load_progress: Callable[[float], object] | None = None,
+        settings: EngineSettings | None = None,
+        slots: SlotSettings | None = None,
+        parking: ParkingSettings | None = None,
+        hardware: HardwareSettings | None = None,
+        exactness: ExactnessSettings | None = None,
         progress: Reporter | bool | None = None,
-        flash_attn: bool | str = False,
-        exact: bool = True,
-        rewrite: str = "auto",
-        speculative: bool = False,
-        max_checkpoints: int = 8,
-        checkpoint_bytes: int | None = None,
-        mmproj: str | None = None,
+        on_load_progress: Callable[[float], object] | None = None,
         embedding_cache: EmbeddingCache | None = None,
-        trust_projector: bool = False,
-        type_k: str = "f16",
-        type_v: str = "f16",
-        n_gpu_layers: int | None = None,
-        main_gpu: int = 0,
-        split_mode: str = "layer",
-        tensor_split: Sequence[float] | None = None,
-        use_mmap: bool = True,
-        use_mlock: bool = False,
-        fixed_rows: int = 0,
-        check_memory: bool = True,
-        calibration: str = "cached",
-        park_ram: int | None = None,
-        park_dir: str | None = None,
-        park_disk: int | None = None,
+        **options: Any,
     ) -> None:
-        if system_prompt_cache and cache == "imc":
-            raise InvalidRequestError(
-                "the System Prompt Cache and the Incremental Message Cache are mutually "
-                "exclusive (IMC already caches the system prompt): pick cache='imc' or 'spc'"
-            )
-        if system_prompt_cache:
-            cache = "spc"
+        if model_path is not None:
+            options["model_path"] = model_path
         # every setting checked at once, before anything loads (nbkv.core.config)
-        self.settings = settings = EngineSettings.from_kwargs(
-            model_path=model_path, n_slots=n_slots, n_ctx=n_ctx, cache=cache,
-            cache_min_tokens=cache_min_tokens, overflow=overflow, n_batch=n_batch,
-            n_threads=n_threads, template=template, spc_max_entries=spc_max_entries,
-            history_size=history_size, wait_timeout=wait_timeout, exact=exact,
-            rewrite=rewrite, speculative=speculative, max_checkpoints=max_checkpoints,
-            checkpoint_bytes=checkpoint_bytes, mmproj=mmproj,
-            trust_projector=trust_projector, check_memory=check_memory,
-            calibration=calibration, park_ram=park_ram, park_dir=park_dir, park_disk=park_disk,
-            n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, split_mode=split_mode,
-            tensor_split=tensor_split, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
-            use_mmap=use_mmap, use_mlock=use_mlock, fixed_rows=fixed_rows)
-        hw = settings.hardware
-        for warning in offload_warnings(hw):
+        self.settings = settings = EngineSettings.of(settings, {
+            "slots": slots, "parking": parking, "hardware": hardware, "exactness": exactness,
+        }, **options)
+        for warning in offload_warnings(settings.hardware):
             log.warning("%s", warning)
             warnings.warn(warning, stacklevel=2)
-        self.hardware = hw
-        self.flash_attn = settings.flash_attn
-        self.exact = exact
-        self.cache = cache
-        self.cache_min_tokens = cache_min_tokens
-        self.overflow = overflow
-        self.wait_timeout = wait_timeout
-        self.spc_max_entries = spc_max_entries
         self.res = res = Resources(settings, embedding_cache=embedding_cache,
                                    on_load_progress=on_load_progress,
                                    progress=resolve_progress(progress))
-        self.rewrite = rewrite
-        self.config, self.sized, self.plan = res.config, res.sized, res.plan
+        self.sized, self.plan = res.sized, res.plan
         self.model, self.ctx, self.memory, self.projector = (res.model, res.ctx, res.memory,
                                                              res.projector)
-        self.template = res.template
-        self.n_threads = res.n_threads
-        self.speculative = speculative and self.memory.can_trim
-        if speculative and not self.speculative:
+        self.template, self.n_threads = res.template, res.n_threads
+        if settings.exactness.speculative and not res.speculative:
             log.info("speculative guesses are off: %s memory cannot drop a wrong guess",
                      self.memory.kind)
         self.n_ctx = self.ctx.n_ctx_seq
         try:
-            if checkpoint_bytes is None and self.memory.kind == "sliding-window":
-                checkpoint_bytes = self.plan.per_slot
-            self._start(max_checkpoints, history_size, spc_max_entries, park_ram, park_dir,
-                        park_disk, checkpoint_bytes)
+            self._start()
         except BaseException:
             res.close()
             raise
         close_at_exit(self)
         log.info("nbkv engine: %s, %s memory, %d slots x %d tokens, cache=%s, %s threads",
-                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx, cache,
-                 self.n_threads)
+                 self.model.description, self.memory.kind, self.n_slots, self.n_ctx,
+                 self.cache, self.n_threads)
 
-    def _start(self, max_checkpoints: int, history_size: int, spc_max_entries: int,
-               park_ram: int | None, park_dir: str | None, park_disk: int | None,
-               checkpoint_bytes: int | None) -> None:
+    def _start(self) -> None:
         """The caches, the slot table and the scheduler thread over loaded resources."""
+        slots, park = self.settings.slots, self.settings.parking
+        budget = slots.checkpoint_bytes
+        if budget is None and self.memory.kind == "sliding-window":
+            budget = self.plan.per_slot
         self._prompts = PromptBuilder(self.model, self.template, self.projector, self.n_ctx)
-        self.events = EventBus(history_size)
+        self.events = EventBus(slots.history_size)
         self.table = EngineTable(  # its lock is the scheduler's condition variable too
-            [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory, max_checkpoints,
-                                                 checkpoint_bytes))
+            [EngineSlot(i, self.n_ctx, kv=SlotKV(self.ctx, i, self.memory,
+                                                 slots.max_checkpoints, budget))
              for i in range(self.res.n_slots)], threading.Condition())
-        self.spc = SystemPromptStore(spc_max_entries)
+        self.spc = SystemPromptStore(slots.spc_max_entries)
         #: conversations that lost their slot, in RAM and on disk (None: parking is off)
         self.parking = None
-        if self.cache == "imc" and (park_ram != 0 or park_dir is not None):
-            self.parking = ParkingLot(park_ram, park_dir, park_disk,
+        if slots.cache == "imc" and (park.park_ram != 0 or park.park_dir is not None):
+            self.parking = ParkingLot(park.park_ram, park.park_dir, park.park_disk,
                                       {**self.identity(), "n_slots": self.n_slots,
                                        "kv_streams": self.kv_streams},
                                       self.model.n_vocab, _announce_drops(self.events))
         shadow = None  # the sequence that rewrites replies while they are generated
         if self.res.shadow_seq is not None:
-            shadow = SlotKV(self.ctx, self.res.shadow_seq, self.memory, max_checkpoints)
-        self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, ServeSettings(
-            self.cache, self.cache_min_tokens, self.exact, self.speculative, self.rewrite),
-            self.parking, self._prompts, shadow)
+            shadow = SlotKV(self.ctx, self.res.shadow_seq, self.memory, slots.max_checkpoints)
+        self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, self.settings,
+                                   self.parking, self._prompts, shadow)
         self.scheduler.start(self)
         before = {i.key: i for i in self.parking.entries()} if self.parking is not None else {}
         self.scheduler.proof = self.res.start_proof(self.scheduler.busy, self.scheduler.wake,
                                                     before)
+
+    @property
+    def cache(self) -> str:
+        """The cache mode: ``"imc"``, ``"spc"`` or ``"off"``."""
+        return self.settings.slots.cache
+
+    @property
+    def cache_min_tokens(self) -> int:
+        """The shortest prefix worth salvaging (IMC) or system prompt worth caching (SPC)."""
+        return self.settings.slots.cache_min_tokens
+
+    @property
+    def exact(self) -> bool:
+        """Exactness asked for (:attr:`prefill_rule` says whether it is proven)."""
+        return self.settings.exactness.exact
+
+    @property
+    def hardware(self) -> HardwareSettings:
+        """llama.cpp's threads, batch, placement and KV types, as asked for."""
+        return self.settings.hardware
+
+    @property
+    def flash_attn(self) -> str:
+        """Flash attention as it runs (``auto`` made concrete)."""
+        return self.settings.flash_attn
+
+    @property
+    def speculative(self) -> bool:
+        """Speculative guesses are on (asked for, and the memory can drop a wrong one)."""
+        return bool(self.res.speculative)
 
     # ------------------------------------------------------------------ public API
 
@@ -240,48 +219,20 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         """The context's KV streams: one per slot, and the exact mode's shadow sequence."""
         return int(self.ctx.params.n_seq_max)
 
-    @overload
-    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: Literal[False] = False, overflow: str | None = None,
-             timeout: float | None = None, **sampling: Any) -> ChatResult: ...
-
-    @overload
-    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: Literal[True], overflow: str | None = None,
-             timeout: float | None = None, **sampling: Any) -> ChatStream: ...
-
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        session: str | None = None,
-        *,
-        stream: bool = False,
-        overflow: str | None = None,
-        timeout: float | None = None,
-        replay: bool = False,
-        **sampling: Any,
-    ) -> ChatResult | ChatStream:
-        """Reply to ``messages`` (the whole conversation so far, ending with the user's turn).
-
-        ``session`` names the conversation for slot ownership and the event records.
-        Sampling keywords: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_p``,
-        ``repeat_penalty``, ``repeat_last_n``, ``seed``, ``max_tokens``, ``stop``.
-        With ``stream=True`` returns a :class:`ChatStream` of text deltas, else a
-        :class:`ChatResult`. ``replay=True``: if this prompt was answered before with the
-        same deterministic settings and the slot still holds that reply, give it again
-        from the cache, decoding nothing (:mod:`nbkv.engine.replay`; exact engines only).
-        """
-        self._check_request(session, timeout)
+    def _submit(self, messages: Sequence[Mapping[str, Any]], session: str | None,
+                overflow: str | None, timeout: float | None, replay: bool = False,
+                **sampling: Any) -> ChatStream:
+        """Queue one checked request for the scheduler (``replay``: see :meth:`chat`)."""
         t0 = time.perf_counter()
         params = SamplingParams.from_kwargs(**sampling)
-        prompt = self._prepare(messages, overflow or self.overflow, params.max_tokens)
-        job = Job(prompt, session, params, self.wait_timeout if timeout is None else timeout,
+        slots = self.settings.slots
+        prompt = self._prepare(messages, overflow or slots.overflow, params.max_tokens)
+        job = Job(prompt, session, params, slots.wait_timeout if timeout is None else timeout,
                   TextStream(params.stop), replay=bool(replay),
                   drafter=NgramDrafter(prompt.tokens) if self.speculative else None)
         job.t_submit = t0
         self.scheduler.submit(job)
-        s = ChatStream(self, job)
-        return s if stream else s.result()
+        return ChatStream(self, job)
 
     @contextlib.contextmanager
     def hold_admission(self) -> Iterator[None]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from nbkv.core.config import DEFAULTS, EngineSettings, HardwareOptions
+from nbkv.core.config import EngineSettings, HardwareSettings
 from nbkv.core.errors import NbkvError
 from nbkv.core.progress import Reporter, Task
 from nbkv.core.signals import close_on_signal, release
@@ -54,43 +54,37 @@ class Resources:
                  on_load_progress: Callable[[float], object] | None,
                  progress: Reporter) -> None:
         self._closers: list[Callable[[], None]] = []
+        exactness = settings.exactness
         #: exactness asked for (``exact=True``): the exact path where the rule is proven
-        self.exact = settings.exact
+        self.exact = exactness.exact
         #: the sequence that rewrites replies while they are generated (nbkv.engine.shadow),
         #: after the slots' (None: none; wanted in exact IMC mode unless rewrite="idle",
         #: kept where the memory can be cut)
         self.shadow_seq: int | None = None
         self.proving = False  # a background proof is to run (calibration="background")
-        self._want_shadow = (settings.exact and settings.cache == "imc"
-                             and settings.rewrite != "idle")
+        self._want_shadow = (exactness.exact and settings.slots.cache == "imc"
+                             and exactness.rewrite != "idle")
         self._lock = threading.Lock()
-        s = settings
-        # sizes left to the memory plan (None) start from the defaults, then are fitted
-        self.config = replace(s, n_slots=s.n_slots or DEFAULTS.n_slots,
-                              n_ctx=s.n_ctx or DEFAULTS.n_ctx)
         self.sized = ""
         self.progress = progress
         try:
-            self._open(s.model_path, (s.n_slots, s.n_ctx), s.hardware,
-                       s.flash_attn, s.n_batch, s.n_threads, s.template, s.check_memory,
-                       s.calibration, s.mmproj, embedding_cache, s.trust_projector,
-                       on_load_progress)
+            self._open(settings, embedding_cache, on_load_progress)
         except BaseException:
             self.close()
             raise
+        #: speculative guesses: asked for, and the memory can drop a wrong one
+        self.speculative = exactness.speculative and self.memory.can_trim
 
     def _own(self, obj: Any, close: Callable[[], None] | None = None) -> Any:
         """Keep ``obj``, freed (in reverse order of creation) by :meth:`close`."""
         self._closers.append(close or obj.close)
         return obj
 
-    def _open(self, model_path: str | None, given: tuple[int | None, int | None],
-              hw: HardwareOptions,
-              flash_attn: str, n_batch: int, n_threads: int | None, template: str | None,
-              check_memory: bool, calibration: str, mmproj: str | None, embedding_cache: Any,
-              trust_projector: bool, on_load_progress: Callable[[float], object] | None
-              ) -> None:
-        path = resolve_model_path(model_path)
+    def _open(self, settings: EngineSettings, embedding_cache: Any,
+              on_load_progress: Callable[[float], object] | None) -> None:
+        hw, model = settings.hardware, settings.model
+        flash_attn, n_batch, template = settings.flash_attn, hw.n_batch, model.template
+        path = resolve_model_path(model.model_path)
         size = path.stat().st_size if path.is_file() else 0
         label = f"loading {display_name(path)} ({size / 2**20:.0f} MiB)"
         with Task(self.progress, label, total=100, unit="%", tick=0.5) as task:
@@ -106,13 +100,14 @@ class Resources:
                 use_mmap=hw.use_mmap, use_mlock=hw.use_mlock))
             source = template or self.model.chat_template or CHATML
             self.template = ChatTemplate(source, self.model.bos_text, self.model.eos_text)
-            n_slots, n_ctx = self._size(path, given, hw, check_memory)
+            given = (settings.slots.n_slots, settings.slots.n_ctx)
+            n_slots, n_ctx = self._size(path, given, hw)
             slot_ctx = -(-max(n_ctx, 256) // 256) * 256
             task.update(90, what=f"{label}, then its KV cache: {n_slots} slots x {slot_ctx} tokens")
-            if mmproj is not None:  # a non-causal image must fit one micro-batch
+            if model.mmproj is not None:  # a non-causal image must fit one micro-batch
                 from nbkv.media.projector_check import batch_for_projector
 
-                n_batch = batch_for_projector(mmproj, self.model, n_batch)
+                n_batch = batch_for_projector(model.mmproj, self.model, n_batch)
             past = memplan.context_warning(slot_ctx, self.model.n_ctx_train)
             if past:
                 log.warning("%s", past)
@@ -121,7 +116,7 @@ class Resources:
                 self.shadow_seq = n_slots
             n_seq = n_slots + (self.shadow_seq is not None)
             self.ctx = self._own(Context(
-                self.model, slot_ctx * n_seq, n_seq, n_batch, n_threads,
+                self.model, slot_ctx * n_seq, n_seq, n_batch, hw.n_threads,
                 flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
                 type_v=kv_type_id(hw.type_v), fixed_rows=hw.fixed_rows))
             # fixed-shape decodes: no chunk over the fixed row count
@@ -129,28 +124,28 @@ class Resources:
             self.memory = probe_memory(self.model, self.ctx, self.batch)
             task.update(100)
         #: threads llama.cpp runs (given, else what the CPU budget allows: nbkv.llama.cpus)
-        self.n_threads = n_threads or default_threads()
+        self.n_threads = hw.n_threads or default_threads()
         #: the context settings a temporary context must share to compute the same logits
         self.settings = {"n_threads": self.n_threads,
                          "flash_attn": FLASH_ATTN[flash_attn],
                          "type_k": kv_type_id(hw.type_k), "type_v": kv_type_id(hw.type_v),
                          **({"fixed_rows": hw.fixed_rows} if hw.fixed_rows else {})}
-        self.rule = self._calibrate(calibration)
+        self.rule = self._calibrate(settings.exactness.calibration)
         self.model.prefill_rule = self.proven
-        if mmproj is not None:
+        if model.mmproj is not None:
             from pathlib import Path
 
             from nbkv.media.projector import Projector
 
-            name = Path(mmproj).name
+            name = Path(model.mmproj).name
             with Task(self.progress, f"opening the vision projector {name}",
                       "checked, then loaded by libmtmd", tick=0.5):
                 self.projector = self._own(Projector(
-                    mmproj, self.model, cache=embedding_cache, n_threads=n_threads,
-                    trust_projector=trust_projector, flash_attn=FLASH_ATTN[flash_attn]))
+                    model.mmproj, self.model, cache=embedding_cache, n_threads=hw.n_threads,
+                    trust_projector=model.trust_projector, flash_attn=FLASH_ATTN[flash_attn]))
 
-    def _size(self, path: Any, given: tuple[int | None, int | None], hw: HardwareOptions,
-              check_memory: bool) -> tuple[int, int]:
+    def _size(self, path: Any, given: tuple[int | None, int | None], hw: HardwareSettings
+              ) -> tuple[int, int]:
         """Slots and tokens per slot: ``given``, or picked by the memory plan (None)."""
         meta = read_metadata(path)
         free, where = memplan.kv_memory(self.model.params.n_gpu_layers)
@@ -164,13 +159,12 @@ class Resources:
                 n_ctx_train=self.model.n_ctx_train)
             n_slots = auto_slots if n_slots is None else n_slots
             n_ctx = auto_ctx if n_ctx is None else n_ctx
-        self.config = replace(self.config, n_slots=n_slots, n_ctx=n_ctx)
         self.n_slots = n_slots  # the config's slot count and size, as plain numbers
         slot_ctx = -(-max(n_ctx, 256) // 256) * 256
         self.plan = memplan.plan(meta, n_slots, slot_ctx, hw.type_k, hw.type_v,
                                  self.model.is_recurrent, self.model.is_hybrid,
                                  shadow=int(self._want_shadow))
-        if check_memory:
+        if hw.check_memory:
             memplan.check_fits(self.plan, free, where)
         #: what the memory plan picked, in words ("" when the caller gave both sizes)
         self.sized = memplan.fit_sentence(self.plan, free, where, picked) if picked else ""

@@ -31,13 +31,14 @@ from nbkv.kv.slot_kv import SWA
 from nbkv.llama.sampling import Sampler
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.core.events import EventBus
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
     from nbkv.engine.replay import Replays
     from nbkv.engine.rewrite import Pace
     from nbkv.engine.slot_parking import Parker
-    from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+    from nbkv.engine.slots import EngineSlot, EngineTable
     from nbkv.kv.invariance import PrefillRule
     from nbkv.kv.slot_kv import MemoryInfo, SlotKV
     from nbkv.kv.slot_table import SlotInfo
@@ -61,7 +62,7 @@ class Placer:
     :class:`~nbkv.engine.replay.Replays` (a re-run answered from the cache).
     """
 
-    def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
+    def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
                  spc: SystemPromptStore, parking: ParkingLot | None, events: EventBus,
                  pace: Pace, parker: Parker, replays: Replays) -> None:
         self.res = res
@@ -89,8 +90,8 @@ class Placer:
             self.pace.back_to_back = (job.t_submit - slot.t_replied
                                        < slot.reply_rows * self.pace.row_s)
         adm = admission.admit(plan, holder(slot), holder(donor) if donor is not None else None,
-                              job.session, job.prompt.tokens, self.res.rule, cache=cfg.cache,
-                              exact=cfg.exact and not self.res.lean, taken=taken)
+                              job.session, job.prompt.tokens, self.res.rule, cache=cfg.slots.cache,
+                              exact=cfg.exactness.exact and not self.res.lean, taken=taken)
         out = self.executor.run(adm, job, slot, donor, entry, unpark_s, t0)
         if out.parked_to is not None:  # whose conversation was parked, and how much of it
             plan = replace(plan, evicted=snaps[plan.slot].session,
@@ -110,13 +111,15 @@ class Placer:
         """
         p, cfg, rule, mem = job.prompt, self.settings, self.res.rule, self.res.memory
         snaps = self.table.snapshots()
-        lot = self.parking if cfg.cache == "imc" else None
+        lot = self.parking if cfg.slots.cache == "imc" else None
         parked = list(lot.entries()) if lot is not None else []
-        judge = Judge(p.tokens, rule, cfg.exact and not self.res.lean, mem.kind, mem.n_swa)
+        exact = cfg.exactness.exact and not self.res.lean
+        judge = Judge(p.tokens, rule, exact, mem.kind, mem.n_swa)
         unpark_s = 0.0  # the restore proper: taking a parked entry, putting its state back
         while True:
-            plan = self.table.place(snaps, p, job.session, cache=cfg.cache,
-                                    min_tokens=cfg.cache_min_tokens, parked=parked, judge=judge)
+            plan = self.table.place(snaps, p, job.session, cache=cfg.slots.cache,
+                                    min_tokens=cfg.slots.cache_min_tokens, parked=parked,
+                                    judge=judge)
             if plan is None or self.must_wait(plan):
                 return None
             t0 = time.perf_counter()
@@ -153,7 +156,7 @@ class Placer:
                 table[donor].tokens if donor is not None else (), reuse=reuse,
                 wanted=out.planned, donor_session=(table[donor].session or f"slot {donor}")
                 if donor is not None else None, can_trim=out.checkpoint_pos is None,
-                cache=self.settings.cache, restored=out.restored if reuse else None,
+                cache=self.settings.slots.cache, restored=out.restored if reuse else None,
                 kept_from=snaps[plan.slot].session, still_parked=still_parked)
         kept = None
         if memo is not None:  # the slot's messages stay: its own, or those of the parked entry
@@ -181,7 +184,7 @@ class Placer:
             strategy = "spc" if out.spc_hit else policy.MISS
         reply_cached, reply_reused = admission.reply_reuse(adm, reuse)
         donor = plan.donor if reuse else None
-        imc = cfg.cache == "imc"
+        imc = cfg.slots.cache == "imc"
         restored = entry is not None and reuse
         job.record = record = table.record(
             job.id, job.session, p, slot, replace(plan, strategy=strategy), reuse, why,
@@ -197,7 +200,8 @@ class Placer:
             evicted_parked=out.parked_to.tier if out.parked_to is not None else "",
             park_s=out.park_s,
             reprefilled_tokens=max(adm.wanted - reuse - adm.absorbed, 0) if imc else 0,
-            rewrite_absorbed=adm.absorbed, exact=cfg.exact and rule.exact, path=self.res.path)
+            rewrite_absorbed=adm.absorbed, exact=cfg.exactness.exact and rule.exact,
+            path=self.res.path)
         if reply_cached and reply_reused < reply_cached:
             log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
                       slot.index, reply_reused, reply_cached)
@@ -212,7 +216,7 @@ class Placer:
         memory that cannot be cut) into the slot; the request waits for the next pass.
         """
         kv = self.table[plan.slot].kv
-        return kv.copy_queued and (plan.parked is not None or self.settings.cache == "spc"
+        return kv.copy_queued and (plan.parked is not None or self.settings.slots.cache == "spc"
                                    or self.res.memory.checkpoints)
 
     def segments(self, job: Job, n: int) -> tuple[Segment, ...]:

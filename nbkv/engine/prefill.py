@@ -56,7 +56,7 @@ def extension_logits(sched: Runs, s: EngineSlot, units: Sequence[Any], row: int
     snap = kv.snapshot() if kv.memory.checkpoints else None
     out = None
     try:
-        pos = trim_valid(kv, units, min(servable(sched.settings.exact, kv), row), rule)
+        pos = trim_valid(kv, units, min(servable(sched.settings.exactness.exact, kv), row), rule)
         for lo, hi in prefill_run(sched, units, pos, kv.seq_id, row):
             if lo <= row < hi:
                 out = np.array(sched.res.ctx.logits(row - lo))

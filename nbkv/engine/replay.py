@@ -28,10 +28,11 @@ from nbkv.kv.segments import prompt_segments
 from nbkv.prompt.textstream import TextStream
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.core.events import EventBus
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
-    from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+    from nbkv.engine.slots import EngineSlot, EngineTable
 
 
 class Replays:
@@ -41,7 +42,7 @@ class Replays:
     :class:`~nbkv.kv.replies.ReplyBook`.
     """
 
-    def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
+    def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
                  events: EventBus) -> None:
         self.res = res
         self.settings = settings
@@ -53,7 +54,7 @@ class Replays:
     def proven(self) -> bool:
         """True when this engine's replies are exact, so a reply may stand for a new decode."""
         cfg = self.settings
-        return cfg.cache == "imc" and cfg.exact and bool(self.res.rule.exact)
+        return cfg.slots.cache == "imc" and cfg.exactness.exact and bool(self.res.rule.exact)
 
     def remember(self, job: Job) -> None:
         """Note the reply of a request that ended normally, if it may ever be replayed."""

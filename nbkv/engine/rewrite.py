@@ -25,9 +25,10 @@ from nbkv.engine.slots import REPLY_TAIL, TO_REWRITE
 from nbkv.kv import invariance
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.core.events import EventBus
     from nbkv.engine.native import Resources
-    from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+    from nbkv.engine.slots import EngineSlot, EngineTable
 
 log = logging.getLogger("nbkv")
 
@@ -59,7 +60,7 @@ class Pace:
 class Rewriter:
     """Rewrites finished replies' KV as canonical prefills, one chunk at a time."""
 
-    def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
+    def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
                  events: EventBus, pace: Pace) -> None:
         self.res = res
         self.settings = settings
@@ -72,7 +73,7 @@ class Rewriter:
 
         Only the Incremental Message Cache reuses a slot's reply; SPC and "off" rebuild it.
         """
-        if not self.settings.exact or self.settings.cache != "imc" or self.res.lean:
+        if not self.settings.exactness.exact or self.settings.slots.cache != "imc" or self.res.lean:
             return None
         for s in self.table:
             if s.phase in TO_REWRITE:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from nbkv.core.config import EngineSettings
 from nbkv.core.errors import EngineClosedError, SlotTimeoutError
 from nbkv.core.events import EventBus
 from nbkv.engine.decoder import Decoder
@@ -45,7 +46,7 @@ from nbkv.engine.replay import Replays
 from nbkv.engine.rewrite import Pace, Rewriter
 from nbkv.engine.shadow import Shadow
 from nbkv.engine.slot_parking import Parker
-from nbkv.engine.slots import EngineTable, ServeSettings
+from nbkv.engine.slots import EngineTable
 from nbkv.kv.batching import Prefilling, StepPlan, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.slot_kv import SlotKV
@@ -62,7 +63,7 @@ class Scheduler:
     """Queue, admission, decode steps and idle rewrites of one engine, on its own thread."""
 
     def __init__(self, res: Resources, table: EngineTable, spc: SystemPromptStore,
-                 events: EventBus, settings: ServeSettings,
+                 events: EventBus, settings: EngineSettings,
                  parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
                  shadow_kv: SlotKV | None = None) -> None:
         self.res = res

@@ -33,10 +33,11 @@ from nbkv.kv import invariance
 from nbkv.kv.slot_kv import SlotKV, trim_valid
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
     from nbkv.engine.rewrite import Pace
-    from nbkv.engine.slots import EngineTable, ServeSettings
+    from nbkv.engine.slots import EngineTable
 
 log = logging.getLogger("nbkv")
 __all__ = ["REWRITE_MODES", "SHADOW_CHUNK", "Shadow"]
@@ -48,7 +49,7 @@ SHADOW_CHUNK = 8  # rows per shadow chunk (rounded up to the rule's): at most th
 class Shadow:
     """The engine's shadow sequence, and the reply it is rewriting (one at a time)."""
 
-    def __init__(self, kv: SlotKV, res: Resources, settings: ServeSettings, table: EngineTable,
+    def __init__(self, kv: SlotKV, res: Resources, settings: EngineSettings, table: EngineTable,
                  pace: Pace) -> None:
         self.kv = kv  # its tokens are its KV, as a slot's are
         self.res = res
@@ -108,10 +109,10 @@ class Shadow:
     def _wants(self, job: Job) -> bool:
         """Whether ``job``'s reply should be rewritten while it is generated."""
         cfg, rule = self.settings, self.res.rule
-        if not (cfg.exact and cfg.cache == "imc" and rule.exact and rule.mixed
-                and not rule.single_row and cfg.rewrite != "idle"):
+        if not (cfg.exactness.exact and cfg.slots.cache == "imc" and rule.exact and rule.mixed
+                and not rule.single_row and cfg.exactness.rewrite != "idle"):
             return False
-        if cfg.rewrite == "auto" and not self.pace.back_to_back:
+        if cfg.exactness.rewrite == "auto" and not self.pace.back_to_back:
             return False
         if job.done.is_set() or job.slot is None or not job.slot.kv.memory.can_trim:
             return False

@@ -26,9 +26,10 @@ from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry, ParkedInfo
 
 if TYPE_CHECKING:
+    from nbkv.core.config import EngineSettings
     from nbkv.engine.native import Resources
     from nbkv.engine.replay import Replays
-    from nbkv.engine.slots import EngineSlot, EngineTable, ServeSettings
+    from nbkv.engine.slots import EngineSlot, EngineTable
     from nbkv.prompt.builder import PromptBuilder
     from nbkv.store.parking import ParkingLot
 
@@ -46,9 +47,9 @@ class Parker:
     @property
     def exact_path(self) -> bool:
         """Exact mode on a proven grouping (else the lean path: nothing is cut back)."""
-        return self.settings.exact and not self.res.lean
+        return self.settings.exactness.exact and not self.res.lean
 
-    def __init__(self, res: Resources, settings: ServeSettings, table: EngineTable,
+    def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
                  parking: ParkingLot | None, prompts: PromptBuilder | None,
                  replays: Replays) -> None:
         self.res = res
@@ -162,7 +163,7 @@ class Parker:
         that the request pays nothing for it. Only a slot parked whole (no cut back first).
         ``busy``: requests are queued or running (then not now).
         """
-        if self.parking is None or self.settings.cache != "imc" or busy:
+        if self.parking is None or self.settings.slots.cache != "imc" or busy:
             return None
         table = self.table
         if any(s.phase in (SlotPhase.EMPTY, SlotPhase.SERVING, SlotPhase.REWRITING)

@@ -95,17 +95,6 @@ class EngineSlot(TableSlot):
         self.forget_messages()
 
 
-@dataclass(frozen=True)
-class ServeSettings:
-    """How the scheduler serves requests (the engine's cache settings)."""
-
-    cache: str
-    cache_min_tokens: int
-    exact: bool
-    speculative: bool
-    rewrite: str = "auto"  # when a reply's KV is rewritten: "auto", "idle" or "mixed"
-
-
 class EngineTable(SlotTable[EngineSlot]):
     """The engine's slot table: the changes to its slots that take the lock (see above)."""
 

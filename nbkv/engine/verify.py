@@ -32,7 +32,7 @@ def ready_slot(sched: Controls, index: int) -> EngineSlot:
     s = sched.table[index]
     if s.phase is SlotPhase.SERVING:
         raise NbkvError(f"slot {index} is serving a request")
-    while s.phase is SlotPhase.REWRITING or (sched.settings.exact
+    while s.phase is SlotPhase.REWRITING or (sched.settings.exactness.exact
                                              and s.phase is SlotPhase.UNSETTLED):
         sched.rewriter.settle(s)
     return s
@@ -70,7 +70,7 @@ def verify_slot(sched: Controls, index: int, probe_token: int) -> Verification:
         units = [*s.kv.tokens, probe_token, probe_token]
         if len(units) > s.capacity:
             raise NbkvError(f"slot {index} is full")
-        return (list(s.kv.tokens), s.session, servable(sched.settings.exact, s.kv),
+        return (list(s.kv.tokens), s.session, servable(sched.settings.exactness.exact, s.kv),
                 extension_logits(sched, s, units, len(s.kv)))
     tokens, session, kept, cached = sched.call(take)
     fresh = scratch_logits(sched.res.model, tokens, probe_token,
@@ -81,7 +81,7 @@ def verify_slot(sched: Controls, index: int, probe_token: int) -> Verification:
         first = _first_difference(sched, index, tokens, kept)
     return Verification(index, session, len(tokens), same,
                         float(np.abs(cached - fresh).max()), first,
-                        sched.settings.exact and sched.res.rule.exact)
+                        sched.settings.exactness.exact and sched.res.rule.exact)
 
 
 def _first_difference(sched: Controls, index: int, tokens: list[Any], kept: int
@@ -108,7 +108,7 @@ def _first_difference(sched: Controls, index: int, tokens: list[Any], kept: int
             if s.pending or s.kv.tokens[:g] != tokens[:g]:
                 raise NbkvError("the slot changed during verification")
             v = invariance.valid_start(
-                tokens[:g], min(servable(sched.settings.exact, s.kv), g - 1), rule)
+                tokens[:g], min(servable(sched.settings.exactness.exact, s.kv), g - 1), rule)
             return bool(np.array_equal(extension_logits(sched, s, tokens[:g], g - 1),
                                        fresh[g - 1])), v
         return sched.call(run)

@@ -505,12 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true",
                     help="check that threads, slot size and sequences change no logit")
     args = ap.parse_args(argv)
-    from nbkv.core.config import HardwareOptions
+    from nbkv.core.config import HardwareSettings
     from nbkv.llama.hardware import FLASH_ATTN, gpu_layers, kv_type_id
 
     status = 0
     for name in args.models or [None]:
-        model = Model(resolve_model_path(name), gpu_layers(HardwareOptions()))
+        model = Model(resolve_model_path(name), gpu_layers(HardwareSettings()))
         try:
             if args.compare:
                 variants = [(t, 256, 1) for t in (1, 2, 4, 8)] + [(1, 2048, 1), (1, 256, 2),

@@ -1,6 +1,6 @@
 """Where the model runs and how its KV is stored: GPU offload, KV cache types, flash attention.
 
-:class:`HardwareOptions` collects the llama.cpp settings that decide whether a model fits and
+:class:`HardwareSettings` collects the llama.cpp settings that decide whether a model fits and
 runs fast, and checks them in Python with named errors before llama.cpp sees them.
 :func:`devices` lists what the build can run on (the ggml backend registry).
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import llama_cpp
 
-from nbkv.core.config import KV_TYPE_SIZES, HardwareOptions
+from nbkv.core.config import KV_TYPE_SIZES, HardwareSettings
 
 log = logging.getLogger("nbkv")
 
@@ -89,14 +89,14 @@ def gpu_offload() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def gpu_layers(hw: HardwareOptions) -> int:
+def gpu_layers(hw: HardwareSettings) -> int:
     """The layer count passed to llama.cpp (``None`` resolved against the build)."""
     if hw.n_gpu_layers is None:
         return -1 if gpu_offload() else 0
     return hw.n_gpu_layers if gpu_offload() else 0
 
 
-def offload_warnings(hw: HardwareOptions) -> list[str]:
+def offload_warnings(hw: HardwareSettings) -> list[str]:
     """What the user should know about ``hw`` on this build (a GPU asked for, none there)."""
     if hw.n_gpu_layers not in (None, 0) and not gpu_offload():
         return [f"n_gpu_layers={hw.n_gpu_layers}: this llama.cpp build has no GPU backend, so "
@@ -124,7 +124,7 @@ def describe_devices(devs: Sequence[Device]) -> str:
     return ", ".join(parts) or "unknown"
 
 
-def as_options(**kwargs: Any) -> HardwareOptions:
-    """:class:`HardwareOptions` from Engine keyword arguments (``None`` = the default)."""
-    return HardwareOptions(**{k: v for k, v in kwargs.items() if v is not None
+def as_options(**kwargs: Any) -> HardwareSettings:
+    """:class:`HardwareSettings` from Engine keyword arguments (``None`` = the default)."""
+    return HardwareSettings(**{k: v for k, v in kwargs.items() if v is not None
                               or k == "n_gpu_layers"})

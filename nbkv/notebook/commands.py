@@ -116,10 +116,10 @@ def load(ws: Workspace, args: Any) -> Any:
         raise InvalidRequestError("%kvcache load: --trust goes with --restore (it trusts the "
                                   "save that --restore brings back)")
     kwargs = ws.settings.engine_kwargs(slots=args.slots, ctx=args.ctx, mode=args.mode,
-                                       min_tokens=args.min_tokens, gpu_layers=args.gpu_layers,
-                                       kv_type=args.kv_type, flash_attn=args.flash_attn,
-                                       **_parking_options(args))
-    EngineSettings.from_kwargs(**kwargs)  # every setting checked before anything closes
+                                       min_tokens=args.min_tokens, n_gpu_layers=args.gpu_layers,
+                                       type_k=args.kv_type, type_v=args.kv_type,
+                                       flash_attn=args.flash_attn, **_parking_options(args))
+    EngineSettings.of(**kwargs)  # every setting checked before anything closes
     if args.mmproj:
         kwargs["mmproj"] = str(_file(args.mmproj, "projector"))
     if args.template:

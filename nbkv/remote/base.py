@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any
 
 from nbkv.core.api import ChatAPI
 from nbkv.core.errors import (
@@ -21,7 +21,7 @@ from nbkv.core.events import (
     SlotsChanged,
 )
 from nbkv.core.requests import Request, SamplingParams
-from nbkv.core.streams import ChatResult, ChatStream
+from nbkv.core.streams import ChatStream
 from nbkv.kv import reasons
 from nbkv.remote.http_client import EventStream, Opening, ServerClient
 
@@ -63,21 +63,9 @@ class RemoteBase(ChatAPI):
         self.last_save: Any = None  # reports of %kvcache save / restore (llama-server)
         self.last_restore: Any = None
 
-    @overload
-    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: Literal[False] = False, overflow: str | None = None,
-             timeout: float | None = None, **sampling: Any) -> ChatResult: ...
-
-    @overload
-    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: Literal[True], overflow: str | None = None,
-             timeout: float | None = None, **sampling: Any) -> ChatStream: ...
-
-    def chat(self, messages: Sequence[Mapping[str, Any]], session: str | None = None, *,
-             stream: bool = False, overflow: str | None = None, timeout: float | None = None,
-             **sampling: Any) -> ChatResult | ChatStream:
-        """Reply to ``messages``, like :meth:`nbkv.Engine.chat`, on the server."""
-        self._check_request(session, timeout)
+    def _submit(self, messages: Sequence[Mapping[str, Any]], session: str | None,
+                overflow: str | None, timeout: float | None, **sampling: Any) -> ChatStream:
+        """Send one request to the server, on a thread of its own: its stream."""
         if self.closed:
             raise EngineClosedError("the remote engine was closed; connect again")
         t0 = time.perf_counter()
@@ -89,8 +77,7 @@ class RemoteBase(ChatAPI):
             self._jobs.add(job)
         threading.Thread(target=self._run, args=(job, prepared), name="nbkv-remote",
                          daemon=True).start()
-        s = ChatStream(self, job)
-        return s if stream else s.result()
+        return ChatStream(self, job)
 
     def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str,
                  max_tokens: int) -> Any:

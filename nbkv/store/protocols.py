@@ -26,9 +26,15 @@ class Persistable(Protocol):
     def kv_streams(self) -> int:
         """The context's KV streams: the slots, and a shadow sequence if any."""
 
+    @property
+    def cache(self) -> str:
+        """The cache mode (``"imc"``, ``"spc"`` or ``"off"``)."""
+
+    @property
+    def exact(self) -> bool:
+        """Exactness asked for."""
+
     n_ctx: int
-    cache: str
-    exact: bool
     template: Any  # nbkv.prompt.templates.ChatTemplate (its ``source`` is hashed)
     model: Any  # nbkv.llama.backend.Model (``n_vocab``)
     memory: Any  # nbkv.kv.slot_kv.MemoryInfo (``kind``)
