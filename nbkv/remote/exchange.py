@@ -274,8 +274,11 @@ class Exchange:
     def _restore_reason(self, plan: policy.Plan, entry: Offered | None,
                         source: Sequence[Offered], restored_rows: int, reused: int,
                         own: Any) -> dict[str, Any]:
-        """The record's restore fields and reason when a parked conversation was offered or
-        the server restored one from its --cache-ram (empty otherwise)."""
+        """The record's restore fields and reason (empty where nothing was restored).
+
+        Where a parked conversation was offered, or the server restored one from its
+        --cache-ram.
+        """
         eng, job, p, slot = self.engine, self.job, self.p, self.slot
         if restored_rows:
             whose = entry.session if entry is not None else source[-1].session

@@ -265,8 +265,7 @@ def _make_save_dir(root: Path) -> None:
 
 
 def _slots_json(cap: Any, blobs: Blobs, media: set[str]) -> tuple[list[dict], list[SlotSave]]:
-    """The captured slots' manifest entries and reports; adds the images they hold to
-    ``media``."""
+    """The captured slots' manifest entries and reports; adds their images to ``media``."""
     slots_json, reports = [], []
     for s in cap.slots:
         kv = s.kv
@@ -451,8 +450,10 @@ def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
 
 def _load_slots(engine: Persistable, body: dict[str, Any], read: Reader,
                 state: Callable[[Any], Any], created: float, plan: _Plan) -> None:
-    """The saved slots, most recently used first, into ``plan``: as many as the engine has
-    slots, the rest parked (or dropped where parking is off)."""
+    """The saved slots into ``plan``, most recently used first.
+
+    As many as the engine has slots; the rest parked (or dropped where parking is off).
+    """
     saved = sorted(body.get("slots", []), key=lambda s: -int(s["last_used"]))
     for i, s in enumerate(saved):
         if i >= engine.n_slots and engine.parking is None:
