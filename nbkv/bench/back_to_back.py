@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbkv.bench.conversations import mean, system_prompt
+from nbkv.bench.conversations import mean, mirrored, system_prompt
 from nbkv.bench.registry import scenario
 from nbkv.bench.runners import NbkvRunner
 
@@ -32,7 +32,7 @@ def agent_loop(path: str, quick: bool) -> dict[str, Any]:
     sys_prompt = system_prompt("Agent", 12)
     asks = [f"Step {t}: name one file to check next." for t in range(n_turns)]
     runs: dict[str, list[list[dict]]] = {v: [] for v in B2B_VARIANTS}
-    for name in [*B2B_VARIANTS, *reversed(B2B_VARIANTS)]:
+    for name in mirrored(B2B_VARIANTS):
         kw = B2B_VARIANTS[name]
         runner = NbkvRunner(path, "off" if kw is None else "imc", 1, 4096, settle=False,
                             max_tokens=32, **(kw or {}))

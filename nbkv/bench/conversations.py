@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 from nbkv.bench.runners import LlamaCppRunner, NbkvRunner
@@ -81,3 +82,10 @@ def baselines(path: str, slots: int, n_ctx: int, convs: dict, turns: list, repli
 
 def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
+
+
+def mirrored(variants: Iterable[str]) -> list[str]:
+    """``A B C C B A``: each variant twice, in an order that cancels a steady drift of the
+    machine's speed (timings on a shared machine drift)."""
+    names = list(variants)
+    return [*names, *reversed(names)]

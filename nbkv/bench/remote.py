@@ -8,7 +8,13 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from nbkv.bench.conversations import mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.conversations import (
+    mean,
+    mirrored,
+    paragraph,
+    run_conversations,
+    system_prompt,
+)
 from nbkv.bench.registry import scenario
 from nbkv.bench.runners import NbkvRunner, OpenAIRunner, RemoteRunner
 
@@ -150,7 +156,7 @@ def scenario_remote_exact(path: str, quick: bool) -> dict[str, Any]:
         # A B ... B A (--quick: once; else twice, 4 passes per variant): one pass's mean
         # moves by up to 2x on a shared machine; the median of the passes is reported,
         # with each pass and each adjacent remote/kernel pair's own ratio
-        order = (1 if quick else 2) * (list(makers) + list(reversed(makers)))
+        order = (1 if quick else 2) * mirrored(makers)
         replies = None
         for name in order:
             runner = makers[name]()

@@ -6,7 +6,13 @@ import statistics
 import time
 from typing import Any
 
-from nbkv.bench.conversations import mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.conversations import (
+    mean,
+    mirrored,
+    paragraph,
+    run_conversations,
+    system_prompt,
+)
 from nbkv.bench.registry import scenario
 from nbkv.bench.runners import LlamaCppRunner, NbkvRunner
 from nbkv.llama.backend import Batch, Context, Model
@@ -56,79 +62,32 @@ def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
     rewrite runs when the scheduler has nothing else to do, or the next request of that
     agent absorbs it; both are counted.
     """
-    import threading
-
-    n_agents, n_turns, max_tokens = 4, (2 if quick else 8), 32
-    names = ["Ada", "Brook", "Cyd", "Dale"][:n_agents]
-    convs = {n: [{"role": "system", "content": system_prompt(n, 8)}] for n in names}
-    tasks = {n: [f"{n}, task {t}: " + paragraph(t + len(n), 1) for t in range(n_turns)]
-             for n in names}
-    # one request at a time, agents taking turns
-    in_turns = [(n, tasks[n][t]) for t in range(n_turns) for n in names]
-
-    def run(mode: str) -> tuple[float, list[dict], dict]:
-        runner = NbkvRunner(path, "imc", n_agents, 2048, max_tokens=max_tokens, settle=False)
-        t0 = time.perf_counter()
-        if mode == "sequential":
-            log = run_conversations(runner, convs, in_turns, None)
-        else:  # every agent on its own thread, all at once
-            per_agent: dict[str, list] = {}
-
-            def play(n: str) -> None:
-                per_agent[n] = run_conversations(runner, {n: convs[n]},
-                                                 [(n, x) for x in tasks[n]], None)
-
-            threads = [threading.Thread(target=play, args=(n,)) for n in names]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            log = [r for n in names for r in per_agent[n]]
-        wall = time.perf_counter() - t0
-        rewrites = runner.rewrite_summary()
-        runner.close()
-        for r in log:  # each agent's own turn number
-            r["agent_turn"] = r["turn"] // n_agents if mode == "sequential" else r["turn"]
-        return wall, log, rewrites
-
+    agents = _Agents(4, 2 if quick else 8, 32)
     out: dict[str, Any] = {}
     runs: dict[str, list[tuple[float, list, dict]]] = {"sequential": [], "batched": []}
     # A B B A: timings on shared machines drift, and this order cancels a steady drift
-    for mode in ("sequential", "batched", "batched", "sequential"):
-        runs[mode].append(run(mode))
+    for mode in mirrored(runs):
+        runs[mode].append(agents.run(path, mode))
     depth = 0
     replies: dict[str, list] = {}
     for mode, triples in runs.items():
-        log = [r for _, lg, _ in triples for r in lg]
-        wall = sum(w for w, _, _ in triples)
-        gen = sum(r["generated"] for r in log)
-        depth = max(depth, max(r["prompt"] for r in log))
+        out[mode] = _mode_figures(triples)
+        depth = max(depth, max(r["prompt"] for _, lg, _ in triples for r in lg))
         replies[mode] = [sorted((r["session"], r["agent_turn"], r["text"]) for r in lg)
                          for _, lg, _ in triples]
-        out[mode] = {
-            "runs": len(triples), "wall_s": wall, "walls_s": [w for w, _, _ in triples],
-            "generated_tokens": gen, "tokens_per_s": gen / wall,
-            "mean_ttft_s": mean([r["ttft"] for r in log]),
-            "mean_ttft_s_turns_2_on": mean([r["ttft"] for r in log if r["agent_turn"] > 0]),
-            "first_turn_ttft_s": sorted(r["ttft"] for r in log if r["agent_turn"] == 0),
-            "max_ttft_s": max(r["ttft"] for r in log),
-            "idle_rewrites": sum(rw["rewrites"] for _, _, rw in triples),
-            "idle_rewrite_s": sum(rw["seconds"] for _, _, rw in triples),
-            "rewrite_absorbed_tokens": sum(r["rewrite_absorbed"] for r in log),
-        }
     # llama-cpp-python's Llama serving the agents one by one (one sequence: no reuse across them)
-    llm = LlamaCppRunner(path, 2048, max_tokens)
+    llm = LlamaCppRunner(path, 2048, agents.max_tokens)
     t0 = time.perf_counter()
-    log = run_conversations(llm, convs, in_turns, None)
+    log = run_conversations(llm, agents.convs, agents.in_turns(), None)
     out["llama-cpp"] = {"wall_s": time.perf_counter() - t0,
                         "mean_ttft_s": mean([r["ttft"] for r in log])}
     llm.close()
-    ceiling = batching_ceiling(path, n_agents, depth // 2)
+    ceiling = batching_ceiling(path, agents.n, depth // 2)
     seq, bat = out["sequential"], out["batched"]
     speedup = bat["tokens_per_s"] / seq["tokens_per_s"]
     every = replies["sequential"] + replies["batched"]
     return {
-        "agents": n_agents, "turns": n_turns, "max_tokens": max_tokens, **out,
+        "agents": agents.n, "turns": agents.turns, "max_tokens": agents.max_tokens, **out,
         "mean_ttft_s": {k: v["mean_ttft_s"] for k, v in out.items()},
         "decode_step_ceiling": ceiling,
         # batched replies equal one-at-a-time replies (docs/concepts/slots-imc.md)
@@ -143,4 +102,71 @@ def scenario_subagents(path: str, quick: bool) -> dict[str, Any]:
             "batched_vs_llama_cpp_wall":
                 out["llama-cpp"]["wall_s"] / (bat["wall_s"] / bat["runs"]),
         },
+    }
+
+
+class _Agents:
+    """The sub-agents: their system prompts and tasks, played one by one or all at once."""
+
+    def __init__(self, n: int, turns: int, max_tokens: int) -> None:
+        self.n, self.turns, self.max_tokens = n, turns, max_tokens
+        self.names = ["Ada", "Brook", "Cyd", "Dale"][:n]
+        self.convs = {a: [{"role": "system", "content": system_prompt(a, 8)}]
+                      for a in self.names}
+        self.tasks = {a: [f"{a}, task {t}: " + paragraph(t + len(a), 1) for t in range(turns)]
+                      for a in self.names}
+
+    def in_turns(self) -> list[tuple[str, str]]:
+        """One request at a time, the agents taking turns."""
+        return [(a, self.tasks[a][t]) for t in range(self.turns) for a in self.names]
+
+    def run(self, path: str, mode: str) -> tuple[float, list[dict], dict]:
+        """(wall time, every request's record, the idle rewrites) of one run in ``mode``."""
+        runner = NbkvRunner(path, "imc", self.n, 2048, max_tokens=self.max_tokens,
+                            settle=False)
+        t0 = time.perf_counter()
+        if mode == "sequential":
+            log = run_conversations(runner, self.convs, self.in_turns(), None)
+        else:
+            log = self._all_at_once(runner)
+        wall = time.perf_counter() - t0
+        rewrites = runner.rewrite_summary()
+        runner.close()
+        for r in log:  # each agent's own turn number
+            r["agent_turn"] = r["turn"] // self.n if mode == "sequential" else r["turn"]
+        return wall, log, rewrites
+
+    def _all_at_once(self, runner: NbkvRunner) -> list[dict]:
+        """Every agent on its own thread, all at once."""
+        import threading
+
+        per_agent: dict[str, list] = {}
+
+        def play(a: str) -> None:
+            per_agent[a] = run_conversations(runner, {a: self.convs[a]},
+                                             [(a, x) for x in self.tasks[a]], None)
+
+        threads = [threading.Thread(target=play, args=(a,)) for a in self.names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [r for a in self.names for r in per_agent[a]]
+
+
+def _mode_figures(triples: list[tuple[float, list, dict]]) -> dict[str, Any]:
+    """One mode's figures over its runs: wall time, tokens/s, first-token times, rewrites."""
+    log = [r for _, lg, _ in triples for r in lg]
+    wall = sum(w for w, _, _ in triples)
+    gen = sum(r["generated"] for r in log)
+    return {
+        "runs": len(triples), "wall_s": wall, "walls_s": [w for w, _, _ in triples],
+        "generated_tokens": gen, "tokens_per_s": gen / wall,
+        "mean_ttft_s": mean([r["ttft"] for r in log]),
+        "mean_ttft_s_turns_2_on": mean([r["ttft"] for r in log if r["agent_turn"] > 0]),
+        "first_turn_ttft_s": sorted(r["ttft"] for r in log if r["agent_turn"] == 0),
+        "max_ttft_s": max(r["ttft"] for r in log),
+        "idle_rewrites": sum(rw["rewrites"] for _, _, rw in triples),
+        "idle_rewrite_s": sum(rw["seconds"] for _, _, rw in triples),
+        "rewrite_absorbed_tokens": sum(r["rewrite_absorbed"] for r in log),
     }

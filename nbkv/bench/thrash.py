@@ -104,7 +104,6 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
     gets the same conversation (the parking engine's replies). ``quick``: shorter system
     prompts and replies, the same 6 sessions on 2 slots, 3 rounds (2 measured).
     """
-    from nbkv.remote.server import LlamaServer, binary
     from nbkv.store.parking import default_ram_budget
 
     rounds, sentences, max_tokens = (3, 4, 8) if quick else (3, 9, MAX_TOKENS)
@@ -115,83 +114,126 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
              for i, s in enumerate(NAMES)]
     budget = default_ram_budget()
     runners: dict[str, Any] = {}
-    server = None
+    servers: list[Any] = []  # the llama-server, where there is one
     server_ms: list[float] = []
     limit: LimitRunner | None = None
-    held: dict[str, list[int]] = {s: [] for s in NAMES}
     out: dict[str, Any] = {"sessions": n, "slots": 2, "rounds": rounds,
                            "max_tokens": max_tokens, "park_ram_budget": budget}
     try:
-        runners["parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens)
-        if not quick:
-            runners["no-parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens,
-                                               park_ram=0)
-        runners["6-slots"] = NbkvRunner(path, "imc", n, n_ctx, max_tokens=max_tokens)
-        if binary() is not None:
-            server = LlamaServer(path, slots=2, ctx=n_ctx, threads=os.cpu_count(), batch=256,
-                                 ubatch=256, flash_attn="off", cache_ram=budget >> 20,
-                                 extra=("-lv", "4")).start()
-            assert server.argv[server.argv.index("--cache-ram") + 1] == str(budget >> 20)
-            runners["server-ram"] = RemoteRunner(server.url, True, max_tokens)
-        else:
-            out["server_skipped"] = "no llama-server binary: run `make llama-server`"
-        if not quick:
-            runners["llama-ram"] = LlamaCacheRunner(path, n_ctx, budget, max_tokens)
+        _start_runners(runners, servers, out, path, quick, n_ctx, max_tokens, budget)
         limit = LimitRunner(path, n_ctx)
-        names = [*runners, "limit"]
-        results: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
-        for i, (session, text) in enumerate(turns):
-            msgs = hist[session]
-            msgs.append({"role": "user", "content": text})
-            prompt = runners["parking"].engine.tokenize_prompt(msgs)
-            new = len(prompt) - common_prefix(held[session], prompt)
-            order = names[i % len(names):] + names[: i % len(names)]
-            for v in order:
-                r: dict[str, Any]
-                if v == "limit":
-                    r = {"ttft": limit.turn(prompt, new), "prompt": len(prompt),
-                         "reused": len(prompt) - new}
-                else:
-                    r = runners[v].turn(msgs, session)
-                r.update(session=session, turn=i)
-                results[v].append(r)
-            reply = results["parking"][i]["text"]
-            held[session] = prompt + runners["parking"].engine.model.tokenize(reply)
-            msgs.append({"role": "assistant", "content": reply})
-            print(f"thrash turn {i + 1}/{len(turns)} {session}: " + " ".join(
-                f"{v} {1000 * results[v][i]['ttft']:.0f}" for v in names) + " ms",
-                file=sys.stderr, flush=True)
-    # after the run: what is parked, against llama.cpp's own KV per token
+        results = _play(runners, limit, hist, turns)
+        # after the run: what is parked, against llama.cpp's own KV per token
         eng = runners["parking"].engine
         parked = eng.parked()
         verified = eng.verify()
         kv_per_token = eng.plan.kv_bytes_per_token
-        llama_tokens = llama_state_bytes = llama_bytes = 0
-        if "llama-ram" in runners:
-            states = runners["llama-ram"].cache.cache_state  # tokens -> LlamaState
-            llama_tokens = sum(len(k) for k in states)
-            llama_state_bytes = sum(s.llama_state_size for s in states.values())
-            # what the cache holds in RAM besides: each entry's copy of Llama's logits array
-            llama_bytes = llama_state_bytes + sum(s.scores.nbytes + s.input_ids.nbytes
-                                                  for s in states.values())
+        llama_tokens, llama_state_bytes, llama_bytes = _llama_ram_cache(runners)
     finally:
         for runner in runners.values():
             runner.close()
         if limit is not None:
             limit.close()
-        if server is not None:  # its log is read before the stop removes it
+        for server in servers:  # its log is read before the stop removes it
             server_ms = _server_cache_ms(server.log_path)
             server.stop()
-    ref = [r["text"] for r in results["parking"]]
-    replied = {v: rs for v, rs in results.items() if v != "limit"}  # the floor only times
     figures = {v: _figures(_later(rs, n), v != "llama-ram") for v, rs in results.items()}
-    if server is not None:
-        ms = server_ms
+    if servers:
         figures["server-ram"]["server_cache_update_ms"] = {
-            "n": len(ms), "mean": mean(ms), "max": max(ms, default=0.0)}
+            "n": len(server_ms), "mean": mean(server_ms), "max": max(server_ms, default=0.0)}
     parked_tokens = sum(p.n_tokens for p in parked)
     parked_bytes = sum(p.nbytes for p in parked)
+    out.update(_per_turn(results, figures, n))
     out.update({
+        "verify_parking_engine": [v.identical for v in verified],
+        "parked": {"entries": len(parked), "tokens": parked_tokens, "bytes": parked_bytes,
+                   "bytes_per_token": parked_bytes / max(parked_tokens, 1),
+                   "llama_cpp_kv_bytes_per_token": kv_per_token,
+                   "llama_ram_cache_state_bytes_per_token": llama_state_bytes / max(
+                       llama_tokens, 1),
+                   "llama_ram_cache_bytes_per_token": llama_bytes / max(llama_tokens, 1)},
+    })
+    _ratios(out, figures, {v: rs[n:] for v, rs in results.items()}, kv_per_token)
+    return out
+
+
+def _start_runners(runners: dict[str, Any], servers: list[Any], out: dict[str, Any],
+                   path: str, quick: bool, n_ctx: int, max_tokens: int, budget: int) -> None:
+    """Open the variants into ``runners``, and the llama-server into ``servers``.
+
+    Filled in place, so that what opened before a failure is still closed.
+    """
+    from nbkv.remote.server import LlamaServer, binary
+
+    runners["parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens)
+    if not quick:
+        runners["no-parking"] = NbkvRunner(path, "imc", 2, n_ctx, max_tokens=max_tokens,
+                                           park_ram=0)
+    runners["6-slots"] = NbkvRunner(path, "imc", len(NAMES), n_ctx, max_tokens=max_tokens)
+    if binary() is not None:
+        server = LlamaServer(path, slots=2, ctx=n_ctx, threads=os.cpu_count(), batch=256,
+                             ubatch=256, flash_attn="off", cache_ram=budget >> 20,
+                             extra=("-lv", "4")).start()
+        servers.append(server)
+        assert server.argv[server.argv.index("--cache-ram") + 1] == str(budget >> 20)
+        runners["server-ram"] = RemoteRunner(server.url, True, max_tokens)
+    else:
+        out["server_skipped"] = "no llama-server binary: run `make llama-server`"
+    if not quick:
+        runners["llama-ram"] = LlamaCacheRunner(path, n_ctx, budget, max_tokens)
+
+
+def _play(runners: dict[str, Any], limit: LimitRunner, hist: dict[str, list[dict]],
+          turns: list[tuple[str, str]]) -> dict[str, list[dict[str, Any]]]:
+    """Every turn on every variant, in lockstep: each variant's records, turn by turn.
+
+    The order of the variants rotates from turn to turn; every session carries on with the
+    parking engine's reply. ``limit`` decodes only what the session's KV did not hold.
+    """
+    names = [*runners, "limit"]
+    held: dict[str, list[int]] = {s: [] for s in NAMES}
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
+    for i, (session, text) in enumerate(turns):
+        msgs = hist[session]
+        msgs.append({"role": "user", "content": text})
+        prompt = runners["parking"].engine.tokenize_prompt(msgs)
+        new = len(prompt) - common_prefix(held[session], prompt)
+        for v in names[i % len(names):] + names[: i % len(names)]:
+            r: dict[str, Any]
+            if v == "limit":
+                r = {"ttft": limit.turn(prompt, new), "prompt": len(prompt),
+                     "reused": len(prompt) - new}
+            else:
+                r = runners[v].turn(msgs, session)
+            r.update(session=session, turn=i)
+            results[v].append(r)
+        reply = results["parking"][i]["text"]
+        held[session] = prompt + runners["parking"].engine.model.tokenize(reply)
+        msgs.append({"role": "assistant", "content": reply})
+        print(f"thrash turn {i + 1}/{len(turns)} {session}: " + " ".join(
+            f"{v} {1000 * results[v][i]['ttft']:.0f}" for v in names) + " ms",
+            file=sys.stderr, flush=True)
+    return results
+
+
+def _llama_ram_cache(runners: dict[str, Any]) -> tuple[int, int, int]:
+    """What ``LlamaRAMCache`` holds (zeros without it): tokens, state bytes, and all bytes."""
+    if "llama-ram" not in runners:
+        return 0, 0, 0
+    states = runners["llama-ram"].cache.cache_state  # tokens -> LlamaState
+    tokens = sum(len(k) for k in states)
+    state_bytes = sum(s.llama_state_size for s in states.values())
+    # what the cache holds in RAM besides: each entry's copy of Llama's logits array
+    return tokens, state_bytes, state_bytes + sum(s.scores.nbytes + s.input_ids.nbytes
+                                                  for s in states.values())
+
+
+def _per_turn(results: dict[str, list[dict[str, Any]]], figures: dict[str, Any],
+              n: int) -> dict[str, Any]:
+    """The report's per-turn lists, and whether every variant replied as the parking one."""
+    ref = [r["text"] for r in results["parking"]]
+    replied = {v: rs for v, rs in results.items() if v != "limit"}  # the floor only times
+    return {
         "system_prompt_tokens": [results["parking"][i]["prompt"] for i in range(n)],
         "final_prompt_tokens": [r["prompt"] for r in results["parking"][-n:]],
         "mean_ttft_s_rounds_2_on": {v: f["mean_ttft_s"] for v, f in figures.items()},
@@ -206,33 +248,28 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
                                   for v, rs in replied.items()},
         "replies_differ_at_turns": {v: [i for i, r in enumerate(rs) if r["text"] != ref[i]]
                                     for v, rs in replied.items()},
-        "verify_parking_engine": [v.identical for v in verified],
-        "parked": {"entries": len(parked), "tokens": parked_tokens, "bytes": parked_bytes,
-                   "bytes_per_token": parked_bytes / max(parked_tokens, 1),
-                   "llama_cpp_kv_bytes_per_token": kv_per_token,
-                   "llama_ram_cache_state_bytes_per_token": llama_state_bytes / max(
-                       llama_tokens, 1),
-                   "llama_ram_cache_bytes_per_token": llama_bytes / max(llama_tokens, 1)},
-    })
-    f = figures
-    later = {v: rs[n:] for v, rs in results.items()}
+    }
+
+
+def _ratios(out: dict[str, Any], f: dict[str, Any], later: dict[str, list[dict[str, Any]]],
+            kv_per_token: float) -> None:
+    """The headline ratios of the later rounds, and their spread over the turns."""
 
     def per_turn(a: str, b: str) -> dict[str, float]:
         return _spread([x["ttft"] / y["ttft"] for x, y in zip(later[a], later[b])])
 
+    park = f["parking"]
     ratios = {
-        "parking_over_6_slots_ttft": f["parking"]["mean_ttft_s"] / f["6-slots"]["mean_ttft_s"],
-        "parking_over_limit_ttft": f["parking"]["mean_ttft_s"] / f["limit"]["mean_ttft_s"],
+        "parking_over_6_slots_ttft": park["mean_ttft_s"] / f["6-slots"]["mean_ttft_s"],
+        "parking_over_limit_ttft": park["mean_ttft_s"] / f["limit"]["mean_ttft_s"],
         "6_slots_over_limit_ttft": f["6-slots"]["mean_ttft_s"] / f["limit"]["mean_ttft_s"],
-        "reuse_points_below_6_slots": f["6-slots"]["reuse_pct"] - f["parking"]["reuse_pct"],
-        "restore_ms_per_1k_tokens_max": f["parking"]["restore_ms_per_1k_tokens"]["max"],
-        "restore_ms_per_1k_tokens_mean": f["parking"]["restore_ms_per_1k_tokens"]["mean"],
-        "restore_admission_ms_per_1k_tokens_mean":
-            f["parking"]["admission_ms_per_1k_tokens"]["mean"],
-        "restore_admission_ms_per_1k_tokens_max":
-            f["parking"]["admission_ms_per_1k_tokens"]["max"],
+        "reuse_points_below_6_slots": f["6-slots"]["reuse_pct"] - park["reuse_pct"],
+        "restore_ms_per_1k_tokens_max": park["restore_ms_per_1k_tokens"]["max"],
+        "restore_ms_per_1k_tokens_mean": park["restore_ms_per_1k_tokens"]["mean"],
+        "restore_admission_ms_per_1k_tokens_mean": park["admission_ms_per_1k_tokens"]["mean"],
+        "restore_admission_ms_per_1k_tokens_max": park["admission_ms_per_1k_tokens"]["max"],
         "restore_s_with_park_ms_per_1k_tokens_mean":
-            f["parking"]["restore_s_ms_per_1k_tokens"]["mean"],
+            park["restore_s_ms_per_1k_tokens"]["mean"],
         "parked_over_kv_bytes_per_token": out["parked"]["bytes_per_token"] / kv_per_token,
     }
     spreads = {"parking_over_6_slots_ttft": per_turn("parking", "6-slots"),
@@ -241,11 +278,10 @@ def scenario_thrash(path: str, quick: bool) -> dict[str, Any]:
                    ("llama-ram", "llama_ram_over_parking_ttft"),
                    ("server-ram", "server_ram_over_parking_ttft")):
         if v in f:
-            ratios[key] = f[v]["mean_ttft_s"] / f["parking"]["mean_ttft_s"]
+            ratios[key] = f[v]["mean_ttft_s"] / park["mean_ttft_s"]
             spreads[key] = per_turn(v, "parking")
     if "server-ram" in f:
         out["parking_faster_than_server_ram_turns"] = sum(
             a["ttft"] < b["ttft"] for a, b in zip(later["parking"], later["server-ram"]))
     out["ratios"] = ratios
     out["per_turn_ratio_spread"] = spreads
-    return out

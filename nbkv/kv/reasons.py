@@ -153,31 +153,11 @@ def explain(
                          can_trim)
     if trace is not None and trace.first is not None and tuple(hashes[:1]) != (trace.first,):
         trace = None  # a new conversation: what became of the old one does not explain it
-    if trace is not None and trace.fate in (EVICTED, PARKED):
-        gone = ""
-        if trace.fate == PARKED:
-            gone = (" and its conversation parked, but the parked state could not serve this "
-                    "prompt" if still_parked else " and its conversation parked, but the "
-                    "parked copy was gone (over the parking budget, or unreadable)")
-        return Reason(EVICTED, f"{who}'s slot was taken by {_whose(trace.by_session)} request "
-                               f"#{trace.by_request}{gone}, so its conversation was read "
-                               f"again{copied}")
-    if trace is not None and trace.fate == CLEARED:
-        return Reason(CLEARED, f"{who}'s slot was cleared by the user, so its conversation "
-                               f"was read again{copied}")
-    if own is None and trace is not None and trace.fate == RELOADED:
-        return Reason(RELOADED, f"the engine was loaded again since {who}'s last turn: its "
-                                f"cache started empty, so the conversation was read again"
-                                f"{copied}")
+    lost = _lost(who, trace, own is None, copied, still_parked)
+    if lost is not None:
+        return lost
     if own is None:
-        if donor_session is not None and reuse:
-            return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
-                                  f"shared start) were copied from {donor_session}'s slot")
-        if reuse:  # the start it shares with the conversation the slot held, kept in place
-            held = f"{kept_from}'s conversation" if kept_from else "another conversation"
-            return Reason(SHARED, f"{who} was not cached; the slot it got held {held}, whose "
-                                  f"first {reuse} tokens it shares, so those were kept")
-        return Reason(FIRST, f"nothing of {who} was cached")
+        return _not_cached(who, reuse, donor_session, kept_from)
     div = _branch(own, tokens, ends, roles)
     if donor_session is not None:  # the own slot lost to another's (it served less)
         what = (f"{who}'s own slot served less of this prompt than {donor_session}'s, so "
@@ -189,26 +169,68 @@ def explain(
     elif div is None:
         code, text = CONTINUED, f"everything cached for {who} was reused"
     else:
-        k = div.message
-        same_messages = k < len(own.hashes) and k < len(hashes) and own.hashes[k] == hashes[k]
-        if same_messages or k >= len(own.hashes):
-            code = TEMPLATE_DRIFT
-            text = (f"the same messages rendered to different tokens in message {k} "
-                    f"({div.role}), token {div.position}")
-        elif _unit_is_media(div.new[div.position - div.start]) or (
-                div.position - div.start < len(div.cached)
-                and _unit_is_media(div.cached[div.position - div.start])):
-            code = IMAGE_CHANGED
-            text = f"a different image in message {k} ({div.role}), token {div.position}"
-        elif k == 0 and div.role == "system":
-            code, text = SYSTEM_CHANGED, f"the system prompt changed at token {div.position}"
-        else:
-            code = EDITED
-            text = (f"kept {counted(k, 'message')}, re-read from message {k} ({div.role}, "
-                    f"edited) at token {div.position}")
+        code, text = _what_changed(div, own.hashes, hashes)
     if not can_trim and reuse < wanted:
         return Reason(CHECKPOINT, text + _checkpoint_note(reuse, wanted), div)
     return Reason(code, text, div)
+
+
+def _lost(who: str, trace: Whereabouts | None, gone: bool, copied: str,
+          still_parked: bool) -> Reason | None:
+    """The reason when the session's conversation left its slot (None: it did not).
+
+    ``gone``: the slot no longer holds it; ``copied`` the words on a donor's copy, if any.
+    """
+    if trace is None:
+        return None
+    if trace.fate in (EVICTED, PARKED):
+        parked = ""
+        if trace.fate == PARKED:
+            parked = (" and its conversation parked, but the parked state could not serve "
+                      "this prompt" if still_parked else " and its conversation parked, but "
+                      "the parked copy was gone (over the parking budget, or unreadable)")
+        return Reason(EVICTED, f"{who}'s slot was taken by {_whose(trace.by_session)} request "
+                               f"#{trace.by_request}{parked}, so its conversation was read "
+                               f"again{copied}")
+    if trace.fate == CLEARED:
+        return Reason(CLEARED, f"{who}'s slot was cleared by the user, so its conversation "
+                               f"was read again{copied}")
+    if gone and trace.fate == RELOADED:
+        return Reason(RELOADED, f"the engine was loaded again since {who}'s last turn: its "
+                                f"cache started empty, so the conversation was read again"
+                                f"{copied}")
+    return None
+
+
+def _not_cached(who: str, reuse: int, donor_session: str | None,
+                kept_from: str | None) -> Reason:
+    """The reason for a request nothing of which was cached for it."""
+    if donor_session is not None and reuse:
+        return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
+                              f"shared start) were copied from {donor_session}'s slot")
+    if reuse:  # the start it shares with the conversation the slot held, kept in place
+        held = f"{kept_from}'s conversation" if kept_from else "another conversation"
+        return Reason(SHARED, f"{who} was not cached; the slot it got held {held}, whose "
+                              f"first {reuse} tokens it shares, so those were kept")
+    return Reason(FIRST, f"nothing of {who} was cached")
+
+
+def _what_changed(div: Divergence, own_hashes: Sequence[str],
+                  hashes: Sequence[str]) -> tuple[str, str]:
+    """(code, words) for where a prompt leaves its own slot's conversation."""
+    k = div.message
+    same_messages = k < len(own_hashes) and k < len(hashes) and own_hashes[k] == hashes[k]
+    if same_messages or k >= len(own_hashes):
+        return TEMPLATE_DRIFT, (f"the same messages rendered to different tokens in message "
+                                f"{k} ({div.role}), token {div.position}")
+    if _unit_is_media(div.new[div.position - div.start]) or (
+            div.position - div.start < len(div.cached)
+            and _unit_is_media(div.cached[div.position - div.start])):
+        return IMAGE_CHANGED, f"a different image in message {k} ({div.role}), token {div.position}"
+    if k == 0 and div.role == "system":
+        return SYSTEM_CHANGED, f"the system prompt changed at token {div.position}"
+    return EDITED, (f"kept {counted(k, 'message')}, re-read from message {k} ({div.role}, "
+                    f"edited) at token {div.position}")
 
 
 def _checkpoint_note(reuse: int, wanted: int) -> str:

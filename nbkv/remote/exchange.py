@@ -204,18 +204,48 @@ class Exchange:
 
         ``prev``: the slot's length, its prompt's length and its canonical prefix before.
         """
-        eng, job, p, slot, out = self.engine, self.job, self.p, self.slot, self.out
+        eng, job, out = self.engine, self.job, self.out
         prev_len, prev_prompt_len, settled_before = prev
         now = time.perf_counter()
-        final, error, t = out.final, out.error, out.final.get("timings") or {}
         told = out.told
+        reused = plan.reuse if told is None else told
+        source = (eng.ledger.fits(self.p.tokens, told)
+                  if told is not None and eng.facts.has_cache is not False else [])
+        restored_rows, verified, note, restarted = self._check_told(
+            plan, expected, other_note, source)
+        restore = self._restore_reason(plan, entry, source, restored_rows, reused, own)
+        if not self.alone(before) and eng.rule is not None:
+            out.exact = False
+            out.exact_note = ("another client's request ran on the server at the same time "
+                              "(llama-server computes the slots it serves in one batch)")
+        # a request that rebuilt a slot another client had used leaves it known again
+        self.record_held(reused, verified or bool(other_note and eng.rule is not None), note)
+        absorbed, reread = reply_rows(prev_len, prev_prompt_len, plan.reuse, reused,
+                                      settled_before) if told is not None else (0, 0)
+        rec = replace(
+            record, **self._figures(reused, prev_len, now), rewrite_absorbed=absorbed,
+            reprefilled_tokens=reread, verified=verified, note=note, **restore,
+            **self._reason_after(record, expected, restarted),
+            exact=out.exact, exact_note="" if out.exact else out.exact_note)
+        if not verified:
+            log.warning("request %d: %s", job.id, note)
+        job.record = rec
+        if out.error is not None:
+            raise out.error
+        return rec
+
+    def _check_told(self, plan: policy.Plan, expected: int | None, other_note: str,
+                    source: Sequence[Offered]) -> tuple[int, bool, str, bool]:
+        """What the server's reused count (``timings.cache_n``) proves against the plan.
+
+        (rows it restored from its --cache-ram, verified, the note, the server restarted).
+        """
+        eng, slot, told = self.engine, self.slot, self.out.told
         reused = plan.reuse if told is None else told
         verified, note = (False, other_note) if other_note else (True, "")
         has_cache = eng.facts.has_cache
-        shared = policy.common_prefix(self.sent_held, p.tokens)
-        source = (eng.ledger.fits(p.tokens, told) if told is not None and has_cache is not False
-                  else [])
-        restored_rows = min(out.restored, reused)
+        shared = policy.common_prefix(self.sent_held, self.p.tokens)
+        restored_rows = min(self.out.restored, reused)
         restarted = False
         if not restored_rows and told is not None and expected is not None and \
                 told > max(expected, shared) and source:
@@ -239,7 +269,17 @@ class Exchange:
                         f"another client used slot {slot.index}, or the server cleared it")
         elif told is not None and expected is None and not other_note:
             note = f"slot {slot.index}'s content was unknown (after an error); now known again"
-        restore: dict[str, Any] = {}
+        return restored_rows, verified, note, restarted
+
+    def _restore_reason(self, plan: policy.Plan, entry: Offered | None,
+                        source: Sequence[Offered], restored_rows: int, reused: int,
+                        own: Any) -> dict[str, Any]:
+        """The record's restore fields and reason (empty where nothing was restored).
+
+        Where a parked conversation was offered, or the server restored one from its
+        --cache-ram.
+        """
+        eng, job, p, slot = self.engine, self.job, self.p, self.slot
         if restored_rows:
             whose = entry.session if entry is not None else source[-1].session
             kept = entry or source[-1]
@@ -247,38 +287,42 @@ class Exchange:
                                    wanted=plan.reuse, restored=reasons.Restored(
                                        whose, SERVER_RAM, reasons.Cached(
                                            kept.tokens, kept.hashes, kept.msg_ends)))
-            restore = dict(restored_from=SERVER_RAM, restored_tokens=restored_rows,
-                           restored_session=whose, reason=why.code,
-                           reason_text=f"{why.text} (the server's --cache-ram)",
-                           divergence=why.divergence)
-        elif entry is not None:  # the server no longer had it
+            return dict(restored_from=SERVER_RAM, restored_tokens=restored_rows,
+                        restored_session=whose, reason=why.code,
+                        reason_text=f"{why.text} (the server's --cache-ram)",
+                        divergence=why.divergence)
+        if entry is not None:  # the server no longer had it
             why = eng.table.reason(job.id, p, job.session, own, slot.tokens, reuse=reused,
                                    wanted=plan.reuse)
-            restore = dict(reason=why.code, reason_text=why.text, divergence=why.divergence)
-        if not self.alone(before) and eng.rule is not None:
-            out.exact = False
-            out.exact_note = ("another client's request ran on the server at the same time "
-                              "(llama-server computes the slots it serves in one batch)")
-        # a request that rebuilt a slot another client had used leaves it known again
-        self.record_held(reused, verified or bool(other_note and eng.rule is not None), note)
-        absorbed, reread = reply_rows(prev_len, prev_prompt_len, plan.reuse, reused,
-                                      settled_before) if told is not None else (0, 0)
-        why_more: dict[str, Any] = {}
+            return dict(reason=why.code, reason_text=why.text, divergence=why.divergence)
+        return {}
+
+    def _reason_after(self, record: RequestRecord, expected: int | None,
+                      restarted: bool) -> dict[str, Any]:
+        """The reason, where the slot's content was unknown or the server was restarted."""
+        eng, job, slot, told = self.engine, self.job, self.slot, self.out.told
         failed = self.failed_before
         if expected is None and record.reason == reasons.FIRST and failed:
-            why_more = dict(reason=reasons.CONTINUED, reason_text=(
-                f"slot {slot.index}'s content was not known after its last request failed "
-                f"({failed}); the server still held {told} tokens of this prompt and "
-                f"reused them")) if told else dict(reason_text=(
+            if told:
+                return dict(reason=reasons.CONTINUED, reason_text=(
                     f"slot {slot.index}'s content was not known after its last request "
-                    f"failed ({failed}), so the conversation was read again"))
-        elif (record.reason == reasons.RELOADED or restarted) and eng.restart_note:
+                    f"failed ({failed}); the server still held {told} tokens of this prompt "
+                    f"and reused them"))
+            return dict(reason_text=(
+                f"slot {slot.index}'s content was not known after its last request "
+                f"failed ({failed}), so the conversation was read again"))
+        if (record.reason == reasons.RELOADED or restarted) and eng.restart_note:
             who = f"session {job.session}" if job.session is not None else "this request"
-            why_more = dict(reason=reasons.RELOADED, divergence=None,
-                            reason_text=f"{eng.restart_note}: {who}'s conversation was read "
-                                        f"again")
-        rec = replace(
-            record, reused_tokens=reused,
+            return dict(reason=reasons.RELOADED, divergence=None,
+                        reason_text=f"{eng.restart_note}: {who}'s conversation was read again")
+        return {}
+
+    def _figures(self, reused: int, prev_len: int, now: float) -> dict[str, Any]:
+        """The record's counts and times, from the server's last event (its timings)."""
+        job, p, slot, out = self.job, self.p, self.slot, self.out
+        final, error, t = out.final, out.error, out.final.get("timings") or {}
+        return dict(
+            reused_tokens=reused,
             prefilled_tokens=int(t.get("prompt_n", len(p.tokens) - reused)) if final else 0,
             trimmed_tokens=max(prev_len - reused, 0),
             # (llama-server counts the end-of-generation token it sampled; the kernel does not)
@@ -288,20 +332,12 @@ class Exchange:
             prefill_s=float(t.get("prompt_ms", 0.0)) / 1000,
             decode_s=float(t.get("predicted_ms", 0.0)) / 1000 if final else (
                 now - job.t_first if job.t_first else 0.0),
-            restore_s=out.steer_s, rewrite_absorbed=absorbed, reprefilled_tokens=reread,
-            finish_reason=out.finish, verified=verified, note=note, **restore, **why_more,
-            exact=out.exact, exact_note="" if out.exact else out.exact_note,
+            restore_s=out.steer_s, finish_reason=out.finish,
             error=None if error is None else f"{type(error).__name__}: {error}",
             segments=message_segments(p.messages, p.ends, len(p.tokens), reused,
                                       len(slot.tokens) if slot.known else len(p.tokens),
                                       job.text),
         )
-        if not verified:
-            log.warning("request %d: %s", job.id, note)
-        job.record = rec
-        if error is not None:
-            raise error
-        return rec
 
     def alone(self, before: Mapping[int, SlotView]) -> bool:
         """No other client's task ran on the server during the request (exact mode).

@@ -254,6 +254,24 @@ class OpenAIEngine(RemoteBase):
     def _serve(self, job: RemoteJob, prepared: tuple[list[dict[str, Any]],
                                                      list[dict[str, Any]]]) -> RequestRecord:
         msgs, messages = prepared
+        self.events.publish(RequestStarted(RequestRecord(
+            job.id, job.session, "server", -1, 0, 0, 0, 0, started_at=time.time())))
+        usage, prompt_ids, error, finish = self._stream(job, msgs, self._body(job, messages))
+        rec, ends = self._record(job, msgs, usage, prompt_ids, error, finish)
+        if rec.prompt_tokens and (error is None or job.t_first):
+            with self._cv:
+                row = self._rows.get(job.session)
+                self._rows[job.session] = _Row(
+                    row.index if row else len(self._rows), job.session,
+                    tuple(prompt_ids or ()) + tuple(job.generated), ends, rec.segments,
+                    job.id, rec.verified, rec.note)
+        job.record = rec
+        if error is not None:
+            raise error
+        return rec
+
+    def _body(self, job: RemoteJob, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The streamed chat completion's request body."""
         prm = job.params
         body: dict[str, Any] = {
             "messages": messages, "stream": True, "stream_options": {"include_usage": True},
@@ -267,8 +285,11 @@ class OpenAIEngine(RemoteBase):
             body["stop"] = list(prm.stop)
         if self.server.startswith("vLLM"):
             body["return_token_ids"] = True  # the prompt's ids, then each delta's
-        self.events.publish(RequestStarted(RequestRecord(
-            job.id, job.session, "server", -1, 0, 0, 0, 0, started_at=time.time())))
+        return body
+
+    def _stream(self, job: RemoteJob, msgs: list[dict[str, Any]], body: dict[str, Any]
+                ) -> tuple[dict[str, Any], list[int] | None, BaseException | None, str]:
+        """Stream the completion into ``job``: (usage, prompt ids, error, finish reason)."""
         usage: dict[str, Any] = {}
         prompt_ids: list[int] | None = None
         error: BaseException | None = None
@@ -300,6 +321,12 @@ class OpenAIEngine(RemoteBase):
                 f"after {len(job.text)} characters; the partial reply is on this error's "
                 f".text", text=job.text)
             finish = "error"
+        return usage, prompt_ids, error, finish
+
+    def _record(self, job: RemoteJob, msgs: list[dict[str, Any]], usage: dict[str, Any],
+                prompt_ids: list[int] | None, error: BaseException | None, finish: str
+                ) -> tuple[RequestRecord, tuple[int, ...]]:
+        """The request's record from the server's usage report, and the messages' ends."""
         now = time.perf_counter()
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
@@ -328,17 +355,7 @@ class OpenAIEngine(RemoteBase):
             exact=False, exact_note="the server reuses its own prefix cache unseen",
             error=None if error is None else f"{type(error).__name__}: {error}",
             segments=segments, capacity=self.n_ctx)
-        if prompt and (error is None or job.t_first):
-            with self._cv:
-                row = self._rows.get(job.session)
-                self._rows[job.session] = _Row(
-                    row.index if row else len(self._rows), job.session,
-                    tuple(prompt_ids or ()) + tuple(job.generated), ends, segments, job.id,
-                    rec.verified, note)
-        job.record = rec
-        if error is not None:
-            raise error
-        return rec
+        return rec, ends
 
     def _reason_text(self, prompt: int, reused: int) -> str:
         text = "the server chose what to reuse (its own prefix cache)"

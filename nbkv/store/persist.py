@@ -193,9 +193,6 @@ def _require_local(engine: Any, what: str) -> None:
         raise unsupported(engine, what)
 
 
-# -- capture (scheduler thread) --------------------------------------------------------------
-
-
 # -- save ------------------------------------------------------------------------------------
 
 
@@ -214,25 +211,11 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     store = kernel_sessions(sessions)
     root = save_root(path)
     t0 = time.perf_counter()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        (root / BLOBS).mkdir(exist_ok=True)
-    except OSError as e:
-        raise SaveError(f"cannot create the save directory {root}: {e}") from e
-    if not os.access(root, os.W_OK) or not os.access(root / BLOBS, os.W_OK):
-        raise SaveError(f"the save directory {root} is not writable")
+    _make_save_dir(root)
     cap = engine.export_state(only_if_idle)
     blobs = Blobs()
-    slots_json, reports = [], []
-    media: set[str] = set()
-    for s in cap.slots:
-        kv = s.kv
-        media.update(u.key.image_hash for u in kv.tokens if isinstance(u, MediaUnit))
-        conv = ParkedEntry.from_snapshot(kv, session=s.session, hashes=s.hashes,
-                                         msg_ends=s.msg_ends, segments=s.segments,
-                                         last_used=s.last_used, used_at=s.used_at)
-        slots_json.append({"index": s.index, **entry_json(conv, blobs)})
-        reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
+    media: set[str] = set()  # the images the saved KV holds
+    slots_json, reports = _slots_json(cap, blobs, media)
     parked_json = engine.parking.export(blobs) if engine.parking is not None else []
     for parked in parked_json:
         media.update(u["image"] for u in parked["tokens"] if isinstance(u, dict))
@@ -241,19 +224,7 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
         media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
         spc_json.append({"key": key, "tokens": encode_units(entry.tokens),
                          "state": blobs.add(entry.state)})
-    emb_json = []
-    proj = engine.projector
-    if proj is not None:
-        for h in sorted(media):
-            emb = proj.cache.peek(proj.cache_key(h))
-            if emb is None:
-                continue  # evicted: the slot's KV holds the image; a rebuild re-encodes it
-            arrays = []
-            for a in emb.arrays:
-                a = np.ascontiguousarray(a, dtype=np.float32)
-                arrays.append({"blob": blobs.add(a.tobytes()), "shape": list(a.shape),
-                               "dtype": "float32"})
-            emb_json.append({"image": h, "arrays": arrays})
+    emb_json = _embeddings_json(engine.projector, media, blobs)
     sess_json = [session_json(s.state_dict(), blobs, f"session {s.name}") for s in store]
     # the replies the saved KV holds: a cell run again after a restore is replayed
     parked = engine.parked() if isinstance(engine, Parks) else ()
@@ -280,6 +251,49 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     engine.last_save = rep
     log.info("%s", rep)
     return rep
+
+
+def _make_save_dir(root: Path) -> None:
+    """Create ``root`` and its blob directory; :class:`SaveError` if they cannot be written."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / BLOBS).mkdir(exist_ok=True)
+    except OSError as e:
+        raise SaveError(f"cannot create the save directory {root}: {e}") from e
+    if not os.access(root, os.W_OK) or not os.access(root / BLOBS, os.W_OK):
+        raise SaveError(f"the save directory {root} is not writable")
+
+
+def _slots_json(cap: Any, blobs: Blobs, media: set[str]) -> tuple[list[dict], list[SlotSave]]:
+    """The captured slots' manifest entries and reports; adds their images to ``media``."""
+    slots_json, reports = [], []
+    for s in cap.slots:
+        kv = s.kv
+        media.update(u.key.image_hash for u in kv.tokens if isinstance(u, MediaUnit))
+        conv = ParkedEntry.from_snapshot(kv, session=s.session, hashes=s.hashes,
+                                         msg_ends=s.msg_ends, segments=s.segments,
+                                         last_used=s.last_used, used_at=s.used_at)
+        slots_json.append({"index": s.index, **entry_json(conv, blobs)})
+        reports.append(SlotSave(s.index, s.session, len(kv.tokens), kv.nbytes))
+    return slots_json, reports
+
+
+def _embeddings_json(proj: Any, media: set[str], blobs: Blobs) -> list[dict]:
+    """The image embeddings still in the projector's cache for the images in ``media``."""
+    emb_json: list[dict] = []
+    if proj is None:
+        return emb_json
+    for h in sorted(media):
+        emb = proj.cache.peek(proj.cache_key(h))
+        if emb is None:
+            continue  # evicted: the slot's KV holds the image; a rebuild re-encodes it
+        arrays = []
+        for a in emb.arrays:
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            arrays.append({"blob": blobs.add(a.tobytes()), "shape": list(a.shape),
+                           "dtype": "float32"})
+        emb_json.append({"image": h, "arrays": arrays})
+    return emb_json
 
 
 @contextlib.contextmanager
@@ -380,9 +394,42 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
         raise RestoreError("the manifest has no blob table")
     plan = _Plan()
     read = Reader(root, table, on_blob)
-
     n_vocab = engine.model.n_vocab
     created = float(body.get("created", 0.0))
+    state = _state_reader(engine, read)
+    try:
+        _load_slots(engine, body, read, state, created, plan)
+        lot = engine.parking
+        if lot is not None:
+            saved_parked = lot.decode(body.get("parked", []), read, state)
+            for e in saved_parked:
+                if not e.used_at:
+                    e.conversation = replace(e.conversation, used_at=created)
+            plan.parked[:0] = saved_parked
+        else:
+            plan.not_parked = [f"{e.get('session') or '-'} (parking is off)"
+                               for e in body.get("parked", []) if isinstance(e, dict)]
+        for e in body.get("spc", []):
+            plan.spc.append((str(e["key"]), SavedPrompt(
+                state(e["state"]), tuple(decode_units(e["tokens"], n_vocab)))))
+        plan.embeddings = [(str(e["image"]), _embedding_arrays(e, read))
+                           for e in body.get("embeddings", [])]
+        plan.replies = [ReplyMemo.from_json(m, n_vocab) for m in body.get("replies", [])]
+        for s in body.get("sessions", []):
+            session_state: dict[str, Any] = session_from_json(s, read)
+            # checked on a scratch session: the store changes only once all is read
+            check_session_state(sessions, str(s["name"]), session_state)
+            plan.sessions.append((str(s["name"]), session_state))
+    except RestoreError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise RestoreError(f"malformed manifest in {root}: {type(e).__name__}: {e}") from e
+    plan.nbytes = read.nbytes
+    return plan
+
+
+def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
+    """Reads a saved state blob, re-addressed to this engine's KV streams where it differs."""
 
     def state(name: Any) -> Any:
         buf = read(name)
@@ -398,64 +445,50 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
         data = restream(bytes(buf), engine.kv_streams)
         return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
-    try:
-        saved = sorted(body.get("slots", []), key=lambda s: -int(s["last_used"]))
-        lot = engine.parking
-        for i, s in enumerate(saved):
-            if i >= engine.n_slots and lot is None:
-                plan.dropped.append(s.get("session") or f"slot {s['index']}")
-                continue
-            try:
-                conv = entry_from_json(s, read, n_vocab, state, used_at=created)
-            except RestoreError as err:
-                raise RestoreError(f"slot {s.get('index')}: {err}") from err
-            if len(conv.tokens) > engine.n_ctx:
-                raise RestoreError(f"slot {s['index']}: {len(conv.tokens)} tokens, more than "
-                                   f"the context's {engine.n_ctx}")
-            if i >= engine.n_slots:  # more slots saved than there are: park the rest
-                plan.parked.append(conv)
-                continue
-            plan.slots.append(SlotState(
-                int(s["index"]), replace(conv.conversation, last_request=None),
-                KVSnapshot.of(conv.state, conv.tokens, conv.settled, conv.exact_len,
-                              conv.checkpoints)))
-        if lot is not None:
-            saved_parked = lot.decode(body.get("parked", []), read, state)
-            for e in saved_parked:
-                if not e.used_at:
-                    e.conversation = replace(e.conversation, used_at=created)
-            plan.parked[:0] = saved_parked
-        else:
-            plan.not_parked = [f"{e.get('session') or '-'} (parking is off)"
-                               for e in body.get("parked", []) if isinstance(e, dict)]
-        for e in body.get("spc", []):
-            plan.spc.append((str(e["key"]), SavedPrompt(
-                state(e["state"]), tuple(decode_units(e["tokens"], n_vocab)))))
-        for e in body.get("embeddings", []):
-            arrays = []
-            for a in e["arrays"]:
-                shape = tuple(int(x) for x in a["shape"])
-                if a.get("dtype") != "float32" or len(shape) != 2:
-                    raise RestoreError(f"image {e['image'][:12]}: unsupported embedding array")
-                buf = read(a["blob"])
-                if ctypes.sizeof(buf) != 4 * shape[0] * shape[1]:
-                    raise RestoreError(f"image {e['image'][:12]}: embedding size mismatch")
-                arr = np.frombuffer(buf, dtype=np.float32).reshape(shape).copy()
-                arr.setflags(write=False)
-                arrays.append(arr)
-            plan.embeddings.append((str(e["image"]), arrays))
-        plan.replies = [ReplyMemo.from_json(m, n_vocab) for m in body.get("replies", [])]
-        for s in body.get("sessions", []):
-            session_state: dict[str, Any] = session_from_json(s, read)
-            # checked on a scratch session: the store changes only once all is read
-            check_session_state(sessions, str(s["name"]), session_state)
-            plan.sessions.append((str(s["name"]), session_state))
-    except RestoreError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise RestoreError(f"malformed manifest in {root}: {type(e).__name__}: {e}") from e
-    plan.nbytes = read.nbytes
-    return plan
+    return state
+
+
+def _load_slots(engine: Persistable, body: dict[str, Any], read: Reader,
+                state: Callable[[Any], Any], created: float, plan: _Plan) -> None:
+    """The saved slots into ``plan``, most recently used first.
+
+    As many as the engine has slots; the rest parked (or dropped where parking is off).
+    """
+    saved = sorted(body.get("slots", []), key=lambda s: -int(s["last_used"]))
+    for i, s in enumerate(saved):
+        if i >= engine.n_slots and engine.parking is None:
+            plan.dropped.append(s.get("session") or f"slot {s['index']}")
+            continue
+        try:
+            conv = entry_from_json(s, read, engine.model.n_vocab, state, used_at=created)
+        except RestoreError as err:
+            raise RestoreError(f"slot {s.get('index')}: {err}") from err
+        if len(conv.tokens) > engine.n_ctx:
+            raise RestoreError(f"slot {s['index']}: {len(conv.tokens)} tokens, more than "
+                               f"the context's {engine.n_ctx}")
+        if i >= engine.n_slots:  # more slots saved than there are: park the rest
+            plan.parked.append(conv)
+            continue
+        plan.slots.append(SlotState(
+            int(s["index"]), replace(conv.conversation, last_request=None),
+            KVSnapshot.of(conv.state, conv.tokens, conv.settled, conv.exact_len,
+                          conv.checkpoints)))
+
+
+def _embedding_arrays(e: dict[str, Any], read: Reader) -> list[np.ndarray]:
+    """One saved image embedding's arrays, checked against their declared shapes."""
+    arrays = []
+    for a in e["arrays"]:
+        shape = tuple(int(x) for x in a["shape"])
+        if a.get("dtype") != "float32" or len(shape) != 2:
+            raise RestoreError(f"image {e['image'][:12]}: unsupported embedding array")
+        buf = read(a["blob"])
+        if ctypes.sizeof(buf) != 4 * shape[0] * shape[1]:
+            raise RestoreError(f"image {e['image'][:12]}: embedding size mismatch")
+        arr = np.frombuffer(buf, dtype=np.float32).reshape(shape).copy()
+        arr.setflags(write=False)
+        arrays.append(arr)
+    return arrays
 
 
 def restore(engine: Persistable, path: str | os.PathLike | None = None,

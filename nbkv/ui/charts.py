@@ -462,84 +462,115 @@ def draw_timeline(pts: Sequence[Point], width: int = 720) -> str:
     if not pts:
         return (f'<div class="nbkv-timeline-svg" style="color:{MUTED};margin:6px 0">no '
                 "request yet: the timeline starts with the first one</div>")
-    left, right_pad = 60, 12
-    pw = width - left - right_pad
-    panels = (("prompt served from cache (%)", 90), ("time to first token (ms)", 110),
-              ("prompt tokens", 80))
+    pw = width - 60 - 12  # the axis labels' margin on the left, 12 px on the right
     n = len(pts)
-    slot_w = pw / n
-    bx = lambda i: left + slot_w * i  # noqa: E731
-    cx = lambda i: left + slot_w * (i + 0.5)  # noqa: E731
-    bw = slot_w * 0.7
-    uid = f"{n}{pts[-1].id}"
+    cols = _Columns(60, pw, pw / n, pw / n * 0.7, f"{n}{pts[-1].id}")
     body: list[str] = []
-    y0 = 10
-    estimate = any(p.estimate_ms is not None for p in pts)
-    events_seen: dict[str, vocab.Term] = {}
-    for k, (title, h) in enumerate(panels):
-        top = y0 + 18
-        body.append(svg_text(left + pw / 2, y0 + 12, title, "middle", 12, INK))
-        if k == 0:
-            ymax = 100.0
-        elif k == 1:
-            ymax = max([p.ttft_ms for p in pts] + [p.estimate_ms or 0.0 for p in pts] + [1.0])
-        else:
-            ymax = max([p.prompt for p in pts] + [1])
-        step = nice_step(ymax, 3)
-        ymax = max(ymax, step)
-        yv = lambda v, top=top, h=h, ymax=ymax: top + h - h * v / ymax  # noqa: E731
-        for t in steps(0, ymax, step):
-            body.append(f'<line x1="{left}" x2="{left + pw}" y1="{yv(t):.1f}" '
-                        f'y2="{yv(t):.1f}" stroke="{RULE}"/>')
-            body.append(svg_text(left - 4, yv(t) + 3, f"{t:g}", "end", 10, MUTED))
-        for i, p in enumerate(pts):
-            if k == 0:
-                term = _term(p.bar)
-                events_seen[term.code] = term
-                if p.bar != "nothing-reused":
-                    fill = (f"url(#{_pattern_id(term.pattern)}-{uid})" if term.pattern
-                            else "")
-                    body.append(svg_rect(bx(i) + (slot_w - bw) / 2, yv(p.salvage_pct), bw,
-                                      top + h - yv(p.salvage_pct), term.color, p.text,
-                                      f' data-bar="{esc(p.bar)}"'))
-                    if fill:
-                        body.append(svg_rect(bx(i) + (slot_w - bw) / 2, yv(p.salvage_pct), bw,
-                                          top + h - yv(p.salvage_pct), fill))
-                else:
-                    body.append(f'<circle cx="{cx(i):.1f}" cy="{yv(0) - 5:.1f}" r="4" '
-                                f'fill="none" stroke="{NEUTRAL}" stroke-width="1.5" '
-                                f'data-bar="nothing-reused"><title>{esc(p.text)}</title>'
-                                "</circle>")
-            elif k == 2:
-                body.append(svg_rect(bx(i) + (slot_w - bw) / 2, yv(p.reused), bw,
-                                  top + h - yv(p.reused), COLORS["reused"],
-                                  f"request {p.id}: {p.reused} tokens reused"))
-                body.append(svg_rect(bx(i) + (slot_w - bw) / 2, yv(p.prompt), bw,
-                                  yv(p.reused) - yv(p.prompt), COLORS["prefilled"],
-                                  f"request {p.id}: {p.read} tokens read"))
-        if k == 1:
-            pts_line = " ".join(f"{cx(i):.1f},{yv(p.ttft_ms):.1f}" for i, p in enumerate(pts))
-            est_pts = " ".join(f"{cx(i):.1f},{yv(p.estimate_ms):.1f}" for i, p in enumerate(pts)
-                               if p.estimate_ms is not None)
-            if est_pts:
-                body.append(f'<polyline points="{est_pts}" fill="none" stroke="{ESTIMATE}" '
-                            'stroke-dasharray="5,3" stroke-width="1.5"/>')
-            body.append(f'<polyline points="{pts_line}" fill="none" stroke="{NEUTRAL}" '
-                        'stroke-width="1.5"/>')
-            for i, p in enumerate(pts):
-                body.append(f'<circle cx="{cx(i):.1f}" cy="{yv(p.ttft_ms):.1f}" r="3" '
-                            f'fill="{NEUTRAL}"><title>{esc(p.text)}\n{esc(p.ttft_text)}'
-                            "</title></circle>")
-        y0 = top + h + 8
+    ttft = max([p.ttft_ms for p in pts] + [p.estimate_ms or 0.0 for p in pts] + [1.0])
+    base, yv = _panel(body, cols, 10, "prompt served from cache (%)", 90, 100.0)
+    events_seen = _salvage_bars(body, pts, cols, base, yv)
+    base, yv = _panel(body, cols, base + 8, "time to first token (ms)", 110, ttft)
+    _ttft_lines(body, pts, cols, yv)
+    base, yv = _panel(body, cols, base + 8, "prompt tokens", 80, max([p.prompt for p in pts] + [1]))
+    _prompt_bars(body, pts, cols, base, yv)
+    y0 = base + 8
     every = max(1, n // 20)
     for i, p in enumerate(pts):
         if i % every == 0:
-            body.append(svg_text(cx(i), y0 + 4, str(p.id), "middle", 10, MUTED))
-    body.append(svg_text(left + pw / 2, y0 + 18, "request #", "middle", 11, TEXT))
-    defs = pattern_defs((t.pattern for t in events_seen.values()), uid)
-    svg = svg_root(width, int(y0 + 26), defs + "".join(body), "nbkv-timeline-svg",
-               "salvage and first-token time per request")
-    return svg + timeline_legend(events_seen.values(), uid, estimate)
+            body.append(svg_text(cols.cx(i), y0 + 4, str(p.id), "middle", 10, MUTED))
+    body.append(svg_text(cols.left + pw / 2, y0 + 18, "request #", "middle", 11, TEXT))
+    defs = pattern_defs((t.pattern for t in events_seen.values()), cols.uid)
+    estimate = any(p.estimate_ms is not None for p in pts)
+    return svg_root(width, int(y0 + 26), defs + "".join(body), "nbkv-timeline-svg",
+                    "salvage and first-token time per request") + timeline_legend(
+        events_seen.values(), cols.uid, estimate)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """The timeline's horizontal layout: one column per request."""
+
+    left: int  # where the plot starts (the axis labels are to its left)
+    pw: float  # the plot's width
+    slot_w: float  # one request's column
+    bw: float  # a bar's width
+    uid: str  # makes pattern ids unique to this chart
+
+    def bar_x(self, i: int) -> float:
+        """The left edge of request ``i``'s bar."""
+        return self.left + self.slot_w * i + (self.slot_w - self.bw) / 2
+
+    def cx(self, i: int) -> float:
+        """The middle of request ``i``'s column."""
+        return self.left + self.slot_w * (i + 0.5)
+
+
+def _panel(body: list[str], cols: _Columns, y0: float, title: str, h: int, ymax: float
+           ) -> tuple[float, Callable[[float], float]]:
+    """A panel's title and grid lines from ``y0`` down: (its bottom, value -> y)."""
+    top = y0 + 18
+    left, pw = cols.left, cols.pw
+    body.append(svg_text(left + pw / 2, y0 + 12, title, "middle", 12, INK))
+    step = nice_step(ymax, 3)
+    ymax = max(ymax, step)
+
+    def yv(v: float) -> float:
+        return top + h - h * v / ymax
+
+    for t in steps(0, ymax, step):
+        body.append(f'<line x1="{left}" x2="{left + pw}" y1="{yv(t):.1f}" '
+                    f'y2="{yv(t):.1f}" stroke="{RULE}"/>')
+        body.append(svg_text(left - 4, yv(t) + 3, f"{t:g}", "end", 10, MUTED))
+    return top + h, yv
+
+
+def _salvage_bars(body: list[str], pts: Sequence[Point], cols: _Columns, base: float,
+                  yv: Callable[[float], float]) -> dict[str, vocab.Term]:
+    """Each request's share served from cache, by its event (a ring: none): the events drawn."""
+    events_seen: dict[str, vocab.Term] = {}
+    for i, p in enumerate(pts):
+        term = _term(p.bar)
+        events_seen[term.code] = term
+        if p.bar == "nothing-reused":
+            body.append(f'<circle cx="{cols.cx(i):.1f}" cy="{yv(0) - 5:.1f}" r="4" fill="none" '
+                        f'stroke="{NEUTRAL}" stroke-width="1.5" data-bar="nothing-reused">'
+                        f"<title>{esc(p.text)}</title></circle>")
+            continue
+        y = yv(p.salvage_pct)
+        body.append(svg_rect(cols.bar_x(i), y, cols.bw, base - y, term.color, p.text,
+                             f' data-bar="{esc(p.bar)}"'))
+        if term.pattern:
+            fill = f"url(#{_pattern_id(term.pattern)}-{cols.uid})"
+            body.append(svg_rect(cols.bar_x(i), y, cols.bw, base - y, fill))
+    return events_seen
+
+
+def _ttft_lines(body: list[str], pts: Sequence[Point], cols: _Columns,
+                yv: Callable[[float], float]) -> None:
+    """The first-token times as a line with points, and the no-cache estimate dashed."""
+    cx = cols.cx
+    pts_line = " ".join(f"{cx(i):.1f},{yv(p.ttft_ms):.1f}" for i, p in enumerate(pts))
+    est_pts = " ".join(f"{cx(i):.1f},{yv(p.estimate_ms):.1f}" for i, p in enumerate(pts)
+                       if p.estimate_ms is not None)
+    if est_pts:
+        body.append(f'<polyline points="{est_pts}" fill="none" stroke="{ESTIMATE}" '
+                    'stroke-dasharray="5,3" stroke-width="1.5"/>')
+    body.append(f'<polyline points="{pts_line}" fill="none" stroke="{NEUTRAL}" '
+                'stroke-width="1.5"/>')
+    for i, p in enumerate(pts):
+        body.append(f'<circle cx="{cx(i):.1f}" cy="{yv(p.ttft_ms):.1f}" r="3" '
+                    f'fill="{NEUTRAL}"><title>{esc(p.text)}\n{esc(p.ttft_text)}'
+                    "</title></circle>")
+
+
+def _prompt_bars(body: list[str], pts: Sequence[Point], cols: _Columns, base: float,
+                 yv: Callable[[float], float]) -> None:
+    """Each prompt's tokens: reused below, read on top."""
+    for i, p in enumerate(pts):
+        body.append(svg_rect(cols.bar_x(i), yv(p.reused), cols.bw, base - yv(p.reused),
+                             COLORS["reused"], f"request {p.id}: {p.reused} tokens reused"))
+        body.append(svg_rect(cols.bar_x(i), yv(p.prompt), cols.bw, yv(p.reused) - yv(p.prompt),
+                             COLORS["prefilled"], f"request {p.id}: {p.read} tokens read"))
 
 
 def timeline_legend(terms: Iterable[vocab.Term], uid: str, estimate: bool) -> str:
