@@ -15,13 +15,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "nbkv"
 MODULE_LINES, FUNCTION_LINES, ENGINE_LINES = 600, 80, 400
 
-#: functions allowed over the limit, as "path::Qualified.name"
-ALLOWED_LONG: set[str] = {
-    # being replaced: its keyword arguments become grouped settings (issue 44, move 4)
-    "nbkv/engine/facade.py::Engine.__init__",
-}
-
-
 def _modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
@@ -67,30 +60,17 @@ def test_no_function_over_80_lines():
     for p in _modules():
         for name, node in _functions(ast.parse(p.read_text(encoding="utf-8"))):
             key = f"{_where(p)}::{name}"
-            if _lines(node) > FUNCTION_LINES and key not in ALLOWED_LONG:
+            if _lines(node) > FUNCTION_LINES:
                 over[key] = _lines(node)
     assert not over, f"functions over {FUNCTION_LINES} lines: {over}"
 
 
-def test_the_allowed_long_functions_exist():
-    """An allowance outlives its function only by mistake: a renamed one would hide."""
-    names = {f"{_where(p)}::{name}" for p in _modules()
-             for name, _ in _functions(ast.parse(p.read_text(encoding="utf-8")))}
-    assert ALLOWED_LONG <= names, ALLOWED_LONG - names
-
-
 def test_the_engine_class_is_at_most_400_lines():
-    """Counted in full once :data:`ALLOWED_LONG` is empty; until then an allowed method's
-    lines over the function limit do not count against the class (nothing else may grow)."""
     facade = PACKAGE / "engine" / "facade.py"
     tree = ast.parse(facade.read_text(encoding="utf-8"))
     engine = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
     assert len(engine) == 1
-    allowed_excess = sum(max(_lines(node) - FUNCTION_LINES, 0)
-                         for name, node in _functions(engine[0])
-                         if f"{_where(facade)}::Engine.{name}" in ALLOWED_LONG)
-    size = _lines(engine[0]) - allowed_excess
-    assert size <= ENGINE_LINES, f"Engine is {size} lines (less {allowed_excess} allowed)"
+    assert _lines(engine[0]) <= ENGINE_LINES, f"Engine is {_lines(engine[0])} lines"
 
 
 @pytest.mark.parametrize("source, name, lines", [
