@@ -173,9 +173,11 @@ def test_after_a_timeout_the_next_record_says_what_the_server_kept():
                 c.timeout = httpx.Timeout(600.0, connect=5.0)
             r = e.chat(msgs, "ann", max_tokens=8)
             rec = r.record
-            assert rec.reused_tokens > 0  # the server kept what it had read before the cut
+            assert "ServerTimeoutError" in rec.reason_text, rec.reason_text
             assert "nothing of session ann was cached" not in rec.reason_text
-            assert "ServerTimeoutError" in rec.reason_text and f"{rec.reused_tokens} tokens" \
-                in rec.reason_text, rec.reason_text
+            if rec.reused_tokens:  # the server kept what it had read before the cut
+                assert f"{rec.reused_tokens} tokens" in rec.reason_text, rec.reason_text
+            else:  # the cut came before the server read anything (a loaded machine)
+                assert "was read again" in rec.reason_text, rec.reason_text
         finally:
             e.close()
