@@ -221,3 +221,41 @@ def test_a_cut_short_llama_server_reply_is_never_exact(monkeypatch):
         ex.judge([1, 2, 3], 3)
         assert ex.out.exact is exact, ex.out.exact_note
     assert "cut short" in ex.out.exact_note
+
+
+def test_a_cancel_that_closes_the_stream_under_its_reader_is_a_cancel_not_an_error():
+    """ChatStream.close shuts the HTTP stream from another thread; the reader's read then
+    fails ("incomplete chunked read"). That is the cancel taking effect, not a server fault."""
+    from nbkv.core.requests import SamplingParams
+    from nbkv.remote.base import RemoteBase, RemoteJob
+    from nbkv.remote.http_client import ServerUnreachableError
+
+    job = RemoteJob("ann", SamplingParams(), 5.0)
+
+    class Cut:
+        closed = False
+        cancels = True
+
+        def __iter__(self):
+            yield {"content": "Once"}
+            if Cut.cancels:
+                job.cancel.set()  # closed by the user's thread meanwhile
+            raise ServerUnreachableError("peer closed connection (incomplete chunked read)")
+
+        def close(self):
+            self.closed = True
+
+    class Client:
+        url = "http://fake"
+
+        def stream(self, path, body, opening):
+            return Cut()
+
+    engine = RemoteBase.__new__(RemoteBase)
+    engine.client = Client()
+    assert [ev["content"] for ev in engine._events(job, "/completion", {})] == ["Once"]
+    assert job.stream.closed
+    job.cancel.clear()  # a read that fails with no cancel is still the server's error
+    Cut.cancels = False
+    with pytest.raises(ServerUnreachableError):
+        list(engine._events(job, "/completion", {}))

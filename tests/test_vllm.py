@@ -240,7 +240,7 @@ def test_interrupt_mid_stream_keeps_the_partial_reply(remote):
     got = [next(stream) for _ in range(3)]
     stream.close()
     rec = stream.record
-    assert rec is not None and rec.finish_reason == "cancelled" and rec.error is None
+    assert rec is not None and rec.finish_reason == "cancelled" and rec.error is None, rec.error
     assert stream.text.startswith("".join(got)) and stream.text
     assert rec.prompt_tokens == len(server_tokens(remote, msgs))  # vLLM sent the prompt's ids
     assert not rec.verified and "did not end" in rec.note  # usage comes only at the end

@@ -120,10 +120,15 @@ class RemoteBase(ChatAPI):
                 if job.cancel.is_set():  # closed while the server had not begun to answer
                     return
                 raise
-            for ev in job.stream:
-                if job.cancel.is_set():
+            try:
+                for ev in job.stream:
+                    if job.cancel.is_set():
+                        return
+                    yield ev
+            except ServerError:
+                if job.cancel.is_set():  # the cancel closed the stream under the reader
                     return
-                yield ev
+                raise
         finally:
             if job.stream is not None:
                 job.stream.close()
