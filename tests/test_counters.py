@@ -33,8 +33,12 @@ def test_host_time_excludes_llama_time_and_nested_parts():
     with c.part("sampling"):
         pass
     assert c.host_s["sampling"] >= 0.0 and "sampling" not in req.host_s
+    with c.part("parking", idle=True):  # idle-time work: apart from the requests' host time
+        pass
+    assert c.host_s["parking"] == 0.0 and "parking" in c.idle_host_s
     snap = c.snapshot()
     assert snap["host_total_s"] == sum(c.host_s.values()) and snap["bytes_moved"] == 0
+    assert snap["idle_host_s"] == c.idle_host_s
 
 
 def test_the_lean_grouping_takes_whole_batches():

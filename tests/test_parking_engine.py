@@ -676,6 +676,7 @@ def test_the_next_park_is_copied_out_in_idle_time_and_buffers_are_reused(engine,
     monkeypatch.setattr(Parker, "park_slot", park)
     convs = open_conversations(4)
     reused = engine.ctx.buffers.reused
+    idle_before = engine.counters()["idle_host_s"].get("parking")
     for q in QUESTIONS[:2]:
         for s, msgs in convs.items():
             engine.settle()
@@ -689,4 +690,6 @@ def test_the_next_park_is_copied_out_in_idle_time_and_buffers_are_reused(engine,
     # every park of the second round after its first restore
     assert engine.ctx.buffers.reused - reused >= 3, engine.ctx.buffers.reused - reused
     assert sum(r.reason == RESTORED for r in engine.history[-4:]) == 4
+    # the copies made ahead are idle-time work: counted apart from the requests' host time
+    assert engine.counters()["idle_host_s"].get("parking") != idle_before
     assert_verified(engine)

@@ -21,16 +21,23 @@ FIXED_ROWS = (0, 16, 128)
 
 
 def _costs(runner: NbkvRunner, before: dict[str, Any], requests: int) -> dict[str, Any]:
-    """Per request since ``before``: decode calls, rows, host time by part, bytes moved."""
+    """Per request since ``before``: decode calls, rows, host time by part, bytes moved.
+
+    Host time is the requests' own (see :mod:`nbkv.core.counters`); idle-time work, such as
+    a park's copy made ahead, is reported beside it (``idle_host_s_by_part``).
+    """
     now = runner.engine.counters()
     n = max(requests, 1)
     host = {k: (v - before["host_s"].get(k, 0.0)) / n for k, v in now["host_s"].items()}
+    idle = {k: (v - before["idle_host_s"].get(k, 0.0)) / n
+            for k, v in now["idle_host_s"].items()}  # no request waited for it
     return {"path": now["path"],
             "decode_calls": (now["decode_calls"] - before["decode_calls"]) / n,
             "rows": (now["rows"] - before["rows"]) / n,
             "padded_rows": (now["padded_rows"] - before["padded_rows"]) / n,
             "bytes_moved": (now["bytes_moved"] - before["bytes_moved"]) / n,
-            "host_s_by_part": host, "host_s": sum(host.values())}
+            "host_s_by_part": host, "host_s": sum(host.values()),
+            "idle_host_s_by_part": idle}
 
 
 def _agent(path: str, n_turns: int, **kw: Any) -> tuple[list[dict], dict[str, Any]]:

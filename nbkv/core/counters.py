@@ -5,7 +5,9 @@
 or write adds its bytes; every ``seq_cp`` one copy. The engine's parts wrap their host work in
 :meth:`KVCounters.part` ("placement", "parking", "planning", "sampling", "lifecycle",
 "rewrite", "shadow"): the part's wall time less what llama.cpp spent inside it (and less any
-part nested in it) is its *host time*. :class:`RequestCounts` is one request's share: the
+part nested in it) is its *host time*. Work done while no request is queued or running (a
+park's copy made ahead, ``idle=True``) is host time too, but kept apart (``idle_host_s``):
+no request waits for it. :class:`RequestCounts` is one request's share: the
 decodes that carried its rows and the host time and bytes of its own admission and sampling.
 
 Counts, never timings, are what tests assert; the bench reports the times.
@@ -52,6 +54,7 @@ class KVCounters:
     bytes_written: int = 0  # ... and from host RAM into the KV
     copies: int = 0  # seq_cp calls: copies inside the KV, no host RAM
     host_s: dict[str, float] = field(default_factory=dict)  # host time by part
+    idle_host_s: dict[str, float] = field(default_factory=dict)  # ... of idle-time work
     _stack: list[list[float]] = field(default_factory=list, repr=False)
 
     @property
@@ -67,8 +70,13 @@ class KVCounters:
         self.llama_s += seconds
 
     @contextmanager
-    def part(self, name: str, into: RequestCounts | None = None) -> Iterator[None]:
-        """Count the host time of the block as ``name`` (and into one request's ``into``)."""
+    def part(self, name: str, into: RequestCounts | None = None,
+             idle: bool = False) -> Iterator[None]:
+        """Count the host time of the block as ``name`` (and into one request's ``into``).
+
+        ``idle``: the block runs while no request is queued or running; its time goes to
+        ``idle_host_s`` instead.
+        """
         # [start, llama_s at start, time of the parts nested in this one]
         frame = [time.perf_counter(), self.llama_s, 0.0]
         self._stack.append(frame)
@@ -78,7 +86,8 @@ class KVCounters:
             self._stack.pop()
             wall = time.perf_counter() - frame[0]
             host = max(wall - (self.llama_s - frame[1]) - frame[2], 0.0)
-            self.host_s[name] = self.host_s.get(name, 0.0) + host
+            total = self.idle_host_s if idle else self.host_s
+            total[name] = total.get(name, 0.0) + host
             if into is not None:
                 into.add_host(name, host)
             if self._stack:
@@ -93,4 +102,5 @@ class KVCounters:
             "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
             "bytes_moved": self.bytes_moved, "copies": self.copies,
             "host_s": dict(self.host_s), "host_total_s": sum(self.host_s.values()),
+            "idle_host_s": dict(self.idle_host_s),
         }

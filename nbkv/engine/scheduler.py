@@ -203,7 +203,7 @@ class Scheduler:
                 with counters.part("rewrite"):
                     self.rewriter.settle(slot)
             elif (slot := self.parker.prepark_slot(busy=False)) is not None:
-                with counters.part("parking"):
+                with counters.part("parking", idle=True):  # no request waits for it
                     self.parker.prepark(slot)
         return True
 
