@@ -141,10 +141,11 @@ def test_fixed_shape_decodes_pad_every_call_and_keep_replies(model_path):
     assert after["padded_rows"] > before["padded_rows"]
     assert first.record.prefill_rows == first.record.prefilled_tokens
     assert first.record.prefill_calls >= first.record.prefill_rows / rows  # chunks <= rows
-    with Engine(model_path, n_slots=1, n_ctx=1024, n_batch=N_BATCH, fixed_rows=rows,
-                cache="off") as off:
-        assert off.chat(msgs[:-1], max_tokens=6, temperature=0).text == second.text
     assert second.record.exact is exact  # proven (or not) in the padded shape
+    if exact:  # a proven grouping: the cached reply is the one computed from scratch
+        with Engine(model_path, n_slots=1, n_ctx=1024, n_batch=N_BATCH, fixed_rows=rows,
+                    cache="off") as off:
+            assert off.chat(msgs[:-1], max_tokens=6, temperature=0).text == second.text
 
 
 def test_fixed_rows_is_checked():
