@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from nbkv.core.config import EngineSettings
 from nbkv.engine.admit import Executor
 from nbkv.kv import admission as ad
 from nbkv.kv import policy
@@ -63,7 +64,7 @@ def executor(log, cache="imc", fail=None, parking=None):
     table = SimpleNamespace(serve=lambda s, on: log.append(f"serve {on}"),
                             drop_rewrite=lambda s: None)
     res = SimpleNamespace(rule=RULE, ctx=SimpleNamespace(recycle=lambda st: True))
-    settings = SimpleNamespace(cache=cache, exact=False, cache_min_tokens=1)
+    settings = EngineSettings.of(cache=cache, exact=False, cache_min_tokens=1)
     replays = SimpleNamespace(match=lambda job, slot: None)
     return Executor(res, settings, table, None, parking, FakeParker(log, fail), replays)
 
