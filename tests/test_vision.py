@@ -323,7 +323,10 @@ FAILING_ENCODER = textwrap.dedent(
              {"role": "user", "content": "Tell me, in a few words, what a CPU cache is for, "
                                          "why it is faster than memory, and what happens on a "
                                          "miss. One sentence only, please, no lists."}]
-    with Engine(sys.argv[1], mmproj=sys.argv[2], n_slots=2, n_ctx=1024, n_threads=1) as e:
+    # the host reads every row (device_sampling=False), as an image request does: the text
+    # request's graph is then the image request's, planned before the cap
+    with Engine(sys.argv[1], mmproj=sys.argv[2], n_slots=2, n_ctx=1024, n_threads=1,
+                device_sampling=False) as e:
         # text decodes size llama.cpp's own buffers before the cap (this prompt is longer
         # than the image request's text), and nothing is left to do in the background
         first = e.chat(other, session="other", max_tokens=4, temperature=0)

@@ -220,6 +220,12 @@ class HardwareSettings(Group):
         "off; at most `n_batch` and 256) with rows of a scratch sequence, so the kernels see "
         "one batch shape; calibration then proves or refutes exactness in that shape. On a "
         "CPU it only costs time", least=0, hint="0: off")
+    device_sampling: bool = setting(
+        True, "greedy requests take their token from llama.cpp's graph (backend sampling: "
+        "the argmax runs beside the logits, on the GPU when they are there, and only the "
+        "token is copied out) instead of reading the whole logits row on the host; the "
+        "engine reads rows on the host while a request samples otherwise, or has an image",
+        trait="device_sampling")
     check_memory: bool = setting(
         True, "plan the KV bytes from the GGUF metadata and refuse, with the figures, a "
         "configuration that cannot fit the free memory, before llama.cpp allocates")

@@ -74,7 +74,7 @@ class Lifecycle:
         model = self.res.model
         slot, sampler = job.placed_slot, job.sampler
         assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
-        token = sampler.sample(self.res.ctx.ptr, idx)
+        token = sampler.sample(self.res.ctx, idx)
         if not job.t_first:  # the first token counts once it is sampled
             job.t_first = time.perf_counter()
             job.record = replace(job.started, first_decode_s=job.t_first - now)

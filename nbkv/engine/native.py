@@ -118,7 +118,8 @@ class Resources:
             self.ctx = self._own(Context(
                 self.model, slot_ctx * n_seq, n_seq, n_batch, hw.n_threads,
                 flash_attn=FLASH_ATTN[flash_attn], type_k=kv_type_id(hw.type_k),
-                type_v=kv_type_id(hw.type_v), fixed_rows=hw.fixed_rows))
+                type_v=kv_type_id(hw.type_v), fixed_rows=hw.fixed_rows,
+                device_sampling=hw.device_sampling))
             # fixed-shape decodes: no chunk over the fixed row count
             self.batch = self._own(Batch(hw.fixed_rows or self.ctx.n_batch))
             self.memory = probe_memory(self.model, self.ctx, self.batch)

@@ -52,6 +52,7 @@ def extension_logits(sched: Runs, s: EngineSlot, units: Sequence[Any], row: int
     whole state back (scheduler thread).
     """
     kv, rule = s.kv, sched.res.rule
+    sched.res.ctx.sampling.use(())  # the host reads this row (the next step attaches again)
     tokens = list(kv.tokens)
     snap = kv.snapshot() if kv.memory.checkpoints else None
     out = None

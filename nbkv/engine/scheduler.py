@@ -262,6 +262,7 @@ class Scheduler:
         by_id = {j.id: j for j in self.active}
         with self.res.ctx.counters.part("planning"):
             plan, generating = self._plan()
+            self.res.ctx.sampling.use(self._sampled_in_graph())
         ran = False
         if plan.prefill is not None:
             job = by_id[plan.prefill]
@@ -280,6 +281,17 @@ class Scheduler:
                     self.shadow.step([j for j in generating if not j.done.is_set()])
             ran = True
         return ran
+
+    def _sampled_in_graph(self) -> range:
+        """The sequences whose tokens llama.cpp's graph picks (``DeviceGreedy``).
+
+        All of them (a slot and the shadow trade sequences) while every request samples
+        greedily, has no image and decodes no guess (one output row a sequence), else none.
+        """
+        if all(j.sampler is not None and j.sampler.greedy and j.prompt.media is None
+               and j.drafter is None for j in self.active):
+            return range(self.res.ctx.n_seq_max)
+        return range(0)
 
     def _plan(self) -> tuple[StepPlan, list[Job]]:
         """The next step (:func:`nbkv.kv.batching.plan_step`) and the generating requests."""

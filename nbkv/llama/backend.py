@@ -24,6 +24,7 @@ from nbkv.core.errors import DecodeError, KVOrderError, ModelLoadError, ModelNot
 from nbkv.llama.batch import Batch
 from nbkv.llama.gguf_header import check_complete
 from nbkv.llama.models import display_name
+from nbkv.llama.sampling import DeviceGreedy
 from nbkv.llama.state_buffers import StateBuffers
 
 log = logging.getLogger("nbkv.llama")
@@ -368,6 +369,7 @@ class Context:
         type_k: int = llama_cpp.GGML_TYPE_F16,
         type_v: int = llama_cpp.GGML_TYPE_F16,
         fixed_rows: int = 0,
+        device_sampling: bool = True,
     ) -> None:
         self.model = model
         #: every text decode padded to this many rows with rows of a scratch sequence, the
@@ -416,6 +418,8 @@ class Context:
         self.queued_copies: list[tuple[int, int]] = []
         #: decode calls, rows, time inside llama.cpp, state bytes and copies (nbkv.core.counters)
         self.counters = KVCounters()
+        #: greedy sampling in the graph for the sequences the engine names (nbkv.llama.sampling)
+        self.sampling = DeviceGreedy(ptr, device_sampling)
 
     def decode(self, batch: Batch, padded: int = 0) -> None:
         """Run the model on ``batch``; raise :class:`DecodeError` on failure.
@@ -436,6 +440,7 @@ class Context:
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc} on a batch of {batch.n} tokens")
         self.queued_copies.clear()  # a decode starts by running them
+        self.sampling.decoded()
 
     def copy_queued(self, seq: int) -> bool:
         """A copy from or into ``seq`` waits for the next decode (see :meth:`seq_cp`)."""
@@ -443,6 +448,8 @@ class Context:
 
     def logits(self, index: int) -> ctypes.Array:
         """Logits row of batch position ``index`` from the last decode (a view, not a copy)."""
+        if self.sampling.seqs:  # not copied out: sampled in the graph
+            raise RuntimeError("logits read while sampling in the graph: call sampling.use(())")
         ptr = llama_cpp.llama_get_logits_ith(self.ptr, index)
         return (ctypes.c_float * self.model.n_vocab).from_address(ctypes.addressof(ptr.contents))
 
@@ -586,3 +593,4 @@ class Context:
         if self.ptr:
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
+            self.sampling.close()

@@ -13,19 +13,18 @@ cut short (an interrupted download) by where its tensor table says the data ends
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import mmap
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 # GGUF value types (gguf.GGUFValueType) and the byte size of the fixed-size ones
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
-
-_memo: dict[tuple[str, int, int], str] = {}
-
 
 class _Reader:
     """Reads a GGUF header from a memory map, from its start (``pos``: bytes read so far)."""
@@ -119,11 +118,60 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
            11: "<q", 12: "<d"}
 
 
+class _Scan(NamedTuple):
+    """What one pass over a GGUF header finds (see :func:`_scan`)."""
+
+    meta: dict[str, object]  # scalars, strings and numeric arrays of <= 4096 items
+    fingerprint: str
+    end: int  # bytes the file must have to hold every tensor
+
+
+def _scan(path: str | os.PathLike) -> _Scan:
+    """One pass over the header, memoized by path, size and modification time.
+
+    A load reads the metadata, the fingerprint and the data's end, and the vocabulary is long.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    return _scan_file(str(p), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _scan_file(path: str, size: int, mtime_ns: int) -> _Scan:
+    meta: dict[str, object] = {}
+    with _reader(path) as r:
+        n_tensors, n_kv = r.header(path)
+        align = 32
+        for _ in range(n_kv):
+            key = r.read(r.u64())
+            v = r.value(r.u32(), 4096)
+            if v is not None:
+                meta[key.decode("utf-8", errors="replace")] = v
+            if key == b"general.alignment" and isinstance(v, int) and v > 0:
+                align = v
+        end = 0
+        for _ in range(n_tensors):
+            r.skip_string()
+            n_dims = r.u32()
+            shape = struct.unpack(f"<{n_dims}Q", r.read(8 * n_dims))
+            ttype, offset = struct.unpack("<IQ", r.read(12))
+            count = 1
+            for d in shape:
+                count *= d
+            block, nbytes = _BLOCKS.get(ttype, (1, 0))
+            end = max(end, offset + -(-count // block) * nbytes)
+        digest = hashlib.sha256(r.buf[:r.pos]).hexdigest()  # every byte read past
+        end = -(-r.pos // align) * align + end if n_tensors else r.pos
+    return _Scan(meta, f"{size}:{digest}", end)
+
+
 def read_metadata(path: str | os.PathLike, max_array: int = 4096) -> dict[str, object]:
     """The metadata of a GGUF file: scalars, strings, and numeric arrays.
 
     Arrays of more than ``max_array`` items and string arrays (the vocabulary) are skipped.
     """
+    if max_array == 4096:
+        return dict(_scan(path).meta)
     out: dict[str, object] = {}
     with _reader(path) as r:
         for _ in range(r.header(path)[1]):
@@ -136,23 +184,7 @@ def read_metadata(path: str | os.PathLike, max_array: int = 4096) -> dict[str, o
 
 def gguf_fingerprint(path: str | os.PathLike) -> str:
     """``"<size>:<sha256 of header + metadata + tensor table>"`` of a GGUF file (memoized)."""
-    p = Path(path).resolve()
-    st = p.stat()
-    key = (str(p), st.st_size, st.st_mtime_ns)
-    fp = _memo.get(key)
-    if fp is None:
-        with _reader(p) as r:
-            n_tensors, n_kv = r.header(p)
-            for _ in range(n_kv):
-                r.skip_string()
-                r.value(r.u32())
-            for _ in range(n_tensors):
-                r.skip_string()
-                r.read(8 * r.u32())  # dims
-                r.read(4 + 8)  # type, offset
-            digest = hashlib.sha256(r.buf[:r.pos]).hexdigest()  # every byte read past
-        fp = _memo[key] = f"{st.st_size}:{digest}"
-    return fp
+    return _scan(path).fingerprint
 
 
 def data_end(path: str | os.PathLike) -> int:
@@ -162,29 +194,7 @@ def data_end(path: str | os.PathLike) -> int:
     a tensor of a type unknown here counts up to its offset only. ValueError when the
     header itself is cut short or malformed.
     """
-    with _reader(path) as r:
-        n_tensors, n_kv = r.header(path)
-        align = 32
-        for _ in range(n_kv):
-            key = r.read(r.u64())
-            v = r.value(r.u32())
-            if key == b"general.alignment" and isinstance(v, int) and v > 0:
-                align = v
-        end = 0
-        for _ in range(n_tensors):
-            r.skip_string()
-            n_dims = r.u32()
-            shape = struct.unpack(f"<{n_dims}Q", r.read(8 * n_dims))
-            ttype, offset = struct.unpack("<IQ", r.read(12))
-            count = 1
-            for d in shape:
-                count *= d
-            block, size = _BLOCKS.get(ttype, (1, 0))
-            end = max(end, offset + -(-count // block) * size)
-        if not n_tensors:
-            return r.pos
-        start = -(-r.pos // align) * align
-    return start + end
+    return _scan(path).end
 
 
 def check_complete(path: str | os.PathLike) -> None:
