@@ -236,29 +236,41 @@ class DiskTier:
 
         Not written (a :class:`Put` saying why): an entry larger than the whole budget, one
         the file system refuses, or any while the directory is :attr:`gone`. On a full disk,
-        older entries are deleted first (:meth:`make_room`). The same as :meth:`prepare`
+        older entries are deleted first (:meth:`make_room`). The same as :meth:`stage`
         then :meth:`commit`, in one call.
         """
         if not self._usable():
             return Put(False, why=f"the disk tier is gone: {self.gone}")
+        staged = self.stage(entry)
+        return self.commit(staged) if isinstance(staged, Staged) else staged
+
+    def stage(self, entry: ParkedEntry, room: Callable[[], int] | None = None
+              ) -> Staged | Put:
+        """:meth:`prepare`; on a full disk, ``room()`` frees older entries and it tries again.
+
+        ``room`` defaults to :meth:`make_room`; it returns the bytes freed (0: give up). A
+        writer stops making room once it freed more than its entry needs (the disk is then
+        filled by someone else). Any error of the write is a :class:`Put` saying so.
+        """
         freed = 0
         while True:
-            staged = self.prepare(entry)
-            if isinstance(staged, Staged):
-                return self.commit(staged)
-            if not staged.full or freed > entry.nbytes:
+            try:
+                staged = self.prepare(entry)
+            except Exception as e:  # noqa: BLE001 - one entry's failure never stops the others
+                log.exception("parking: writing entry %s to disk failed", entry.key)
+                return Put(False, why=f"could not write it to disk: {e!r}")
+            if not (isinstance(staged, Put) and staged.full) or freed > entry.nbytes:
                 return staged
-            room = self.make_room(entry.info(DISK))
-            if not room:
+            n = self.make_room(entry.info(DISK)) if room is None else room()
+            if not n:
                 return staged
-            freed += room
+            freed += n
 
     def make_room(self, newer: ParkedInfo) -> int:
         """The disk is full: delete the least recently used entry older than ``newer``.
 
         Announced (``on_lost``). Returns its bytes, 0 when no entry here is older. The
-        newest entries stay, as the budget keeps them; a writer stops making room once it
-        freed more than its entry needs (the disk is then filled by someone else).
+        newest entries stay, as the budget keeps them.
         """
         older = [r for k, r in self._index.items() if k != newer.key
                  and (r.info.used_at, r.info.last_used) <= (newer.used_at, newer.last_used)]
