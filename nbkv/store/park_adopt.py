@@ -47,14 +47,15 @@ def entry_file(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32] + ".json"
 
 
-def flock(fd: int, blocking: bool = False) -> bool:
-    """Take an exclusive ``flock`` on ``fd``; False when another holder has it."""
+def flock(fd: int, blocking: bool = False, shared: bool = False) -> bool:
+    """Take a ``flock`` on ``fd`` (exclusive unless ``shared``); False when another has it."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX: every other namespace looks live
         return not blocking
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                    | (0 if blocking else fcntl.LOCK_NB))
     except BlockingIOError:
         return False
     return True

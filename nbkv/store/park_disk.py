@@ -25,7 +25,6 @@ what it holds; on a full disk the oldest entries make room.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
@@ -47,11 +46,10 @@ from nbkv.store.blobstore import (
     BLOBS,
     Blobs,
     Reader,
-    body_checksum,
     fsync_dir,
     manifest_text,
+    read_manifest,
     sweep,
-    untrusted,
     write_blobs,
     write_file,
 )
@@ -385,8 +383,7 @@ class DiskTier:
                 n_now = int(self.identity.get("kv_streams") or self.identity["n_slots"])
 
                 def state(name: str) -> Any:
-                    data = restream(bytes(read(name)), n_now)
-                    return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                    return restream(read(name), n_now)
 
             entry = entry_from_json(body.get("entry"), read, self.n_vocab, state)
             if entry.key != key:
@@ -411,22 +408,8 @@ class DiskTier:
     @staticmethod
     def body(path: Path) -> dict[str, Any]:
         """The checked body of an entry manifest (format, version, checksum, blob table)."""
-        try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise RestoreError("its manifest is gone") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RestoreError(f"unreadable manifest (truncated or corrupt: {e})") from e
-        body = doc.get("body") if isinstance(doc, dict) else None
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
-            raise RestoreError("not a parked-entry manifest")
-        if body.get("version") != VERSION:
-            raise RestoreError(f"format version {body.get('version')!r}, this nbkv reads "
-                               f"{VERSION}")
-        if body_checksum(body) != doc.get("checksum"):
-            raise RestoreError("the manifest fails its checksum (corrupt or edited)")
-        why = untrusted(doc)
-        if why:  # never served: its KV could be anything (nbkv.store.signing)
+        body, why = read_manifest(path, FORMAT, VERSION)
+        if why:  # never served: its KV could be anything (nbkv.core.signing)
             raise UntrustedSaveError(f"not signed by your nbkv key: {why}")
         table = body.get("blobs")
         if not isinstance(table, dict) or not all(

@@ -187,7 +187,7 @@ def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
     """Inverse of :func:`entry_json`: ``read(name)`` returns a blob's checked bytes.
 
     ``state`` reads the whole-sequence state instead, when it needs converting (for example
-    :func:`nbkv.store.persist.restream` into another number of slots). ``used_at`` stands in
+    :func:`nbkv.store.save_checks.restream` into another number of slots). ``used_at`` stands in
     where the record has none. Raises :class:`~nbkv.core.errors.RestoreError` on anything
     malformed or inconsistent (the entry's own checks: settled <= exact_len <= tokens,
     boundaries and checkpoints inside its tokens).

@@ -12,7 +12,7 @@ is built from them, so a save from someone else can neither run code nor make nb
 outside its directory. A save is atomic: blobs are written to temporary files, fsynced and
 renamed; then the manifest the same way; only then are blobs no manifest names deleted.
 
-The manifest is signed with an HMAC under the user's key (:mod:`nbkv.store.signing`): a
+The manifest is signed with an HMAC under the user's key (:mod:`nbkv.core.signing`): a
 save signed by another key or by none is refused with :class:`UntrustedSaveError`, or,
 with ``trust=True``, restored with every slot recomputed from its tokens before it is served.
 
@@ -61,6 +61,7 @@ from nbkv.store.blobstore import (
     write_blobs,
     write_file,
 )
+from nbkv.store.park_adopt import flock
 from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json
 from nbkv.store.protocols import Persistable, SessionStoreLike
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
@@ -304,18 +305,12 @@ def _locked(root: Path, exclusive: bool) -> Any:
     restore reading the old one) still needs. Yields whether the lock is held.
     """
     try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no lock between processes
-        yield False
-        return
-    try:
         fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:  # a read-only save can still be restored
         yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield True
+        yield flock(fd, blocking=True, shared=not exclusive)
     finally:
         os.close(fd)
 
@@ -442,8 +437,7 @@ def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
             raise RestoreError(f"a state saved with {streams} KV streams, this engine has "
                                f"{engine.kv_streams} (only plain attention states are "
                                "re-addressed)")
-        data = restream(bytes(buf), engine.kv_streams)
-        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return restream(buf, engine.kv_streams)
 
     return state
 
@@ -501,7 +495,7 @@ def restore(engine: Persistable, path: str | os.PathLike | None = None,
     :class:`RestoreError` says what, and the engine and sessions are unchanged. Reading
     :data:`SHOWN` bytes or more shows its progress.
 
-    A save not signed by this user's key (:mod:`nbkv.store.signing`) raises
+    A save not signed by this user's key (:mod:`nbkv.core.signing`) raises
     :class:`UntrustedSaveError`, unless ``trust``: then its sessions are restored, and each
     text slot is recomputed by a full prefill of its tokens before any request can use it
     (the report says whether the saved KV matched). Its other KV (system-prompt states,
