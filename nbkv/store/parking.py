@@ -332,28 +332,23 @@ class ParkingLot:
         one that fails (truncated, corrupt, edited) is skipped with a warning naming its
         file, deleted, and None is returned: the caller rebuilds.
         """
-        with self._lock:
-            entry = self._ram.pop(key, None) or self._writing.pop(key, None)
-            if entry is not None:  # one being written: the write is discarded
-                entry.tier = RAM
-            elif self.disk is not None and key in self.disk:
-                entry = self.disk.take(key)
-                if entry is not None:
-                    entry.tier = DISK
-            self._order.pop(key, None)
-            if entry is not None:
-                self._counts["restores"] += 1
-            return entry
+        return self._fetch(key, take=True)
 
     def borrow(self, key: str) -> ParkedEntry | None:
         """The entry ``key``, left in the lot: another conversation restores a copy of it."""
+        return self._fetch(key, take=False)
+
+    def _fetch(self, key: str, take: bool) -> ParkedEntry | None:
         with self._lock:
-            entry = self._ram.get(key) or self._writing.get(key)
+            if take:  # one being written: the write is discarded
+                entry = self._ram.pop(key, None) or self._writing.pop(key, None)
+                self._order.pop(key, None)
+            else:  # a copy: the buffers are never written, and are shared
+                entry = copy.copy(self._ram.get(key) or self._writing.get(key))
             if entry is not None:
-                entry = copy.copy(entry)  # the buffers are never written: shared
                 entry.tier = RAM
             elif self.disk is not None and key in self.disk:
-                entry = self.disk.read(key)
+                entry = self.disk.take(key) if take else self.disk.read(key)
                 if entry is not None:
                     entry.tier = DISK
             if entry is not None:

@@ -71,7 +71,6 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
     compare,
     compatible,
     default_path,
-    describe_engine,
     offer,
     open_manifest,
     read_manifest,
@@ -234,7 +233,7 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     created = time.time()
     body = {
         "format": FORMAT, "version": VERSION, "created": created,
-        "engine": describe_engine(engine),
+        "engine": engine.identity(),
         "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
         "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
         "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,

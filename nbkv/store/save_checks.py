@@ -58,14 +58,6 @@ def default_path(notebook: str | None = None) -> Path:
     return base / f"{stem}-{digest}"
 
 
-def describe_engine(engine: Persistable) -> dict[str, Any]:
-    """The facts a saved state depends on (compared field by field on restore)."""
-    return engine.identity()
-
-
-
-
-
 def save_root(path: Any) -> Path:
     """The directory of a save: ``path``, or :func:`default_path` for None.
 
@@ -118,7 +110,7 @@ def open_manifest(path: str | os.PathLike | None = None
 
 def compare(engine: Persistable, body: dict[str, Any]) -> list[str]:
     """What differs between the engine and a save's manifest (empty: compatible)."""
-    mine, theirs = describe_engine(engine), body.get("engine") or {}
+    mine, theirs = engine.identity(), body.get("engine") or {}
     diffs = []
     labels = {"model": "model", "projector": "vision projector",
               "llama_cpp_python": "llama-cpp-python (llama.cpp build)",
