@@ -147,8 +147,11 @@ TMP_AGE = 3600.0  # a temporary file this old is a dead writer's, where no lock 
 
 
 def stale_by_age(f: Path) -> bool:
-    """A temporary file older than :data:`TMP_AGE` (when nothing better proves it stale)."""
-    return time.time() - f.stat().st_mtime > TMP_AGE
+    """A file older than :data:`TMP_AGE`, when nothing better proves it stale (False: gone)."""
+    try:
+        return time.time() - f.stat().st_mtime > TMP_AGE
+    except OSError:
+        return False
 
 
 def sweep(root: Path, keep: set[str], stale_tmp: Callable[[Path], bool] = stale_by_age
