@@ -214,16 +214,12 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     _make_save_dir(root)
     cap = engine.export_state(only_if_idle)
     blobs = Blobs()
-    media: set[str] = set()  # the images the saved KV holds
-    slots_json, reports = _slots_json(cap, blobs, media)
+    slots_json, reports = _slots_json(cap, blobs)
     parked_json = engine.parking.export(blobs) if engine.parking is not None else []
-    for parked in parked_json:
-        media.update(u["image"] for u in parked["tokens"] if isinstance(u, dict))
-    spc_json = []
-    for key, entry in cap.spc:
-        media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
-        spc_json.append({"key": key, "tokens": encode_units(entry.tokens),
-                         "state": blobs.add(entry.state)})
+    spc_json = [{"key": key, "tokens": encode_units(entry.tokens), "state": blobs.add(entry.state)}
+                for key, entry in cap.spc]
+    media = {u["image"] for e in (*slots_json, *parked_json, *spc_json)  # the images held
+             for u in e["tokens"] if isinstance(u, dict)}
     emb_json = _embeddings_json(engine.projector, media, blobs)
     sess_json = [session_json(s.state_dict(), blobs, f"session {s.name}") for s in store]
     # the replies the saved KV holds: a cell run again after a restore is replayed
@@ -264,12 +260,11 @@ def _make_save_dir(root: Path) -> None:
         raise SaveError(f"the save directory {root} is not writable")
 
 
-def _slots_json(cap: Any, blobs: Blobs, media: set[str]) -> tuple[list[dict], list[SlotSave]]:
-    """The captured slots' manifest entries and reports; adds their images to ``media``."""
+def _slots_json(cap: Any, blobs: Blobs) -> tuple[list[dict], list[SlotSave]]:
+    """The captured slots' manifest entries and reports."""
     slots_json, reports = [], []
     for s in cap.slots:
         kv = s.kv
-        media.update(u.key.image_hash for u in kv.tokens if isinstance(u, MediaUnit))
         conv = ParkedEntry.from_snapshot(kv, session=s.session, hashes=s.hashes,
                                          msg_ends=s.msg_ends, segments=s.segments,
                                          last_used=s.last_used, used_at=s.used_at)
