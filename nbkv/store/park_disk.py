@@ -141,10 +141,9 @@ class _Record:
 
 @dataclass(frozen=True)
 class Put:
-    """What :meth:`DiskTier.put` did: whether it wrote the entry, and what it evicted."""
+    """What :meth:`DiskTier.put` did: whether it wrote the entry (what it evicted is told)."""
 
     written: bool
-    evicted: tuple[ParkedInfo, ...] = ()
     why: str = ""  # why it was not written
     full: bool = False  # not written because the disk (or the user's quota) is full
 
@@ -331,7 +330,8 @@ class DiskTier:
             return Put(False, why=f"could not write it to {staged.path.parent}: {e}")
         self._index[staged.key] = _Record(staged.info, staged.path, staged.sizes)
         self.release(staged.names)
-        return Put(True, self._fit_budget(keep=staged.key))
+        self._fit_budget(keep=staged.key)
+        return Put(True)
 
     def discard(self, staged: Staged) -> None:
         """Drop a prepared write: its manifest, and its blobs no committed entry names."""
@@ -344,18 +344,15 @@ class DiskTier:
         with self._pending_lock:
             self._pending.difference_update(names)
 
-    def _fit_budget(self, keep: str | None = None) -> tuple[ParkedInfo, ...]:
+    def _fit_budget(self, keep: str | None = None) -> None:
         """Delete the least recently used entries (not ``keep``) until within the budget."""
-        gone = []
         while self.used > self.budget and len(self._index) > (keep is not None):
             victim = min((r for k, r in self._index.items() if k != keep),
                          key=lambda r: (r.info.used_at, r.info.last_used))
             log.info("disk budget: parked entry %s (%s, %d tokens) deleted", victim.info.key,
                      victim.info.session or "-", victim.info.n_tokens)
             self.delete(victim.info.key)
-            gone.append(victim.info)
             self.tell(victim.info, "over the disk budget")
-        return tuple(gone)
 
     def tell(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
         """Announce an entry that left the disk other than by take or delete."""
