@@ -85,7 +85,7 @@ def signing_key(tmp_path_factory):
     user's (``$NBKV_SIGNING_KEY``: subprocesses and kernels the tests start use it too). It
     lives beside pytest's temporary folders, so that the calibrations one run signs in
     ``~/.cache/nbkv`` are trusted by the next instead of measured again."""
-    from nbkv.store.signing import KEY_ENV
+    from nbkv.core.signing import KEY_ENV
 
     old = os.environ.get(KEY_ENV)
     os.environ[KEY_ENV] = str(tmp_path_factory.getbasetemp().parent / "nbkv-test-signing-key")

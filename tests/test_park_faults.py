@@ -19,7 +19,7 @@ import pytest
 
 from nbkv.core import validate
 from nbkv.core.errors import InvalidRequestError
-from nbkv.store import park_adopt, park_disk
+from nbkv.store import blobstore, park_adopt, park_disk, persist
 from nbkv.store.park_disk import ENGINES, DiskTier, default_disk_budget
 from nbkv.store.parking import DISK, RAM, ParkingLot
 from tests.test_parking import IDENTITY, buf, entry, files, sessions
@@ -416,3 +416,10 @@ def test_an_engines_entry_made_a_file_mid_session_is_announced_not_raised(tmp_pa
     assert [d.session for d in lot.dropped] == ["a"]
     assert "is a file" in lot.stats()["disk_gone"]
     lot.close()
+
+
+def test_a_temporary_file_gone_while_a_save_cleans_up_is_not_stale(tmp_path):
+    """Another writer renamed its temporary file away between the listing and the check."""
+    gone = tmp_path / ".manifest.json.1.2.tmp"  # a writer that is not a live process here
+    assert blobstore.stale_by_age(gone) is False  # was: FileNotFoundError out of the save
+    assert persist._dead_writer(gone) is False

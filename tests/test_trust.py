@@ -19,10 +19,11 @@ from test_parking import IDENTITY, entry
 
 from conftest import assert_consistent
 from nbkv import Engine
+from nbkv.core import signing
 from nbkv.core.errors import UntrustedSaveError
 from nbkv.notebook.sessions import SessionStore
 from nbkv.remote import persist as remote_persist
-from nbkv.store import blobstore, persist, signing
+from nbkv.store import blobstore, persist
 from nbkv.store.park_disk import ENTRIES, entry_file
 from nbkv.store.parking import ParkingLot
 
@@ -68,7 +69,7 @@ def relabel(body):
 def test_the_key_is_made_once_for_the_user_alone(tmp_path, monkeypatch):
     path = tmp_path / "data" / "nbkv" / "signing_key"
     monkeypatch.setenv(signing.KEY_ENV, str(path))
-    code = ("from nbkv.store import signing; "
+    code = ("from nbkv.core import signing; "
             "print(signing.user_key().key_id, signing.user_key().temporary)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

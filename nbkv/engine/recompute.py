@@ -1,6 +1,6 @@
 """Recomputing a slot from its tokens: how the KV of an untrusted save becomes safe to serve.
 
-A save that is not signed by this user's key (:mod:`nbkv.store.signing`) may hold any bytes
+A save that is not signed by this user's key (:mod:`nbkv.core.signing`) may hold any bytes
 as a slot's KV: the KV of another conversation relabelled, or noise. Restored with
 ``trust=True``, each of its slots is recomputed on the scheduler thread before any request
 can reach it: the slot's tokens are prefilled from scratch into it, in the canonical chunks

@@ -9,7 +9,7 @@ and build with the same slot size, asks the server to load each file
 slot that does not is erased again and the restore fails, naming it. The server may have
 restarted in between: the files are on its disk.
 
-``remote.json`` is signed like a local save (:mod:`nbkv.store.signing`): one signed by
+``remote.json`` is signed like a local save (:mod:`nbkv.core.signing`): one signed by
 another key or by none is refused with :class:`UntrustedSaveError` unless ``trust=True``.
 Trusting one puts no forged KV in front of a request: the server matches every prompt
 against the tokens it restored itself, whatever nbkv's table says.

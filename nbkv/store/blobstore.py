@@ -6,7 +6,7 @@ neither make nbkv read outside its directory nor run code (nothing is pickled). 
 is written to a temporary name, fsynced and renamed, so a crash leaves the old file or the
 new one, never half of one. A manifest is JSON carrying the SHA-256 of its own canonical
 body, a table of every blob's checksum and size, and an HMAC of the body under the user's
-key (:mod:`nbkv.store.signing`): only a manifest this user's nbkv wrote is trusted.
+key (:mod:`nbkv.core.signing`): only a manifest this user's nbkv wrote is trusted.
 
 Used by :mod:`nbkv.store.persist` (``%kvcache save``) and :mod:`nbkv.store.park_disk` (parked
 conversations on disk). A slot's position units (token ids and image runs) and its KV-map
@@ -27,10 +27,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from nbkv.core import signing
 from nbkv.core.errors import RestoreError
 from nbkv.core.events import Segment
 from nbkv.media.units import MediaKey, MediaUnit
-from nbkv.store import signing
 
 BLOBS = "blobs"
 BLOB_NAME = re.compile(r"[0-9a-f]{64}\.bin")
@@ -147,8 +147,11 @@ TMP_AGE = 3600.0  # a temporary file this old is a dead writer's, where no lock 
 
 
 def stale_by_age(f: Path) -> bool:
-    """A temporary file older than :data:`TMP_AGE` (when nothing better proves it stale)."""
-    return time.time() - f.stat().st_mtime > TMP_AGE
+    """A file older than :data:`TMP_AGE`, when nothing better proves it stale (False: gone)."""
+    try:
+        return time.time() - f.stat().st_mtime > TMP_AGE
+    except OSError:
+        return False
 
 
 def sweep(root: Path, keep: set[str], stale_tmp: Callable[[Path], bool] = stale_by_age
@@ -250,6 +253,32 @@ def manifest_text(body: dict[str, Any]) -> str:
     return json.dumps({"checksum": body_checksum(body),
                        "signature": signing.sign(canonical(body)), "body": body}, indent=1,
                       sort_keys=True)
+
+
+def read_manifest(f: Path, fmt: str, version: int) -> tuple[dict[str, Any], str | None]:
+    """The checked body of the manifest file ``f``, and why it is untrusted (None: signed).
+
+    Raises :class:`RestoreError` when it is gone, unreadable, of another format, of a
+    version newer than ``version`` (or not one), or fails its checksum. Its signature is
+    reported, not enforced: the caller decides.
+    """
+    try:
+        doc = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise RestoreError(f"the manifest {f} is gone") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RestoreError(f"the manifest {f} is unreadable (truncated or corrupt: {e})") from e
+    body = doc.get("body") if isinstance(doc, dict) else None
+    if not isinstance(body, dict) or body.get("format") != fmt:
+        raise RestoreError(f"{f} is not an {fmt} manifest (format "
+                           f"{body.get('format') if isinstance(body, dict) else None!r})")
+    v = body.get("version")
+    if not isinstance(v, int) or not 1 <= v <= version:
+        raise RestoreError(f"{f} has format version {v!r}, newer than this nbkv reads "
+                           f"({version}): upgrade nbkv to read it")
+    if body_checksum(body) != doc.get("checksum"):
+        raise RestoreError(f"the manifest {f} fails its checksum (corrupt or edited)")
+    return body, untrusted(doc)
 
 
 def untrusted(doc: dict[str, Any]) -> str | None:

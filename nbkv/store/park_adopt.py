@@ -18,13 +18,12 @@ import logging
 import os
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import RestoreError
-from nbkv.store.blobstore import BLOBS, fsync_dir, manifest_text, sweep, write_file
+from nbkv.store.blobstore import BLOBS, fsync_dir, manifest_text, stale_by_age, sweep, write_file
 from nbkv.store.parked import DISK, info_from_json
 
 if TYPE_CHECKING:
@@ -36,7 +35,6 @@ ENTRIES = "entries"
 ENGINES = "engines"
 LOCK = "lock"
 ENTRY_FILE = re.compile(r"[0-9a-f]{32}\.json")
-LEGACY_TMP_AGE = 3600.0  # nbkv 0.1's layout has no lock: a temporary file this old is stale
 
 
 def entry_file(key: str) -> str:
@@ -47,14 +45,15 @@ def entry_file(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32] + ".json"
 
 
-def flock(fd: int, blocking: bool = False) -> bool:
-    """Take an exclusive ``flock`` on ``fd``; False when another holder has it."""
+def flock(fd: int, blocking: bool = False, shared: bool = False) -> bool:
+    """Take a ``flock`` on ``fd`` (exclusive unless ``shared``); False when another has it."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX: every other namespace looks live
         return not blocking
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                    | (0 if blocking else fcntl.LOCK_NB))
     except BlockingIOError:
         return False
     return True
@@ -75,14 +74,6 @@ def orphaned(ns: Path, legacy: bool) -> Iterator[bool]:
         os.close(fd)
 
 
-def older_than(f: Path, seconds: float) -> bool:
-    """Whether ``f`` was last written more than ``seconds`` ago (False if it is gone)."""
-    try:
-        return time.time() - f.stat().st_mtime > seconds
-    except OSError:
-        return False
-
-
 def number(key: str) -> int:
     """The number an entry's key ends with (``session#12``), 0 if none."""
     tail = key.rpartition("#")[2]
@@ -94,7 +85,7 @@ def adopt_orphans(tier: DiskTier) -> None:
     spaces = [(p, False) for p in sorted((tier.root / ENGINES).iterdir())
               if p.is_dir() and p != tier.dir
               # a hidden one is being made (not yet locked), unless a killed one
-              and (not p.name.startswith(".") or older_than(p, LEGACY_TMP_AGE))]
+              and (not p.name.startswith(".") or stale_by_age(p))]
     if (tier.root / ENTRIES).is_dir():
         spaces.append((tier.root, True))  # nbkv 0.1's layout
     for ns, legacy in spaces:
@@ -158,7 +149,8 @@ def _adopt(tier: DiskTier, ns: Path, legacy: bool) -> None:
             tier.adopted += 1
             if path.exists():  # its old manifest could not be deleted: its blobs stay too
                 stays.update(body["blobs"])
-    tmp_ok = (lambda f: older_than(f, LEGACY_TMP_AGE)) if legacy else (lambda f: True)
+    # nbkv 0.1's layout has no lock: there only an old temporary file is a dead writer's
+    tmp_ok = stale_by_age if legacy else (lambda f: True)
     for d in (ns / ENTRIES, ns):
         for f in d.iterdir():
             if f.name.endswith(".tmp") and tmp_ok(f):

@@ -25,7 +25,6 @@ what it holds; on a full disk the oldest entries make room.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
@@ -47,11 +46,10 @@ from nbkv.store.blobstore import (
     BLOBS,
     Blobs,
     Reader,
-    body_checksum,
     fsync_dir,
     manifest_text,
+    read_manifest,
     sweep,
-    untrusted,
     write_blobs,
     write_file,
 )
@@ -143,10 +141,9 @@ class _Record:
 
 @dataclass(frozen=True)
 class Put:
-    """What :meth:`DiskTier.put` did: whether it wrote the entry, and what it evicted."""
+    """What :meth:`DiskTier.put` did: whether it wrote the entry (what it evicted is told)."""
 
     written: bool
-    evicted: tuple[ParkedInfo, ...] = ()
     why: str = ""  # why it was not written
     full: bool = False  # not written because the disk (or the user's quota) is full
 
@@ -236,29 +233,41 @@ class DiskTier:
 
         Not written (a :class:`Put` saying why): an entry larger than the whole budget, one
         the file system refuses, or any while the directory is :attr:`gone`. On a full disk,
-        older entries are deleted first (:meth:`make_room`). The same as :meth:`prepare`
+        older entries are deleted first (:meth:`make_room`). The same as :meth:`stage`
         then :meth:`commit`, in one call.
         """
         if not self._usable():
             return Put(False, why=f"the disk tier is gone: {self.gone}")
+        staged = self.stage(entry)
+        return self.commit(staged) if isinstance(staged, Staged) else staged
+
+    def stage(self, entry: ParkedEntry, room: Callable[[], int] | None = None
+              ) -> Staged | Put:
+        """:meth:`prepare`; on a full disk, ``room()`` frees older entries and it tries again.
+
+        ``room`` defaults to :meth:`make_room`; it returns the bytes freed (0: give up). A
+        writer stops making room once it freed more than its entry needs (the disk is then
+        filled by someone else). Any error of the write is a :class:`Put` saying so.
+        """
         freed = 0
         while True:
-            staged = self.prepare(entry)
-            if isinstance(staged, Staged):
-                return self.commit(staged)
-            if not staged.full or freed > entry.nbytes:
+            try:
+                staged = self.prepare(entry)
+            except Exception as e:  # noqa: BLE001 - one entry's failure never stops the others
+                log.exception("parking: writing entry %s to disk failed", entry.key)
+                return Put(False, why=f"could not write it to disk: {e!r}")
+            if not (isinstance(staged, Put) and staged.full) or freed > entry.nbytes:
                 return staged
-            room = self.make_room(entry.info(DISK))
-            if not room:
+            n = self.make_room(entry.info(DISK)) if room is None else room()
+            if not n:
                 return staged
-            freed += room
+            freed += n
 
     def make_room(self, newer: ParkedInfo) -> int:
         """The disk is full: delete the least recently used entry older than ``newer``.
 
         Announced (``on_lost``). Returns its bytes, 0 when no entry here is older. The
-        newest entries stay, as the budget keeps them; a writer stops making room once it
-        freed more than its entry needs (the disk is then filled by someone else).
+        newest entries stay, as the budget keeps them.
         """
         older = [r for k, r in self._index.items() if k != newer.key
                  and (r.info.used_at, r.info.last_used) <= (newer.used_at, newer.last_used)]
@@ -321,7 +330,8 @@ class DiskTier:
             return Put(False, why=f"could not write it to {staged.path.parent}: {e}")
         self._index[staged.key] = _Record(staged.info, staged.path, staged.sizes)
         self.release(staged.names)
-        return Put(True, self._fit_budget(keep=staged.key))
+        self._fit_budget(keep=staged.key)
+        return Put(True)
 
     def discard(self, staged: Staged) -> None:
         """Drop a prepared write: its manifest, and its blobs no committed entry names."""
@@ -334,18 +344,15 @@ class DiskTier:
         with self._pending_lock:
             self._pending.difference_update(names)
 
-    def _fit_budget(self, keep: str | None = None) -> tuple[ParkedInfo, ...]:
+    def _fit_budget(self, keep: str | None = None) -> None:
         """Delete the least recently used entries (not ``keep``) until within the budget."""
-        gone = []
         while self.used > self.budget and len(self._index) > (keep is not None):
             victim = min((r for k, r in self._index.items() if k != keep),
                          key=lambda r: (r.info.used_at, r.info.last_used))
             log.info("disk budget: parked entry %s (%s, %d tokens) deleted", victim.info.key,
                      victim.info.session or "-", victim.info.n_tokens)
             self.delete(victim.info.key)
-            gone.append(victim.info)
             self.tell(victim.info, "over the disk budget")
-        return tuple(gone)
 
     def tell(self, info: ParkedInfo, why: str, corrupt: bool = False) -> None:
         """Announce an entry that left the disk other than by take or delete."""
@@ -373,8 +380,7 @@ class DiskTier:
                 n_now = int(self.identity.get("kv_streams") or self.identity["n_slots"])
 
                 def state(name: str) -> Any:
-                    data = restream(bytes(read(name)), n_now)
-                    return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                    return restream(read(name), n_now)
 
             entry = entry_from_json(body.get("entry"), read, self.n_vocab, state)
             if entry.key != key:
@@ -399,22 +405,8 @@ class DiskTier:
     @staticmethod
     def body(path: Path) -> dict[str, Any]:
         """The checked body of an entry manifest (format, version, checksum, blob table)."""
-        try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise RestoreError("its manifest is gone") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RestoreError(f"unreadable manifest (truncated or corrupt: {e})") from e
-        body = doc.get("body") if isinstance(doc, dict) else None
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
-            raise RestoreError("not a parked-entry manifest")
-        if body.get("version") != VERSION:
-            raise RestoreError(f"format version {body.get('version')!r}, this nbkv reads "
-                               f"{VERSION}")
-        if body_checksum(body) != doc.get("checksum"):
-            raise RestoreError("the manifest fails its checksum (corrupt or edited)")
-        why = untrusted(doc)
-        if why:  # never served: its KV could be anything (nbkv.store.signing)
+        body, why = read_manifest(path, FORMAT, VERSION)
+        if why:  # never served: its KV could be anything (nbkv.core.signing)
             raise UntrustedSaveError(f"not signed by your nbkv key: {why}")
         table = body.get("blobs")
         if not isinstance(table, dict) or not all(

@@ -166,19 +166,17 @@ def info_from_json(d: Any, n_vocab: int, tier: str) -> ParkedInfo:
     f = _fields(d, n_vocab)
     try:
         size = int(d["nbytes"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise RestoreError(f"parked entry {f['key']}: malformed size") from e
-    try:
         cps = tuple(int(c["pos"]) for c in d["checkpoints"])
     except (KeyError, TypeError, ValueError) as e:
-        raise RestoreError(f"parked entry {f['key']}: malformed checkpoints") from e
+        raise RestoreError(f"parked entry {f['key']}: malformed size or checkpoints") from e
+    key, branch_of = f.pop("key"), f.pop("branch_of")
+    f.pop("exact_len")
+    f["settled"] = min(f["settled"], len(f["tokens"]))
     try:
-        conv = Conversation(f["session"], f["tokens"], f["hashes"], f["msg_ends"],
-                            f["segments"], f["last_used"], f["last_request"], f["used_at"],
-                            min(f["settled"], len(f["tokens"])), cps)
+        conv = Conversation(**f, checkpoints=cps)
     except ValueError as e:
-        raise RestoreError(f"parked entry {f['key']}: {e}") from e
-    return ParkedInfo(f["key"], conv, size, tier, f["branch_of"])
+        raise RestoreError(f"parked entry {key}: {e}") from e
+    return ParkedInfo(key, conv, size, tier, branch_of)
 
 
 def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
@@ -187,18 +185,15 @@ def entry_from_json(d: Any, read: Callable[[str], Any], n_vocab: int,
     """Inverse of :func:`entry_json`: ``read(name)`` returns a blob's checked bytes.
 
     ``state`` reads the whole-sequence state instead, when it needs converting (for example
-    :func:`nbkv.store.persist.restream` into another number of slots). ``used_at`` stands in
-    where the record has none. Raises :class:`~nbkv.core.errors.RestoreError` on anything
+    :func:`nbkv.store.save_checks.restream` into another number of slots). ``used_at`` stands
+    in where the record has none. Raises :class:`~nbkv.core.errors.RestoreError` on anything
     malformed or inconsistent (the entry's own checks: settled <= exact_len <= tokens,
     boundaries and checkpoints inside its tokens).
     """
     f = _fields(d, n_vocab, used_at)
     try:
         cps = [(int(c["pos"]), read(c["blob"])) for c in d["checkpoints"]]
-        buf = (state or read)(d["state"])
-        entry = ParkedEntry(f["session"], f["tokens"], f["hashes"], f["msg_ends"], buf, cps,
-                            f["segments"], f["settled"], f["exact_len"], f["last_request"],
-                            f["last_used"], f["key"], f["used_at"], f["branch_of"])
+        entry = ParkedEntry(**f, state=(state or read)(d["state"]), checkpoints=cps)
     except (KeyError, TypeError, ValueError) as e:
         raise RestoreError(f"parked entry {f['key']}: {e}") from e
     if state is None and entry.nbytes != d.get("nbytes"):

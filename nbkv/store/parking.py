@@ -27,6 +27,7 @@ Pure bookkeeping over opaque buffers: no model, no llama.cpp; safe to call from 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import queue
@@ -41,6 +42,7 @@ from typing import Any
 from nbkv.core.errors import InvalidRequestError, RestoreError
 from nbkv.llama.memplan import free_memory
 from nbkv.store.blobstore import Blobs
+from nbkv.store.park_adopt import number
 from nbkv.store.park_disk import DiskTier, Put, Staged
 from nbkv.store.parked import DISK, RAM, TIERS, ParkedEntry, ParkedInfo, entry_from_json, entry_json
 
@@ -116,7 +118,7 @@ class ParkingLot:
         self._jobs = 0  # spills handed to the writer and not yet finished (discarded ones too)
         self.disk = (DiskTier(disk_dir, disk_bytes, identity, n_vocab, self._lost)
                      if disk_dir is not None else None)
-        start = max((self._number(i.key) for i in self.disk.infos()), default=0) \
+        start = max((number(i.key) for i in self.disk.infos()), default=0) \
             if self.disk is not None else 0
         self._seq = itertools.count(start + 1)
 
@@ -201,23 +203,26 @@ class ParkingLot:
 
     def _spill(self, entry: ParkedEntry, drop: bool = True) -> bool:
         """Move an entry leaving RAM to disk; False when it is dropped (or handed back)."""
-        if self.disk is not None:
-            try:
-                put = self.disk.put(entry)
-            except Exception as e:  # noqa: BLE001 - one entry's failure never stops the others
-                log.exception("parking: writing entry %s to disk failed", entry.key)
-                put = Put(False, why=f"could not write it to disk: {e!r}")
-            if put.written:
-                self._counts["spills"] += 1
-                log.debug("parked entry %s spilled to disk", entry.key)
-                return True
-            why = put.why
-        else:
+        if self.disk is None:
             why = ("larger than the whole RAM budget" if entry.nbytes > self.ram_bytes else
                    "over the RAM budget") + " (no disk tier)"
+            return self._spilled(entry, Put(False, why=why), drop)
+        try:
+            put = self.disk.put(entry)
+        except Exception as e:  # noqa: BLE001 - one entry's failure never stops the others
+            log.exception("parking: writing entry %s to disk failed", entry.key)
+            put = Put(False, why=f"could not write it to disk: {e!r}")
+        return self._spilled(entry, put, drop)
+
+    def _spilled(self, entry: ParkedEntry, put: Put, drop: bool = True) -> bool:
+        """Count a spill written, or forget (and announce, with ``drop``) one that was not."""
+        if put.written:
+            self._counts["spills"] += 1
+            log.debug("parked entry %s spilled to disk", entry.key)
+            return True
         self._order.pop(entry.key, None)
         if drop:
-            self._announce(entry.info(RAM), why)
+            self._announce(entry.info(RAM), put.why)
         return False
 
     def _spill_later(self, entry: ParkedEntry) -> bool:
@@ -257,7 +262,8 @@ class ParkingLot:
                 # its own view of the entry: a restore that takes it back meanwhile empties
                 # the entry's state field, and does not recycle a buffer this one holds
                 job = copy.copy(entry)
-            staged = self._prepare(entry, job)
+            assert self.disk is not None
+            staged = self.disk.stage(job, functools.partial(self._make_room, entry))
             with self._lock:
                 try:
                     self._commit(entry, staged)
@@ -268,28 +274,11 @@ class ParkingLot:
                     self._jobs -= 1
                     self._done.notify_all()
 
-    def _prepare(self, entry: ParkedEntry, job: ParkedEntry) -> Staged | Put:
-        """The writer thread's write of ``job`` (``entry``'s copy), outside the lock.
-
-        On a full disk, older disk entries are deleted (announced) while ``entry`` is still
-        to be written, and the write is tried again.
-        """
-        disk = self.disk
-        assert disk is not None
-        freed = 0
-        while True:
-            try:
-                staged: Staged | Put = disk.prepare(job)
-            except Exception as e:  # noqa: BLE001 - reported as the synchronous path does
-                log.exception("parking: writing entry %s to disk failed", entry.key)
-                return Put(False, why=f"could not write it to disk: {e!r}")
-            if not (isinstance(staged, Put) and staged.full) or freed > entry.nbytes:
-                return staged
-            with self._lock:
-                room = disk.make_room(entry.info(DISK)) if entry.key in self._writing else 0
-            if not room:
-                return staged
-            freed += room
+    def _make_room(self, entry: ParkedEntry) -> int:
+        """A full disk: older entries go while ``entry`` is still to be written."""
+        assert self.disk is not None
+        with self._lock:
+            return self.disk.make_room(entry.info(DISK)) if entry.key in self._writing else 0
 
     def _commit(self, entry: ParkedEntry, staged: Staged | Put) -> None:
         """Under the lock: the spill of ``entry`` is on disk, or reported as not written."""
@@ -298,13 +287,7 @@ class ParkingLot:
             if isinstance(staged, Staged):
                 self.disk.discard(staged)
             return
-        put = staged if isinstance(staged, Put) else self.disk.commit(staged)
-        if put.written:
-            self._counts["spills"] += 1
-            log.debug("parked entry %s spilled to disk", entry.key)
-            return
-        self._order.pop(entry.key, None)
-        self._announce(entry.info(RAM), put.why)
+        self._spilled(entry, staged if isinstance(staged, Put) else self.disk.commit(staged))
 
     def flush(self, timeout: float = FLUSH_TIMEOUT) -> None:
         """Wait until every spill handed to the writer thread is on disk (or reported).
@@ -349,28 +332,23 @@ class ParkingLot:
         one that fails (truncated, corrupt, edited) is skipped with a warning naming its
         file, deleted, and None is returned: the caller rebuilds.
         """
-        with self._lock:
-            entry = self._ram.pop(key, None) or self._writing.pop(key, None)
-            if entry is not None:  # one being written: the write is discarded
-                entry.tier = RAM
-            elif self.disk is not None and key in self.disk:
-                entry = self.disk.take(key)
-                if entry is not None:
-                    entry.tier = DISK
-            self._order.pop(key, None)
-            if entry is not None:
-                self._counts["restores"] += 1
-            return entry
+        return self._fetch(key, take=True)
 
     def borrow(self, key: str) -> ParkedEntry | None:
         """The entry ``key``, left in the lot: another conversation restores a copy of it."""
+        return self._fetch(key, take=False)
+
+    def _fetch(self, key: str, take: bool) -> ParkedEntry | None:
         with self._lock:
-            entry = self._ram.get(key) or self._writing.get(key)
+            if take:  # one being written: the write is discarded
+                entry = self._ram.pop(key, None) or self._writing.pop(key, None)
+                self._order.pop(key, None)
+            else:  # a copy: the buffers are never written, and are shared
+                entry = copy.copy(self._ram.get(key) or self._writing.get(key))
             if entry is not None:
-                entry = copy.copy(entry)  # the buffers are never written: shared
                 entry.tier = RAM
             elif self.disk is not None and key in self.disk:
-                entry = self.disk.read(key)
+                entry = self.disk.take(key) if take else self.disk.read(key)
                 if entry is not None:
                     entry.tier = DISK
             if entry is not None:
@@ -504,10 +482,6 @@ class ParkingLot:
                 out.append(info)
             return out
 
-    @staticmethod
-    def _number(key: str) -> int:
-        tail = key.rpartition("#")[2]
-        return int(tail) if tail.isdigit() else 0
 
 def parking_stats(lot: ParkingLot | None) -> dict[str, Any]:
     """The parking figures of ``%kvcache stats`` (empty without a parking lot)."""

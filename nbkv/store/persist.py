@@ -12,7 +12,7 @@ is built from them, so a save from someone else can neither run code nor make nb
 outside its directory. A save is atomic: blobs are written to temporary files, fsynced and
 renamed; then the manifest the same way; only then are blobs no manifest names deleted.
 
-The manifest is signed with an HMAC under the user's key (:mod:`nbkv.store.signing`): a
+The manifest is signed with an HMAC under the user's key (:mod:`nbkv.core.signing`): a
 save signed by another key or by none is refused with :class:`UntrustedSaveError`, or,
 with ``trust=True``, restored with every slot recomputed from its tokens before it is served.
 
@@ -61,6 +61,7 @@ from nbkv.store.blobstore import (
     write_blobs,
     write_file,
 )
+from nbkv.store.park_adopt import flock
 from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json
 from nbkv.store.protocols import Persistable, SessionStoreLike
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
@@ -70,7 +71,6 @@ from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save forma
     compare,
     compatible,
     default_path,
-    describe_engine,
     offer,
     open_manifest,
     read_manifest,
@@ -214,16 +214,12 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     _make_save_dir(root)
     cap = engine.export_state(only_if_idle)
     blobs = Blobs()
-    media: set[str] = set()  # the images the saved KV holds
-    slots_json, reports = _slots_json(cap, blobs, media)
+    slots_json, reports = _slots_json(cap, blobs)
     parked_json = engine.parking.export(blobs) if engine.parking is not None else []
-    for parked in parked_json:
-        media.update(u["image"] for u in parked["tokens"] if isinstance(u, dict))
-    spc_json = []
-    for key, entry in cap.spc:
-        media.update(u.key.image_hash for u in entry.tokens if isinstance(u, MediaUnit))
-        spc_json.append({"key": key, "tokens": encode_units(entry.tokens),
-                         "state": blobs.add(entry.state)})
+    spc_json = [{"key": key, "tokens": encode_units(entry.tokens), "state": blobs.add(entry.state)}
+                for key, entry in cap.spc]
+    media = {u["image"] for e in (*slots_json, *parked_json, *spc_json)  # the images held
+             for u in e["tokens"] if isinstance(u, dict)}
     emb_json = _embeddings_json(engine.projector, media, blobs)
     sess_json = [session_json(s.state_dict(), blobs, f"session {s.name}") for s in store]
     # the replies the saved KV holds: a cell run again after a restore is replayed
@@ -233,7 +229,7 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
     created = time.time()
     body = {
         "format": FORMAT, "version": VERSION, "created": created,
-        "engine": describe_engine(engine),
+        "engine": engine.identity(),
         "n_slots": engine.n_slots, "cache": engine.cache, "exact": engine.exact,
         "template": hashlib.sha256(engine.template.source.encode()).hexdigest(),
         "slots": slots_json, "spc": spc_json, "embeddings": emb_json, "sessions": sess_json,
@@ -264,12 +260,11 @@ def _make_save_dir(root: Path) -> None:
         raise SaveError(f"the save directory {root} is not writable")
 
 
-def _slots_json(cap: Any, blobs: Blobs, media: set[str]) -> tuple[list[dict], list[SlotSave]]:
-    """The captured slots' manifest entries and reports; adds their images to ``media``."""
+def _slots_json(cap: Any, blobs: Blobs) -> tuple[list[dict], list[SlotSave]]:
+    """The captured slots' manifest entries and reports."""
     slots_json, reports = [], []
     for s in cap.slots:
         kv = s.kv
-        media.update(u.key.image_hash for u in kv.tokens if isinstance(u, MediaUnit))
         conv = ParkedEntry.from_snapshot(kv, session=s.session, hashes=s.hashes,
                                          msg_ends=s.msg_ends, segments=s.segments,
                                          last_used=s.last_used, used_at=s.used_at)
@@ -304,18 +299,12 @@ def _locked(root: Path, exclusive: bool) -> Any:
     restore reading the old one) still needs. Yields whether the lock is held.
     """
     try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no lock between processes
-        yield False
-        return
-    try:
         fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:  # a read-only save can still be restored
         yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield True
+        yield flock(fd, blocking=True, shared=not exclusive)
     finally:
         os.close(fd)
 
@@ -442,8 +431,7 @@ def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
             raise RestoreError(f"a state saved with {streams} KV streams, this engine has "
                                f"{engine.kv_streams} (only plain attention states are "
                                "re-addressed)")
-        data = restream(bytes(buf), engine.kv_streams)
-        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return restream(buf, engine.kv_streams)
 
     return state
 
@@ -501,7 +489,7 @@ def restore(engine: Persistable, path: str | os.PathLike | None = None,
     :class:`RestoreError` says what, and the engine and sessions are unchanged. Reading
     :data:`SHOWN` bytes or more shows its progress.
 
-    A save not signed by this user's key (:mod:`nbkv.store.signing`) raises
+    A save not signed by this user's key (:mod:`nbkv.core.signing`) raises
     :class:`UntrustedSaveError`, unless ``trust``: then its sessions are restored, and each
     text slot is recomputed by a full prefill of its tokens before any request can use it
     (the report says whether the saved KV matched). Its other KV (system-prompt states,

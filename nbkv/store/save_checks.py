@@ -1,7 +1,7 @@
 """Reading a save's manifest and checking it against an engine before anything changes.
 
 :func:`read_manifest` checks the manifest's own checksum, format and signature (this user's
-key: :mod:`nbkv.store.signing`); :func:`compare` names every fact of the engine that differs
+key: :mod:`nbkv.core.signing`); :func:`compare` names every fact of the engine that differs
 from the save's (model, projector, build, ``n_ctx``, KV layout, memory class);
 :func:`restream` converts whole-sequence states between engines with different numbers of
 slots; :func:`offer` says after a load whether a save fits.
@@ -9,8 +9,8 @@ slots; :func:`offer` says after a load whether a save fits.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
-import json
 import logging
 import os
 import re
@@ -26,7 +26,7 @@ from nbkv.core.errors import (
     SaveOverwrittenWarning,
     UntrustedSaveError,
 )
-from nbkv.store.blobstore import body_checksum, untrusted
+from nbkv.store.blobstore import read_manifest as read_signed
 
 if TYPE_CHECKING:
     from nbkv.store.protocols import Persistable
@@ -56,14 +56,6 @@ def default_path(notebook: str | None = None) -> Path:
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(nb).stem)[:60] or "notebook"
     digest = hashlib.sha256(str(Path(nb).expanduser().absolute()).encode()).hexdigest()[:10]
     return base / f"{stem}-{digest}"
-
-
-def describe_engine(engine: Persistable) -> dict[str, Any]:
-    """The facts a saved state depends on (compared field by field on restore)."""
-    return engine.identity()
-
-
-
 
 
 def save_root(path: Any) -> Path:
@@ -112,27 +104,13 @@ def open_manifest(path: str | os.PathLike | None = None
     f = root / MANIFEST
     if not f.is_file():
         raise RestoreError(f"no save at {root} (no {MANIFEST})")
-    try:
-        doc = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RestoreError(f"the manifest {f} is unreadable (truncated or corrupt: {e})") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
-        raise RestoreError(f"{f} is not an nbkv save manifest")
-    body = doc["body"]
-    if body.get("format") != FORMAT:
-        raise RestoreError(f"{f} is not an nbkv save manifest (format {body.get('format')!r})")
-    version = body.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise RestoreError(f"the save at {root} has format version {version!r}, newer than this "
-                           f"nbkv reads ({VERSION}): upgrade nbkv to restore it")
-    if body_checksum(body) != doc.get("checksum"):
-        raise RestoreError(f"the manifest {f} fails its checksum (corrupt or edited)")
-    return root, body, untrusted(doc)
+    body, why = read_signed(f, FORMAT, VERSION)
+    return root, body, why
 
 
 def compare(engine: Persistable, body: dict[str, Any]) -> list[str]:
     """What differs between the engine and a save's manifest (empty: compatible)."""
-    mine, theirs = describe_engine(engine), body.get("engine") or {}
+    mine, theirs = engine.identity(), body.get("engine") or {}
     diffs = []
     labels = {"model": "model", "projector": "vision projector",
               "llama_cpp_python": "llama-cpp-python (llama.cpp build)",
@@ -181,8 +159,10 @@ def stream_count(state: bytes) -> int:
     return int.from_bytes(state[pre:pre + u32], "little")
 
 
-def restream(state: bytes, n_now: int) -> bytes:
+def restream(buf: Any, n_now: int) -> Any:
     """A plain-attention sequence state re-addressed from its KV streams to ``n_now``.
+
+    ``buf`` is any buffer; the result is a ctypes array (what llama.cpp reads states from).
 
     A context has one KV stream per sequence: a slot each, and the shadow sequence of the
     exact mode's rewrite (:mod:`nbkv.engine.shadow`), so the count is the state's own.
@@ -194,7 +174,7 @@ def restream(state: bytes, n_now: int) -> bytes:
     is kept and the empty ones are rewritten for the new count (a reader loads the non-empty
     section into the target sequence's stream, wherever it sits).
     """
-    u32 = 4
+    u32, state = 4, bytes(buf)
     # llama.cpp's header: a magic number and the sequence it was read from (ignored on load)
     pre = 2 * u32 if state[:u32] == _STATE_MAGIC else 0
     body = state[pre:]
@@ -209,8 +189,8 @@ def restream(state: bytes, n_now: int) -> bytes:
             or (tail and any(body[-tail:])):
         raise RestoreError("a saved state does not have the layout of one KV stream per slot")
     section = body[head:len(body) - tail]
-    zero = bytes(u32)
-    return state[:pre] + n_now.to_bytes(u32, "little") + section + zero * (n_now - 1)
+    data = state[:pre] + n_now.to_bytes(u32, "little") + section + bytes(u32) * (n_now - 1)
+    return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
 
 def offer(engine: Persistable, path: str | os.PathLike | None = None) -> str | None:
