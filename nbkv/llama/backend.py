@@ -159,18 +159,11 @@ class Model:
         rule = self.prefill_rule
         return rule.describe() if rule is not None else "exact: not calibrated"
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        n_gpu_layers: int = 0,
-        on_progress: Callable[[float], object] | None = None,
-        *,
-        main_gpu: int = 0,
-        split_mode: int = llama_cpp.LLAMA_SPLIT_MODE_LAYER,
-        tensor_split: Sequence[float] | None = None,
-        use_mmap: bool = True,
-        use_mlock: bool = False,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0,
+                 on_progress: Callable[[float], object] | None = None, *, main_gpu: int = 0,
+                 split_mode: int = llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+                 tensor_split: Sequence[float] | None = None, use_mmap: bool = True,
+                 use_mlock: bool = False) -> None:
         init_backend()
         self.path = check_gguf(path)
         params = llama_cpp.llama_model_default_params()
@@ -209,6 +202,8 @@ class Model:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(ptr)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self._pieces: dict[int, bytes] = {}
+        self._text: dict[int, bytes] = {}  # text_piece, cached as piece
+        self._eog: dict[int, bool] = {}  # is_eog, cached
         self.bos_text = self._special_text(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos_text = self._special_text(llama_cpp.llama_vocab_eos(self.vocab))
 
@@ -283,9 +278,11 @@ class Model:
 
     def text_piece(self, token: int) -> bytes:
         """The bytes a token contributes to generated text (control tokens contribute none)."""
-        if llama_cpp.llama_vocab_is_control(self.vocab, token):
-            return b""
-        return self.piece(token)
+        p = self._text.get(token)
+        if p is None:
+            control = llama_cpp.llama_vocab_is_control(self.vocab, token)
+            p = self._text[token] = b"" if control else self.piece(token)
+        return p
 
     def detokenize(self, tokens: Iterable[int]) -> str:
         """Tokens back to text, special tokens included."""
@@ -293,7 +290,10 @@ class Model:
 
     def is_eog(self, token: int) -> bool:
         """End-of-generation token (EOS, EOT, ``<|im_end|>``...)."""
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     @property
     def is_recurrent(self) -> bool:
