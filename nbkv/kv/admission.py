@@ -65,6 +65,8 @@ class Admission:
     the last reply would have served (exact mode). ``taken``: a restore takes the parked entry
     back (else it reads a copy and the entry stays parked). ``prev_len`` and
     ``prev_prompt_len`` are what the source held, and of it the prompt before its last reply.
+    ``held_by`` is the session the slot held (whose conversation a park displaces),
+    ``donor_session`` the donor's, ``cache`` the engine's mode.
     """
 
     plan: policy.Plan
@@ -76,6 +78,9 @@ class Admission:
     taken: bool = False
     prev_len: int = 0
     prev_prompt_len: int = 0
+    held_by: str | None = None
+    donor_session: str | None = None
+    cache: str = "imc"
 
     def __post_init__(self) -> None:
         order = [STEP_ORDER.index(s) for s in self.steps]
@@ -132,7 +137,8 @@ def admit(plan: policy.Plan, slot: Holder, donor: Holder | None, session: str | 
     else:
         source = IN_PLACE if cache == "imc" and keep else MISS
     return Admission(plan, source, tuple(steps), keep, wanted, absorbed, taken and restoring,
-                     prev_len, prev_prompt_len)
+                     prev_len, prev_prompt_len, slot.session,
+                     donor.session if donor is not None else None, cache)
 
 
 def displaced(slot: Holder, plan: policy.Plan, session: str | None) -> bool:
