@@ -5,6 +5,9 @@ turns that choice into one complete decision, an :class:`Admission`: its source,
 KV steps that make the slot hold exactly the reusable prefix, and the length kept. It is pure
 (no model, no llama.cpp): the engine's executor (:mod:`nbkv.engine.admit`) applies the steps
 in the order stated, and the request's record is built from the admission and the outcome.
+Its reason is decided here too (:func:`decide`): the code and the facts its words need, from
+the admission, what the steps kept and what the engine remembers of the session (a
+:class:`Story`); :mod:`nbkv.kv.reasons` only puts the decision into words.
 
 The steps, always in this order (:data:`STEP_ORDER`): the conversation the slot held is
 parked (a read of its state); a parked conversation is restored into it (a whole-state
@@ -206,7 +209,8 @@ def decide(s: Story, *, reuse: int, wanted: int, donor_session: str | None = Non
     d = reasons.Decision("", s.session, reuse,
                          donor=donor_session if donor_session is not None and reuse else None)
     if s.dropped:
-        div = find_divergence(s.own.tokens, s.tokens, s.ends, s.roles) if s.own else None
+        own = s.own
+        div = find_divergence(own.tokens, s.tokens, s.ends, s.roles) if own is not None else None
         return replace(d, code=reasons.OVERFLOW, dropped=s.dropped, divergence=div)
     short = wanted - reuse if not can_trim and reuse < wanted else 0
     if restored is not None:
