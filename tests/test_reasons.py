@@ -15,7 +15,7 @@ import pytest
 from conftest import SYSTEM
 from nbkv import Engine
 from nbkv.core.errors import ContextOverflowError, InvalidRequestError
-from nbkv.kv import reasons
+from nbkv.kv import admission, reasons
 from nbkv.kv.policy import common_prefix
 from nbkv.prompt import templates
 from nbkv.ui.figures import ExplainReport, Figures, actions, summary
@@ -206,12 +206,20 @@ def test_a_checkpoint_restored_before_the_divergence():
 # ------------------------------------------------------------------ parking (no model)
 
 
+def explain(*, session, tokens, hashes, ends, roles, dropped=0, trace=None, own=None,
+            cache="imc", kept_from=None, still_parked=False, **decided):
+    """The reason's words: the decision of :func:`admission.decide`, put into words."""
+    story = admission.Story(session, tokens, hashes, ends, roles, dropped, trace, own, cache,
+                            kept_from, still_parked)
+    return reasons.words(admission.decide(story, **decided))
+
+
 def _explain(session, trace, restored, tokens, reuse, wanted=None, can_trim=True):
     ends = (3, len(tokens))
-    return reasons.explain(session=session, trace=trace, own=None, tokens=tokens,
-                           hashes=("a", "b"), ends=ends, roles=("system", "user"), reuse=reuse,
-                           wanted=reuse if wanted is None else wanted, donor_session=None,
-                           dropped=0, can_trim=can_trim, restored=restored)
+    return explain(session=session, trace=trace, own=None, tokens=tokens,
+                   hashes=("a", "b"), ends=ends, roles=("system", "user"), reuse=reuse,
+                   wanted=reuse if wanted is None else wanted, donor_session=None,
+                   can_trim=can_trim, restored=restored)
 
 
 PARKED_TOKENS = tuple(range(1204))
@@ -250,17 +258,17 @@ def test_a_copy_chosen_over_the_own_slot_says_so():
     from another slot served more (its own would have gone back to an early checkpoint)."""
     own = reasons.Cached(tuple(range(300)), ("a", "b"), (100, 300))
     tokens = tuple(range(200)) + (9, 9)
-    r = reasons.explain(session="x", trace=None, own=own, tokens=tokens, hashes=("a", "c"),
-                        ends=(100, 202), roles=("system", "user"), reuse=150, wanted=200,
-                        donor_session="bob", dropped=0, can_trim=False)
+    r = explain(session="x", trace=None, own=own, tokens=tokens, hashes=("a", "c"),
+                ends=(100, 202), roles=("system", "user"), reuse=150, wanted=200,
+                donor_session="bob", can_trim=False)
     assert r.code == reasons.CHECKPOINT and r.divergence.position == 200
     assert r.text.startswith("session x's own slot served less of this prompt than bob's, "
                              "so its first 150 tokens were copied from there (its own slot "
                              "leaves the prompt in message 1 (user), token 200)")
     assert r.text.endswith("a checkpoint 50 tokens earlier was restored")
-    r = reasons.explain(session="x", trace=None, own=own, tokens=tuple(range(302)),
-                        hashes=("a", "b"), ends=(100, 300), roles=("system", "user"),
-                        reuse=301, wanted=301, donor_session="bob", dropped=0, can_trim=True)
+    r = explain(session="x", trace=None, own=own, tokens=tuple(range(302)),
+                hashes=("a", "b"), ends=(100, 300), roles=("system", "user"),
+                reuse=301, wanted=301, donor_session="bob", can_trim=True)
     assert r.code == reasons.COPIED and "copied from there" in r.text
 
 
@@ -294,3 +302,56 @@ def test_the_figures_line_says_what_was_restored_from_where_and_how_fast():
     assert vocabulary.bar(other).code == "restored" != vocabulary.event(other).code
     assert vocabulary.took(RequestRecord(11, "x", "miss", 0, 1, 0, 1, 0, evicted_session="y",
                                          evicted_tokens=4)) == "took y's slot (4 tokens gone)"
+
+
+#: words each decided code's text must carry (CHECKPOINT: those of its basis, and its own)
+SAYS = {reasons.UNCACHED: "not kept between requests", reasons.OVERFLOW: "outgrew its slot",
+        reasons.RESTORED: "conversation", reasons.COPIED: "copied from",
+        reasons.SHARED: "so those were kept", reasons.FIRST: "nothing of",
+        reasons.CONTINUED: "everything cached", reasons.EDITED: "edited) at token",
+        reasons.TEMPLATE_DRIFT: "rendered to different tokens",
+        reasons.IMAGE_CHANGED: "a different image", reasons.SYSTEM_CHANGED: "system prompt",
+        reasons.EVICTED: "slot was taken by", reasons.CLEARED: "cleared by the user",
+        reasons.RELOADED: "loaded again", reasons.CHECKPOINT: "a checkpoint"}
+
+
+def test_the_words_say_the_decided_reason():
+    """On varied situations, the words carry the code the admission decided, its divergence,
+    and a checkpoint note exactly when a checkpoint cost tokens."""
+    import random
+
+    rng = random.Random(44)
+
+    def conv():
+        toks = tuple(rng.choice([1, 2, 3, "img"]) for _ in range(rng.randint(0, 10)))
+        ends = tuple(sorted(rng.sample(range(1, 12), rng.randint(1, 3))))
+        return toks, tuple(rng.choice("ab") for _ in ends), ends
+
+    def who():
+        return rng.choice([None, "a", "b"])
+
+    seen = set()
+    for _ in range(3000):
+        tokens, hashes, ends = conv()
+        own_t, own_h, own_e = conv()
+        own = reasons.Cached(tokens[:rng.randint(0, len(tokens))] + own_t[:2], own_h, own_e)
+        trace = reasons.Whereabouts(1, rng.choice([None, reasons.EVICTED, reasons.PARKED,
+                                                   reasons.CLEARED, reasons.RELOADED]),
+                                    who(), 4, rng.choice([None, 0]), rng.choice([None, "a"]))
+        rt, rh, re = conv()
+        restored = reasons.Restored(who(), "ram", reasons.Cached(tokens[:3] + rt, rh, re))
+        story = admission.Story(
+            who(), tokens, hashes, ends, tuple(rng.choice(["system", "user"]) for _ in ends),
+            rng.choice([0, 0, 0, 2]), rng.choice([None, trace]), rng.choice([None, own]),
+            rng.choice(["imc"] * 6 + ["off"]), who(), rng.random() < 0.5)
+        reuse = rng.randint(0, 8)
+        d = admission.decide(story, reuse=reuse, wanted=reuse + rng.choice([0, 3]),
+                             donor_session=rng.choice([None, "d"]), can_trim=rng.random() < 0.5,
+                             restored=rng.choice([None, restored]))
+        r = reasons.words(d)
+        assert (r.code, r.divergence) == (d.code, d.divergence)
+        assert SAYS[d.basis or d.code] in r.text, (d, r.text)
+        assert ("a checkpoint" in r.text) == (d.shortfall > 0) == (
+            f"checkpoint {d.shortfall} tokens earlier" in r.text), (d, r.text)
+        seen.add(d.code)
+    assert seen == set(SAYS) and set(SAYS) == set(reasons.REASONS) - {reasons.REPLAYED}

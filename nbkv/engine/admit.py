@@ -17,13 +17,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nbkv.core.events import RequestRecord
 from nbkv.kv import admission as ad
 from nbkv.kv import invariance, policy, reasons
 from nbkv.kv.reach import restorable, restore_point
 from nbkv.kv.slot_kv import trim_valid
+from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:
     from nbkv.core.config import EngineSettings
+    from nbkv.core.events import Segment
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
     from nbkv.engine.replay import Replays
@@ -169,3 +172,41 @@ class Executor:
             return 0
         slot.kv.load_state(entry.state, entry.tokens)
         return len(slot.kv)
+
+
+def record(job: Job, adm: ad.Admission, out: Outcome, slot: EngineSlot, why: reasons.Reason,
+           segments: tuple[Segment, ...], *, exact: bool, path: str) -> RequestRecord:
+    """``job``'s record as it starts: built from its admission and the outcome, nothing else.
+
+    ``why`` is the reason the admission decided, in words; ``segments`` the slot's KV map;
+    ``exact`` whether the reply is proven bit-identical, ``path`` the engine's decode path.
+    """
+    p, plan, reuse, imc = job.prompt, adm.plan, out.reuse, adm.cache == "imc"
+    strategy = plan.strategy
+    if ad.LOAD_SPC in adm.steps:
+        strategy = "spc" if out.spc_hit else policy.MISS
+    reply_cached, reply_reused = ad.reply_reuse(adm, reuse)
+    parked, restored = out.parked_to, out.restored if reuse else None
+    return RequestRecord(
+        id=job.id, session=job.session, strategy=strategy, slot=slot.index,
+        prompt_tokens=len(p.tokens), reused_tokens=reuse, prefilled_tokens=len(job.todo),
+        trimmed_tokens=max(out.trimmed, 0) if imc else 0,
+        donor_slot=plan.donor if reuse else None,
+        donor_session=adm.donor_session if reuse else None,
+        evicted_session=adm.held_by if parked is not None else plan.evicted,
+        evicted_tokens=parked.n_tokens if parked is not None else plan.evicted_tokens,
+        matched_messages=plan.matched_messages, reply_tokens_cached=reply_cached,
+        reply_tokens_reused=reply_reused, dropped_messages=p.dropped,
+        media_chunks=p.image_chunks, media_reused=sum(
+            1 for u in p.tokens[:reuse] if isinstance(u, MediaUnit) and u.offset == 0),
+        checkpoint_pos=out.checkpoint_pos,
+        reprefilled_tokens=max(adm.wanted - reuse - adm.absorbed, 0) if imc else 0,
+        rewrite_absorbed=adm.absorbed, exact=exact, capacity=slot.capacity,
+        restore_s=out.restore_s, segments=segments, started_at=time.time(), reason=why.code,
+        reason_text=why.text, divergence=why.divergence,
+        restored_from=restored.tier if restored is not None else "",
+        restored_tokens=(len(slot.kv) if out.memo is not None else reuse) if restored else 0,
+        restored_session=restored.session if restored is not None else None,
+        unpark_s=out.unpark_s if out.restored is not None else 0.0,
+        evicted_parked=parked.tier if parked is not None else "", park_s=out.park_s,
+        path=path)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from nbkv.core.events import RequestRecord, RequestStarted, Segment
+from nbkv.core.events import RequestStarted, Segment
 from nbkv.engine import replay
-from nbkv.engine.admit import Executor, Outcome
+from nbkv.engine.admit import Executor, Outcome, record
 from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import admission, invariance, policy, reasons
 from nbkv.kv.reach import Judge, restorable, restore_point
@@ -93,11 +92,23 @@ class Placer:
                               job.session, job.prompt.tokens, self.res.rule, cache=cfg.slots.cache,
                               exact=cfg.exactness.exact and not self.res.lean, taken=taken)
         out = self.executor.run(adm, job, slot, donor, entry, unpark_s, t0)
-        if out.parked_to is not None:  # whose conversation was parked, and how much of it
-            plan = replace(plan, evicted=snaps[plan.slot].session,
-                           evicted_tokens=out.parked_to.n_tokens)
-        why = self._claim(job, adm, out, snaps, slot, entry, plan)
-        self.events.publish(RequestStarted(self._record(job, adm, out, slot, entry, plan, why)))
+        why = self._reason(job, adm, out, snaps, slot, entry)
+        kept = None
+        if out.memo is not None:  # the slot's messages stay: its own, or those of the parked entry
+            kept = (entry.hashes, entry.msg_ends) if entry is not None else (slot.hashes,
+                                                                             slot.msg_ends)
+            if entry is not None:
+                table.show(slot, entry.segments)
+        table.claim(slot, job.id, job.session, job.prompt, out.reuse,
+                    adm.held_by if out.parked_to is not None else plan.evicted,
+                    parked=out.parked_to is not None, keep=kept)
+        job.place(slot, out.reuse, out.memo, out.held_after)
+        self._prepare(job, slot)
+        job.record = record(job, adm, out, slot, why, self.segments(job, len(job.prompt.tokens)),
+                            exact=cfg.exactness.exact and self.res.rule.exact, path=self.res.path)
+        log.debug("%s: slot[%d] prompt=%d reused=%d prefill=%d", job.record.strategy, slot.index,
+                  len(job.prompt.tokens), out.reuse, len(job.todo))
+        self.events.publish(RequestStarted(job.record))
         return True
 
     def _choose(self, job: Job) -> tuple[tuple[SlotInfo, ...], policy.Plan,
@@ -135,79 +146,36 @@ class Placer:
                 return snaps, plan, entry, taken, unpark_s, t0
             parked = [i for i in parked if i.key != plan.parked]  # unreadable: logged, skipped
 
-    def _claim(self, job: Job, adm: admission.Admission, out: Outcome,
-               snaps: tuple[SlotInfo, ...], slot: EngineSlot, entry: ParkedEntry | None,
-               plan: policy.Plan) -> reasons.Reason:
-        """Why ``job`` kept what it kept (returned); the slot is claimed for it, the job placed.
+    def _reason(self, job: Job, adm: admission.Admission, out: Outcome,
+                snaps: tuple[SlotInfo, ...], slot: EngineSlot, entry: ParkedEntry | None
+                ) -> reasons.Reason:
+        """Why ``job`` kept what it kept: its admission's decision, in words.
 
-        ``plan`` is the admission's, naming the conversation the executor parked if it did.
+        Decided from the admission and the outcome (:func:`nbkv.kv.admission.decide`); the
+        comparison is kept for ``explain``.
         """
-        p, table, lot = job.prompt, self.table, self.parking
-        reuse, memo, kv = out.reuse, out.memo, slot.kv
-        donor = plan.donor if reuse else None  # a copy or a restore that kept nothing is not one
-        if memo is not None:
-            why = replay.reason(memo)
-            table.compare(job.id, kv.tokens, p.tokens)
-        else:
-            still_parked = job.session is not None and lot is not None and (
-                lot.find(job.session) is not None or (entry is not None and adm.taken))
-            why = table.reason(
-                job.id, p, job.session, table.own(snaps, job.session),
-                table[donor].tokens if donor is not None else (), reuse=reuse,
-                wanted=out.planned, donor_session=(table[donor].session or f"slot {donor}")
-                if donor is not None else None, can_trim=out.checkpoint_pos is None,
-                cache=self.settings.slots.cache, restored=out.restored if reuse else None,
-                kept_from=snaps[plan.slot].session, still_parked=still_parked)
-        kept = None
-        if memo is not None:  # the slot's messages stay: its own, or those of the parked entry
-            kept = (entry.hashes, entry.msg_ends) if entry is not None else (slot.hashes,
-                                                                             slot.msg_ends)
-            if entry is not None:
-                table.show(slot, entry.segments)
-        table.claim(slot, job.id, job.session, p, reuse, plan.evicted,
-                    parked=out.parked_to is not None, keep=kept)
-        job.place(slot, reuse, memo, out.held_after)
-        return why
+        p, table, lot, reuse = job.prompt, self.table, self.parking, out.reuse
+        if out.memo is not None:
+            table.compare(job.id, slot.kv.tokens, p.tokens)
+            return replay.reason(out.memo)
+        donor = adm.plan.donor if reuse else None  # a copy that kept nothing is not one
+        still_parked = job.session is not None and lot is not None and (
+            lot.find(job.session) is not None or (entry is not None and adm.taken))
+        return table.reason(
+            job.id, p, job.session, table.own(snaps, job.session),
+            table[donor].tokens if donor is not None else (), reuse=reuse, wanted=out.planned,
+            donor_session=(adm.donor_session or f"slot {donor}") if donor is not None else None,
+            can_trim=out.checkpoint_pos is None, cache=adm.cache,
+            restored=out.restored if reuse else None, kept_from=adm.held_by,
+            still_parked=still_parked)
 
-    def _record(self, job: Job, adm: admission.Admission, out: Outcome, slot: EngineSlot,
-                entry: ParkedEntry | None, plan: policy.Plan, why: reasons.Reason
-                ) -> RequestRecord:
-        """``job``'s stops, sampler and record: built from its admission and the outcome."""
-        p, cfg, table, mem = job.prompt, self.settings, self.table, self.res.memory
-        rule, reuse, kv = self.res.rule, out.reuse, slot.kv
+    def _prepare(self, job: Job, slot: EngineSlot) -> None:
+        """``job``'s checkpoint stops (memory that cannot be cut) and its sampler."""
+        p, mem = job.prompt, self.res.memory
         if mem.takes_checkpoints:
-            job.stops = plan_checkpoints(slot.kv, mem, rule, p, reuse)
+            job.stops = plan_checkpoints(slot.kv, mem, self.res.rule, p, job.reuse)
         job.sampler = Sampler(job.params, self.res.model.n_vocab,
                               [t for t in p.tokens if isinstance(t, int)])
-        strategy = plan.strategy
-        if admission.LOAD_SPC in adm.steps:
-            strategy = "spc" if out.spc_hit else policy.MISS
-        reply_cached, reply_reused = admission.reply_reuse(adm, reuse)
-        donor = plan.donor if reuse else None
-        imc = cfg.slots.cache == "imc"
-        restored = entry is not None and reuse
-        job.record = record = table.record(
-            job.id, job.session, p, slot, replace(plan, strategy=strategy), reuse, why,
-            prefilled_tokens=len(job.todo), trimmed_tokens=max(out.trimmed, 0) if imc else 0,
-            donor_slot=donor, donor_session=table[donor].session if donor is not None else None,
-            reply_tokens_cached=reply_cached, reply_tokens_reused=reply_reused,
-            restore_s=out.restore_s, segments=self.segments(job, len(p.tokens)),
-            media_chunks=p.image_chunks, checkpoint_pos=out.checkpoint_pos,
-            restored_from=entry.tier if entry is not None and restored else "",
-            restored_tokens=(len(kv) if out.memo is not None else reuse) if restored else 0,
-            restored_session=entry.session if entry is not None and restored else None,
-            unpark_s=out.unpark_s if entry is not None else 0.0,
-            evicted_parked=out.parked_to.tier if out.parked_to is not None else "",
-            park_s=out.park_s,
-            reprefilled_tokens=max(adm.wanted - reuse - adm.absorbed, 0) if imc else 0,
-            rewrite_absorbed=adm.absorbed, exact=cfg.exactness.exact and rule.exact,
-            path=self.res.path)
-        if reply_cached and reply_reused < reply_cached:
-            log.debug("slot[%d] previous reply re-tokenized differently: %d/%d tokens reused",
-                      slot.index, reply_reused, reply_cached)
-        log.debug("%s: slot[%d] prompt=%d reused=%d prefill=%d", strategy, slot.index,
-                  len(p.tokens), reuse, len(job.todo))
-        return record
 
     def must_wait(self, plan: policy.Plan) -> bool:
         """``plan`` would write a state into a slot that a queued copy still reads or fills.

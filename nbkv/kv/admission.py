@@ -5,6 +5,9 @@ turns that choice into one complete decision, an :class:`Admission`: its source,
 KV steps that make the slot hold exactly the reusable prefix, and the length kept. It is pure
 (no model, no llama.cpp): the engine's executor (:mod:`nbkv.engine.admit`) applies the steps
 in the order stated, and the request's record is built from the admission and the outcome.
+Its reason is decided here too (:func:`decide`): the code and the facts its words need, from
+the admission, what the steps kept and what the engine remembers of the session (a
+:class:`Story`); :mod:`nbkv.kv.reasons` only puts the decision into words.
 
 The steps, always in this order (:data:`STEP_ORDER`): the conversation the slot held is
 parked (a read of its state); a parked conversation is restored into it (a whole-state
@@ -16,11 +19,14 @@ prompt (a replay) ends the steps before the branch is parked.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from nbkv.kv import invariance, policy
+from nbkv.core.codes import common_prefix
+from nbkv.core.events import WINDOW, Divergence
+from nbkv.kv import invariance, policy, reasons
 
 #: where the reused KV comes from: kept in the slot, copied from another slot, a parked
 #: conversation put back, the system prompt's saved state, or nothing (a miss)
@@ -62,6 +68,8 @@ class Admission:
     the last reply would have served (exact mode). ``taken``: a restore takes the parked entry
     back (else it reads a copy and the entry stays parked). ``prev_len`` and
     ``prev_prompt_len`` are what the source held, and of it the prompt before its last reply.
+    ``held_by`` is the session the slot held (whose conversation a park displaces),
+    ``donor_session`` the donor's, ``cache`` the engine's mode.
     """
 
     plan: policy.Plan
@@ -73,6 +81,9 @@ class Admission:
     taken: bool = False
     prev_len: int = 0
     prev_prompt_len: int = 0
+    held_by: str | None = None
+    donor_session: str | None = None
+    cache: str = "imc"
 
     def __post_init__(self) -> None:
         order = [STEP_ORDER.index(s) for s in self.steps]
@@ -129,7 +140,8 @@ def admit(plan: policy.Plan, slot: Holder, donor: Holder | None, session: str | 
     else:
         source = IN_PLACE if cache == "imc" and keep else MISS
     return Admission(plan, source, tuple(steps), keep, wanted, absorbed, taken and restoring,
-                     prev_len, prev_prompt_len)
+                     prev_len, prev_prompt_len, slot.session,
+                     donor.session if donor is not None else None, cache)
 
 
 def displaced(slot: Holder, plan: policy.Plan, session: str | None) -> bool:
@@ -156,3 +168,120 @@ def reply_reuse(adm: Admission, reuse: int) -> tuple[int, int]:
     """
     cached = max(adm.prev_len - adm.prev_prompt_len, 0) if adm.plan.donor is None else 0
     return cached, min(max(reuse - adm.prev_prompt_len, 0), cached)
+
+
+@dataclass(frozen=True)
+class Story:
+    """What the engine knows of a request beyond its admission, for the reason's decision.
+
+    The prompt's units, message hashes, ends, roles and the messages it dropped; ``trace``
+    what became of the session's slot (:class:`~nbkv.kv.reasons.Whereabouts`); ``own`` the
+    session's slot if it still holds the conversation; ``cache`` the engine's mode;
+    ``kept_from`` whose conversation the target slot held; ``still_parked``: the session's
+    conversation is parked (though it could not serve this prompt).
+    """
+
+    session: str | None
+    tokens: Sequence[Any]
+    hashes: Sequence[str]
+    ends: Sequence[int]
+    roles: Sequence[str]
+    dropped: int = 0
+    trace: reasons.Whereabouts | None = None
+    own: reasons.Cached | None = None
+    cache: str = "imc"
+    kept_from: str | None = None
+    still_parked: bool = False
+
+
+def decide(s: Story, *, reuse: int, wanted: int, donor_session: str | None = None,
+           can_trim: bool = True, restored: reasons.Restored | None = None
+           ) -> reasons.Decision:
+    """Why a request placed with ``reuse`` tokens of KV kept kept them: its reason code.
+
+    ``wanted`` is what the placement would have kept on memory that can be cut anywhere
+    (``reuse`` is less where ``can_trim`` is False and a checkpoint further back was
+    restored); ``donor_session`` whose slot the kept tokens were copied from; ``restored``
+    the parked conversation put back into the slot first, if any.
+    """
+    if s.cache != "imc":
+        return reasons.Decision(reasons.UNCACHED, s.session, cache=s.cache)
+    d = reasons.Decision("", s.session, reuse,
+                         donor=donor_session if donor_session is not None and reuse else None)
+    if s.dropped:
+        own = s.own
+        div = find_divergence(own.tokens, s.tokens, s.ends, s.roles) if own is not None else None
+        return replace(d, code=reasons.OVERFLOW, dropped=s.dropped, divergence=div)
+    short = wanted - reuse if not can_trim and reuse < wanted else 0
+    if restored is not None:
+        return _restored(s, d, restored, short)
+    trace = s.trace
+    if trace is not None and trace.first is not None and tuple(s.hashes[:1]) != (trace.first,):
+        trace = None  # a new conversation: what became of the old one does not explain it
+    if trace is not None and trace.fate in (reasons.EVICTED, reasons.PARKED):
+        parked = "" if trace.fate != reasons.PARKED else "still" if s.still_parked else "gone"
+        return replace(d, code=reasons.EVICTED, trace=trace, parked=parked)
+    if trace is not None and (trace.fate == reasons.CLEARED or (
+            s.own is None and trace.fate == reasons.RELOADED)):
+        return replace(d, code=trace.fate)
+    if s.own is None:
+        if d.donor is not None:
+            return replace(d, code=reasons.COPIED)
+        return replace(d, code=reasons.SHARED if reuse else reasons.FIRST,
+                       kept_from=s.kept_from if reuse else None)
+    div = _branch(s.own, s.tokens, s.ends, s.roles)
+    if donor_session is not None:  # the own slot lost to another's (it served less)
+        code = reasons.COPIED
+        d = replace(d, donor=donor_session, own=True)
+    else:
+        code = reasons.CONTINUED if div is None else _what_changed(div, s.own.hashes, s.hashes)
+    if short:
+        return replace(d, code=reasons.CHECKPOINT, basis=code, divergence=div, shortfall=short)
+    return replace(d, code=code, divergence=div)
+
+
+def _restored(s: Story, d: reasons.Decision, r: reasons.Restored, short: int
+              ) -> reasons.Decision:
+    """The reason of a request whose slot a parked conversation was put back into."""
+    if s.session is None or r.session != s.session:
+        return replace(d, code=reasons.RESTORED, donor=None, restored=r)
+    trace = s.trace if s.trace is not None and s.trace.fate == reasons.PARKED else None
+    return replace(d, code=reasons.RESTORED, donor=None, restored=r, own=True, trace=trace,
+                   divergence=_branch(r.cached, s.tokens, s.ends, s.roles), shortfall=short)
+
+
+def find_divergence(cached: Sequence[Any], new: Sequence[Any], ends: Sequence[int],
+                    roles: Sequence[str]) -> Divergence | None:
+    """The first position where ``new`` differs from ``cached`` (None if it extends it)."""
+    n = common_prefix(cached, new)
+    if n >= len(cached) or n >= len(new):
+        return None
+    message = min(bisect.bisect_right(ends, n), len(roles) - 1)  # ends are exclusive
+    lo = max(n - WINDOW, 0)
+    return Divergence(n, message, roles[message] if roles else "?",
+                      tuple(cached[lo : n + WINDOW]), tuple(new[lo : n + WINDOW]), lo)
+
+
+def _branch(cached: reasons.Cached, tokens: Sequence[Any], ends: Sequence[int],
+            roles: Sequence[str]) -> Divergence | None:
+    """Where the prompt leaves ``cached``; None where it only extends it."""
+    div = find_divergence(cached.tokens, tokens, ends, roles)
+    tail = max(len(cached.tokens) - cached.msg_ends[-1], 0) if cached.msg_ends else 0
+    if div is not None and div.position >= len(cached.tokens) - tail:
+        return None  # the previous reply re-tokenized differently: not a branch
+    return div
+
+
+def _what_changed(div: Divergence, own_hashes: Sequence[str], hashes: Sequence[str]) -> str:
+    """The code for where a prompt leaves its own slot's conversation."""
+    k = div.message
+    same_messages = k < len(own_hashes) and k < len(hashes) and own_hashes[k] == hashes[k]
+    if same_messages or k >= len(own_hashes):
+        return reasons.TEMPLATE_DRIFT
+    at = div.position - div.start
+    if not isinstance(div.new[at], int) or (at < len(div.cached)
+                                            and not isinstance(div.cached[at], int)):
+        return reasons.IMAGE_CHANGED
+    if k == 0 and div.role == "system":
+        return reasons.SYSTEM_CHANGED
+    return reasons.EDITED

@@ -1,14 +1,13 @@
 """Why a request reused what it reused: a reason code, plain words, and the divergence point.
 
-Pure logic, computed when the engine places a request, from what the policy already knows:
-the session's own slot (if it still holds the conversation), what happened to that slot since
-(evicted by whom, cleared), the prompt's tokens, message hashes and boundaries. Token text is
-detokenized only when someone asks (:meth:`Divergence.excerpts`).
+The code is decided with the admission (:func:`nbkv.kv.admission.decide`), from what the
+placement did and what the engine remembers of the session (:class:`Whereabouts`); this module
+only puts a :class:`Decision` into words (:func:`words`) and keeps the data types both read.
+Token text is detokenized only when someone asks (:meth:`Divergence.excerpts`).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +35,11 @@ from nbkv.core.codes import (
     counted,
     tier_words,
 )
-from nbkv.core.events import REUSED, WINDOW, Divergence
+from nbkv.core.events import REUSED, Divergence
 
 __all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
            "IMAGE_CHANGED", "OVERFLOW", "PARKED", "REASONS", "RELOADED", "REPLAYED", "RESTORED",
-           "SHARED", "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Divergence"]
+           "SHARED", "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Decision", "Divergence"]
 
 
 @dataclass(frozen=True)
@@ -87,180 +86,127 @@ class Restored:
     cached: Cached  # what it held
 
 
+@dataclass(frozen=True)
+class Decision:
+    """A request's reason as decided (:func:`nbkv.kv.admission.decide`): its code and facts.
+
+    :func:`words` puts it into words and derives nothing. ``basis`` is, under
+    :data:`CHECKPOINT`, the code whose words come first; ``shortfall`` the tokens a
+    checkpoint further back cost (0: none). ``donor`` is the session the kept tokens were
+    copied from, where the words say so; ``parked`` (:data:`EVICTED` after a park) says
+    whether the parked state was ``"still"`` there or ``"gone"``; ``trace`` is what took
+    the session's slot, where the words tell it; ``own``: the conversation restored was
+    the session's own.
+    """
+
+    code: str
+    session: str | None = None
+    reuse: int = 0
+    divergence: Divergence | None = None
+    basis: str = ""
+    shortfall: int = 0
+    donor: str | None = None
+    cache: str = "imc"
+    dropped: int = 0
+    trace: Whereabouts | None = None
+    parked: str = ""
+    kept_from: str | None = None
+    restored: Restored | None = None
+    own: bool = False
+
+
 def _whose(session: str | None) -> str:
     """``bob's``, or ``an unnamed`` for a request without a session."""
     return f"{session}'s" if session is not None else "an unnamed"
 
 
-def _unit_is_media(u: Any) -> bool:
-    return not isinstance(u, int)
+def words(d: Decision) -> Reason:
+    """``d`` in plain words: the :class:`Reason` a record carries."""
+    who = f"session {d.session}" if d.session is not None else "this request"
+    text = _lost(d, who) if d.code in (EVICTED, CLEARED, RELOADED) else _words(d, who)
+    if d.shortfall:
+        text += (f"; this model's memory cannot be cut there, so a checkpoint {d.shortfall} "
+                 "tokens earlier was restored")
+    return Reason(d.code, text, d.divergence)
 
 
-def find_divergence(cached: Sequence[Any], new: Sequence[Any], ends: Sequence[int],
-                    roles: Sequence[str]) -> Divergence | None:
-    """The first position where ``new`` differs from ``cached`` (None if it extends it)."""
-    n = common_prefix(cached, new)
-    if n >= len(cached) or n >= len(new):
-        return None
-    message = min(bisect.bisect_right(ends, n), len(roles) - 1)  # ends are exclusive
-    lo = max(n - WINDOW, 0)
-    return Divergence(n, message, roles[message] if roles else "?",
-                      tuple(cached[lo : n + WINDOW]), tuple(new[lo : n + WINDOW]), lo)
-
-
-def explain(
-    *,
-    session: str | None,
-    trace: Whereabouts | None,
-    own: Cached | None,
-    tokens: Sequence[Any],
-    hashes: Sequence[str],
-    ends: Sequence[int],
-    roles: Sequence[str],
-    reuse: int,
-    wanted: int,
-    donor_session: str | None,
-    dropped: int,
-    can_trim: bool,
-    cache: str = "imc",
-    restored: Restored | None = None,
-    kept_from: str | None = None,
-    still_parked: bool = False,
-) -> Reason:
-    """The reason for a request placed with ``reuse`` tokens of KV kept.
-
-    ``own`` is the session's slot if it still holds the conversation; ``trace`` what
-    happened to that slot; ``wanted`` what the placement would have kept on memory that can
-    be cut anywhere (``reuse`` is less when a checkpoint had to be restored further back).
-    ``restored`` is the parked conversation put back into the slot first, if any;
-    ``kept_from`` whose conversation the slot held when the prompt keeps its start in place;
-    ``still_parked``: the session's conversation is parked, but could not serve this prompt.
-    """
-    who = f"session {session}" if session is not None else "this request"
-    if cache != "imc":
-        return Reason(UNCACHED, f"cache mode {cache}: conversations are not kept between "
-                                "requests")
-    copied = (f"; its first {reuse} tokens were copied from {donor_session}'s slot"
-              if donor_session is not None and reuse else "")
-    if dropped:
-        div = find_divergence(own.tokens, tokens, ends, roles) if own is not None else None
-        oldest = ("the oldest message was" if dropped == 1
-                  else f"the {dropped} oldest messages were")
-        return Reason(OVERFLOW, f"the conversation outgrew its slot: {oldest} dropped, so the "
-                                f"cache matched only up to where they were{copied}", div)
-    if restored is not None:
-        return _restored(who, session, trace, restored, tokens, ends, roles, reuse, wanted,
-                         can_trim)
-    if trace is not None and trace.first is not None and tuple(hashes[:1]) != (trace.first,):
-        trace = None  # a new conversation: what became of the old one does not explain it
-    lost = _lost(who, trace, own is None, copied, still_parked)
-    if lost is not None:
-        return lost
-    if own is None:
-        return _not_cached(who, reuse, donor_session, kept_from)
-    div = _branch(own, tokens, ends, roles)
-    if donor_session is not None:  # the own slot lost to another's (it served less)
-        what = (f"{who}'s own slot served less of this prompt than {donor_session}'s, so "
-                f"its first {reuse} tokens were copied from there")
-        code, text = COPIED, what
-        if div is not None:
-            text = (f"{what} (its own slot leaves the prompt in message {div.message} "
-                    f"({div.role}), token {div.position})")
-    elif div is None:
-        code, text = CONTINUED, f"everything cached for {who} was reused"
-    else:
-        code, text = _what_changed(div, own.hashes, hashes)
-    if not can_trim and reuse < wanted:
-        return Reason(CHECKPOINT, text + _checkpoint_note(reuse, wanted), div)
-    return Reason(code, text, div)
-
-
-def _lost(who: str, trace: Whereabouts | None, gone: bool, copied: str,
-          still_parked: bool) -> Reason | None:
-    """The reason when the session's conversation left its slot (None: it did not).
-
-    ``gone``: the slot no longer holds it; ``copied`` the words on a donor's copy, if any.
-    """
-    if trace is None:
-        return None
-    if trace.fate in (EVICTED, PARKED):
-        parked = ""
-        if trace.fate == PARKED:
-            parked = (" and its conversation parked, but the parked state could not serve "
-                      "this prompt" if still_parked else " and its conversation parked, but "
-                      "the parked copy was gone (over the parking budget, or unreadable)")
-        return Reason(EVICTED, f"{who}'s slot was taken by {_whose(trace.by_session)} request "
-                               f"#{trace.by_request}{parked}, so its conversation was read "
-                               f"again{copied}")
-    if trace.fate == CLEARED:
-        return Reason(CLEARED, f"{who}'s slot was cleared by the user, so its conversation "
-                               f"was read again{copied}")
-    if gone and trace.fate == RELOADED:
-        return Reason(RELOADED, f"the engine was loaded again since {who}'s last turn: its "
-                                f"cache started empty, so the conversation was read again"
-                                f"{copied}")
-    return None
-
-
-def _not_cached(who: str, reuse: int, donor_session: str | None,
-                kept_from: str | None) -> Reason:
-    """The reason for a request nothing of which was cached for it."""
-    if donor_session is not None and reuse:
-        return Reason(COPIED, f"{who} was not cached; its first {reuse} tokens (the "
-                              f"shared start) were copied from {donor_session}'s slot")
-    if reuse:  # the start it shares with the conversation the slot held, kept in place
-        held = f"{kept_from}'s conversation" if kept_from else "another conversation"
-        return Reason(SHARED, f"{who} was not cached; the slot it got held {held}, whose "
-                              f"first {reuse} tokens it shares, so those were kept")
-    return Reason(FIRST, f"nothing of {who} was cached")
-
-
-def _what_changed(div: Divergence, own_hashes: Sequence[str],
-                  hashes: Sequence[str]) -> tuple[str, str]:
-    """(code, words) for where a prompt leaves its own slot's conversation."""
+def _words(d: Decision, who: str) -> str:
+    code, div, copied = d.basis or d.code, d.divergence, _copied(d)
+    if code == UNCACHED:
+        return f"cache mode {d.cache}: conversations are not kept between requests"
+    if code == OVERFLOW:
+        oldest = ("the oldest message was" if d.dropped == 1
+                  else f"the {d.dropped} oldest messages were")
+        return (f"the conversation outgrew its slot: {oldest} dropped, so the cache matched "
+                f"only up to where they were{copied}")
+    if code == RESTORED:
+        return _restored(d, who)
+    if code == COPIED and not d.own:
+        return (f"{who} was not cached; its first {d.reuse} tokens (the shared start) were "
+                f"copied from {d.donor}'s slot")
+    if code == COPIED:
+        what = (f"{who}'s own slot served less of this prompt than {d.donor}'s, so its first "
+                f"{d.reuse} tokens were copied from there")
+        return what if div is None else (f"{what} (its own slot leaves the prompt in message "
+                                         f"{div.message} ({div.role}), token {div.position})")
+    if code == SHARED:
+        held = f"{d.kept_from}'s conversation" if d.kept_from else "another conversation"
+        return (f"{who} was not cached; the slot it got held {held}, whose first {d.reuse} "
+                f"tokens it shares, so those were kept")
+    if code == FIRST:
+        return f"nothing of {who} was cached"
+    if code == CONTINUED or div is None:
+        return f"everything cached for {who} was reused"
     k = div.message
-    same_messages = k < len(own_hashes) and k < len(hashes) and own_hashes[k] == hashes[k]
-    if same_messages or k >= len(own_hashes):
-        return TEMPLATE_DRIFT, (f"the same messages rendered to different tokens in message "
-                                f"{k} ({div.role}), token {div.position}")
-    if _unit_is_media(div.new[div.position - div.start]) or (
-            div.position - div.start < len(div.cached)
-            and _unit_is_media(div.cached[div.position - div.start])):
-        return IMAGE_CHANGED, f"a different image in message {k} ({div.role}), token {div.position}"
-    if k == 0 and div.role == "system":
-        return SYSTEM_CHANGED, f"the system prompt changed at token {div.position}"
-    return EDITED, (f"kept {counted(k, 'message')}, re-read from message {k} ({div.role}, "
-                    f"edited) at token {div.position}")
+    if code == TEMPLATE_DRIFT:
+        return (f"the same messages rendered to different tokens in message {k} ({div.role}), "
+                f"token {div.position}")
+    if code == IMAGE_CHANGED:
+        return f"a different image in message {k} ({div.role}), token {div.position}"
+    if code == SYSTEM_CHANGED:
+        return f"the system prompt changed at token {div.position}"
+    return (f"kept {counted(k, 'message')}, re-read from message {k} ({div.role}, edited) at "
+            f"token {div.position}")
 
 
-def _checkpoint_note(reuse: int, wanted: int) -> str:
-    return (f"; this model's memory cannot be cut there, so a checkpoint {wanted - reuse} "
-            "tokens earlier was restored")
+def _copied(d: Decision) -> str:
+    return (f"; its first {d.reuse} tokens were copied from {d.donor}'s slot"
+            if d.donor is not None else "")
 
 
-def _branch(cached: Cached, tokens: Sequence[Any], ends: Sequence[int],
-            roles: Sequence[str]) -> Divergence | None:
-    """Where the prompt leaves ``cached``; None where it only extends it."""
-    div = find_divergence(cached.tokens, tokens, ends, roles)
-    tail = max(len(cached.tokens) - cached.msg_ends[-1], 0) if cached.msg_ends else 0
-    if div is not None and div.position >= len(cached.tokens) - tail:
-        return None  # the previous reply re-tokenized differently: not a branch
-    return div
+def _lost(d: Decision, who: str) -> str:
+    """The words when the session's conversation left its slot: evicted, cleared, reloaded."""
+    copied, trace = _copied(d), d.trace
+    if d.code == EVICTED and trace is not None:
+        parked = ""
+        if d.parked == "still":
+            parked = (" and its conversation parked, but the parked state could not serve "
+                      "this prompt")
+        elif d.parked:
+            parked = (" and its conversation parked, but the parked copy was gone (over the "
+                      "parking budget, or unreadable)")
+        return (f"{who}'s slot was taken by {_whose(trace.by_session)} request "
+                f"#{trace.by_request}{parked}, so its conversation was read again{copied}")
+    if d.code == CLEARED:
+        return (f"{who}'s slot was cleared by the user, so its conversation was read "
+                f"again{copied}")
+    return (f"the engine was loaded again since {who}'s last turn: its cache started empty, "
+            f"so the conversation was read again{copied}")
 
 
-def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Restored,
-              tokens: Sequence[Any], ends: Sequence[int], roles: Sequence[str], reuse: int,
-              wanted: int, can_trim: bool) -> Reason:
+def _restored(d: Decision, who: str) -> str:
     """``alice's conversation was parked when bob's request #5 took slot 0; restored ...``."""
+    r, reuse, trace = d.restored, d.reuse, d.trace
+    assert r is not None
     where = tier_words(r.tier)
-    if session is None or r.session != session:
+    if not d.own:
         owner = f"{r.session}'s" if r.session is not None else "a"
-        return Reason(RESTORED, f"{who} was not cached; {reuse:,} tokens of {owner} parked "
-                                f"conversation were restored from {where}")
+        return (f"{who} was not cached; {reuse:,} tokens of {owner} parked conversation were "
+                f"restored from {where}")
     total = len(r.cached.tokens)
     amount = f"its {reuse:,} tokens" if reuse == total else f"{reuse:,} of its {total:,} tokens"
     when = ""
-    if trace is not None and trace.fate == PARKED:
+    if trace is not None:
         slot = f"slot {trace.slot}" if trace.slot is not None else "its slot"
         when = f" when {_whose(trace.by_session)} request #{trace.by_request} took {slot}"
     text = f"{who}'s conversation was parked{when}; restored {amount} from {where}"
@@ -268,12 +214,10 @@ def _restored(who: str, session: str | None, trace: Whereabouts | None, r: Resto
         text = (f"{who}'s conversation was parked{when}, but its state from {where} could not "
                 f"be cut back to where this prompt leaves it (no checkpoint before that "
                 f"point), so it was read again")
-    div = _branch(r.cached, tokens, ends, roles)
+    div = d.divergence
     if div is not None:
         text += f", then read on from message {div.message} ({div.role}), token {div.position}"
-    if not can_trim and reuse < wanted:
-        text += _checkpoint_note(reuse, wanted)
-    return Reason(RESTORED, text, div)
+    return text
 
 
 @dataclass(frozen=True)

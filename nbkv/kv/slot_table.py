@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.events import RequestRecord, Segment
 from nbkv.core.messages import prefix_hashes
-from nbkv.kv import policy, reasons
+from nbkv.kv import admission, policy, reasons
 from nbkv.kv.conversation import Conversation, HoldsConversation
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt
@@ -227,15 +227,15 @@ class SlotTable(Generic[S]):
                cache: str = "imc", restored: reasons.Restored | None = None,
                kept_from: str | None = None, still_parked: bool = False) -> reasons.Reason:
         """Why ``request`` reuses ``reuse`` positions; keeps the comparison for explain()."""
-        cached = (reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None
-                  else None)
-        why = reasons.explain(
-            session=session, trace=self.whereabouts.get(session) if session is not None
-            else None, own=cached, tokens=prompt.tokens, hashes=prompt.hashes,
-            ends=prompt.ends, roles=[m["role"] for m in prompt.messages], reuse=reuse,
-            wanted=wanted, donor_session=donor_session, dropped=prompt.dropped,
-            can_trim=can_trim, cache=cache, restored=restored, kept_from=kept_from,
-            still_parked=still_parked)
+        story = admission.Story(
+            session, prompt.tokens, prompt.hashes, prompt.ends,
+            [m["role"] for m in prompt.messages], prompt.dropped,
+            self.whereabouts.get(session) if session is not None else None,
+            reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None else None,
+            cache, kept_from, still_parked)
+        why = reasons.words(admission.decide(story, reuse=reuse, wanted=wanted,
+                                             donor_session=donor_session, can_trim=can_trim,
+                                             restored=restored))
         if restored is not None:
             source = restored.cached.tokens
         self.compare(request, own.tokens if own is not None else source, prompt.tokens)
