@@ -26,6 +26,7 @@ from typing import NamedTuple
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 
+
 class _Reader:
     """Reads a GGUF header from a memory map, from its start (``pos``: bytes read so far)."""
 
