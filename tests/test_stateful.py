@@ -159,6 +159,7 @@ class Conv:
     prompt: tuple = ()  # the tokens of its last finished request's prompt
     excused: str = ""  # why it may be missing: an announced eviction, a clear
     turns: int = 0
+    holders: frozenset = frozenset()  # the parked entries (keys) that held it at the last check
 
 
 @dataclass
@@ -602,8 +603,10 @@ class EngineMachine(RuleBasedStateMachine):
         if not c.prompt:
             return True
         need = len(c.prompt) - self.slack - self.park_slack
-        return any(common_prefix(t, c.prompt) >= need for t in
-                   [s.tokens for s in self.e.slots()] + [i.tokens for i in self.e.parked()])
+        slots, parked = self.e.slots(), self.e.parked()
+        # the parked entries that hold it: an announced eviction of one excuses it too
+        c.holders = frozenset(i.key for i in parked if common_prefix(i.tokens, c.prompt) >= need)
+        return bool(c.holders) or any(common_prefix(s.tokens, c.prompt) >= need for s in slots)
 
     def parked_for(self, c):
         need = len(c.prompt) - self.slack - self.park_slack
@@ -611,10 +614,12 @@ class EngineMachine(RuleBasedStateMachine):
 
     def apply_drops(self):
         """Conversations an announced eviction may have named are excused until they
-        return (an unnamed drop names every unnamed conversation)."""
+        return (an unnamed drop names every unnamed conversation), and so are those the
+        evicted entry held (another session's entry that holds their prompt's start)."""
         for d in self.heard[self.applied:]:
             for c in self.convs.values():
-                if c.session == d.session or (d.session is None and c.session is None):
+                if (c.session == d.session or (d.session is None and c.session is None)
+                        or d.key in c.holders):
                     c.excused = c.excused or f"announced: {d.why}"
         self.applied = len(self.heard)
 
