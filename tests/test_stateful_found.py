@@ -353,3 +353,26 @@ def test_a_restored_session_is_parked_when_displaced_though_its_later_one_was_pa
         assert r.record.reused_tokens >= mine.n_tokens - rule.min_chunk - rule.align
         e.settle()
         assert all(v.identical for v in e.verify())
+
+
+def test_a_cut_back_to_a_checkpoint_runs_a_copy_queued_from_its_slot_first():
+    """Found by the long profile (gemma3, sliding window): a shared system prompt copied
+    out of slot 0 waits for the next decode, and in the same admission pass slot 0 is cut
+    back to a checkpoint (a state write into the copy's source). It raised ``KVOrderError``
+    to the caller; the copy now runs first, in the order the admissions were made."""
+    import test_stateful as machine
+
+    pool = machine.Pool("gemma3")
+    m = type("Machine_gemma3", (machine.EngineMachine,), {"pool": pool})()
+    try:
+        m.start(config=(2, None, False, None))
+        m.park_all()
+        m.new_conversation(n=2, named=False, q="And memory?", shared=True)
+        m.park_all()
+        m.cancel_halfway(after=0, i=0, q="What is a CPU?")
+        m.several_in_one_pass(n=2, picks=[0, 0], q="What is a CPU?")  # raised KVOrderError
+        m.nothing_silently_lost()
+        m.the_views_agree()
+    finally:
+        m.teardown()
+        pool.shutdown()

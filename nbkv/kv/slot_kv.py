@@ -325,6 +325,8 @@ class SlotKV:
                 log.debug("seq %d: no exact way back to %d tokens; clearing", self.seq_id, n)
                 self.clear()
                 return 0
+            if self.copy_queued and self.memory.can_trim:  # a copy admitted before this cut
+                self.run_queued_copy()  # runs first, in order (its throwaway row is cut again)
             self.ctx.state_set(self.seq_id, cp.data, partial=True)
             if not self.ctx.try_seq_rm(self.seq_id, cp.pos, -1):
                 self.clear()
