@@ -166,21 +166,12 @@ def _scan_file(path: str, size: int, mtime_ns: int) -> _Scan:
     return _Scan(meta, f"{size}:{digest}", end)
 
 
-def read_metadata(path: str | os.PathLike, max_array: int = 4096) -> dict[str, object]:
+def read_metadata(path: str | os.PathLike) -> dict[str, object]:
     """The metadata of a GGUF file: scalars, strings, and numeric arrays.
 
-    Arrays of more than ``max_array`` items and string arrays (the vocabulary) are skipped.
+    Arrays of more than 4,096 items and string arrays (the vocabulary) are skipped.
     """
-    if max_array == 4096:
-        return dict(_scan(path).meta)
-    out: dict[str, object] = {}
-    with _reader(path) as r:
-        for _ in range(r.header(path)[1]):
-            key = r.read(r.u64()).decode("utf-8", errors="replace")
-            v = r.value(r.u32(), max_array)
-            if v is not None:
-                out[key] = v
-    return out
+    return dict(_scan(path).meta)
 
 
 def gguf_fingerprint(path: str | os.PathLike) -> str:
