@@ -420,6 +420,21 @@ def test_a_copy_must_serve_clearly_more_than_the_own_slot_in_place():
         assert plan.served == (152 + extra if copied else 152)
 
 
+def test_a_rerun_of_an_unnamed_prompt_is_served_in_the_slot_that_holds_it_whole():
+    """A cell run again sends the prompt its slot holds (plus the reply): the cap that keeps
+    its last token for logits must not make that slot look cut short. Found by the stateful
+    test's long profile: the rerun went to the old branch's slot (31 of 44 tokens) because
+    the slot holding all 44 was judged a copy, which has no margin over serving in place."""
+    old = slot_with(1, conv("sys", "q1"), SYS + [1, 2, 3] + [5, 5], [150, 153], last_used=1)
+    msgs = conv("sys", "q1 edited")
+    prompt = SYS + [1, 2, 4]
+    held = slot_with(2, msgs, prompt + [6, 6], [150, 153], last_used=2)
+    plan = policy.select([FakeSlot(0, SYS + [8] * 9, session="c", last_used=3), old, held],
+                         prompt, prefix_hashes(msgs), min_tokens=20)
+    assert plan.slot == 2 and plan.donor is None and plan.reuse == len(prompt) - 1
+    assert plan.evicted is None
+
+
 def test_a_reply_start_that_merges_keeps_the_own_slot_and_its_checkpoint():
     """Hybrid memory: the reply's first newline merges with the template's last token, so
     the prompt leaves the own slot one token before its old prompt's end although the

@@ -57,7 +57,7 @@ from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import reasons
 from nbkv.kv.policy import common_prefix
 from nbkv.kv.reach import SWA, SWA_CELLS
-from nbkv.store import park_disk
+from nbkv.store import park_disk, parking
 
 N_CTX = 512
 MAX_CONVS = 6
@@ -160,6 +160,7 @@ class Conv:
     excused: str = ""  # why it may be missing: an announced eviction, a clear
     turns: int = 0
     holders: frozenset = frozenset()  # the parked entries (keys) that held it at the last check
+    slot_holders: frozenset = frozenset()  # the sessions whose slots held it then
 
 
 @dataclass
@@ -310,6 +311,10 @@ class EngineMachine(RuleBasedStateMachine):
         """Send ``(conv, messages)`` pairs (in one pass if asked); check and record each."""
         prompts = [tuple(self.e.tokenize_prompt(m)) for _, m in pairs]
         kept = [self.own_held(c, p) for (c, _), p in zip(pairs, prompts)]
+        # who held each other conversation at the last check: a request of their session
+        # may replace their conversation (an edit), and what it held only incidentally goes
+        before = {x.name: x.holders | {"-" if s is None else s for s in x.slot_holders}
+                  for x in self.convs.values()}
         if one_pass:
             with self.e.hold_admission():
                 streams = self.e.chat_many([m for _, m in pairs], [c.session for c, _ in pairs],
@@ -329,6 +334,11 @@ class EngineMachine(RuleBasedStateMachine):
             c.messages = [*msgs, r.message]
             c.prompt, c.excused, c.turns = p, "", c.turns + 1
         self.verify({r.record.slot for r in results})
+        served = {c.session for c, _ in pairs if c.session is not None}
+        for x in self.convs.values():
+            owners = {h.rsplit("#", 1)[0] for h in before[x.name]}
+            if owners and owners <= served and not x.excused and not self.held(x):
+                x.excused = f"held only by {sorted(owners)}'s conversation, which they replaced"
         return results
 
     def check_record(self, rec, c, prompt, kept, alone):
@@ -606,7 +616,9 @@ class EngineMachine(RuleBasedStateMachine):
         slots, parked = self.e.slots(), self.e.parked()
         # the parked entries that hold it: an announced eviction of one excuses it too
         c.holders = frozenset(i.key for i in parked if common_prefix(i.tokens, c.prompt) >= need)
-        return bool(c.holders) or any(common_prefix(s.tokens, c.prompt) >= need for s in slots)
+        c.slot_holders = frozenset(
+            s.session for s in slots if common_prefix(s.tokens, c.prompt) >= need)
+        return bool(c.holders) or bool(c.slot_holders)
 
     def parked_for(self, c):
         need = len(c.prompt) - self.slack - self.park_slack
@@ -615,11 +627,12 @@ class EngineMachine(RuleBasedStateMachine):
     def apply_drops(self):
         """Conversations an announced eviction may have named are excused until they
         return (an unnamed drop names every unnamed conversation), and so are those the
-        evicted entry held (another session's entry that holds their prompt's start)."""
+        evicted entry held: another session's entry that holds their prompt's start, or the
+        entry a slot that held it became when it was parked (named by that slot's session)."""
         for d in self.heard[self.applied:]:
             for c in self.convs.values():
                 if (c.session == d.session or (d.session is None and c.session is None)
-                        or d.key in c.holders):
+                        or d.key in c.holders or d.session in c.slot_holders):
                     c.excused = c.excused or f"announced: {d.why}"
         self.applied = len(self.heard)
 
@@ -644,7 +657,9 @@ class EngineMachine(RuleBasedStateMachine):
         tiers = [i.tier for i in parked]
         assert (st_["parked_ram_entries"], st_["parked_disk_entries"]) == (
             tiers.count("ram"), tiers.count("disk"))
-        assert st_["parked_ram_bytes"] <= self.e.parking.ram_bytes
+        # entries being written to disk stay in RAM until written (a park never waits)
+        assert st_["parked_ram_bytes"] - st_["parked_writing_bytes"] <= self.e.parking.ram_bytes
+        assert self.e.parking.stats()["writing"] <= parking.SPILL_QUEUE + 1
         assert st_["parking_drops"] - self.drops_at_open == len(self.heard)
         assert all(i.n_tokens > 0 for i in parked)
         for s in self.e.slots():

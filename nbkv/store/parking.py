@@ -6,6 +6,9 @@ starts with its tokens restores it into a slot (:func:`nbkv.kv.policy.select` we
 against the slots) and reads only the rest.
 
 - RAM: ``ram_bytes`` of states, least recently used entries leave first, counted in bytes.
+  An entry leaving for disk stays in RAM, served from there, until the writer thread has
+  written it, so that a park never waits for the disk: RAM can pass its budget by those
+  entries (``writing_bytes``; at most ``SPILL_QUEUE + 1`` entries), never by more.
 - Disk (optional ``disk_dir``): entries that leave RAM spill there, in the save format
   (:mod:`nbkv.store.park_disk`), within their own byte budget; else they are dropped.
 
@@ -424,6 +427,7 @@ class ParkingLot:
                 "disk_gone": disk.gone if disk is not None else None,
                 "ram_bytes": self.ram_used,
                 "writing": len(self._writing),  # in RAM, being written to disk
+                "writing_bytes": sum(e.nbytes for e in self._writing.values()),
                 "disk_bytes": disk.used if disk is not None else 0,
                 "ram_budget": self.ram_bytes,
                 "disk_budget": disk.budget if disk is not None else 0,
@@ -491,4 +495,5 @@ def parking_stats(lot: ParkingLot | None) -> dict[str, Any]:
     return {"parks": s["parks"], "restores": s["restores"], "spills": s["spills"],
             "parking_drops": s["drops"], "parked_skipped_corrupt": s["skipped_corrupt"],
             "parked_ram_entries": s["entries"][RAM], "parked_disk_entries": s["entries"][DISK],
-            "parked_ram_bytes": s["ram_bytes"], "parked_disk_bytes": s["disk_bytes"]}
+            "parked_ram_bytes": s["ram_bytes"], "parked_writing_bytes": s["writing_bytes"],
+            "parked_disk_bytes": s["disk_bytes"]}

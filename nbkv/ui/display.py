@@ -466,6 +466,7 @@ PARKING_STATS = {
     "parked_skipped_corrupt": f"{_PARKED} entries skipped (corrupt or from another engine)",
     "parked_ram_entries": f"{_PARKED} now in {vocab.tier_words('ram')}",
     "parked_ram_bytes": f"{_PARKED} bytes in {vocab.tier_words('ram')}",
+    "parked_writing_bytes": f"of which being written to {vocab.tier_words('disk')}",
     "parked_disk_entries": f"{_PARKED} now on {vocab.tier_words('disk')}",
     "parked_disk_bytes": f"{_PARKED} bytes on {vocab.tier_words('disk')}",
 }
