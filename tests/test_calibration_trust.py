@@ -150,7 +150,7 @@ def test_background_with_the_rule_cached_is_exact_from_the_first_request(model_p
                                                                          off, monkeypatch):
     """Nothing left to prove: the load adopts the stored rule before it returns (no race)."""
     monkeypatch.setenv("NBKV_CACHE_DIR", str(proven["dir"]))
-    monkeypatch.delenv("NBKV_CALIBRATION")
+    monkeypatch.delenv("NBKV_CALIBRATION", raising=False)
     with Engine(model_path, **KW) as e:
         assert e.scheduler.proof is None and e.wait_proven(0)
         assert e.prefill_rule == proven["rule"]
