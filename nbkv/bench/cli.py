@@ -21,10 +21,7 @@ Variants:
 
 ``decode`` (generation speed, the rewrite's cost) and ``families`` (prefill against the
 minimum on every memory class, with ``nbkv.fixtures.make_text_model``'s tiny models) measure
-the engine's design; the others measure the caches against their alternatives. Every engine
-is measured proven: a model never calibrated is calibrated during its load
-(``NBKV_CALIBRATION=cached`` unless set), except in ``realistic-load``, which measures the
-first load itself with nbkv's default (proving in the background) and with ``cached``.
+the engine's design; the others measure the caches against their alternatives.
 """
 
 from __future__ import annotations
@@ -82,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer turns (a smoke run)")
     ap.add_argument("--out", default="bench-results.json", help="where to write the JSON")
     args = ap.parse_args(argv)
-    os.environ.setdefault("NBKV_CALIBRATION", "cached")  # proven engines (see above)
+    # engines measured proven: a model never seen is calibrated during its load, not in the
+    # background (realistic-load asks for each way itself: it measures that first load)
+    os.environ.setdefault("NBKV_CALIBRATION", "cached")
     path = str(args.model or default_model_path())
     report: dict[str, Any] = {"model": path, "max_tokens": MAX_TOKENS, "run": run_facts(argv)}
     for name in args.scenario or list(SCENARIOS):
