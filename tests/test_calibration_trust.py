@@ -54,13 +54,16 @@ def proven(model_path, tmp_path_factory):
         assert e.settings.exactness.calibration == "background"
         e.subscribe(events.append)
         unproven = e.prefill_rule
-        first = e.chat([{"role": "user", "content": ASKS[0]}], max_tokens=8, temperature=0)
+        asked = [{"role": "user", "content": ASKS[0]}]
+        first = e.chat(asked, session="p", max_tokens=8, temperature=0)
         assert e.wait_proven(900)
         emptied = [len(s.tokens) for s in e.slots()]
         rule = e.prefill_rule
         later = turns(e)
+        again = e.chat([*asked, first.message, {"role": "user", "content": ASKS[1]}],
+                       session="p", max_tokens=1, temperature=0).record  # its next turn
     yield {"dir": d, "unproven": unproven, "first": first, "emptied": emptied,
-           "rule": rule, "later": later, "events": events}
+           "rule": rule, "later": later, "events": events, "again": again}
     mp.undo()
 
 
@@ -72,6 +75,9 @@ def test_background_serves_at_once_unproven_then_exact(proven, off):
             and e.reason.startswith("nbkv proved")]
     assert len(said) == 1 and proven["rule"].describe() in said[0]
     assert proven["emptied"] == [0]  # the KV grouped by the unproven rule: gone
+    # ... and the next turn of the conversation it held says why it was read again
+    assert proven["again"].reason == "proven" and proven["again"].exact
+    assert "proved this model's exact grouping" in proven["again"].reason_text
     assert [t for t, _ in proven["later"]] == off
     assert all(exact for _, exact in proven["later"])
     assert (proven["dir"] / FILE).is_file()  # stored, signed: the next load measures nothing

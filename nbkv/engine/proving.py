@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from nbkv.core.codes import PROVEN
 from nbkv.core.events import SlotsChanged
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
@@ -118,6 +119,8 @@ def forget(proof: BackgroundProof, table: Any, spc: Any, parking: Any, shadow: A
     The slots, the shadow sequence, the system-prompt store, and the parked entries that
     are not as they were when the proof began. Returns how many parked entries went.
     """
+    with table.lock:  # the next turn of each says why its conversation was read again
+        table.cleared(list(table), PROVEN)
     for slot in table:
         table.reset(slot)
     if shadow is not None:
