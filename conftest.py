@@ -1,14 +1,22 @@
-"""Notebook runs (nbval) for the whole repository: as JupyterLab's "Run All", twice.
+"""Notebook runs (nbval) for the whole repository, as JupyterLab's "Run All", twice; calibration.
 
 Loaded by pytest for every path in the repository (``pytest notebooks/02_how_imc_works.ipynb``
 as well as ``make test``); the tests' own fixtures and helpers are in ``tests/conftest.py``
 (a script run from the repository's root that imports ``conftest`` gets this one: run it
-from ``tests/``).
+from ``tests/``). It also sets the calibration every engine of a test run uses (below).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Every engine the tests and the notebooks' kernels load calibrates a model it has never seen
+# during the load (``calibration="cached"``), so that exactness is read from the first reply;
+# by default an engine would serve at once and prove in the background. Set before any engine
+# loads; kernels and subprocesses inherit it. Tests of the default unset it (monkeypatch).
+os.environ["NBKV_CALIBRATION"] = "cached"
 
 
 def pytest_collection_modifyitems(config, items):

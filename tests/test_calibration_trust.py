@@ -1,8 +1,10 @@
 """A calibration is trusted only where it was proven: background proving, and forged entries.
 
-``calibration="background"`` serves at once with records ``exact=False`` and proves the rule
-on its own thread; a forged (edited) cached entry is measured again, so no reply that differs
-from cache-off is ever marked exact. The embedded model, in a calibration cache of its own.
+``calibration="background"`` (the default; the test run sets ``$NBKV_CALIBRATION``, which these
+tests unset) serves at once with records ``exact=False`` and proves the rule on its own
+thread, and with the rule cached it is exact from the first request; a forged (edited)
+cached entry is measured again, so no reply that differs from cache-off is ever marked
+exact. The embedded model, in a calibration cache of its own.
 """
 
 from __future__ import annotations
@@ -41,21 +43,27 @@ def off(model_path):
 
 @pytest.fixture(scope="module")
 def proven(model_path, tmp_path_factory):
-    """An engine that found nothing cached: a reply while it proves, then three after."""
+    """An engine with the default settings that found nothing cached: a reply while it
+    proves, then three after."""
     d = tmp_path_factory.mktemp("calibration")
     mp = pytest.MonkeyPatch()
     mp.setenv("NBKV_CACHE_DIR", str(d))
+    mp.delenv("NBKV_CALIBRATION", raising=False)  # the default, not the test run's
     events = []
-    with Engine(model_path, calibration="background", **KW) as e:
+    with Engine(model_path, **KW) as e:
+        assert e.settings.exactness.calibration == "background"
         e.subscribe(events.append)
         unproven = e.prefill_rule
-        first = e.chat([{"role": "user", "content": ASKS[0]}], max_tokens=8, temperature=0)
+        asked = [{"role": "user", "content": ASKS[0]}]
+        first = e.chat(asked, session="p", max_tokens=8, temperature=0)
         assert e.wait_proven(900)
         emptied = [len(s.tokens) for s in e.slots()]
         rule = e.prefill_rule
         later = turns(e)
+        again = e.chat([*asked, first.message, {"role": "user", "content": ASKS[1]}],
+                       session="p", max_tokens=1, temperature=0).record  # its next turn
     yield {"dir": d, "unproven": unproven, "first": first, "emptied": emptied,
-           "rule": rule, "later": later, "events": events}
+           "rule": rule, "later": later, "events": events, "again": again}
     mp.undo()
 
 
@@ -67,6 +75,9 @@ def test_background_serves_at_once_unproven_then_exact(proven, off):
             and e.reason.startswith("nbkv proved")]
     assert len(said) == 1 and proven["rule"].describe() in said[0]
     assert proven["emptied"] == [0]  # the KV grouped by the unproven rule: gone
+    # ... and the next turn of the conversation it held says why it was read again
+    assert proven["again"].reason == "proven" and proven["again"].exact
+    assert "proved this model's exact grouping" in proven["again"].reason_text
     assert [t for t, _ in proven["later"]] == off
     assert all(exact for _, exact in proven["later"])
     assert (proven["dir"] / FILE).is_file()  # stored, signed: the next load measures nothing
@@ -95,7 +106,7 @@ def test_a_forged_calibration_is_measured_again(model_path, proven, off, monkeyp
                     table=[[k, True] for k, _ in rule["table"]] or [[1, True]])
     path.write_text(json.dumps(data))
     caplog.set_level(logging.WARNING, logger="nbkv")
-    with Engine(model_path, **KW) as e:
+    with Engine(model_path, calibration="cached", **KW) as e:
         assert not e.prefill_rule.single_row and e.prefill_rule == proven["rule"]
         got = turns(e)
     assert "does not match its contents" in caplog.text and "measuring again" in caplog.text
@@ -137,5 +148,46 @@ def test_nothing_grouped_unproven_is_saved_or_spilled_as_proven(model_path, prov
         e.close()
     # the next engine (proven: its calibration cached) adopts nothing from the park folder
     monkeypatch.setenv("NBKV_CACHE_DIR", str(proven["dir"]))
-    with Engine(model_path, park_dir=str(park), **KW) as e2:
+    with Engine(model_path, calibration="background", park_dir=str(park), **KW) as e2:
         assert e2.prefill_rule.exact and e2.parked() == ()
+
+
+def test_background_with_the_rule_cached_is_exact_from_the_first_request(model_path, proven,
+                                                                         off, monkeypatch):
+    """Nothing left to prove: the load adopts the stored rule before it returns (no race)."""
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(proven["dir"]))
+    monkeypatch.delenv("NBKV_CALIBRATION", raising=False)
+    with Engine(model_path, **KW) as e:
+        assert e.scheduler.proof is None and e.wait_proven(0)
+        assert e.prefill_rule == proven["rule"]
+        r = e.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASKS[0]}],
+                   session="s", max_tokens=8, temperature=0)
+    assert r.record.exact is True and r.text == off[0]
+
+
+class _Stub:
+    """Whatever the call asks of it: nothing (adopt's engine parts, which it must not touch)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def __iter__(self):
+        raise AssertionError("the slots were walked: something was forgotten")
+
+
+def test_an_inexact_engine_keeps_its_cache_when_the_proof_lands():
+    """exact=False groups prompts the lean way before and after the proof: nothing to drop."""
+    from pathlib import Path
+
+    from nbkv.engine import proving
+    from nbkv.kv.invariance import PrefillRule
+
+    rule = PrefillRule(4, 2, exact=True)
+    res = _Stub(exact=False, model=_Stub(path=Path("m.gguf"), prefill_rule=None), rule=None)
+    proof = proving.BackgroundProof(res, busy=lambda: False, wake=lambda: None, cache=True)
+    proof.rule = rule
+    said = []
+    got = proving.adopt(proof, res, _Stub(), _Stub(clear=None), None, None,
+                        _Stub(publish=said.append))
+    assert got is rule and res.rule is rule and res.model.prefill_rule is rule
+    assert not proof.pending() and "recomputed" not in said[0].reason

@@ -312,6 +312,7 @@ SAYS = {reasons.UNCACHED: "not kept between requests", reasons.OVERFLOW: "outgre
         reasons.TEMPLATE_DRIFT: "rendered to different tokens",
         reasons.IMAGE_CHANGED: "a different image", reasons.SYSTEM_CHANGED: "system prompt",
         reasons.EVICTED: "slot was taken by", reasons.CLEARED: "cleared by the user",
+        reasons.PROVEN: "proved this model's exact grouping",
         reasons.RELOADED: "loaded again", reasons.CHECKPOINT: "a checkpoint"}
 
 
@@ -336,7 +337,8 @@ def test_the_words_say_the_decided_reason():
         own_t, own_h, own_e = conv()
         own = reasons.Cached(tokens[:rng.randint(0, len(tokens))] + own_t[:2], own_h, own_e)
         trace = reasons.Whereabouts(1, rng.choice([None, reasons.EVICTED, reasons.PARKED,
-                                                   reasons.CLEARED, reasons.RELOADED]),
+                                                   reasons.CLEARED, reasons.PROVEN,
+                                                   reasons.RELOADED]),
                                     who(), 4, rng.choice([None, 0]), rng.choice([None, "a"]))
         rt, rh, re = conv()
         restored = reasons.Restored(who(), "ram", reasons.Cached(tokens[:3] + rt, rh, re))

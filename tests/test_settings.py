@@ -106,3 +106,22 @@ def test_the_settings_go_down_unchanged(model_path):
         assert e.scheduler.placer.settings is e.settings
         assert e.scheduler.decoder.settings is e.settings
         assert (e.n_slots, e.cache, e.exact) == (1, "imc", True) and e.parking is None
+
+
+def test_calibration_defaults_to_background_unless_the_variable_says(monkeypatch):
+    """``$NBKV_CALIBRATION`` is the default when set (read as settings are made), checked."""
+    monkeypatch.delenv("NBKV_CALIBRATION", raising=False)
+    assert ExactnessSettings().calibration == "background"
+    assert EngineSettings.of().exactness.calibration == "background"
+    monkeypatch.setenv("NBKV_CALIBRATION", "cached")
+    assert EngineSettings.of().exactness.calibration == "cached"
+    assert EngineSettings.of(calibration="fresh").exactness.calibration == "fresh"  # given wins
+    assert Settings().engine_kwargs().get("calibration") is None  # the trait unset: not passed
+    s = Settings()
+    s.calibration = "background"
+    assert EngineSettings.of(**s.engine_kwargs()).exactness.calibration == "background"
+    monkeypatch.setenv("NBKV_CALIBRATION", "later")
+    with pytest.raises(InvalidRequestError, match=r"\$NBKV_CALIBRATION must be one of"):
+        EngineSettings.of()
+    table = {f.name: f.metadata["default"] for _, f in described()}
+    assert table["calibration"] == "background"  # the docs' default, whatever the variable

@@ -13,6 +13,9 @@ notebook writes stay out of the repository). Then, before it is saved:
   ``tests/test_lessons.py`` checks: a committed notebook whose cells changed since its
   outputs were made fails the test until ``make notebooks`` runs again.
 
+The kernels calibrate a model they have never seen during its load
+(``NBKV_CALIBRATION=cached`` unless set), so the saved outputs show proven engines.
+
 Usage: ``python tools/notebooks.py [NOTEBOOK ...]`` (default: every ``notebooks/*.ipynb``);
 ``--check`` only says which are stale.
 """
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("notebooks", nargs="*", type=Path)
     ap.add_argument("--check", action="store_true", help="only say which are stale")
     args = ap.parse_args(argv)
+    os.environ.setdefault("NBKV_CALIBRATION", "cached")  # inherited by the kernels
     paths = args.notebooks or sorted(NOTEBOOKS.glob("*.ipynb"))
     v = version()
     if args.check:

@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     hook: Callable[..., Any] = _prof
     threading.setprofile(hook)  # the engine's threads, started below, carry the hook
-    with Engine(n_slots=2, n_ctx=args.n_ctx) as engine:
+    with Engine(n_slots=2, n_ctx=args.n_ctx, calibration="cached") as engine:  # no proof thread
         msgs = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name a colour."}]
         first = engine.chat(msgs, session="walk", max_tokens=4)

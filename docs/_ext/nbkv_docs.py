@@ -72,7 +72,7 @@ def engine_options_lines() -> list[str]:
     """The engine's settings as a Markdown table, from their fields (nbkv.core.config)."""
     from nbkv.core.config import described
 
-    rows = [[f"`{f.name}`", f"`{group}`", f"`{f.default!r}`", f.metadata["help"]]
+    rows = [[f"`{f.name}`", f"`{group}`", f"`{f.metadata['default']!r}`", f.metadata["help"]]
             for group, f in described()]
     return _table(["argument", "group", "default", "what it is for"], rows)
 

@@ -26,6 +26,8 @@ SHARED = "shared"
 RELOADED = "reloaded"  # the engine was loaded again since the session's last request
 EVICTED = "evicted"  # another session's request took this session's slot
 CLEARED = "cleared"  # the user cleared the slot
+#: the engine proved its exactness in the background and dropped what it had cached before
+PROVEN = "proven"
 EDITED = "edited"  # an earlier message changed
 SYSTEM_CHANGED = "system-changed"  # the system prompt changed
 TEMPLATE_DRIFT = "template-drift"  # the same messages rendered to different tokens
@@ -37,9 +39,9 @@ RESTORED = "restored"  # a parked conversation was put back into a slot
 REPLAYED = "replayed"  # the same prompt and settings: the cached reply was given again
 
 #: the codes of ``record.reason``; their words are in :data:`nbkv.ui.vocabulary.EVENTS`
-REASONS = (FIRST, CONTINUED, COPIED, SHARED, RELOADED, EVICTED, CLEARED, EDITED, SYSTEM_CHANGED,
-           TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED, RESTORED,
-           REPLAYED)
+REASONS = (FIRST, CONTINUED, COPIED, SHARED, RELOADED, EVICTED, CLEARED, PROVEN, EDITED,
+           SYSTEM_CHANGED, TEMPLATE_DRIFT, IMAGE_CHANGED, OVERFLOW, CHECKPOINT, UNCACHED,
+           RESTORED, REPLAYED)
 #: a conversation's fate (not a reason): its slot was taken and it was parked
 PARKED = "parked"
 

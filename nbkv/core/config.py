@@ -9,8 +9,10 @@ model code.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
+from functools import partial
 from typing import Any, ClassVar
 
 from nbkv.core import validate
@@ -25,26 +27,41 @@ FLASH_ATTN_MODES = ("auto", "on", "off")
 SPLIT_MODE_NAMES = ("none", "layer", "row")
 CACHE_MODES = ("imc", "spc", "off")  # whole conversations, system prompt only, nothing
 OVERFLOW_POLICIES = ("error", "slide")  # raise, or drop the oldest turns
-#: the stored answer for this model and build, or anew, or (none stored) proven while serving
-CALIBRATIONS = ("cached", "fresh", "background")
+#: (none stored) proven while serving, or the stored answer else measured at load, or anew
+CALIBRATIONS = ("background", "cached", "fresh")
 #: when a reply's KV is rewritten as a batch in exact mode (nbkv.engine.shadow)
 REWRITE_MODES = ("auto", "mixed", "idle")
 
 
 def setting(default: Any, help: str, *, choices: tuple[Any, ...] = (), least: int | None = None,
             optional: bool = False, hint: str = "", kind: str = "",
-            trait: str = "", trait_default: Any = MISSING) -> Any:
+            trait: str = "", trait_default: Any = MISSING, env: str = "") -> Any:
     """One engine setting: its default, what it is for and how it is checked.
 
     ``choices``: the values allowed; ``least``: an integer at least this (``optional``: or
     None; ``hint`` says what None means); ``kind``: ``"path"``, ``"directory"``,
     ``"seconds"`` or ``"text"`` (a str or None). ``trait``: its ``%config Nbkv`` name, when
     ``%kvcache load`` offers it (``trait_default``: the trait's default, if not the field's).
+    ``env``: an environment variable that, when set, is the default instead (read each time
+    settings are made, so a notebook may set it before ``%kvcache load``).
     """
     meta = {"help": help, "choices": choices, "least": least, "optional": optional,
-            "hint": hint, "kind": kind, "trait": trait,
+            "hint": hint, "kind": kind, "trait": trait, "default": default, "env": env,
             "trait_default": default if trait_default is MISSING else trait_default}
+    if env:
+        return field(default_factory=partial(env_default, env, default, choices),
+                     metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def env_default(env: str, default: Any, choices: tuple[Any, ...]) -> Any:
+    """``$env`` when set (one of ``choices``, else :class:`InvalidRequestError`), or ``default``."""
+    value = os.environ.get(env, "")
+    if not value:
+        return default
+    if value not in choices:
+        raise InvalidRequestError(f"${env} must be one of {choices}, not {value!r}")
+    return value
 
 
 def check_overflow(overflow: str) -> str:
@@ -297,16 +314,20 @@ class ExactnessSettings(Group):
         "differently (so replies equal plain llama.cpp's only without guesses). Ignored on "
         "hybrid and recurrent models, whose state cannot drop a wrong guess")
     calibration: str = setting(
-        "cached", "`\"cached\"` (default) or `\"fresh\"`: at load, nbkv measures how this model "
-        "and build must group prompt rows for cached KV to equal a fresh prefill "
-        "(`nbkv/kv/calibrate.py`, once per model, llama.cpp build and CPU, with a progress "
-        "bar) and prefills that way; `\"fresh\"` measures again. `\"background\"`: with nothing "
-        "cached the engine serves at once on the lean path, records saying `exact=False` "
-        "(\"not proven yet\"), proves the grouping on a thread of its own in idle time, then "
-        "drops what it cached meanwhile and serves exact (`engine.wait_proven()` waits for "
-        "it). The result is `engine.prefill_rule` (`engine.model.exactness` in words). The "
-        "file (`calibration-v3.json`) is signed with the user's key; an entry edited, copied "
-        "from another user, or holding bad values is measured again", choices=CALIBRATIONS)
+        "background", "how nbkv proves which groupings of prompt rows make cached KV equal a "
+        "fresh prefill on this model, llama.cpp build and CPU (`nbkv/kv/calibrate.py`): the "
+        "result is `engine.prefill_rule` (`engine.model.exactness` in words), stored once "
+        "measured. `\"background\"` (default): with a result stored, exact from the first "
+        "request; with none (a model never seen), the engine serves at once on the lean path, "
+        "records saying `exact=False` (\"not proven yet\"), measures on a thread of its own in "
+        "idle time, then (in exact mode) drops what it cached meanwhile and serves exact "
+        "(`engine.wait_proven()` waits for it). `\"cached\"`: with none stored, measures during "
+        "the load (a progress bar), so every reply can be exact; `\"fresh\"`: measures again "
+        "during the load. `$NBKV_CALIBRATION`, when set, is the default instead (CI, and "
+        "tests that read exactness from the first reply, set `cached`). The file "
+        "(`calibration-v3.json`) is signed with the user's key; an entry edited, copied from "
+        "another user, or holding bad values is measured again",
+        choices=CALIBRATIONS, env="NBKV_CALIBRATION", trait="calibration", trait_default=None)
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,9 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
     (``n_slots=2, cache="spc", park_dir=...``), checked before the model loads; the docs'
     "Engine options" page says what each one is for. ``progress`` says where the
     load's long steps are shown and ``on_load_progress`` is called with the fraction of the
-    model loaded. ``calibration="background"`` serves at once, records saying ``exact=False``
-    until the exactness proof ends in idle time (:meth:`wait_proven`).
+    model loaded. A model never calibrated on this build and CPU serves at once (the default
+    ``calibration="background"``), records saying ``exact=False`` until the exactness proof
+    ends in idle time (:meth:`wait_proven`); ``calibration="cached"`` measures during the load.
 
     Use it as a context manager, or call :meth:`close`; a closed engine spills what its
     slots and parking hold to ``park_dir`` when it has one.
@@ -201,7 +202,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         return rule
 
     def wait_proven(self, timeout: float | None = None) -> bool:
-        """Wait for a background proof (``calibration="background"``) to be adopted.
+        """Wait for a background proof (``calibration="background"``, the default) to be adopted.
 
         True once :attr:`prefill_rule` is final (at once if nothing was left to prove);
         False if ``timeout`` seconds passed first.

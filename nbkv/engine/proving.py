@@ -1,7 +1,7 @@
 """Proving exactness in the background: the engine serves at once, exact once it is proven.
 
-With ``calibration="background"`` and no signed measurement cached for this model, build
-and CPU, the engine loads and serves from its first request with the unproven rule
+With ``calibration="background"`` (the default) and no signed measurement cached for this
+model, build and CPU, the engine loads and serves from its first request with the unproven rule
 (records ``exact=False``, the reason "not proven yet"), while :class:`BackgroundProof`
 measures the rule (:func:`nbkv.kv.calibrate.calibrate`) on a thread of its own, in a
 temporary context of its own: it never touches the engine's context or its sequences, and
@@ -12,7 +12,9 @@ When the measurement ends, the scheduler thread adopts the rule in idle time
 (:func:`adopt`): everything computed before is forgotten (slots, the shadow sequence, the
 system-prompt store, and parked entries written since the proof began), since its KV was
 grouped by the unproven rule; then the rule is swapped and one line is logged. Only replies
-that start after that may say ``exact=True``: no proof is claimed that was not made.
+that start after that may say ``exact=True``: no proof is claimed that was not made. An
+engine with ``exact=False`` groups prompts the lean way before and after: it keeps its cache.
+With a measurement cached, nothing runs here: the load adopts it, exact from the first request.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from nbkv.core.codes import PROVEN
 from nbkv.core.events import SlotsChanged
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
@@ -116,6 +119,8 @@ def forget(proof: BackgroundProof, table: Any, spc: Any, parking: Any, shadow: A
     The slots, the shadow sequence, the system-prompt store, and the parked entries that
     are not as they were when the proof began. Returns how many parked entries went.
     """
+    with table.lock:  # the next turn of each says why its conversation was read again
+        table.cleared(list(table), PROVEN)
     for slot in table:
         table.reset(slot)
     if shadow is not None:
@@ -134,13 +139,15 @@ def adopt(proof: BackgroundProof, res: Any, table: Any, spc: Any, parking: Any,
     """Swap the engine's rule for the proven one (scheduler thread, idle): see the module."""
     rule = proof.rule
     assert rule is not None
-    dropped = forget(proof, table, spc, parking, shadow)
+    # exact=False: the lean grouping either way, so nothing cached was grouped otherwise
+    dropped = forget(proof, table, spc, parking, shadow) if res.exact else 0
     res.rule = rule
     res.model.prefill_rule = rule
     proof.rule = None
     proof.adopted()
     line = (f"nbkv proved {res.model.path.name} in the background in {rule.seconds:.1f} s: "
-            f"{rule.describe()}; what was cached before is recomputed"
+            f"{rule.describe()}" + ("; what was cached before is recomputed" if res.exact
+                                    else "")
             + (f" ({dropped} parked entries dropped)" if dropped else ""))
     log.info("%s", line)
     events.publish(SlotsChanged(line))

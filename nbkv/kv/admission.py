@@ -221,7 +221,7 @@ def decide(s: Story, *, reuse: int, wanted: int, donor_session: str | None = Non
     if trace is not None and trace.fate in (reasons.EVICTED, reasons.PARKED):
         parked = "" if trace.fate != reasons.PARKED else "still" if s.still_parked else "gone"
         return replace(d, code=reasons.EVICTED, trace=trace, parked=parked)
-    if trace is not None and (trace.fate == reasons.CLEARED or (
+    if trace is not None and (trace.fate in (reasons.CLEARED, reasons.PROVEN) or (
             s.own is None and trace.fate == reasons.RELOADED)):
         return replace(d, code=trace.fate)
     if s.own is None:

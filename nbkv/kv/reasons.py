@@ -23,6 +23,7 @@ from nbkv.core.codes import (
     IMAGE_CHANGED,
     OVERFLOW,
     PARKED,
+    PROVEN,
     REASONS,
     RELOADED,
     REPLAYED,
@@ -38,8 +39,9 @@ from nbkv.core.codes import (
 from nbkv.core.events import REUSED, Divergence
 
 __all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
-           "IMAGE_CHANGED", "OVERFLOW", "PARKED", "REASONS", "RELOADED", "REPLAYED", "RESTORED",
-           "SHARED", "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Decision", "Divergence"]
+           "IMAGE_CHANGED", "OVERFLOW", "PARKED", "PROVEN", "REASONS", "RELOADED", "REPLAYED",
+           "RESTORED", "SHARED", "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Decision",
+           "Divergence"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Whereabouts:
     """What the engine remembers of a session: its last request, and its slot's fate since."""
 
     request: int
-    #: EVICTED, CLEARED or RELOADED once the conversation was lost; PARKED when the request
+    #: EVICTED, CLEARED, PROVEN or RELOADED once the conversation was lost; PARKED when the request
     #: that took its slot parked it (:mod:`nbkv.store.parking`)
     fate: str | None = None
     by_session: str | None = None
@@ -123,7 +125,7 @@ def _whose(session: str | None) -> str:
 def words(d: Decision) -> Reason:
     """``d`` in plain words: the :class:`Reason` a record carries."""
     who = f"session {d.session}" if d.session is not None else "this request"
-    text = _lost(d, who) if d.code in (EVICTED, CLEARED, RELOADED) else _words(d, who)
+    text = _lost(d, who) if d.code in (EVICTED, CLEARED, PROVEN, RELOADED) else _words(d, who)
     if d.shortfall:
         text += (f"; this model's memory cannot be cut there, so a checkpoint {d.shortfall} "
                  "tokens earlier was restored")
@@ -175,7 +177,7 @@ def _copied(d: Decision) -> str:
 
 
 def _lost(d: Decision, who: str) -> str:
-    """The words when the session's conversation left its slot: evicted, cleared, reloaded."""
+    """The words when the session's conversation left its slot (evicted, cleared, ...)."""
     copied, trace = _copied(d), d.trace
     if d.code == EVICTED and trace is not None:
         parked = ""
@@ -190,6 +192,10 @@ def _lost(d: Decision, who: str) -> str:
     if d.code == CLEARED:
         return (f"{who}'s slot was cleared by the user, so its conversation was read "
                 f"again{copied}")
+    if d.code == PROVEN:
+        return (f"nbkv proved this model's exact grouping in the background since {who}'s "
+                "last turn, and dropped what it had cached before (grouped the unproven way), "
+                f"so the conversation was read again{copied}")
     return (f"the engine was loaded again since {who}'s last turn: its cache started empty, "
             f"so the conversation was read again{copied}")
 

@@ -295,12 +295,14 @@ class SlotTable(Generic[S]):
         slot.last_used = self.tick()
         slot.used_at = time.time()
 
-    def cleared(self, slots: Iterable[S]) -> None:
-        """Note that the conversations in ``slots`` were cleared by the user (lock held)."""
+    def cleared(self, slots: Iterable[S], fate: str = reasons.CLEARED) -> None:
+        """Note that the conversations in ``slots`` were cleared (lock held).
+
+        By the user, or (``fate=PROVEN``) when the engine's exactness was proven.
+        """
         for s in slots:
             if s.session is not None and s.tokens:
-                self.whereabouts[s.session] = reasons.Whereabouts(s.last_request or 0,
-                                                                  reasons.CLEARED)
+                self.whereabouts[s.session] = reasons.Whereabouts(s.last_request or 0, fate)
 
     def clear_targets(self, slot: int | None) -> list[S]:
         """The slots ``clear(slot)`` empties (lock held): one named slot must be idle."""

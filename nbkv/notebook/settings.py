@@ -19,6 +19,8 @@ def _trait(f: Any) -> TraitType[Any, Any]:
     """The ``%config`` trait mirroring an engine setting (:func:`nbkv.core.config.setting`)."""
     meta = f.metadata
     default, helptext = meta["trait_default"], meta["help"]
+    if meta["choices"] and default is None:  # not set: the engine's default (its variable)
+        return Enum(meta["choices"], None, allow_none=True, help=helptext).tag(config=True)
     if meta["choices"]:
         return Enum(meta["choices"], default, help=helptext).tag(config=True)
     if meta["least"] is not None:
@@ -71,13 +73,15 @@ class Settings(EngineTraits):
         """:class:`~nbkv.Engine` arguments: what was ``given`` (by trait name), else the traits.
 
         The model file is not one (it is :meth:`load`'s first argument); a setting left
-        unset (``""`` or ``None`` where the engine's default is ``None``) is not passed.
+        unset (``""`` or ``None`` where the engine's default is ``None`` or comes from an
+        environment variable) is not passed.
         """
         out: dict[str, Any] = {}
         for name, f in ENGINE_TRAITS.items():
             value = given.get(name)
             value = getattr(self, name) if value is None or value == "" else value
-            if FIELDS[f.name] == "model" or (value in ("", None) and f.default is None):
+            unset = value in ("", None) and (f.metadata["default"] is None or f.metadata["env"])
+            if FIELDS[f.name] == "model" or unset:
                 continue
             out[f.name] = value
         return out

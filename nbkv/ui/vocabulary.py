@@ -53,7 +53,7 @@ _BAR = COLORS["reused"]  # every bar of the salvage chart is "reused": the event
 # one hatch per kind of event, shapes that differ at bar size (dots, one diagonal, a cross,
 # level lines, a grid, upright lines): solid, continued; ``.`` its start came from another
 # conversation (copied, or shared and kept); ``/`` a message changed; ``x`` the cache was
-# lost (evicted, cleared, reloaded); ``-`` not kept (overflow, cache off); ``+`` back to a
+# lost (evicted, cleared, proven, reloaded); ``-`` not kept (overflow, cache off); ``+`` back to a
 # checkpoint; ``|`` the server's own cache
 
 #: how a request was served and why (``record.reason``), one per request
@@ -79,6 +79,10 @@ EVENTS = _table(
          "again", _BAR, "x"),
     Term("cleared", "rebuilt after clear",
          "the slot was cleared (%kvcache clear), so the conversation was read again",
+         _BAR, "x"),
+    Term("proven", "rebuilt after the proof",
+         "nbkv proved this model's exactness in the background and dropped what it had "
+         "cached before (grouped the unproven way), so the conversation was read again",
          _BAR, "x"),
     Term("edited", "edited message",
          "an earlier message changed: everything before it was kept, the rest read again",
