@@ -16,6 +16,7 @@ import pytest
 
 from nbkv import Engine
 from nbkv.core.events import SlotsChanged
+from nbkv.engine import native
 from nbkv.engine.proving import NOT_PROVEN
 from nbkv.kv.calibration_file import FILE
 
@@ -35,6 +36,16 @@ def turns(engine):
     return out
 
 
+QUICK = native.QUICK_PROOF_PARAMS
+
+
+@pytest.fixture(autouse=True)
+def as_a_large_model(monkeypatch):
+    """The embedded model is proven during its load by default (it is small): here it proves
+    in the background, as a model of billions of parameters does."""
+    monkeypatch.setattr(native, "QUICK_PROOF_PARAMS", 0)
+
+
 @pytest.fixture(scope="module")
 def off(model_path):
     with Engine(model_path, cache="off", exact=False, **KW) as e:
@@ -50,7 +61,10 @@ def proven(model_path, tmp_path_factory):
     mp.setenv("NBKV_CACHE_DIR", str(d))
     mp.delenv("NBKV_CALIBRATION", raising=False)  # the default, not the test run's
     events = []
-    with Engine(model_path, **KW) as e:
+    with pytest.MonkeyPatch.context() as quick:
+        quick.setattr(native, "QUICK_PROOF_PARAMS", 0)  # as a model of billions of parameters
+        engine = Engine(model_path, **KW)
+    with engine as e:
         assert e.settings.exactness.calibration == "background"
         e.subscribe(events.append)
         unproven = e.prefill_rule
@@ -152,14 +166,19 @@ def test_nothing_grouped_unproven_is_saved_or_spilled_as_proven(model_path, prov
         assert e2.prefill_rule.exact and e2.parked() == ()
 
 
-def test_background_with_the_rule_cached_is_exact_from_the_first_request(model_path, proven,
-                                                                         off, monkeypatch):
-    """Nothing left to prove: the load adopts the stored rule before it returns (no race)."""
-    monkeypatch.setenv("NBKV_CACHE_DIR", str(proven["dir"]))
+@pytest.mark.parametrize("why", ["stored", "small"])
+def test_background_with_the_rule_cached_is_exact_from_the_first_request(
+        model_path, proven, off, monkeypatch, tmp_path, why):
+    """Nothing left to prove: the load adopts the stored rule before it returns (no race);
+    a small model with nothing stored is measured during its load."""
+    d = proven["dir"] if why == "stored" else tmp_path
+    monkeypatch.setattr(native, "QUICK_PROOF_PARAMS", QUICK)
+    monkeypatch.setenv("NBKV_CACHE_DIR", str(d))
     monkeypatch.delenv("NBKV_CALIBRATION", raising=False)
     with Engine(model_path, **KW) as e:
         assert e.scheduler.proof is None and e.wait_proven(0)
         assert e.prefill_rule == proven["rule"]
+        assert (d / FILE).is_file()
         r = e.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASKS[0]}],
                    session="s", max_tokens=8, temperature=0)
     assert r.record.exact is True and r.text == off[0]

@@ -40,6 +40,10 @@ from nbkv.prompt.templates import CHATML, ChatTemplate
 
 log = logging.getLogger("nbkv")
 
+#: with ``calibration="background"``, a model this small (parameters) is still proven during
+#: its load: the proof takes seconds there, against minutes for a model of billions
+QUICK_PROOF_PARAMS = 400_000_000
+
 
 class Resources:
     """Model, context, batch, memory class, prefill rule and projector of one engine."""
@@ -176,18 +180,23 @@ class Resources:
     def _calibrate(self, mode: str) -> PrefillRule:
         """The model's prefill rule (:mod:`nbkv.kv.calibrate`), checked against ``n_batch``.
 
-        ``mode="background"`` and nothing cached: the unproven rule, and :attr:`proving`
-        says a proof is to run (:meth:`start_proof`, once the scheduler exists).
+        ``mode="background"`` and nothing cached: a model of up to :data:`QUICK_PROOF_PARAMS`
+        parameters is measured now, as ``"cached"`` does (its proof takes seconds, and a proof
+        adopted later would drop what the first cells cached); a larger one gets the unproven
+        rule, and :attr:`proving` says a proof is to run (:meth:`start_proof`, once the
+        scheduler exists).
         """
         shadow = self.shadow_seq is not None
         if mode == "background":
             found = calibrate.known(self.model, n_seq=self.n_slots,
                                     can_trim=self.memory.can_trim, settings=self.settings,
                                     shadow=shadow)
-            if found is None:
+            if found is not None:
+                return self.checked(found)
+            if self.model.n_params > QUICK_PROOF_PARAMS:
                 self.proving = True
                 return PrefillRule(2, 1, exact=False, reason=NOT_PROVEN)
-            return self.checked(found)
+            mode = "cached"
         try:
             rule = calibrate.calibrate(self.model, n_seq=self.n_slots,
                                        can_trim=self.memory.can_trim, settings=self.settings,

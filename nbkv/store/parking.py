@@ -5,10 +5,8 @@ here (:class:`~nbkv.store.parked.ParkedEntry`) instead of losing it; a later pro
 starts with its tokens restores it into a slot (:func:`nbkv.kv.policy.select` weighs it
 against the slots) and reads only the rest.
 
-- RAM: ``ram_bytes`` of states, least recently used entries leave first, counted in bytes.
-  An entry leaving for disk stays in RAM, served from there, until the writer thread has
-  written it, so that a park never waits for the disk: RAM can pass its budget by those
-  entries (``writing_bytes``; at most ``SPILL_QUEUE + 1`` entries), never by more.
+- RAM: ``ram_bytes`` of states, least recently used entries leave first, counted in bytes,
+  plus those being written to disk (``writing_bytes``, at most ``SPILL_QUEUE + 1``).
 - Disk (optional ``disk_dir``): entries that leave RAM spill there, in the save format
   (:mod:`nbkv.store.park_disk`), within their own byte budget; else they are dropped.
 
