@@ -5,8 +5,7 @@ here (:class:`~nbkv.store.parked.ParkedEntry`) instead of losing it; a later pro
 starts with its tokens restores it into a slot (:func:`nbkv.kv.policy.select` weighs it
 against the slots) and reads only the rest.
 
-- RAM: ``ram_bytes`` of states, least recently used entries leave first, counted in bytes,
-  plus those being written to disk (``writing_bytes``, at most ``SPILL_QUEUE + 1``).
+- RAM: ``ram_bytes`` of states, least recently used leave first, plus ``writing_bytes``.
 - Disk (optional ``disk_dir``): entries that leave RAM spill there, in the save format
   (:mod:`nbkv.store.park_disk`), within their own byte budget; else they are dropped.
 
@@ -415,7 +414,11 @@ class ParkingLot:
     # ------------------------------------------------------------------ figures
 
     def stats(self) -> dict[str, Any]:
-        """Parks, restores, spills, drops, corrupt entries skipped, bytes and entries by tier."""
+        """Parks, restores, spills, drops, corrupt entries skipped, bytes and entries by tier.
+
+        ``writing_bytes``: entries in RAM being written to disk (at most ``SPILL_QUEUE + 1``
+        of them), over the RAM budget: a park never waits for the disk.
+        """
         with self._lock:
             disk = self.disk
             return {
