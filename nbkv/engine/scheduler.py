@@ -105,6 +105,8 @@ class Scheduler:
         self.decoder = Decoder(res, settings, spc, self.pace, self.life)
         #: the exactness proof running in the background, if any (nbkv.engine.proving)
         self.proof: BackgroundProof | None = None
+        #: requests ran since the last idle pass that looked for a due garbage collection
+        self.gc_pending = True
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -163,7 +165,7 @@ class Scheduler:
                     or (self.proof is not None and self.proof.ready())
                     or self.rewriter.settling_slot() is not None
                     or self.parker.prepark_slot(busy=False) is not None  # (none queued)
-                    or gc_due() is not None)
+                    or self.gc_pending)
 
     def run_once(self) -> bool:
         """One scheduler iteration; False once the engine is closed (the thread then ends)."""
@@ -188,6 +190,8 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
         self._admit()
+        if self.active or self.queue:
+            self.gc_pending = True
         if self.active:
             if not self._step():  # every active request waits for the vision encoder
                 with self.cv:
@@ -207,9 +211,11 @@ class Scheduler:
             elif (slot := self.parker.prepark_slot(busy=False)) is not None:
                 with counters.part("parking", idle=True):
                     self.parker.prepark(slot)
-            elif (gen := gc_due()) is not None:
-                with counters.part("gc", idle=True):
-                    gc.collect(gen)
+            elif self.gc_pending:  # once an idle period: another thread's allocations are its own
+                self.gc_pending = False
+                if (gen := gc_due()) is not None:
+                    with counters.part("gc", idle=True):
+                        gc.collect(gen)
         return True
 
     def hold(self, on: bool) -> None:
