@@ -7,13 +7,18 @@ what exactness costs. Counts only: no test here times anything.
 
 from __future__ import annotations
 
+import gc
 import math
+import threading
+import time
 
 import pytest
 
 from conftest import SYSTEM, talk
 from nbkv import Engine
 from nbkv.core.counters import KVCounters, RequestCounts
+from nbkv.core.events import SlotRewritten
+from nbkv.engine import scheduler as scheduler_mod
 from nbkv.kv import calibrate, invariance
 from nbkv.kv.invariance import PrefillRule
 
@@ -39,6 +44,50 @@ def test_host_time_excludes_llama_time_and_nested_parts():
     snap = c.snapshot()
     assert snap["host_total_s"] == sum(c.host_s.values()) and snap["bytes_moved"] == 0
     assert snap["idle_host_s"] == c.idle_host_s
+
+
+def test_gc_due_names_the_oldest_generation_half_way_to_its_run():
+    limits, enabled = gc.get_threshold(), gc.isenabled()
+    try:
+        gc.set_threshold(100_000, 10, 10)  # no automatic collection while the test counts
+        gc.collect()
+        assert scheduler_mod.gc_due() is None
+        young = [[] for _ in range(60_000)]  # containers: they count towards generation 0
+        assert scheduler_mod.gc_due() == 0
+        for _ in range(5):  # each collection of generation 1 counts towards generation 2
+            gc.collect(1)
+        assert scheduler_mod.gc_due() == 2 and young
+        gc.set_threshold(0)  # the collector's automatic runs off: nothing is due
+        assert scheduler_mod.gc_due() is None
+        gc.set_threshold(100_000, 10, 10)
+        gc.disable()
+        assert scheduler_mod.gc_due() is None
+    finally:
+        gc.set_threshold(*limits)
+        if enabled:
+            gc.enable()
+
+
+def test_a_due_collection_runs_in_idle_time_counted_apart(monkeypatch, model_path):
+    collected: list[int] = []
+
+    class FakeGC:
+        @staticmethod
+        def collect(gen):
+            collected.append(gen)
+
+    monkeypatch.setattr(scheduler_mod, "gc", FakeGC)
+    monkeypatch.setattr(scheduler_mod, "gc_due", lambda: None if collected else 1)
+    with Engine(model_path, n_slots=1, n_ctx=1024, exact=False, park_ram=0) as e:
+        e.scheduler.wake()
+        for _ in range(200):  # the idle pass runs once the thread looks at its work
+            if collected:
+                break
+            e.scheduler.call(lambda: None)
+            time.sleep(0.01)
+        snap = e.counters()
+    assert collected == [1]
+    assert "gc" in snap["idle_host_s"] and "gc" not in snap["host_s"]
 
 
 def test_the_lean_grouping_takes_whole_batches():
@@ -96,15 +145,22 @@ def test_exact_path_counts(model_path):
     with Engine(model_path, n_slots=1, n_ctx=2048, n_batch=N_BATCH) as e:
         if not e.prefill_rule.exact:
             pytest.skip("no exact grouping on this build")
+        idle_rewrite = threading.Event()
+        e.subscribe(lambda ev: isinstance(ev, SlotRewritten) and ev.tokens > ev.mixed
+                    and idle_rewrite.set())
         msgs: list = []
         first = talk(e, msgs, "What is a CPU?", "a", max_tokens=6).record
         second = talk(e, msgs, "And memory?", "a", max_tokens=6).record
+        rewritten = idle_rewrite.wait(120)  # the last reply's, in idle time
+        e.scheduler.call(lambda: None)  # after the pass that rewrote it
         snap = e.counters()
     for rec in (first, second):
         assert rec.path == "exact" and rec.exact is True
         assert rec.prefill_rows == rec.prefilled_tokens >= rec.new_tokens
         assert rec.prefill_calls >= math.ceil(rec.prefilled_tokens / N_BATCH)
     assert snap["path"] == "exact" and snap["decode_calls"] >= first.decode_calls
+    # a reply rewritten in idle time is idle-time work, apart from the requests' host time
+    assert rewritten and "rewrite" in snap["idle_host_s"] and "rewrite" not in snap["host_s"]
 
 
 def test_no_proven_grouping_takes_the_lean_path(monkeypatch, model_path):

@@ -4,11 +4,15 @@
 ``llama_decode`` adds one call, its rows and the time spent inside llama.cpp; every state read
 or write adds its bytes; every ``seq_cp`` one copy. The engine's parts wrap their host work in
 :meth:`KVCounters.part` ("placement", "parking", "planning", "sampling", "lifecycle",
-"rewrite", "shadow"): the part's wall time less what llama.cpp spent inside it (and less any
-part nested in it) is its *host time*. Work done while no request is queued or running (a
-park's copy made ahead, ``idle=True``) is host time too, but kept apart (``idle_host_s``):
-no request waits for it. :class:`RequestCounts` is one request's share: the
-decodes that carried its rows and the host time and bytes of its own admission and sampling.
+"rewrite", "shadow", "gc"): the part's wall time less what llama.cpp spent inside it (and less
+any part nested in it) is its *host time*. Work done while no request is queued or running (a
+reply's rewrite, a park's copy made ahead, a garbage collection: ``idle=True``) is host time
+too, but kept apart (``idle_host_s``): no request waits for it. The requests' host time is
+also counted as CPU time of the scheduler thread (``host_cpu_s``, less its CPU time inside
+``llama_decode``): the work alone, without the waits a wall clock also sees (another thread
+holding the interpreter's lock, a core the OS gave another process). :class:`RequestCounts` is one
+request's share: the decodes that carried its rows and the host time and bytes of its own
+admission and sampling.
 
 Counts, never timings, are what tests assert; the bench reports the times.
 """
@@ -16,12 +20,10 @@ Counts, never timings, are what tests assert; the bench reports the times.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-PARTS = ("placement", "parking", "planning", "sampling", "lifecycle", "rewrite", "shadow")
+PARTS = ("placement", "parking", "planning", "sampling", "lifecycle", "rewrite", "shadow", "gc")
 
 
 @dataclass
@@ -48,6 +50,7 @@ class KVCounters:
     rows: int = 0  # rows computed by those calls (padding rows included)
     padded_rows: int = 0  # ... of which rows of the scratch sequence (fixed-shape decodes)
     llama_s: float = 0.0  # time spent inside llama_decode
+    llama_cpu_s: float = 0.0  # ... and the CPU time of the thread that called it, inside it
     state_reads: int = 0
     state_writes: int = 0
     bytes_read: int = 0  # state bytes copied from the KV into host RAM
@@ -55,43 +58,31 @@ class KVCounters:
     copies: int = 0  # seq_cp calls: copies inside the KV, no host RAM
     host_s: dict[str, float] = field(default_factory=dict)  # host time by part
     idle_host_s: dict[str, float] = field(default_factory=dict)  # ... of idle-time work
-    _stack: list[list[float]] = field(default_factory=list, repr=False)
+    #: the requests' host time as CPU time of the thread doing it, by part (not idle-time work)
+    host_cpu_s: dict[str, float] = field(default_factory=dict)
+    _stack: list[Part] = field(default_factory=list, repr=False)  # parts now open
 
     @property
     def bytes_moved(self) -> int:
         """State bytes moved between host RAM and the KV, both ways."""
         return self.bytes_read + self.bytes_written
 
-    def decoded(self, rows: int, seconds: float, padded: int = 0) -> None:
-        """One ``llama_decode`` of ``rows`` rows took ``seconds``."""
+    def decoded(self, rows: int, seconds: float, padded: int = 0, cpu: float = 0.0) -> None:
+        """One ``llama_decode`` of ``rows`` rows took ``seconds`` (``cpu`` of its thread's)."""
         self.decode_calls += 1
         self.rows += rows
         self.padded_rows += padded
         self.llama_s += seconds
+        self.llama_cpu_s += cpu
 
-    @contextmanager
     def part(self, name: str, into: RequestCounts | None = None,
-             idle: bool = False) -> Iterator[None]:
+             idle: bool = False) -> Part:
         """Count the host time of the block as ``name`` (and into one request's ``into``).
 
         ``idle``: the block runs while no request is queued or running; its time goes to
         ``idle_host_s`` instead.
         """
-        # [start, llama_s at start, time of the parts nested in this one]
-        frame = [time.perf_counter(), self.llama_s, 0.0]
-        self._stack.append(frame)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-            wall = time.perf_counter() - frame[0]
-            host = max(wall - (self.llama_s - frame[1]) - frame[2], 0.0)
-            total = self.idle_host_s if idle else self.host_s
-            total[name] = total.get(name, 0.0) + host
-            if into is not None:
-                into.add_host(name, host)
-            if self._stack:
-                self._stack[-1][2] += wall - (self.llama_s - frame[1])
+        return Part(self, name, into, idle)
 
     def snapshot(self) -> dict[str, Any]:
         """The counts as a plain dict (host times in seconds, by part)."""
@@ -102,5 +93,53 @@ class KVCounters:
             "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
             "bytes_moved": self.bytes_moved, "copies": self.copies,
             "host_s": dict(self.host_s), "host_total_s": sum(self.host_s.values()),
+            "host_cpu_s": dict(self.host_cpu_s), "llama_cpu_s": self.llama_cpu_s,
             "idle_host_s": dict(self.idle_host_s),
         }
+
+
+class Part:
+    """One block of host work counted as a part (:meth:`KVCounters.part`).
+
+    Wall time, and the CPU time of the thread running it: the wall time also holds waits (for
+    the interpreter's lock while another thread runs Python, for a core the OS gave another
+    process), the CPU time only the work. A plain context manager, not a generator: it runs
+    around every sampled token.
+    """
+
+    __slots__ = ("counters", "name", "into", "idle", "start", "llama", "nested", "cpu",
+                 "llama_cpu", "nested_cpu")
+
+    def __init__(self, counters: KVCounters, name: str, into: RequestCounts | None,
+                 idle: bool) -> None:
+        self.counters, self.name, self.into, self.idle = counters, name, into, idle
+        self.start = self.llama = self.nested = 0.0  # set on entry
+        self.cpu = self.llama_cpu = self.nested_cpu = 0.0
+
+    def __enter__(self) -> None:
+        c = self.counters
+        c._stack.append(self)
+        self.llama, self.llama_cpu = c.llama_s, c.llama_cpu_s
+        self.cpu = time.thread_time()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        end = time.perf_counter()
+        c = self.counters
+        inside = end - self.start - (c.llama_s - self.llama)
+        inside_cpu = time.thread_time() - self.cpu - (c.llama_cpu_s - self.llama_cpu)
+        stack = c._stack
+        stack.pop()
+        host = max(inside - self.nested, 0.0)  # the parts nested in it count as themselves
+        name = self.name
+        if self.idle:
+            c.idle_host_s[name] = c.idle_host_s.get(name, 0.0) + host
+        else:
+            c.host_s[name] = c.host_s.get(name, 0.0) + host
+            c.host_cpu_s[name] = (c.host_cpu_s.get(name, 0.0)
+                                  + max(inside_cpu - self.nested_cpu, 0.0))
+        if self.into is not None:
+            self.into.add_host(name, host)
+        if stack:
+            stack[-1].nested += inside
+            stack[-1].nested_cpu += inside_cpu

@@ -135,9 +135,8 @@ class Lifecycle:
             n = len(slot.tokens) + len(slot.redo)
             self.table.replied(
                 slot, job.prompt, job.text.text, n,
-                segments=tuple(s for s in (replace(s, end=min(s.end, n))
-                                           for s in self.placer.segments(job, n))
-                               if s.length > 0),
+                segments=tuple(s if s.end <= n else replace(s, end=n)
+                               for s in self.placer.segments(job, n) if min(s.end, n) > s.start),
                 t_replied=now, reply_rows=n - settled if self.res.ctx.ptr else 0)
             rec = replace(finished_record(job, rec, reason, error, now, slot.segments),
                           rewrite_mixed=mixed)

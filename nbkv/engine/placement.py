@@ -174,8 +174,10 @@ class Placer:
         p, mem = job.prompt, self.res.memory
         if mem.takes_checkpoints:
             job.stops = plan_checkpoints(slot.kv, mem, self.res.rule, p, job.reuse)
-        job.sampler = Sampler(job.params, self.res.model.n_vocab,
-                              [t for t in p.tokens if isinstance(t, int)])
+        # the prompt's tokens, for a repeat penalty only (the one reader of a sampler's history)
+        history = ([t for t in p.tokens if isinstance(t, int)]
+                   if job.params.repeat_penalty != 1.0 else ())
+        job.sampler = Sampler(job.params, self.res.model.n_vocab, history)
 
     def must_wait(self, plan: policy.Plan) -> bool:
         """``plan`` would write a state into a slot that a queued copy still reads or fills.

@@ -24,6 +24,7 @@ does (an import-linter contract).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -104,6 +105,8 @@ class Scheduler:
         self.decoder = Decoder(res, settings, spc, self.pace, self.life)
         #: the exactness proof running in the background, if any (nbkv.engine.proving)
         self.proof: BackgroundProof | None = None
+        #: requests ran since the last idle pass that looked for a due garbage collection
+        self.gc_pending = True
 
     def start(self, owner: Any) -> None:
         """Run on a thread that holds ``owner`` (the engine) only weakly."""
@@ -161,7 +164,8 @@ class Scheduler:
         return bool(self.queue or self.active or self.control or self.closed
                     or (self.proof is not None and self.proof.ready())
                     or self.rewriter.settling_slot() is not None
-                    or self.parker.prepark_slot(busy=False) is not None)  # (none queued)
+                    or self.parker.prepark_slot(busy=False) is not None  # (none queued)
+                    or self.gc_pending)
 
     def run_once(self) -> bool:
         """One scheduler iteration; False once the engine is closed (the thread then ends)."""
@@ -186,6 +190,8 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
         self._admit()
+        if self.active or self.queue:
+            self.gc_pending = True
         if self.active:
             if not self._step():  # every active request waits for the vision encoder
                 with self.cv:
@@ -196,15 +202,20 @@ class Scheduler:
         elif self.proof is not None and self.proof.ready():  # idle, and proven meanwhile
             adopt(self.proof, self.res, self.table, self.spc, self.parking, self.shadow,
                   self.events)
-        else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), or
-            slot = self.rewriter.settling_slot()  # copy out the conversation parked next
-            counters = self.res.ctx.counters
-            if slot is not None:
-                with counters.part("rewrite"):
+        else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), copy
+            slot = self.rewriter.settling_slot()  # out the conversation parked next, or run
+            counters = self.res.ctx.counters  # the garbage collection due soonest
+            if slot is not None:  # no request waits for any of them
+                with counters.part("rewrite", idle=True):
                     self.rewriter.settle(slot)
             elif (slot := self.parker.prepark_slot(busy=False)) is not None:
-                with counters.part("parking", idle=True):  # no request waits for it
+                with counters.part("parking", idle=True):
                     self.parker.prepark(slot)
+            elif self.gc_pending:  # once an idle period: another thread's allocations are its own
+                self.gc_pending = False
+                if (gen := gc_due()) is not None:
+                    with counters.part("gc", idle=True):
+                        gc.collect(gen)
         return True
 
     def hold(self, on: bool) -> None:
@@ -307,6 +318,23 @@ class Scheduler:
                 stops)
             prefilling.append(Prefilling(j.id, len(j.todo), j.ready(), image, take))
         return plan_step(prefilling, len(generating)), generating
+
+
+def gc_due() -> int | None:
+    """The oldest generation of Python's collector half way or more to its automatic run.
+
+    The scheduler runs it in idle time, so that the collections the requests' allocations
+    make due (a full one walks every object of the process) rarely fall inside a request.
+    None while nothing is half way, or the collector's automatic runs are off (disabled, or
+    a first threshold of 0).
+    """
+    counts, limits = gc.get_count(), gc.get_threshold()
+    if not gc.isenabled() or limits[0] <= 0:
+        return None
+    for gen in range(len(limits) - 1, -1, -1):
+        if limits[gen] > 0 and 2 * counts[gen] >= limits[gen]:
+            return gen
+    return None
 
 
 def _schedule(ref: weakref.ref[Any], cv: threading.Condition, res: Resources) -> None:

@@ -51,6 +51,8 @@ def prompt_segments(p: Prompt, reuse: int, n: int, reply: str, marker: str = "\0
     ``marker`` is the projector's image placeholder text, shown as ``[image]`` in previews.
     """
     out = message_segments(p.messages, p.ends, len(p.tokens), reuse, n, reply)
+    if p.media is None:  # a prompt holds image positions only with its media (nbkv.prompt)
+        return out
     runs = [(s.start, s.end, s.image_hash, s.n_tokens)
             for s in spans(p.tokens) if s.kind == "image"]
     if not runs:

@@ -431,9 +431,9 @@ class Context:
             padded = self.fixed_rows - n
             for i in range(padded):
                 batch.add(0, i, self.scratch, False)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         rc = llama_cpp.llama_decode(self.ptr, batch.raw)
-        self.counters.decoded(batch.n, time.perf_counter() - t0, padded)
+        self.counters.decoded(batch.n, time.perf_counter() - t0, padded, time.thread_time() - c0)
         if self.fixed_rows:
             batch.n = n
             llama_cpp.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
@@ -571,11 +571,11 @@ class Context:
         )
         if not causal:
             llama_cpp.llama_set_causal_attn(self.ptr, False)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         try:
             rc = llama_cpp.llama_decode(self.ptr, batch)
         finally:
-            self.counters.decoded(k, time.perf_counter() - t0)
+            self.counters.decoded(k, time.perf_counter() - t0, cpu=time.thread_time() - c0)
             if not causal:
                 llama_cpp.llama_set_causal_attn(self.ptr, True)
         if rc == 0:
