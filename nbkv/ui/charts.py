@@ -108,16 +108,6 @@ def role_key(seg: Segment) -> str:
     return seg.role if seg.role in ROLE_COLORS else "other"
 
 
-def role_color(key: str) -> str:
-    """The colour of a message row's span."""
-    return MEDIA_COLOR if key == "image" else ROLE_COLORS.get(key, ROLE_COLORS["other"])
-
-
-def state_words(state: str) -> str:
-    """A KV state's words (``read new`` for prefilled)."""
-    return vocab.STATES[state].words if state in vocab.STATES else state
-
-
 def trimmed_text(rec: RequestRecord) -> str:
     """The hover of a request's trimmed band: whose slot it took, or what was cut."""
     return vocab.took(rec) or f"{rec.trimmed_tokens} tokens {vocab.STATES['trimmed'].words}"
@@ -247,11 +237,6 @@ class MapModel:
     def segments(self) -> int:
         """Bars drawn."""
         return sum(len(b) for b in self.bars.values())
-
-
-def row_label(slot: int, request: bool = False) -> str:
-    """``slot 0`` (its messages) or ``slot 0 · request`` (what its latest request did)."""
-    return f"slot {slot} · request" if request else f"slot {slot}"
 
 
 def _bar(row: str, seg: Segment, shade: float = 1.0) -> Bar:
