@@ -102,7 +102,7 @@ def run_vllm(path: str, convs: dict, turns: list, replies: list | None, n_ctx: i
 
     model = hf_model(python, SMOLLM2, gguf=path)
     threads = os.cpu_count() or 1
-    # eager: torch.compile's warm-up of this model took over 10 minutes on 2 shared cores
+    # eager: torch.compile's warm-up of this model is far longer than the run on a CPU
     srv = VLLMServer(model, max_model_len=n_ctx, eager=True, kv_events=False,
                      threads=threads)
     try:

@@ -18,10 +18,8 @@ The flags nbkv's exact slot pinning needs (``SERVER_FLAGS``; the docs say why, e
 - ``--ui-config``: these flags, the calibrated prefill rule and the start time in ``/props``
   (:mod:`nbkv.remote.facts`), so a remote engine can prove replies exact and see a restart.
 
-:class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
-waits; the tests, the benchmark and the remote-engine notebook use it. It never outlives the
-process that started it (:mod:`nbkv.remote.process`), and the log and slot folder it made
-are removed when it stops.
+:class:`LlamaServer` runs one as a child process (:mod:`nbkv.remote.process`), for the
+tests, the benchmark and the remote-engine notebook.
 """
 
 from __future__ import annotations
@@ -127,15 +125,13 @@ def free_port() -> int:
 
 
 class LlamaServer(ServerProcess):
-    """A llama-server child process on 127.0.0.1, stopped by its PID (``with`` or ``stop()``).
+    """A llama-server child process on 127.0.0.1 (``with`` or ``start()`` / ``stop()``).
 
     ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``). What changes
     the arithmetic is pinned to the in-kernel engine's values by default: ``batch`` and
-    ``ubatch`` 256 (``-b``, ``-ub``: the pieces a prefill is computed in),
-    ``flash_attn="off"`` (llama-server's ``auto`` turns flash attention on) and ``threads``
-    (what this process may use: :mod:`nbkv.llama.cpus`); None leaves a flag to
-    llama-server's default. ``cache_ram``: MiB of
-    llama-server's host-memory prompt cache (``--cache-ram``; 0 = off).
+    ``ubatch`` 256 (``-b``, ``-ub``), ``flash_attn="off"`` (llama-server's ``auto`` turns it
+    on) and ``threads`` (what this process may use: :mod:`nbkv.llama.cpus`); None leaves a
+    flag to llama-server's default. ``cache_ram``: MiB of ``--cache-ram`` (0 = off).
     """
 
     NAME = "llama-server"

