@@ -432,7 +432,8 @@ def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50,
     return out
 
 
-def _term(code: str) -> vocab.Term:
+def bar_term(code: str) -> vocab.Term:
+    """The words, colour and pattern of a timeline bar (an event, or a mark)."""
     return vocab.MARKS[code] if code in vocab.MARKS else vocab.EVENTS[code]
 
 
@@ -514,7 +515,7 @@ def _salvage_bars(body: list[str], pts: Sequence[Point], cols: _Columns, base: f
     """Each request's share served from cache, by its event (a ring: none): the events drawn."""
     events_seen: dict[str, vocab.Term] = {}
     for i, p in enumerate(pts):
-        term = _term(p.bar)
+        term = bar_term(p.bar)
         events_seen[term.code] = term
         if p.bar == "nothing-reused":
             body.append(f'<circle cx="{cols.cx(i):.1f}" cy="{yv(0) - 5:.1f}" r="4" fill="none" '
