@@ -45,6 +45,17 @@ def system_prompt(name: str, sentences: int) -> str:
     )
 
 
+#: the four sessions of the interleaved scenarios
+NAMES = ("Ada", "Brook", "Cyd", "Dale")
+
+
+def four_sessions(rounds: int) -> tuple[dict[str, list[dict]], list[tuple[str, str]]]:
+    """Four sessions with distinct system prompts, one turn each per round, round-robin."""
+    convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in NAMES}
+    turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(NAMES)]
+    return convs, turns
+
+
 def run_conversations(
     runner: Any, convs: dict[str, list[dict]], turns: list[tuple[str, str]],
     replies: list[str] | None,
@@ -64,19 +75,23 @@ def run_conversations(
     return out
 
 
+def played(runner: Any, convs: dict[str, list[dict]], turns: list[tuple[str, str]],
+           replies: list[str] | None) -> list[dict[str, Any]]:
+    """:func:`run_conversations`, then close ``runner``."""
+    try:
+        return run_conversations(runner, convs, turns, replies)
+    finally:
+        runner.close()
+
+
 def baselines(path: str, slots: int, n_ctx: int, convs: dict, turns: list, replies: list,
               llama: bool = True) -> dict[str, list]:
     """The same conversations through nbkv off, nbkv SPC and llama-cpp-python's ``Llama``
     (``llama=False``: not Llama, which the caller ran side by side with its own variant)."""
-    out = {}
-    for name, make in (("off", lambda: NbkvRunner(path, "off", slots, n_ctx)),
-                       ("spc", lambda: NbkvRunner(path, "spc", slots, n_ctx)),
-                       ("llama-cpp", lambda: LlamaCppRunner(path, n_ctx))):
-        if name == "llama-cpp" and not llama:
-            continue
-        r = make()
-        out[name] = run_conversations(r, convs, turns, replies)
-        r.close()
+    out = {name: played(NbkvRunner(path, name, slots, n_ctx), convs, turns, replies)
+           for name in ("off", "spc")}
+    if llama:
+        out["llama-cpp"] = played(LlamaCppRunner(path, n_ctx), convs, turns, replies)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbkv.bench.conversations import mean, paragraph, system_prompt
+from nbkv.bench.conversations import four_sessions, mean, paragraph, system_prompt
 from nbkv.bench.registry import scenario
 from nbkv.bench.runners import MAX_TOKENS, NbkvRunner
 from nbkv.kv.policy import common_prefix
@@ -94,10 +94,7 @@ def scenario_families(path: str, quick: bool) -> dict[str, Any]:
     n_single, rounds = (4, 2) if quick else (12, 4)
     single_convs = {"solo": [{"role": "system", "content": system_prompt("Ada", 6)}]}
     single_turns = [("solo", paragraph(t, 6)) for t in range(n_single)]
-    names = ["Ada", "Brook", "Cyd", "Dale"]
-    inter_convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
-    inter_turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds)
-                   for i, n in enumerate(names)]
+    inter_convs, inter_turns = four_sessions(rounds)
     out: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     for family in FAMILIES:

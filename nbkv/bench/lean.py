@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbkv.bench.conversations import mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.conversations import (
+    NAMES,
+    four_sessions,
+    mean,
+    played,
+    run_conversations,
+    system_prompt,
+)
 from nbkv.bench.registry import scenario
 from nbkv.bench.runners import LlamaCppRunner, NbkvRunner
 
@@ -62,9 +69,7 @@ def _agent(path: str, n_turns: int, **kw: Any) -> tuple[list[dict], dict[str, An
 
 def _four_slots(path: str, rounds: int) -> dict[str, Any]:
     """Four sessions round-robin on 4 slots of 4k: mean host time and counts per request."""
-    names = ["Ada", "Brook", "Cyd", "Dale"]
-    convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
-    turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(names)]
+    convs, turns = four_sessions(rounds)
     out = {}
     variants: tuple[tuple[str, dict[str, Any]], ...] = (("exact", {}),
                                                         ("lean", {"exact": False}))
@@ -73,7 +78,7 @@ def _four_slots(path: str, rounds: int) -> dict[str, Any]:
         before = runner.engine.counters()
         recs = run_conversations(runner, convs, turns, None)
         out[name] = {**_costs(runner, before, len(recs)),
-                     "mean_ttft_s": mean([r["ttft"] for r in recs[len(names):]])}
+                     "mean_ttft_s": mean([r["ttft"] for r in recs[len(NAMES):]])}
         runner.close()
     return out
 
@@ -135,10 +140,8 @@ def scenario_fixed_shape(path: str, quick: bool) -> dict[str, Any]:
     off and ``Llama`` on the same conversations (target on a GPU: IMC never slower).
     """
     rounds = 2 if quick else 3
-    names = ["Ada", "Brook", "Cyd", "Dale"]
-    convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
-    turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(names)]
-    later = slice(len(names), None)
+    convs, turns = four_sessions(rounds)
+    later = slice(len(NAMES), None)
     out: dict[str, Any] = {}
     replies = None
     for rows in FIXED_ROWS:
@@ -153,10 +156,8 @@ def scenario_fixed_shape(path: str, quick: bool) -> dict[str, Any]:
         runner.close()
     for name, make in (("off", lambda: NbkvRunner(path, "off", 4, 2048)),
                        ("llama-cpp", lambda: LlamaCppRunner(path, 2048))):
-        r = make()
-        out[name] = {"mean_ttft_s": mean([x["ttft"] for x in
-                                          run_conversations(r, convs, turns, replies)[later]])}
-        r.close()
+        recs = played(make(), convs, turns, replies)
+        out[name] = {"mean_ttft_s": mean([x["ttft"] for x in recs[later]])}
     base = out["rows_0"]["mean_ttft_s"]
     out["ratios"] = {**{f"rows_{n}_over_unpadded_ttft": out[f"rows_{n}"]["mean_ttft_s"] / base
                         for n in FIXED_ROWS if n},

@@ -9,9 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from nbkv.bench.conversations import (
+    NAMES,
+    four_sessions,
     mean,
     mirrored,
     paragraph,
+    played,
     run_conversations,
     system_prompt,
 )
@@ -30,20 +33,16 @@ def scenario_remote(path: str, quick: bool) -> dict[str, Any]:
     if binary() is None:
         return {"skipped": "no llama-server binary: run `make llama-server`", "ratios": {}}
     rounds = 2 if quick else 4
-    names = ["Ada", "Brook", "Cyd", "Dale"]
-    convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
-    turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(names)]
+    convs, turns = four_sessions(rounds)
     n_ctx = 2048
-    out: dict[str, Any] = {"sessions": len(names), "rounds": rounds}
+    out: dict[str, Any] = {"sessions": len(NAMES), "rounds": rounds}
     ratios: dict[str, float] = {}
     replies = None
     by_slots = {}
     vllm: dict[str, Any] = {}
     for slots in (4, 2):
         results: dict[str, list] = {}
-        kernel = NbkvRunner(path, "imc", slots, n_ctx)
-        results["kernel"] = run_conversations(kernel, convs, turns, replies)
-        kernel.close()
+        results["kernel"] = played(NbkvRunner(path, "imc", slots, n_ctx), convs, turns, replies)
         if replies is None:
             replies = [r["text"] for r in results["kernel"]]
             # vLLM has no slots: one run, on the 4-slot kernel's conversation, right after it
@@ -51,9 +50,7 @@ def scenario_remote(path: str, quick: bool) -> dict[str, Any]:
         with LlamaServer(path, slots=slots, ctx=n_ctx, threads=os.cpu_count(), batch=256,
                          ubatch=256, flash_attn="off") as srv:
             for name, pin in (("pinned", True), ("unpinned", False)):
-                runner = RemoteRunner(srv.url, pin)
-                results[name] = run_conversations(runner, convs, turns, replies)
-                runner.close()
+                results[name] = played(RemoteRunner(srv.url, pin), convs, turns, replies)
         by_slots[slots] = results
     out["vllm"] = {k: v for k, v in vllm.items() if k != "results"}
     if "results" in vllm:  # the same prompts, token for token (the same tokenizer)
@@ -62,7 +59,7 @@ def scenario_remote(path: str, quick: bool) -> dict[str, Any]:
     for slots, results in by_slots.items():
         if "results" in vllm:
             results["vllm"] = vllm["results"]
-        later = slice(len(names), None)
+        later = slice(len(NAMES), None)
         ttft = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
         reused = {v: mean([r["reused"] for r in rs[later]]) for v, rs in results.items()}
         out[f"{slots}_slots"] = {
@@ -105,7 +102,7 @@ def run_vllm(path: str, convs: dict, turns: list, replies: list | None, n_ctx: i
 
     model = hf_model(python, SMOLLM2, gguf=path)
     threads = os.cpu_count() or 1
-    # eager: torch.compile's warm-up of this model took over 10 minutes on 2 shared cores
+    # eager: torch.compile's warm-up of this model is far longer than the run on a CPU
     srv = VLLMServer(model, max_model_len=n_ctx, eager=True, kv_events=False,
                      threads=threads)
     try:
@@ -134,7 +131,6 @@ def scenario_remote_exact(path: str, quick: bool) -> dict[str, Any]:
     ``exact=False``; and the remote engine exact with no idle time between turns (an
     agent loop: the next turn reads the reply itself). First-token times of turns 2 on.
     """
-    from nbkv.bench.runners import NbkvRunner, RemoteRunner
     from nbkv.remote.server import LlamaServer, binary
 
     if binary() is None:
@@ -159,9 +155,7 @@ def scenario_remote_exact(path: str, quick: bool) -> dict[str, Any]:
         order = (1 if quick else 2) * mirrored(makers)
         replies = None
         for name in order:
-            runner = makers[name]()
-            res = run_conversations(runner, convs, turns, replies)
-            runner.close()
+            res = played(makers[name](), convs, turns, replies)
             if replies is None:
                 replies = [r["text"] for r in res]
             runs.setdefault(name, []).append(res)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from nbkv.bench.conversations import baselines, mean, paragraph, run_conversations, system_prompt
+from nbkv.bench.conversations import (
+    NAMES,
+    baselines,
+    four_sessions,
+    mean,
+    paragraph,
+    played,
+    system_prompt,
+)
 from nbkv.bench.registry import scenario
 from nbkv.bench.runners import LimitRunner, LlamaCppRunner, NbkvRunner
 from nbkv.engine.facade import Engine
@@ -85,19 +93,15 @@ def scenario_single(path: str, quick: bool) -> dict[str, Any]:
 def scenario_interleaved(path: str, quick: bool) -> dict[str, Any]:
     """Four sessions with distinct system prompts, round-robin, on four slots."""
     rounds = 2 if quick else 4
-    names = ["Ada", "Brook", "Cyd", "Dale"]
-    convs = {n: [{"role": "system", "content": system_prompt(n, 14)}] for n in names}
-    turns = [(n, paragraph(r * 4 + i, 1)) for r in range(rounds) for i, n in enumerate(names)]
-    imc = NbkvRunner(path, "imc", 4, 2048)
-    base = run_conversations(imc, convs, turns, None)
-    imc.close()
+    convs, turns = four_sessions(rounds)
+    base = played(NbkvRunner(path, "imc", 4, 2048), convs, turns, None)
     replies = [r["text"] for r in base]
     results: dict[str, list] = {"imc": base}
     results.update(baselines(path, 4, 2048, convs, turns, replies))
-    later = slice(len(names), None)
+    later = slice(len(NAMES), None)
     summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
     return {
-        "sessions": len(names), "rounds": rounds,
+        "sessions": len(NAMES), "rounds": rounds,
         "mean_prompt_tokens": mean([r["prompt"] for r in base]),
         "mean_ttft_s_rounds_2_on": summary,
         "ratios": {"imc_vs_llama_cpp_ttft": summary["llama-cpp"] / summary["imc"],
@@ -127,9 +131,8 @@ def scenario_drift(path: str, quick: bool) -> dict[str, Any]:
                 return orig(msgs, session)
 
             runner.turn = ticking  # type: ignore[method-assign]
-            results[variant] = run_conversations(runner, convs, turns, replies)
+            results[variant] = played(runner, convs, turns, replies)
             replies = [r["text"] for r in results["imc"]]
-            runner.close()
         # the shared prefix, computed independently of the engine's records: what two
         # renderings of the same messages, a minute apart, have in common
         eng = Engine(path, n_slots=1, n_ctx=4096, cache="off", template=templates.CLOCK_CHATML)
@@ -162,15 +165,12 @@ def scenario_shared_system(path: str, quick: bool) -> dict[str, Any]:
     convs = {f"u{i}": [{"role": "system", "content": sys_text}] for i in range(n_chats)}
     turns = [(f"u{i}", paragraph(i, 1)) for i in range(n_chats)]
     results: dict[str, list] = {}
-    for name, make in (("spc", lambda: NbkvRunner(path, "spc", 2, 2048)),
-                       ("imc", lambda: NbkvRunner(path, "imc", 2, 2048)),
-                       ("off", lambda: NbkvRunner(path, "off", 2, 2048)),
-                       ("llama-cpp", lambda: LlamaCppRunner(path, 2048))):
-        r = make()
-        results[name] = run_conversations(r, convs, turns, None)
-        if isinstance(r, NbkvRunner) and name == "spc":
-            sys_tokens = len(r.engine.tokenize_prompt(convs["u0"])) - 3
-        r.close()
+    spc = NbkvRunner(path, "spc", 2, 2048)
+    sys_tokens = len(spc.engine.tokenize_prompt(convs["u0"])) - 3
+    results["spc"] = played(spc, convs, turns, None)
+    for name in ("imc", "off"):
+        results[name] = played(NbkvRunner(path, name, 2, 2048), convs, turns, None)
+    results["llama-cpp"] = played(LlamaCppRunner(path, 2048), convs, turns, None)
     later = slice(1, None)
     summary = {v: mean([r["ttft"] for r in rs[later]]) for v, rs in results.items()}
     restores = [r["restore_s"] for r in results["spc"][later]]

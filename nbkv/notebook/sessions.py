@@ -38,8 +38,6 @@ from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     Turn,
     TurnChange,
     cut_from,
-    message_text,
-    span_text,
 )
 from nbkv.store.protocols import use_default_sessions
 

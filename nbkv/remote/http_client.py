@@ -33,6 +33,13 @@ CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 600.0
 
 
+
+def _timeout(timeout: float | None) -> dict[str, Any]:
+    """The ``timeout`` argument of an httpx call with its own limit (none: the client's)."""
+    if timeout is None:
+        return {}
+    return {"timeout": httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))}
+
 class ServerClient:
     """One server's base URL, its API key, and a pooled connection."""
 
@@ -71,16 +78,8 @@ class ServerClient:
 
     def head_of(self, path: str, header: str, timeout: float | None = None) -> str | None:
         """``GET path``: the value of one response header (None when absent)."""
-        kw: dict[str, Any] = {}
-        if timeout is not None:
-            kw["timeout"] = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
-        try:
-            resp = self._again(lambda: self._http.get(path, **kw))
-        except httpx.HTTPError as e:
-            raise self._transport_error(e, path) from e
-        if resp.status_code >= 400:
-            raise self._status_error(resp, path)
-        return resp.headers.get(header)
+        kw = _timeout(timeout)
+        return self._checked(path, lambda: self._http.get(path, **kw)).headers.get(header)
 
     def stream(self, path: str, body: dict[str, Any], opening: Opening | None = None
                ) -> EventStream:
@@ -122,20 +121,23 @@ class ServerClient:
 
     def _call(self, method: str, path: str, body: Any, timeout: float | None,
               params: dict[str, Any] | None) -> Any:
-        kw: dict[str, Any] = {"params": params or None}
+        kw: dict[str, Any] = {"params": params or None, **_timeout(timeout)}
         if body is not None:
             kw["json"] = body
-        if timeout is not None:
-            kw["timeout"] = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))
+        resp = self._checked(path, lambda: self._http.request(method, path, **kw))
+        if "json" in resp.headers.get("content-type", ""):
+            return resp.json()
+        return resp.text
+
+    def _checked(self, path: str, send: Any) -> httpx.Response:
+        """``send()`` (:meth:`_again`), a transport error or an error status raised named."""
         try:
-            resp = self._again(lambda: self._http.request(method, path, **kw))
+            resp = self._again(send)
         except httpx.HTTPError as e:
             raise self._transport_error(e, path) from e
         if resp.status_code >= 400:
             raise self._status_error(resp, path)
-        if "json" in resp.headers.get("content-type", ""):
-            return resp.json()
-        return resp.text
+        return resp
 
     def _again(self, send: Any) -> httpx.Response:
         """``send()``, once more if the server closed a pooled connection before answering.

