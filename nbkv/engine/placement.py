@@ -141,8 +141,6 @@ class Placer:
             if info is not None and lot is not None:
                 t_take = time.perf_counter()
                 entry = lot.take(info.key) if taken else lot.borrow(info.key)
-                if taken and entry is not None and self.parker.keep_branch(entry, plan.reuse):
-                    taken = False  # an edit: the entry is its earlier branch now, read a copy
                 unpark_s += time.perf_counter() - t_take
             if plan.parked is None or entry is not None:
                 return snaps, plan, entry, taken, unpark_s, t0

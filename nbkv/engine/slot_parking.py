@@ -129,28 +129,6 @@ class Parker:
             return None  # parked already (a branch restored from a copy, cut again)
         return self.park_slot(slot, branch=True)
 
-    def keep_branch(self, entry: ParkedEntry, at: int) -> bool:
-        """Keep a parked conversation that its own session's edit cuts as an earlier branch.
-
-        ``entry`` was taken back and the edit keeps ``at`` positions of it: it is parked again
-        as the session's earlier branch, as :meth:`park_branch` does for an edit in a slot.
-        True when kept: the branch holds the entry's state, so the caller restores it as a
-        copy (nothing recycled). Not when nothing cut would be replayed.
-        """
-        lot = self.parking
-        toks = entry.tokens
-        if lot is None or at >= len(toks) or not self.replays.proven():
-            return False
-        rule = self.res.rule
-        if not any(at < valid_start(toks[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)
-                   for m in self.replays.replies.cut_by(toks, at)):
-            return False
-        branch = ParkedEntry(
-            None, toks, entry.hashes, entry.msg_ends, entry.state, entry.checkpoints,
-            entry.segments, entry.settled, entry.exact_len, entry.last_request,
-            entry.last_used, used_at=entry.used_at, branch_of=entry.session)
-        return lot.park(branch) is not None
-
     def resume_point(self, slot: EngineSlot) -> int | None:
         """Where the next turn of ``slot``'s conversation will resume in its KV; None: no cut.
 
