@@ -237,7 +237,7 @@ def _from_slots(free: Sequence[SlotLike], hashes: Sequence[str], session: str | 
         if not n or (k == 0 and n < min_tokens):
             continue
         reuse = min(n, limit)
-        target = _copy_target(s, n, session, free)
+        target = _copy_target(s, reuse, n, session, free)
         served = score(s, reuse, IN_PLACE if target is None else COPY)
         log.debug("slot[%d] shares %d tokens, %d messages; serves %d%s", s.index, n, k, served,
                   "" if target is None else f" copied into slot[{target.index}]")
@@ -251,7 +251,7 @@ def _from_slots(free: Sequence[SlotLike], hashes: Sequence[str], session: str | 
         strategy = _strategy(k, hashes)
         if target is None:
             taken = donor.session is not None and donor.session != session and (
-                shared[donor.index] < len(donor.tokens) - _tail_allowance(donor))
+                reuse < len(donor.tokens) - _tail_allowance(donor))
             return Plan(strategy, donor.index, reuse, None, k,
                         evicted=donor.session if taken else None,
                         evicted_tokens=len(donor.tokens) - reuse if taken else 0,
@@ -270,16 +270,19 @@ def _from_slots(free: Sequence[SlotLike], hashes: Sequence[str], session: str | 
     )
 
 
-def _copy_target(donor: SlotLike, shared: int, session: str | None,
+def _copy_target(donor: SlotLike, reuse: int, shared: int, session: str | None,
                  free: Sequence[SlotLike]) -> SlotLike | None:
     """Where ``donor``'s prefix is copied to serve the request; None: served in place.
 
-    In place when the request continues the donor's conversation (the prompt shares all of
-    it, ``shared`` tokens before :func:`reuse_limit`'s cap: a re-run of the same prompt
-    continues it too; or it is the session's own), or when there is no other slot to copy
-    into (the donor is cut short: the plan says whose conversation that evicts).
+    In place when the request carries the donor's conversation on (``reuse`` keeps all of
+    it; or it is the session's own), or when there is no other slot to copy into (the donor
+    is cut short: the plan says whose conversation that evicts). An unnamed request that
+    sends an unnamed slot's whole prompt again (all ``shared`` tokens, before
+    :func:`reuse_limit`'s cap) is that conversation's own re-run: in place too. Another
+    session's exact prompt is copied, and leaves that session its slot.
     """
-    whole = shared >= len(donor.tokens) - _tail_allowance(donor)
+    held = len(donor.tokens) - _tail_allowance(donor)
+    whole = reuse >= held or (session is None and donor.session is None and shared >= held)
     if whole or (session is not None and donor.session == session):
         return None
     target = empty_or_lru(free)
