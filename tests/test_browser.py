@@ -291,8 +291,12 @@ class Notebook:
 
 
 def _hover(page, point) -> None:
-    """Move the mouse over a plotly point (its drag layer covers it: no element hover)."""
+    """Move the mouse over a plotly point (its drag layer covers it: no element hover).
+    A point that went away meanwhile (the chart replaced its picture, or the output was
+    drawn again) has no box: nothing to hover then."""
     box = point.bounding_box()
+    if box is None:
+        return
     page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
     page.wait_for_timeout(300)
 
@@ -311,10 +315,15 @@ def _interactive(page) -> None:
         picture.scroll_into_view_if_needed()
         page.mouse.move(0, 0)
         _hover(page, picture)  # the mouse enters it (once in: the chart covers the picture)
-        deadline = time.monotonic() + 30
+        start = time.monotonic()
+        again = start + 5
         while "js-plotly-plot" not in (chart.get_attribute("class") or "") and \
-                time.monotonic() < deadline:
+                time.monotonic() < start + 30:
             page.wait_for_timeout(200)
+            if time.monotonic() > again and picture.is_visible():
+                again += 5  # the output was drawn again meanwhile: the mouse enters it again
+                page.mouse.move(0, 0)
+                _hover(page, picture)
     page.mouse.move(0, 0)
 
 
