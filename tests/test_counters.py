@@ -45,6 +45,13 @@ def test_host_time_excludes_llama_time_and_nested_parts():
     assert snap["host_total_s"] == sum(c.host_s.values()) and snap["bytes_moved"] == 0
     assert snap["idle_host_s"] == c.idle_host_s
 
+    shared = (RequestCounts(), RequestCounts())  # one step's requests share its part
+    with c.part("sampling", shared):
+        time.sleep(0.002)
+    assert shared[0].host_s["sampling"] == shared[1].host_s["sampling"] > 0.0
+    assert math.isclose(2 * shared[0].host_s["sampling"],
+                        c.host_s["sampling"] - snap["host_s"]["sampling"])
+
 
 def test_gc_due_names_the_oldest_generation_half_way_to_its_run():
     limits, enabled = gc.get_threshold(), gc.isenabled()

@@ -75,9 +75,11 @@ class KVCounters:
         self.llama_s += seconds
         self.llama_cpu_s += cpu
 
-    def part(self, name: str, into: RequestCounts | None = None,
+    def part(self, name: str, into: RequestCounts | tuple[RequestCounts, ...] | None = None,
              idle: bool = False) -> Part:
-        """Count the host time of the block as ``name`` (and into one request's ``into``).
+        """Count the host time of the block as ``name``, and into ``into``.
+
+        ``into``: one request's counts, or several (one step's requests) in equal shares.
 
         ``idle``: the block runs while no request is queued or running; its time goes to
         ``idle_host_s`` instead.
@@ -110,8 +112,8 @@ class Part:
     __slots__ = ("counters", "name", "into", "idle", "start", "llama", "nested", "cpu",
                  "llama_cpu", "nested_cpu")
 
-    def __init__(self, counters: KVCounters, name: str, into: RequestCounts | None,
-                 idle: bool) -> None:
+    def __init__(self, counters: KVCounters, name: str,
+                 into: RequestCounts | tuple[RequestCounts, ...] | None, idle: bool) -> None:
         self.counters, self.name, self.into, self.idle = counters, name, into, idle
         self.start = self.llama = self.nested = 0.0  # set on entry
         self.cpu = self.llama_cpu = self.nested_cpu = 0.0
@@ -138,8 +140,12 @@ class Part:
             c.host_s[name] = c.host_s.get(name, 0.0) + host
             c.host_cpu_s[name] = (c.host_cpu_s.get(name, 0.0)
                                   + max(inside_cpu - self.nested_cpu, 0.0))
-        if self.into is not None:
-            self.into.add_host(name, host)
+        into = self.into
+        if isinstance(into, tuple):  # a step shared by its requests: equal shares
+            for counts in into:
+                counts.add_host(name, host / len(into))
+        elif into is not None:
+            into.add_host(name, host)
         if stack:
             stack[-1].nested += inside
             stack[-1].nested_cpu += inside_cpu

@@ -49,6 +49,9 @@ class Steps(Protocol):
     def on_logits(self, job: Job, idx: int) -> None:
         """Batch row ``idx`` holds ``job``'s next logits: sample, stream, or finish."""
 
+    def sample(self, job: Job, idx: int) -> None:
+        """:meth:`on_logits` inside the caller's host-time part."""
+
     def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
         """End ``job`` with ``error``."""
 
@@ -230,21 +233,29 @@ class Decoder:
         for job, tok, *_ in plan:
             kv = job.placed_slot.kv
             kv.extend([tok], exact=exact, settled=len(kv) + 1 if exact else None)
-        for job, _, idx, guess, extra in plan:
-            kv = job.placed_slot.kv
-            try:
-                self.steps.on_logits(job, idx)
-                if guess is not None:
-                    job.drafted += 1
-                if guess is not None and extra is not None and job.next_token == guess:
-                    job.accepted += 1
-                    job.take_token()
-                    kv.extend([guess], exact=pairs, settled=len(kv) + 1 if pairs else None)
-                    self.steps.on_logits(job, extra)
-                elif guess is not None and job.state is not JobState.DONE:
-                    kv.resync()  # drop the wrong guess's position
-            except BaseException as e:  # noqa: BLE001
-                self.steps.fail(job, e, "error")
+        # one part for the step's tokens, shared by its requests: a part per token would cost
+        # as much as the sampling it counts
+        sample = self.steps.sample
+        with self.res.ctx.counters.part("sampling", tuple(p[0].counts for p in plan)):
+            for job, _, idx, guess, extra in plan:
+                try:
+                    sample(job, idx)
+                    if guess is not None:
+                        self._guessed(job, guess, extra, pairs)
+                except BaseException as e:  # noqa: BLE001
+                    self.steps.fail(job, e, "error")
+
+    def _guessed(self, job: Job, guess: int, extra: int | None, pairs: bool) -> None:
+        """``job`` decoded a guess beside its token (row ``extra``): keep it, or drop it."""
+        kv = job.placed_slot.kv
+        job.drafted += 1
+        if extra is not None and job.next_token == guess:
+            job.accepted += 1
+            job.take_token()
+            kv.extend([guess], exact=pairs, settled=len(kv) + 1 if pairs else None)
+            self.steps.sample(job, extra)
+        elif job.state is not JobState.DONE:
+            kv.resync()  # drop the wrong guess's position
 
 
 def spc_capture(spc: SystemPromptStore, job: Job) -> None:

@@ -77,6 +77,7 @@ class Job(Request):
         self._encoding: Future[Any] | None = None  # ENCODING: the vision encoder's work
         self._pieces = 0  # IMAGE_PART: sub-batches of the image already in KV
         self.t_prefill = 0.0
+        self.first_decode_s = 0.0  # sampling the first token from the prefill's last logits
         self.t_last_progress = 0.0
         self.drafter = drafter  # speculative guesses from the prompt and reply (None: off)
         self.drafted = 0  # guesses decoded (speculative, exact mode)

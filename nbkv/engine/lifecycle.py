@@ -67,9 +67,10 @@ class Lifecycle:
     def on_logits(self, job: Job, idx: int) -> None:
         """Sample ``job``'s next token from batch row ``idx``; stream it, or finish."""
         with self.res.ctx.counters.part("sampling", job.counts):
-            self._on_logits(job, idx)
+            self.sample(job, idx)
 
-    def _on_logits(self, job: Job, idx: int) -> None:
+    def sample(self, job: Job, idx: int) -> None:
+        """:meth:`on_logits` inside a part the caller opened (one for a step's requests)."""
         now = time.perf_counter()
         model = self.res.model
         slot, sampler = job.placed_slot, job.sampler
@@ -77,7 +78,7 @@ class Lifecycle:
         token = sampler.sample(self.res.ctx, idx)
         if not job.t_first:  # the first token counts once it is sampled
             job.t_first = time.perf_counter()
-            job.record = replace(job.started, first_decode_s=job.t_first - now)
+            job.first_decode_s = job.t_first - now  # into the record as it finishes
         if model.is_eog(token):
             return self.finish(job, "stop")
         job.generated.append(token)
@@ -138,8 +139,7 @@ class Lifecycle:
                 segments=tuple(s if s.end <= n else replace(s, end=n)
                                for s in self.placer.segments(job, n) if min(s.end, n) > s.start),
                 t_replied=now, reply_rows=n - settled if self.res.ctx.ptr else 0)
-            rec = replace(finished_record(job, rec, reason, error, now, slot.segments),
-                          rewrite_mixed=mixed)
+            rec = finished_record(job, rec, reason, error, now, slot.segments, mixed)
             job.record = rec
             self.replays.remember(job)
             if rec.strategy == PREFIX_SALVAGE:
@@ -165,11 +165,15 @@ class Lifecycle:
 
 
 def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None, now: float,
-                    segments: Any) -> Any:
-    """``rec`` completed with what the request did: tokens, timings, encoder and guesses."""
+                    segments: Any, mixed: int = 0) -> Any:
+    """``rec`` completed with what the request did: tokens, timings, encoder and guesses.
+
+    ``mixed``: the reply rows the shadow rewrote as the reply was generated.
+    """
     t_first = job.t_first or now
     return replace(
         rec,
+        first_decode_s=job.first_decode_s if job.t_first else rec.first_decode_s,
         generated_tokens=len(job.generated),
         prefilled_tokens=rec.prefilled_tokens - len(job.todo),
         ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,
@@ -190,4 +194,5 @@ def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None
         prefill_rows=job.counts.prefill_rows,
         kv_bytes=job.counts.kv_bytes,
         host_parts=tuple(sorted(job.counts.host_s.items())),
+        rewrite_mixed=mixed,
     )

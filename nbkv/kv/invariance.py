@@ -105,8 +105,15 @@ def _text(u: Any) -> bool:
     return isinstance(u, int)
 
 
+def _all_text(units: Sequence[Any], lo: int, hi: int) -> bool:
+    """``units[lo:hi]`` holds text tokens only (a scan in C: prompts are long, images rare)."""
+    return set(map(type, units[lo:hi])) <= {int}
+
+
 def run_start(units: Sequence[Any], pos: int) -> int:
     """First position of the text run holding ``pos`` (just after the previous image)."""
+    if _all_text(units, 0, pos):
+        return 0
     i = pos
     while i > 0 and _text(units[i - 1]):
         i -= 1
@@ -116,6 +123,8 @@ def run_start(units: Sequence[Any], pos: int) -> int:
 def run_end(units: Sequence[Any], pos: int) -> int:
     """End of the text run from ``pos``: the next image position at or after it, or the end."""
     i, n = pos, len(units)
+    if _all_text(units, pos, n):
+        return n
     while i < n and _text(units[i]):
         i += 1
     return i

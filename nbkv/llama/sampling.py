@@ -91,10 +91,21 @@ class Sampler:
         self.params = params
         self.n_vocab = n_vocab
         self.greedy = params.temperature <= 0 and params.repeat_penalty == 1.0
+        self._history = history
+        self.ptr: Any = None  # the native chain, made when a token first needs it (greedy: rarely)
+        self.closed = False
+        if not self.greedy:
+            self._chain()
+
+    def _chain(self) -> Any:
+        """The native chain (made on first use)."""
+        if self.ptr is not None or self.closed:
+            return self.ptr
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         self.ptr = chain
         add = lambda s: llama_cpp.llama_sampler_chain_add(chain, s)  # noqa: E731
-        p = params
+        p, history = self.params, self._history
+        n_vocab = self.n_vocab
         if p.repeat_penalty != 1.0:
             add(llama_cpp.llama_sampler_init_penalties(
                 n_vocab, p.repeat_last_n, p.repeat_penalty, 0.0, 0.0))
@@ -112,6 +123,7 @@ class Sampler:
         if p.repeat_penalty != 1.0:
             for t in history[-p.repeat_last_n :]:
                 llama_cpp.llama_sampler_accept(chain, t)
+        return chain
 
     def sample(self, ctx: Any, index: int) -> int:
         """Pick a token for row ``index`` of ``ctx``'s last decode (a ``Context``)."""
@@ -129,10 +141,11 @@ class Sampler:
                 token = int(row.argmax())  # the first largest, as the greedy sampler's ">"
                 if math.isfinite(row[token]):  # a NaN row: the chain decides, as before
                     return token
-        return llama_cpp.llama_sampler_sample(self.ptr, ctx_ptr, index)
+        return llama_cpp.llama_sampler_sample(self._chain(), ctx_ptr, index)
 
     def close(self) -> None:
         """Free the chain."""
+        self.closed = True
         if self.ptr:
             llama_cpp.llama_sampler_free(self.ptr)
             self.ptr = None

@@ -25,6 +25,10 @@ class TextStream:
         """Add one token's bytes; return the newly releasable text (maybe empty)."""
         if self.stopped is not None:
             return ""
+        if not self._stop:  # nothing to hold back but a split character (the decoder's)
+            out = self._decoder.decode(piece)
+            self.text += out
+            return out
         self._held += self._decoder.decode(piece)
         return self._release(final=False)
 
