@@ -14,8 +14,17 @@ import pytest
 
 from conftest import assert_consistent, scratch_reply
 from nbkv import Engine
-from nbkv.kv.replies import ReplyBook, ReplyMemo, deterministic, digest, settings_key
+from nbkv.kv.replies import (
+    TOKEN_DIGEST,
+    ReplyBook,
+    ReplyMemo,
+    deterministic,
+    digest,
+    settings_key,
+    text_digest,
+)
 from nbkv.llama.sampling import SamplingParams
+from nbkv.media.units import MediaKey, MediaUnit
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.figures import ttft_parts
 
@@ -87,6 +96,23 @@ def test_the_book_keeps_the_latest_replies_and_reads_back_its_json():
                 {**seeded.as_json(), "finish_reason": "error"}, {"prompt": "x"}, [1]):
         with pytest.raises(ValueError):
             ReplyMemo.from_json(bad, n_vocab=100)
+
+
+def test_a_reply_from_an_older_save_hashed_as_text_is_still_found():
+    """Saves made before token prompts were hashed as 8-byte integers hash them as text: such
+    a memo is kept by the next save and found (then keyed the new way); images stay text."""
+    prompt, reply = [1, 2, 3, 4], [7, 8]
+    memo, params = memo_for(prompt, reply, held=2)
+    assert memo.prompt.startswith(TOKEN_DIGEST) and memo.prompt != text_digest(prompt)
+    old = dataclasses.replace(memo, prompt=text_digest(prompt))
+    book = ReplyBook()
+    book.imported([old])
+    later = [*prompt, 7, 8, 5]
+    assert book.kept_by([later]) == [old] and book.cut_by(later, 2) == [old]
+    assert book.find(prompt, params, [later]) == (memo, 2)  # keyed the new way from now on
+    assert book.kept_by([later]) == [memo] and len(book) == 1
+    image = [1, MediaUnit(MediaKey("h", 0, 1, 1), 0), 2]
+    assert digest(image) == text_digest(image)
 
 
 # ------------------------------------------------------------------ the real engine

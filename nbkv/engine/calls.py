@@ -169,7 +169,4 @@ class ControlCalls:
 
     def import_replies(self, memos: Sequence[Any]) -> None:
         """Remember replies a save kept (checked :class:`~nbkv.kv.replies.ReplyMemo` s)."""
-        def put() -> None:
-            for m in memos:
-                self.scheduler.replies.add(m)
-        self.scheduler.call(put)
+        self.scheduler.call(lambda: self.scheduler.replies.imported(memos))

@@ -16,9 +16,10 @@ Pure bookkeeping: no model, no llama.cpp. The engine decides when a request may 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nbkv.kv.policy import common_prefix
@@ -47,9 +48,31 @@ def settings_key(params: SamplingParams) -> tuple[Any, ...]:
             *penalty, *stops)
 
 
+#: how a digest of token ids alone begins (:func:`digest`); saves made before it have none
+TOKEN_DIGEST = "t:"
+
+
 def digest(units: Sequence[Any]) -> str:
-    """A short digest of a prompt's units (token ids and image units), equal across runs."""
+    """A short digest of a prompt's units (token ids and image units), equal across runs.
+
+    Token ids alone are hashed as 8-byte integers (:data:`TOKEN_DIGEST`); with image units
+    among them, as their text (:func:`text_digest`, what every prompt was hashed as before).
+    """
+    try:
+        data = array("q", units).tobytes()
+    except TypeError:  # an image unit
+        return text_digest(units)
+    return TOKEN_DIGEST + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def text_digest(units: Sequence[Any]) -> str:
+    """The digest of ``units`` written as text: image prompts, and any prompt in older saves."""
     return hashlib.blake2b(repr(tuple(units)).encode(), digest_size=16).hexdigest()
+
+
+def _digest_as(units: Sequence[Any], like: str) -> str:
+    """``units``' digest in the form of ``like`` (a memo's, maybe from an older save)."""
+    return digest(units) if like.startswith(TOKEN_DIGEST) else text_digest(units)
 
 
 @dataclass(frozen=True)
@@ -133,6 +156,13 @@ class ReplyBook:
     def __init__(self, size: int = 2048) -> None:
         self.size = size
         self._memos: OrderedDict[tuple[str, tuple[Any, ...]], ReplyMemo] = OrderedDict()
+        self._text_keyed = False  # memos from an older save, their prompts hashed as text
+
+    def imported(self, memos: Iterable[ReplyMemo]) -> None:
+        """Remember memos a save kept (older saves hash every prompt as text)."""
+        for memo in memos:
+            self._text_keyed |= not memo.prompt.startswith(TOKEN_DIGEST)
+            self.add(memo)
 
     def __len__(self) -> int:
         return len(self._memos)
@@ -149,7 +179,15 @@ class ReplyBook:
         """The memo of ``prompt`` under ``params``, if one was generated (not yet checked)."""
         if not deterministic(params):
             return None
-        return self._memos.get((digest(prompt), settings_key(params)))
+        key = settings_key(params)
+        d = digest(prompt)
+        memo = self._memos.get((d, key))
+        if memo is None and self._text_keyed and d.startswith(TOKEN_DIGEST):
+            old = self._memos.pop((text_digest(prompt), key), None)  # from an older save
+            if old is not None:
+                memo = replace(old, prompt=d)
+                self._memos[(d, key)] = memo
+        return memo
 
     def find(self, prompt: Sequence[Any], params: SamplingParams,
              holders: Iterable[Sequence[Any]], need: int | None = None
@@ -175,7 +213,8 @@ class ReplyBook:
         out = []
         for memo in self._memos.values():
             n = memo.n_prompt
-            if any(len(units) >= n and digest(units[:n]) == memo.prompt for units in holders):
+            if any(len(units) >= n and _digest_as(units[:n], memo.prompt) == memo.prompt
+                   for units in holders):
                 out.append(memo)
         return out
 
@@ -186,8 +225,9 @@ class ReplyBook:
         could no longer replay: prompts it holds whole that end after ``at``.
         """
         return [m for m in self._memos.values() if at < m.n_prompt <= len(units)
-                and digest(units[:m.n_prompt]) == m.prompt]
+                and _digest_as(units[:m.n_prompt], m.prompt) == m.prompt]
 
     def clear(self) -> None:
         """Forget every reply."""
         self._memos.clear()
+        self._text_keyed = False
