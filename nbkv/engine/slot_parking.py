@@ -129,6 +129,30 @@ class Parker:
             return None  # parked already (a branch restored from a copy, cut again)
         return self.park_slot(slot, branch=True)
 
+    def keep_branch(self, entry: ParkedEntry, at: int) -> ParkedInfo | None:
+        """Before its own session's request cuts a parked conversation it took back to ``at``.
+
+        ``entry`` was restored into the session's slot and the request is no replay: the slot
+        is cut at the edit, as :meth:`park_branch` keeps it for an edit in the slot, ``entry``
+        is parked again, unchanged, as the session's earlier branch (unnamed). Its state then
+        belongs to that branch (the caller does not recycle it: the slot holds a copy). Not
+        when the cut loses no reply that could be replayed, or a parked conversation already
+        holds all of it. Returns the branch's info, or None when nothing was parked.
+        """
+        lot, toks = self.parking, tuple(entry.tokens)
+        if lot is None or at >= len(toks) or not self.replays.proven():
+            return None
+        rule = self.res.rule
+        if not any(at < valid_start(toks[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)
+                   for m in self.replays.replies.cut_by(toks, at)):
+            return None
+        if any(tuple(i.tokens[:len(toks)]) == toks for i in lot.entries()):
+            return None  # parked already
+        return lot.park(ParkedEntry(
+            None, toks, entry.hashes, entry.msg_ends, entry.state, entry.checkpoints,
+            entry.segments, entry.settled, entry.exact_len, entry.last_request,
+            entry.last_used, used_at=entry.used_at, branch_of=entry.session))
+
     def resume_point(self, slot: EngineSlot) -> int | None:
         """Where the next turn of ``slot``'s conversation will resume in its KV; None: no cut.
 
