@@ -59,7 +59,7 @@ class FakeParker:
     def park_branch(self, slot, at):
         self.log.append(f"park-branch {at}")
 
-    def keep_branch(self, entry, at):
+    def keep_branch(self, entry, at, prompt, replay):
         self.log.append(f"keep-branch {at}")
         return SimpleNamespace(n_tokens=len(entry.tokens), tier="ram") if self.keeps else None
 
@@ -119,7 +119,7 @@ def test_a_restore_keeps_what_the_restored_state_holds_then_trims_there():
     plan = policy.Plan(policy.HASH_EXTEND, 0, 9, parked="alice")
     adm = ad.admit(plan, ad.Holder(()), None, "alice", list(range(12)), RULE, cache="imc",
                    exact=False, taken=True)
-    job = SimpleNamespace(prompt=SimpleNamespace(tokens=list(range(12))))
+    job = SimpleNamespace(prompt=SimpleNamespace(tokens=list(range(12))), replay=False)
     out = executor(log).run(adm, job, target, None, entry)
     assert log == ["serve True", "restore", "keep-branch 6", "trim 6"]  # nothing cut: not kept
     assert (out.reuse, out.planned) == (6, 6) and out.restored.tier == "ram"
@@ -133,7 +133,7 @@ def taken_back(prompt):
     plan = policy.Plan(policy.HASH_EXTEND, 0, 4, parked="alice")
     adm = ad.admit(plan, ad.Holder(()), None, "alice", prompt, RULE, cache="imc",
                    exact=False, taken=True)
-    return entry, adm, SimpleNamespace(prompt=SimpleNamespace(tokens=prompt))
+    return entry, adm, SimpleNamespace(prompt=SimpleNamespace(tokens=prompt), replay=True)
 
 
 def test_an_edit_of_a_conversation_taken_back_keeps_the_entry_as_its_branch():

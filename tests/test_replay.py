@@ -289,3 +289,29 @@ def test_run_all_again_over_a_parked_conversation_replays_its_own_entry_and_park
         assert r.record.restored_session == ("ed" if i == 0 else None), r.record.reason_text
         assert not [p for p in engine.parked() if p.branch_of == "ed"]
     assert_consistent(engine)
+
+
+def test_going_back_to_an_earlier_turn_of_a_parked_conversation_moves_on_from_there(engine):
+    """02's section 6 run again: sessions with no replay asked for (the API's default) send
+    their first turn again while their conversations are parked. No edit, no replay: each
+    goes on from there as before (no branch parked), and its next turn restores its own
+    conversation. An edit that asks for no replay still keeps the branch it cuts."""
+    engine.clear(parked=True)
+    names = ("d", "e", "f")  # three sessions on two slots: each is parked before it returns
+    turns = {n: [[SYSTEM, user(f"I am {n}. Say hi.")]] for n in names}
+    kw = dict(max_tokens=MAX, temperature=0)
+    for _ in range(2):  # the first run, then the same cells again
+        for k in range(2):
+            for n in names:
+                msgs = turns[n][k]
+                r = engine.chat(msgs, session=n, **kw)
+                if len(turns[n]) == k + 1:
+                    turns[n].append(msgs + [r.message, user("And one more word?")])
+                if k:
+                    assert r.record.restored_session == n, r.record.reason_text
+                assert not [p for p in engine.parked() if p.branch_of is not None]
+    msgs = turns["d"][1][:1] + [user("I am d. Say bye.")]  # an edit of d's first turn
+    r = engine.chat(msgs, session="d", **kw).record
+    assert r.restored_session == "d" and r.trimmed_tokens > 0, r.reason_text
+    assert "d's earlier branch" in [vocab.parked_name(p) for p in engine.parked()]
+    assert_consistent(engine)

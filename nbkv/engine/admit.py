@@ -8,8 +8,9 @@ Two things only the KV can tell are settled here: how much a restored state hold
 length kept is capped to it), and whether the slot already holds this very prompt's reply (a
 replay: nothing is parked or cut after that). A parked conversation its own session takes
 back and then cuts (an edit) is parked again as its earlier branch, as an edit in the slot
-parks a copy of the branch it cuts. On a failure the slot is resynced and a parked entry
-taken back is parked again: nothing is lost.
+parks a copy of the branch it cuts (:meth:`~nbkv.engine.slot_parking.Parker.keep_branch`).
+On a failure the slot is resynced and a parked entry taken back is parked again (unless
+it is that branch now): nothing is lost.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class Executor:
             return
         if ad.PARK_BRANCH in steps and entry is not None:  # a parked conversation taken back
             if held:  # (a state that did not restore is not kept)
-                out.branch = self.parker.keep_branch(entry, out.reuse)
+                out.branch = self.parker.keep_branch(entry, out.reuse, p.tokens, job.replay)
         elif ad.PARK_BRANCH in steps and out.parked_to is None:
             self.parker.park_branch(slot, out.reuse)
         if cache == "imc":
