@@ -531,7 +531,12 @@ def test_a_parked_conversation_is_restored_after_the_slots_own_is_parked():
     a = admit_for([other], tokens, msgs + [{"role": "user", "content": "more"}], "alice",
                   parked=[entry], taken=True)
     assert a.plan.parked == "alice" and a.source == ad.RESTORE_SOURCE and a.taken
-    assert a.steps == (ad.PARK, ad.RESTORE, ad.TRIM)
+    # taken back, the entry is parked again as her earlier branch if the trim cuts it
+    assert a.steps == (ad.PARK, ad.RESTORE, ad.PARK_BRANCH, ad.TRIM)
+    copy = admit_for([other], tokens, msgs + [{"role": "user", "content": "more"}], "carol",
+                     parked=[entry])
+    assert copy.plan.parked == "alice" and not copy.taken  # a copy read: the entry stays
+    assert copy.steps == (ad.PARK, ad.RESTORE, ad.TRIM)
     assert (a.prev_len, a.prev_prompt_len) == (0, 0)  # what it reuses is the entry's, not bob's
 
 

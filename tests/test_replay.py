@@ -273,3 +273,71 @@ def test_an_edit_keeps_the_branch_it_cuts_so_run_all_again_replays_every_turn(en
     for s in engine.slots():
         assert [v.identical for v in engine.verify(s.index)] == [True]
     assert_consistent(engine)
+
+
+def test_an_edit_of_a_parked_conversation_keeps_the_branch_it_cuts(engine):
+    """As above, with more sessions than slots: the edited session's conversation was parked,
+    so the edit restores it and cuts it. Its old branch stays parked, as in its own slot
+    (found by the stateful test's long profile: a conversation held only there was lost)."""
+    engine.clear(parked=True)
+    turns = talk(engine, "ed", ["What is a CPU?", "And memory?", "And a disk?"])
+    engine.settle()
+    talk(engine, "q1", ["Hi."])
+    talk(engine, "q2", ["Hello."])  # ed's slot taken: parked
+    assert "ed" in [p.session for p in engine.parked()]
+    msgs, _ = turns[1]
+    kw = dict(session="ed", max_tokens=MAX, temperature=0, replay=True)
+    edited = engine.chat(msgs[:-1] + [user("And a GPU?")], **kw).record
+    assert edited.restored_from == "ram" and edited.restored_session == "ed"
+    assert "ed's earlier branch" in [vocab.parked_name(p) for p in engine.parked()]
+    msgs, last = turns[2]  # the old last cell run again: replayed from the branch
+    r = engine.chat(msgs, **kw)
+    assert r.text == last.text and r.record.reason == "replayed", r.record.reason_text
+    assert r.record.prefilled_tokens == 0
+    assert_consistent(engine)
+
+
+def test_run_all_again_over_a_parked_conversation_replays_its_own_entry_and_parks_nothing(
+        engine):
+    """02's second "Run All": a session's cells run again while its conversation is parked.
+    The first restores its own entry and is replayed: nothing is cut, so no branch is parked
+    (and the later cells replay in place, not from a branch's copy)."""
+    engine.clear(parked=True)
+    turns = talk(engine, "ed", ["What is a CPU?", "And memory?", "And a disk?"])
+    engine.settle()
+    talk(engine, "q1", ["Hi."])
+    talk(engine, "q2", ["Hello."])  # ed's slot taken: parked
+    kw = dict(session="ed", max_tokens=MAX, temperature=0, replay=True)
+    for i, (msgs, first) in enumerate(turns):
+        r = engine.chat(msgs, **kw)
+        assert r.text == first.text and r.record.reason == "replayed", r.record.reason_text
+        assert r.record.prefilled_tokens == 0
+        assert r.record.restored_session == ("ed" if i == 0 else None), r.record.reason_text
+        assert not [p for p in engine.parked() if p.branch_of == "ed"]
+    assert_consistent(engine)
+
+
+def test_going_back_to_an_earlier_turn_of_a_parked_conversation_moves_on_from_there(engine):
+    """02's section 6 run again: sessions with no replay asked for (the API's default) send
+    their first turn again while their conversations are parked. No edit, no replay: each
+    goes on from there as before (no branch parked), and its next turn restores its own
+    conversation. An edit that asks for no replay still keeps the branch it cuts."""
+    engine.clear(parked=True)
+    names = ("d", "e", "f")  # three sessions on two slots: each is parked before it returns
+    turns = {n: [[SYSTEM, user(f"I am {n}. Say hi.")]] for n in names}
+    kw = dict(max_tokens=MAX, temperature=0)
+    for _ in range(2):  # the first run, then the same cells again
+        for k in range(2):
+            for n in names:
+                msgs = turns[n][k]
+                r = engine.chat(msgs, session=n, **kw)
+                if len(turns[n]) == k + 1:
+                    turns[n].append(msgs + [r.message, user("And one more word?")])
+                if k:
+                    assert r.record.restored_session == n, r.record.reason_text
+                assert not [p for p in engine.parked() if p.branch_of is not None]
+    msgs = turns["d"][1][:1] + [user("I am d. Say bye.")]  # an edit of d's first turn
+    r = engine.chat(msgs, session="d", **kw).record
+    assert r.restored_session == "d" and r.trimmed_tokens > 0, r.reason_text
+    assert "d's earlier branch" in [vocab.parked_name(p) for p in engine.parked()]
+    assert_consistent(engine)

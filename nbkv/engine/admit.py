@@ -6,8 +6,11 @@ states (:data:`nbkv.kv.admission.STEP_ORDER`) to the target slot's
 positions really kept, what was parked, restored, replayed, trimmed, and the time each took.
 Two things only the KV can tell are settled here: how much a restored state holds (the
 length kept is capped to it), and whether the slot already holds this very prompt's reply (a
-replay: nothing is parked or cut after that). On a failure the slot is resynced and a parked
-entry taken back is parked again: nothing is lost.
+replay: nothing is parked or cut after that). A parked conversation its own session takes
+back and then cuts (an edit) is parked again as its earlier branch, as an edit in the slot
+parks a copy of the branch it cuts (:meth:`~nbkv.engine.slot_parking.Parker.keep_branch`).
+On a failure the slot is resynced and a parked entry taken back is parked again (unless
+it is that branch now): nothing is lost.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Outcome:
     reuse: int  # positions the slot keeps of the prompt
     planned: int  # ... as planned before the trim (the admission's, or a restored state's)
     parked_to: ParkedInfo | None = None  # where the displaced conversation went
+    branch: ParkedInfo | None = None  # the entry taken back, parked again as the edit's branch
     restored: reasons.Restored | None = None  # the parked conversation put back
     memo: Any = None  # the reply replayed (nbkv.engine.replay), if any
     held_after: int = 0  # ... and how many of its tokens follow the prompt in the slot
@@ -85,18 +89,20 @@ class Executor:
         kv = slot.kv
         kv.last_restore = None
         self.table.serve(slot, True)
+        owned = entry if adm.taken else None  # taken from the lot (else a copy read)
         try:
             self._steps(adm, job, slot, donor, entry, out)
         except BaseException:
             kv.resync()
             self.table.serve(slot, False)
-            if entry is not None and adm.taken and self.parking is not None:
-                self.parking.park(entry)  # taken from the lot: not lost
+            if owned is not None and out.branch is None and self.parking is not None:
+                self.parking.park(owned)  # taken from the lot: not lost
             raise
-        if entry is not None and adm.taken:  # its state is in the slot now: the next park
-            # reuses its memory (a borrowed copy shares its buffers with the entry still parked)
+        if owned is not None and out.branch is None:  # its state is in the slot now: the next
+            # park reuses its memory (not a borrowed copy's, whose buffers the entry still
+            # parked shares, nor that of an entry parked again as the edit's branch)
             t_put = time.perf_counter()
-            state, entry.state = entry.state, None
+            state, owned.state = owned.state, None
             self.res.ctx.recycle(state)
             del state
             out.unpark_s += time.perf_counter() - t_put
@@ -113,6 +119,7 @@ class Executor:
             out.parked_to = self.parker.park_slot(slot)
             out.park_s = time.perf_counter() - t_park
         self.table.drop_rewrite(slot)
+        held = 0
         if ad.RESTORE in steps and entry is not None:
             t_put = time.perf_counter()
             held = self.parker.restore_into(slot, entry)  # (it empties the slot first)
@@ -139,7 +146,10 @@ class Executor:
             out.memo, out.held_after = found
             out.reuse = len(p.tokens)
             return
-        if ad.PARK_BRANCH in steps and out.parked_to is None:
+        if ad.PARK_BRANCH in steps and entry is not None:  # a parked conversation taken back
+            if held:  # (a state that did not restore is not kept)
+                out.branch = self.parker.keep_branch(entry, out.reuse, p.tokens, job.replay)
+        elif ad.PARK_BRANCH in steps and out.parked_to is None:
             self.parker.park_branch(slot, out.reuse)
         if cache == "imc":
             out.trimmed = len(kv) - out.reuse

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.engine.slots import SlotPhase
@@ -128,6 +129,35 @@ class Parker:
         if any(i.tokens[:len(held)] == held for i in lot.entries()):
             return None  # parked already (a branch restored from a copy, cut again)
         return self.park_slot(slot, branch=True)
+
+    def keep_branch(self, entry: ParkedEntry, at: int, prompt: Sequence[Any], replay: bool
+                    ) -> ParkedInfo | None:
+        """Before its own session's request cuts a parked conversation it took back to ``at``.
+
+        ``entry`` was restored into the session's slot for ``prompt`` and the request is no
+        replay: as :meth:`park_branch` does for an edit in the slot, ``entry`` is parked again,
+        unchanged, as the session's earlier branch (unnamed); its state is then the branch's
+        (the caller does not recycle it: the slot holds a copy). Only for an edit (``prompt``
+        leaves the entry) or a request that asks for replays (a notebook cell: the cells after
+        it may run again); a request that only goes back to an earlier turn moves on from
+        there. Not when the cut loses no reply that could be replayed, or a parked
+        conversation already holds all of it. Returns the branch's info, or None.
+        """
+        lot, toks = self.parking, tuple(entry.tokens)
+        if lot is None or at >= len(toks) or not self.replays.proven():
+            return None
+        if not replay and policy.common_prefix(toks, prompt) >= min(len(toks), len(prompt)):
+            return None  # no edit, and no replay asked for
+        rule = self.res.rule
+        if not any(at < valid_start(toks[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)
+                   for m in self.replays.replies.cut_by(toks, at)):
+            return None
+        if any(tuple(i.tokens[:len(toks)]) == toks for i in lot.entries()):
+            return None  # parked already
+        return lot.park(ParkedEntry(
+            None, toks, entry.hashes, entry.msg_ends, entry.state, entry.checkpoints,
+            entry.segments, entry.settled, entry.exact_len, entry.last_request,
+            entry.last_used, used_at=entry.used_at, branch_of=entry.session))
 
     def resume_point(self, slot: EngineSlot) -> int | None:
         """Where the next turn of ``slot``'s conversation will resume in its KV; None: no cut.

@@ -13,8 +13,9 @@ The steps, always in this order (:data:`STEP_ORDER`): the conversation the slot 
 parked (a read of its state); a parked conversation is restored into it (a whole-state
 write); a donor's prefix is copied into it; the system prompt's state is loaded (SPC) or the
 slot cleared (cache off); the branch an edit leaves is parked (where the first step parked
-nothing); the slot is trimmed to what is kept. A reply the slot already holds for this very
-prompt (a replay) ends the steps before the branch is parked.
+nothing; of a parked conversation taken back, the entry itself); the slot is trimmed to what
+is kept. A reply the slot already holds for this very prompt (a replay) ends the steps before
+the branch is parked.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def admit(plan: policy.Plan, slot: Holder, donor: Holder | None, session: str | 
         steps.append(LOAD_SPC)
     elif cache == "off":
         steps.append(CLEAR)
-    elif cache == "imc" and not restoring and donor is None:
-        steps.append(PARK_BRANCH)  # an edit: its old branch's replies stay
+    elif cache == "imc" and donor is None and (taken or not restoring):
+        # an edit: its old branch's replies stay (an entry read as a copy stays parked anyway)
+        steps.append(PARK_BRANCH)
     steps.append(TRIM)
     if restoring:
         source = RESTORE_SOURCE
