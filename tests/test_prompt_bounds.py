@@ -9,7 +9,7 @@ import random
 import pytest
 
 from nbkv.core.errors import ContextOverflowError, InvalidRequestError
-from nbkv.core.messages import normalize
+from nbkv.core.messages import normalize, preview
 from nbkv.prompt.builder import PromptBuilder
 from nbkv.prompt.templates import CHATML, ChatTemplate
 
@@ -129,6 +129,16 @@ def test_slide_keeps_what_dropping_one_turn_at_a_time_kept(seed):
         assert (p.dropped, len(p.tokens)) == want
         assert p.messages == msgs[: 1 if msgs[0]["role"] == "system" else 0] + msgs[
             len(msgs) - len(p.messages) + (1 if msgs[0]["role"] == "system" else 0):]
+
+
+def test_a_long_message_is_previewed_from_its_start_as_from_the_whole_text():
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice(["a", "bc ", " ", "\n\n", " " * 90, "word "])
+                       for _ in range(rng.randrange(0, 400)))
+        whole = " ".join(text.split())
+        want = whole if len(whole) <= 20 else whole[:19] + "…"
+        assert preview({"content": text}, width=20) == want
 
 
 def test_a_text_too_long_to_fit_is_refused_untokenized():

@@ -283,7 +283,7 @@ class EventBus:
     """A subscriber list plus a bounded history of finished requests."""
 
     history_size: int = 1000
-    _subs: list[Subscriber] = field(default_factory=list)
+    _subs: tuple[Subscriber, ...] = ()  # replaced whole (under the lock), read without it
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -292,12 +292,14 @@ class EventBus:
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback(event)`` for every event; returns a function that unsubscribes."""
         with self._lock:
-            self._subs.append(callback)
+            self._subs = (*self._subs, callback)
 
         def unsubscribe() -> None:
             with self._lock:
                 if callback in self._subs:
-                    self._subs.remove(callback)
+                    subs = list(self._subs)
+                    subs.remove(callback)
+                    self._subs = tuple(subs)
 
         return unsubscribe
 
@@ -305,9 +307,7 @@ class EventBus:
         """Deliver ``event`` to every subscriber; record finished requests."""
         if isinstance(event, RequestFinished):
             self.history.append(event.record)
-        with self._lock:
-            subs = list(self._subs)
-        for cb in subs:
+        for cb in self._subs:
             try:
                 cb(event)
             except Exception:

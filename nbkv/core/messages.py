@@ -124,5 +124,12 @@ def preview(message: Mapping[str, Any], width: int = 60) -> str:
             else:
                 parts.append("[" + str(p.get("type", "?") if isinstance(p, Mapping) else "?") + "]")
         content = " ".join(parts)
-    text = " ".join(str(content or "").split())
+    text = str(content or "")
+    n = 4 * width  # a long message: only its start is read (whitespace collapsed, a prefix
+    while n < len(text):  # of the whole preview), until it is longer than the preview
+        head = " ".join(text[:n].split())
+        if len(head) > width:
+            return head[: width - 1] + "…"
+        n *= 4
+    text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
