@@ -63,7 +63,6 @@ from nbkv.store.blobstore import (
 )
 from nbkv.store.park_adopt import flock
 from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json
-from nbkv.store.protocols import Persistable, SessionStoreLike
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
     FORMAT,
     MANIFEST,
@@ -196,8 +195,8 @@ def _require_local(engine: Any, what: str) -> None:
 # -- save ------------------------------------------------------------------------------------
 
 
-def save(engine: Persistable, path: str | os.PathLike | None = None,
-         sessions: SessionStoreLike | None = None, *, only_if_idle: bool = False,
+def save(engine: Any, path: str | os.PathLike | None = None,
+         sessions: Any = None, *, only_if_idle: bool = False,
          progress: Reporter | bool | None = None) -> SaveReport:
     """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
 
@@ -375,7 +374,7 @@ class _Plan:
     nbytes: int = 0
 
 
-def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
+def _load(engine: Any, root: Path, body: dict[str, Any], sessions: Any,
           on_blob: Callable[[int], None] | None = None) -> _Plan:
     """Read and check every blob and record of a save; touches nothing in the engine."""
     table = body.get("blobs")
@@ -417,7 +416,7 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
     return plan
 
 
-def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
+def _state_reader(engine: Any, read: Reader) -> Callable[[Any], Any]:
     """Reads a saved state blob, re-addressed to this engine's KV streams where it differs."""
 
     def state(name: Any) -> Any:
@@ -436,7 +435,7 @@ def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
     return state
 
 
-def _load_slots(engine: Persistable, body: dict[str, Any], read: Reader,
+def _load_slots(engine: Any, body: dict[str, Any], read: Reader,
                 state: Callable[[Any], Any], created: float, plan: _Plan) -> None:
     """The saved slots into ``plan``, most recently used first.
 
@@ -479,8 +478,8 @@ def _embedding_arrays(e: dict[str, Any], read: Reader) -> list[np.ndarray]:
     return arrays
 
 
-def restore(engine: Persistable, path: str | os.PathLike | None = None,
-            sessions: SessionStoreLike | None = None, *, trust: bool = False,
+def restore(engine: Any, path: str | os.PathLike | None = None,
+            sessions: Any = None, *, trust: bool = False,
             progress: Reporter | bool | None = None) -> RestoreReport:
     """Replace ``engine``'s slots and caches with the save at ``path``.
 
