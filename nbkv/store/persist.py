@@ -61,7 +61,7 @@ from nbkv.store.blobstore import (
     write_blobs,
     write_file,
 )
-from nbkv.store.park_adopt import flock
+from nbkv.store.park_adopt import locked
 from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
     FORMAT,
@@ -236,9 +236,9 @@ def save(engine: Any, path: str | os.PathLike | None = None,
         "blobs": blobs.table(),
     }
     total = sum(len(mv) for mv in blobs.data.values())
-    with _locked(root, exclusive=True) as locked, \
+    with _locked(root, exclusive=True) as held, \
             _bytes_task(progress, total, f"saving to {root}") as done:
-        written = _write(root, body, blobs, locked, done)
+        written = _write(root, body, blobs, held, done)
     rep = SaveReport(root, tuple(reports), tuple(cap.busy), len(spc_json), len(emb_json),
                      tuple(s["name"] for s in sess_json),
                      sum(len(mv) for mv in blobs.data.values()), written,
@@ -290,22 +290,14 @@ def _embeddings_json(proj: Any, media: set[str], blobs: Blobs) -> list[dict]:
     return emb_json
 
 
-@contextlib.contextmanager
-def _locked(root: Path, exclusive: bool) -> Any:
+def _locked(root: Path, exclusive: bool) -> contextlib.AbstractContextManager[bool]:
     """Hold ``root``'s lock file: one writer, or readers, at a time (across processes too).
 
     Without it, a save's clean-up could delete blobs that another save's new manifest (or a
-    restore reading the old one) still needs. Yields whether the lock is held.
+    restore reading the old one) still needs. Yields whether the lock is held (a read-only
+    save is restored without it).
     """
-    try:
-        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:  # a read-only save can still be restored
-        yield False
-        return
-    try:
-        yield flock(fd, blocking=True, shared=not exclusive)
-    finally:
-        os.close(fd)
+    return locked(root / ".lock", os.O_RDWR | os.O_CREAT, blocking=True, shared=not exclusive)
 
 
 @contextlib.contextmanager
