@@ -39,7 +39,7 @@ from nbkv.notebook.turns import (  # noqa: F401 - the session model, re-exported
     TurnChange,
     cut_from,
 )
-from nbkv.store.protocols import use_default_sessions
+from nbkv.store.session_state import use_default_sessions
 
 if TYPE_CHECKING:
     from nbkv.core.events import RequestRecord

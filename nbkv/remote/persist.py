@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from nbkv.core.errors import RestoreError, SaveError, ServerError, UntrustedSaveError
 from nbkv.kv.conversation import Conversation
@@ -45,9 +45,6 @@ from nbkv.store.persist import (
     untrusted_message,
 )
 from nbkv.store.session_state import check_session_state, kernel_sessions
-
-if TYPE_CHECKING:
-    from nbkv.store.protocols import SessionStoreLike
 
 
 class LlamaServerEngine(Protocol):
@@ -94,7 +91,7 @@ def _identity(engine: LlamaServerEngine) -> dict[str, Any]:
 
 
 def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
-         sessions: SessionStoreLike | None = None) -> SaveReport:
+         sessions: Any = None) -> SaveReport:
     """Have the server save each idle slot, and write nbkv's table next to the notebook."""
     store = kernel_sessions(sessions)
     root = save_root(path)
@@ -150,7 +147,7 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
 
 
 def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
-            sessions: SessionStoreLike | None = None, *, trust: bool = False) -> RestoreReport:
+            sessions: Any = None, *, trust: bool = False) -> RestoreReport:
     """Load a remote save back into the server's slots and nbkv's table (checked first).
 
     A save not signed by this user's key raises :class:`UntrustedSaveError` unless ``trust``.

@@ -6,14 +6,11 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nbkv.core.errors import EngineBusy, NbkvError
 from nbkv.core.events import RequestFinished
 from nbkv.store.persist import save
-
-if TYPE_CHECKING:
-    from nbkv.store.protocols import Persistable, SessionStoreLike
 
 log = logging.getLogger("nbkv")
 
@@ -26,8 +23,8 @@ class Autosaver:
     states are copied: a reply is never held up by it.
     """
 
-    def __init__(self, engine: Persistable, path: str | os.PathLike | None = None,
-                 sessions: SessionStoreLike | None = None, interval: float = 30.0,
+    def __init__(self, engine: Any, path: str | os.PathLike | None = None,
+                 sessions: Any = None, interval: float = 30.0,
                  quiet: float = 2.0) -> None:
         self.engine = engine
         self.path = path

@@ -60,18 +60,29 @@ def flock(fd: int, blocking: bool = False, shared: bool = False) -> bool:
 
 
 @contextlib.contextmanager
-def orphaned(ns: Path, legacy: bool) -> Iterator[bool]:
-    """Hold ``ns``'s lock if nobody does (its engine is gone); yields whether it is held."""
-    target = ns / ENTRIES if legacy else ns / LOCK
+def locked(path: Path, flags: int = os.O_RDWR, blocking: bool = False, shared: bool = False
+           ) -> Iterator[bool]:
+    """Hold a :func:`flock` on the file ``path`` (opened with ``flags``); yields whether held.
+
+    A file that cannot be opened (none there, a read-only directory) is not held.
+    """
     try:
-        fd = os.open(target, os.O_RDONLY if legacy else os.O_RDWR)
-    except OSError:  # no lock file: a namespace being made, or not one at all
+        fd = os.open(path, flags, 0o644)
+    except OSError:
         yield False
         return
     try:
-        yield flock(fd)
+        yield flock(fd, blocking, shared)
     finally:
         os.close(fd)
+
+
+def orphaned(ns: Path, legacy: bool) -> contextlib.AbstractContextManager[bool]:
+    """Hold ``ns``'s lock if nobody does (its engine is gone); yields whether it is held.
+
+    No lock file: a namespace being made, or not one at all (not held).
+    """
+    return locked(ns / ENTRIES, os.O_RDONLY) if legacy else locked(ns / LOCK)
 
 
 def number(key: str) -> int:

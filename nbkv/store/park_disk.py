@@ -99,14 +99,6 @@ def _canon(identity: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(dict(identity), sort_keys=True))
 
 
-def differences(parked: Any, mine: Mapping[str, Any]) -> list[str]:
-    """What differs between the identity an entry was parked under and this engine's."""
-    if not isinstance(parked, dict):
-        return ["no engine identity"]
-    return [f"{k}: parked with {parked.get(k)!r}, this engine has {mine.get(k)!r}"
-            for k in sorted(set(parked) | set(mine)) if parked.get(k) != mine.get(k)]
-
-
 def servable(parked: Any, mine: Mapping[str, Any]) -> tuple[list[str], int | None]:
     """What keeps an entry parked under identity ``parked`` from this engine, if anything.
 
@@ -118,8 +110,9 @@ def servable(parked: Any, mine: Mapping[str, Any]) -> tuple[list[str], int | Non
         return ["no engine identity"], None
     theirs, ours = parked.get("n_slots"), mine.get("n_slots")
     moves = ("n_slots", "kv_streams")  # a slot each, and the exact mode's shadow sequence
-    diffs = differences({k: v for k, v in parked.items() if k not in moves},
-                        {k: v for k, v in mine.items() if k not in moves})
+    diffs = [f"{k}: parked with {parked.get(k)!r}, this engine has {mine.get(k)!r}"
+             for k in sorted(set(parked) | set(mine))
+             if k not in moves and parked.get(k) != mine.get(k)]
     if diffs or all(parked.get(k) == mine.get(k) for k in moves):
         return diffs, None
     if mine.get("memory") == "plain" and isinstance(theirs, int) and theirs > 0:

@@ -43,15 +43,13 @@ from nbkv.core.errors import InvalidRequestError, RestoreError
 from nbkv.llama.memplan import free_memory
 from nbkv.store.blobstore import Blobs
 from nbkv.store.park_adopt import number
-from nbkv.store.park_disk import DiskTier, Put, Staged
+from nbkv.store.park_disk import GIB, DiskTier, Put, Staged
 from nbkv.store.parked import DISK, RAM, TIERS, ParkedEntry, ParkedInfo, entry_from_json, entry_json
 
 __all__ = ["DISK", "RAM", "TIERS", "Dropped", "ParkedEntry", "ParkedInfo", "ParkingLot",
            "default_ram_budget", "parking_stats"]
 
 log = logging.getLogger("nbkv.store.parking")
-
-GIB = 1 << 30
 
 
 def default_ram_budget() -> int:

@@ -61,9 +61,8 @@ from nbkv.store.blobstore import (
     write_blobs,
     write_file,
 )
-from nbkv.store.park_adopt import flock
+from nbkv.store.park_adopt import locked
 from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json
-from nbkv.store.protocols import Persistable, SessionStoreLike
 from nbkv.store.save_checks import (  # noqa: F401 - re-exported: the save format's checks
     FORMAT,
     MANIFEST,
@@ -196,8 +195,8 @@ def _require_local(engine: Any, what: str) -> None:
 # -- save ------------------------------------------------------------------------------------
 
 
-def save(engine: Persistable, path: str | os.PathLike | None = None,
-         sessions: SessionStoreLike | None = None, *, only_if_idle: bool = False,
+def save(engine: Any, path: str | os.PathLike | None = None,
+         sessions: Any = None, *, only_if_idle: bool = False,
          progress: Reporter | bool | None = None) -> SaveReport:
     """Save ``engine``'s slots and caches, and the messages of ``sessions``, to ``path``.
 
@@ -237,9 +236,9 @@ def save(engine: Persistable, path: str | os.PathLike | None = None,
         "blobs": blobs.table(),
     }
     total = sum(len(mv) for mv in blobs.data.values())
-    with _locked(root, exclusive=True) as locked, \
+    with _locked(root, exclusive=True) as held, \
             _bytes_task(progress, total, f"saving to {root}") as done:
-        written = _write(root, body, blobs, locked, done)
+        written = _write(root, body, blobs, held, done)
     rep = SaveReport(root, tuple(reports), tuple(cap.busy), len(spc_json), len(emb_json),
                      tuple(s["name"] for s in sess_json),
                      sum(len(mv) for mv in blobs.data.values()), written,
@@ -291,22 +290,14 @@ def _embeddings_json(proj: Any, media: set[str], blobs: Blobs) -> list[dict]:
     return emb_json
 
 
-@contextlib.contextmanager
-def _locked(root: Path, exclusive: bool) -> Any:
+def _locked(root: Path, exclusive: bool) -> contextlib.AbstractContextManager[bool]:
     """Hold ``root``'s lock file: one writer, or readers, at a time (across processes too).
 
     Without it, a save's clean-up could delete blobs that another save's new manifest (or a
-    restore reading the old one) still needs. Yields whether the lock is held.
+    restore reading the old one) still needs. Yields whether the lock is held (a read-only
+    save is restored without it).
     """
-    try:
-        fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:  # a read-only save can still be restored
-        yield False
-        return
-    try:
-        yield flock(fd, blocking=True, shared=not exclusive)
-    finally:
-        os.close(fd)
+    return locked(root / ".lock", os.O_RDWR | os.O_CREAT, blocking=True, shared=not exclusive)
 
 
 @contextlib.contextmanager
@@ -375,7 +366,7 @@ class _Plan:
     nbytes: int = 0
 
 
-def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
+def _load(engine: Any, root: Path, body: dict[str, Any], sessions: Any,
           on_blob: Callable[[int], None] | None = None) -> _Plan:
     """Read and check every blob and record of a save; touches nothing in the engine."""
     table = body.get("blobs")
@@ -417,7 +408,7 @@ def _load(engine: Persistable, root: Path, body: dict[str, Any], sessions: Any,
     return plan
 
 
-def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
+def _state_reader(engine: Any, read: Reader) -> Callable[[Any], Any]:
     """Reads a saved state blob, re-addressed to this engine's KV streams where it differs."""
 
     def state(name: Any) -> Any:
@@ -436,7 +427,7 @@ def _state_reader(engine: Persistable, read: Reader) -> Callable[[Any], Any]:
     return state
 
 
-def _load_slots(engine: Persistable, body: dict[str, Any], read: Reader,
+def _load_slots(engine: Any, body: dict[str, Any], read: Reader,
                 state: Callable[[Any], Any], created: float, plan: _Plan) -> None:
     """The saved slots into ``plan``, most recently used first.
 
@@ -479,8 +470,8 @@ def _embedding_arrays(e: dict[str, Any], read: Reader) -> list[np.ndarray]:
     return arrays
 
 
-def restore(engine: Persistable, path: str | os.PathLike | None = None,
-            sessions: SessionStoreLike | None = None, *, trust: bool = False,
+def restore(engine: Any, path: str | os.PathLike | None = None,
+            sessions: Any = None, *, trust: bool = False,
             progress: Reporter | bool | None = None) -> RestoreReport:
     """Replace ``engine``'s slots and caches with the save at ``path``.
 

@@ -17,7 +17,7 @@ import re
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nbkv.core.errors import (
     InvalidRequestError,
@@ -27,9 +27,6 @@ from nbkv.core.errors import (
     UntrustedSaveError,
 )
 from nbkv.store.blobstore import read_manifest as read_signed
-
-if TYPE_CHECKING:
-    from nbkv.store.protocols import Persistable
 
 log = logging.getLogger("nbkv")
 
@@ -108,7 +105,7 @@ def open_manifest(path: str | os.PathLike | None = None
     return root, body, why
 
 
-def compare(engine: Persistable, body: dict[str, Any]) -> list[str]:
+def compare(engine: Any, body: dict[str, Any]) -> list[str]:
     """What differs between the engine and a save's manifest (empty: compatible)."""
     mine, theirs = engine.identity(), body.get("engine") or {}
     diffs = []
@@ -140,7 +137,7 @@ def uses_media(body: dict[str, Any]) -> bool:
                for t in s.get("tokens", []))
 
 
-def compatible(engine: Persistable, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+def compatible(engine: Any, path: str | os.PathLike | None = None) -> dict[str, Any] | None:
     """The manifest of a trusted save at ``path`` that ``engine`` can restore, else None."""
     try:
         _, body = read_manifest(path)
@@ -193,7 +190,7 @@ def restream(buf: Any, n_now: int) -> Any:
     return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
 
-def offer(engine: Persistable, path: str | os.PathLike | None = None) -> str | None:
+def offer(engine: Any, path: str | os.PathLike | None = None) -> str | None:
     """A line offering the save at ``path`` if ``engine`` can restore it, else None."""
     try:
         _, body, why = open_manifest(path)

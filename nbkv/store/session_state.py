@@ -3,28 +3,44 @@
 Used by both savers (:mod:`nbkv.store.persist` in the kernel, :mod:`nbkv.remote.persist` on
 a server): the session store to save by default, a saved state checked before it loads,
 and the encoding of message values (pictures become content-named image blobs).
+
+A session store is anything iterable over sessions (each with ``name``, ``state_dict()``
+and ``load_state(d)``) with ``get(name)`` and, optionally, ``check_state(name, state)``
+(raises ``ValueError`` when ``state`` would not load): the notebook's store is one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nbkv.core.errors import NbkvError, RestoreError, SaveError
 from nbkv.media.images import Image, image_hash, load_image
 from nbkv.store.blobstore import Blobs
-from nbkv.store.protocols import default_sessions
 
 #: the key that marks a picture in a saved message (its value names the image blob)
 _IMAGE_TAG = "$nbkv_image"
 
 
-def kernel_sessions(sessions: Any) -> Any:
-    """``sessions``, or by default the kernel's store when nbkv's sessions are in use.
+#: where saves find the kernel's sessions when none are given (set by the notebook layer)
+_default_sessions: Callable[[], Any] | None = None
+
+
+def use_default_sessions(provider: Callable[[], Any] | None) -> None:
+    """Make ``provider()`` the session store saves use when none is given (the notebook's)."""
+    global _default_sessions
+    _default_sessions = provider
+
+
+def kernel_sessions(sessions: Any = None) -> Any:
+    """``sessions``, or by default the kernel's store when nbkv's sessions are in use (else ``()``).
 
     The session store sits above persistence (it loads engines): it registers itself
-    (:func:`nbkv.store.protocols.use_default_sessions`).
+    (:func:`use_default_sessions`).
     """
-    return sessions if sessions is not None else default_sessions()
+    if sessions is not None:
+        return sessions
+    return _default_sessions() if _default_sessions is not None else ()
 
 
 def check_session_state(sessions: Any, name: str, state: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Int
 
-from nbkv.store.protocols import default_sessions
+from nbkv.store.session_state import kernel_sessions
 from nbkv.ui.conversation_view import conversation_html
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
 from nbkv.ui.widgets.snapshot import register
@@ -32,8 +32,8 @@ class Conversations(FeedView, W.VBox):
                  sessions: Any = None, **kw: Any) -> None:
         self.engine = engine
         # default: the kernel's session store when nbkv's sessions are in use (it registers
-        # itself: nbkv.store.protocols.use_default_sessions), else none
-        self.sessions = sessions if sessions is not None else default_sessions()
+        # itself: nbkv.store.session_state.use_default_sessions), else none
+        self.sessions = kernel_sessions(sessions)
         self.view = W.HTML()
         self.view.add_class("nbkv-conversations-view")
         self.note = W.HTML()
