@@ -106,7 +106,7 @@ class Part:
     Wall time, and the CPU time of the thread running it: the wall time also holds waits (for
     the interpreter's lock while another thread runs Python, for a core the OS gave another
     process), the CPU time only the work. A plain context manager, not a generator: it runs
-    around every sampled token.
+    around every generation step.
     """
 
     __slots__ = ("counters", "name", "into", "idle", "start", "llama", "nested", "cpu",
