@@ -57,21 +57,21 @@ def test_quick_bench_decode_subagents_and_speculative(tmp_path, model_path):
 
 
 def test_costs_per_request_split_wall_cpu_and_idle_host_time():
-    """The realistic scenario's costs: per request, host time as wall and CPU time by part,
-    idle-time work apart (no model: two counter snapshots)."""
+    """The realistic scenario's costs: per request, host time as wall time by part and as CPU
+    time, idle-time work apart (no model: two counter snapshots)."""
     from types import SimpleNamespace
 
     from nbkv.bench.lean import _costs
 
     zero = {"decode_calls": 0, "rows": 0, "padded_rows": 0, "bytes_moved": 0, "host_s": {},
-            "host_cpu_s": {}, "idle_host_s": {}}
+            "host_cpu_s": 0.0, "idle_host_s": {}}
     now = {"path": "lean", "decode_calls": 10, "rows": 40, "padded_rows": 0, "bytes_moved": 0,
            "host_s": {"placement": 0.004, "sampling": 0.002},
-           "host_cpu_s": {"placement": 0.002, "sampling": 0.001},
+           "host_cpu_s": 0.003,
            "idle_host_s": {"rewrite": 0.006, "gc": 0.002}}
     runner = SimpleNamespace(engine=SimpleNamespace(counters=lambda: now))
     c = _costs(runner, zero, 2)
     assert c["decode_calls"] == 5 and c["rows"] == 20
     assert c["host_s"] == pytest.approx(0.003) and c["host_cpu_s"] == pytest.approx(0.0015)
-    assert c["host_cpu_s_by_part"] == pytest.approx({"placement": 0.001, "sampling": 0.0005})
+    assert c["host_s_by_part"] == pytest.approx({"placement": 0.002, "sampling": 0.001})
     assert c["idle_host_s_by_part"] == pytest.approx({"rewrite": 0.003, "gc": 0.001})

@@ -38,7 +38,6 @@ def _costs(runner: NbkvRunner, before: dict[str, Any], requests: int) -> dict[st
     now = runner.engine.counters()
     n = max(requests, 1)
     host = {k: (v - before["host_s"].get(k, 0.0)) / n for k, v in now["host_s"].items()}
-    cpu = {k: (v - before["host_cpu_s"].get(k, 0.0)) / n for k, v in now["host_cpu_s"].items()}
     idle = {k: (v - before["idle_host_s"].get(k, 0.0)) / n
             for k, v in now["idle_host_s"].items()}  # no request waited for it
     return {"path": now["path"],
@@ -47,7 +46,7 @@ def _costs(runner: NbkvRunner, before: dict[str, Any], requests: int) -> dict[st
             "padded_rows": (now["padded_rows"] - before["padded_rows"]) / n,
             "bytes_moved": (now["bytes_moved"] - before["bytes_moved"]) / n,
             "host_s_by_part": host, "host_s": sum(host.values()),
-            "host_cpu_s_by_part": cpu, "host_cpu_s": sum(cpu.values()),
+            "host_cpu_s": (now["host_cpu_s"] - before["host_cpu_s"]) / n,
             "idle_host_s_by_part": idle}
 
 

@@ -4,15 +4,16 @@
 ``llama_decode`` adds one call, its rows and the time spent inside llama.cpp; every state read
 or write adds its bytes; every ``seq_cp`` one copy. The engine's parts wrap their host work in
 :meth:`KVCounters.part` ("placement", "parking", "planning", "sampling", "lifecycle",
-"rewrite", "shadow", "gc"): the part's wall time less what llama.cpp spent inside it (and less
+"rewrite", "shadow", "gc"; "step" is a step's own work outside those: its batch, the KV's
+bookkeeping): the part's wall time less what llama.cpp spent inside it (and less
 any part nested in it) is its *host time*. Work done while no request is queued or running (a
 reply's rewrite, a park's copy made ahead, a garbage collection: ``idle=True``) is host time
 too, but kept apart (``idle_host_s``): no request waits for it. The requests' host time is
 also counted as CPU time of the scheduler thread (``host_cpu_s``, less its CPU time inside
-``llama_decode``): the work alone, without the waits a wall clock also sees (another thread
-holding the interpreter's lock, a core the OS gave another process). :class:`RequestCounts` is one
-request's share: the decodes that carried its rows and the host time and bytes of its own
-admission and sampling.
+``llama_decode``; a total, read by the outermost parts): the work alone, without the waits a
+wall clock also sees (another thread holding the interpreter's lock, a core the OS gave
+another process). :class:`RequestCounts` is one request's share: the decodes that carried its
+rows and the host time and bytes of its own admission and sampling.
 
 Counts, never timings, are what tests assert; the bench reports the times.
 """
@@ -23,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PARTS = ("placement", "parking", "planning", "sampling", "lifecycle", "rewrite", "shadow", "gc")
+PARTS = ("placement", "parking", "planning", "sampling", "lifecycle", "rewrite", "shadow", "step",
+         "gc")
 
 
 @dataclass
@@ -58,8 +60,8 @@ class KVCounters:
     copies: int = 0  # seq_cp calls: copies inside the KV, no host RAM
     host_s: dict[str, float] = field(default_factory=dict)  # host time by part
     idle_host_s: dict[str, float] = field(default_factory=dict)  # ... of idle-time work
-    #: the requests' host time as CPU time of the thread doing it, by part (not idle-time work)
-    host_cpu_s: dict[str, float] = field(default_factory=dict)
+    #: the requests' host time as CPU time of the thread doing it (all parts; not idle-time work)
+    host_cpu_s: float = 0.0
     _stack: list[Part] = field(default_factory=list, repr=False)  # parts now open
 
     @property
@@ -95,7 +97,7 @@ class KVCounters:
             "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
             "bytes_moved": self.bytes_moved, "copies": self.copies,
             "host_s": dict(self.host_s), "host_total_s": sum(self.host_s.values()),
-            "host_cpu_s": dict(self.host_cpu_s), "llama_cpu_s": self.llama_cpu_s,
+            "host_cpu_s": self.host_cpu_s, "llama_cpu_s": self.llama_cpu_s,
             "idle_host_s": dict(self.idle_host_s),
         }
 
@@ -103,33 +105,37 @@ class KVCounters:
 class Part:
     """One block of host work counted as a part (:meth:`KVCounters.part`).
 
-    Wall time, and the CPU time of the thread running it: the wall time also holds waits (for
-    the interpreter's lock while another thread runs Python, for a core the OS gave another
-    process), the CPU time only the work. A plain context manager, not a generator: it runs
-    around every generation step.
+    Wall time by part; the CPU time of the thread running it only for an outermost part
+    (a part nested in another is in its CPU time already): the wall time also holds waits
+    (for the interpreter's lock while another thread runs Python, for a core the OS gave
+    another process), the CPU time only the work. A plain context manager, not a
+    generator: it runs around every generation step, where a clock read costs most.
     """
 
     __slots__ = ("counters", "name", "into", "idle", "start", "llama", "nested", "cpu",
-                 "llama_cpu", "nested_cpu")
+                 "llama_cpu")
 
     def __init__(self, counters: KVCounters, name: str,
                  into: RequestCounts | tuple[RequestCounts, ...] | None, idle: bool) -> None:
         self.counters, self.name, self.into, self.idle = counters, name, into, idle
         self.start = self.llama = self.nested = 0.0  # set on entry
-        self.cpu = self.llama_cpu = self.nested_cpu = 0.0
+        self.cpu = -1.0  # the thread's CPU time on entry; -1: nested (not read)
+        self.llama_cpu = 0.0
 
     def __enter__(self) -> None:
         c = self.counters
-        c._stack.append(self)
-        self.llama, self.llama_cpu = c.llama_s, c.llama_cpu_s
-        self.cpu = time.thread_time()
+        stack = c._stack
+        if not stack and not self.idle:
+            self.llama_cpu = c.llama_cpu_s
+            self.cpu = time.thread_time()
+        stack.append(self)
+        self.llama = c.llama_s
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         end = time.perf_counter()
         c = self.counters
         inside = end - self.start - (c.llama_s - self.llama)
-        inside_cpu = time.thread_time() - self.cpu - (c.llama_cpu_s - self.llama_cpu)
         stack = c._stack
         stack.pop()
         host = max(inside - self.nested, 0.0)  # the parts nested in it count as themselves
@@ -138,8 +144,9 @@ class Part:
             c.idle_host_s[name] = c.idle_host_s.get(name, 0.0) + host
         else:
             c.host_s[name] = c.host_s.get(name, 0.0) + host
-            c.host_cpu_s[name] = (c.host_cpu_s.get(name, 0.0)
-                                  + max(inside_cpu - self.nested_cpu, 0.0))
+            if self.cpu >= 0.0:
+                cpu = time.thread_time() - self.cpu - (c.llama_cpu_s - self.llama_cpu)
+                c.host_cpu_s += max(cpu, 0.0)
         into = self.into
         if isinstance(into, tuple):  # a step shared by its requests: equal shares
             for counts in into:
@@ -148,4 +155,3 @@ class Part:
             into.add_host(name, host)
         if stack:
             stack[-1].nested += inside
-            stack[-1].nested_cpu += inside_cpu

@@ -160,7 +160,8 @@ class RequestRecord:
     path: str = ""
     #: the fixed cost (nbkv.core.counters): llama_decode calls that held this request's rows,
     #: the rows they computed for it, those of its prompt, state bytes moved between host RAM
-    #: and the KV for it, and host time outside llama.cpp by part (admission, sampling, ...)
+    #: and the KV for it, and host time outside llama.cpp by part (admission, sampling, ...),
+    #: as of its finish (the share of the step it finished in is in the engine's totals only)
     decode_calls: int = 0
     rows_computed: int = 0
     prefill_calls: int = 0

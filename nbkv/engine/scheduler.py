@@ -193,7 +193,11 @@ class Scheduler:
         if self.active or self.queue:
             self.gc_pending = True
         if self.active:
-            if not self._step():  # every active request waits for the vision encoder
+            # the step's host work outside its named parts (building batches, the KV's
+            # bookkeeping) counts too, shared by the step's requests
+            with self.res.ctx.counters.part("step", tuple(j.counts for j in self.active)):
+                ran = self._step()
+            if not ran:  # every active request waits for the vision encoder
                 with self.cv:
                     self.cv.wait(0.05)
         elif self.queue:

@@ -51,6 +51,8 @@ def log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     global _last_level
     lvl = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
     _last_level = lvl
+    if lvl == logging.DEBUG and b" buffer size = " not in text and not log.isEnabledFor(lvl):
+        return  # a decode's debug lines (graph inputs) cost no more than this when not shown
     msg = text.decode("utf-8", errors="replace").rstrip("\n")
     if not msg:
         return
