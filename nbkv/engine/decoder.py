@@ -181,7 +181,8 @@ class Decoder:
         """Decode the next token of every generating request."""
         if not jobs:
             return
-        jobs.sort(key=lambda j: j.placed_slot.seq_id)  # one micro-batch (see nbkv.kv.batching)
+        if len(jobs) > 1:  # one micro-batch (see nbkv.kv.batching)
+            jobs.sort(key=lambda j: j.placed_slot.seq_id)
         # more rows than the calibration proved would take another kernel: split the step
         limit = self.res.rule.gen_rows
         size = max(limit // (2 if self.res.speculative else 1), 1) if limit else len(jobs)

@@ -58,6 +58,7 @@ from nbkv.store.parking import ParkingLot
 log = logging.getLogger("nbkv")
 
 T = TypeVar("T")
+_GENERATE = StepPlan(generate=True)  # the plan while every active request generates
 
 
 class Scheduler:
@@ -274,13 +275,16 @@ class Scheduler:
                 if job.drop_pieces():  # drop the part of an image decoded so far
                     job.placed_slot.kv.resync()
                 self.life.finish(job, "cancelled")
-        by_id = {j.id: j for j in self.active}
         with self.res.ctx.counters.part("planning"):
-            plan, generating = self._plan()
+            active = self.active
+            if all(j.state is JobState.GENERATE for j in active):  # no prompt to read
+                plan, generating = _GENERATE, list(active)
+            else:
+                plan, generating = self._plan()
             self.res.ctx.sampling.use(self._sampled_in_graph())
         ran = False
         if plan.prefill is not None:
-            job = by_id[plan.prefill]
+            job = next(j for j in self.active if j.id == plan.prefill)
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
             if job.state is JobState.PREFILL:
@@ -289,7 +293,8 @@ class Scheduler:
             else:
                 ran = self.decoder.decode_image(job)
         if plan.generate:
-            generating = [j for j in generating if j.state is JobState.GENERATE]
+            if plan.prefill is not None:  # what it ran may have ended requests meanwhile
+                generating = [j for j in generating if j.state is JobState.GENERATE]
             self.decoder.generate(generating)
             if self.shadow is not None:
                 with self.res.ctx.counters.part("shadow"):
