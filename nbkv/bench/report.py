@@ -42,6 +42,12 @@ TARGETS: list[tuple[str, str, str, float]] = [
     # a never-seen 1.5B-shaped model, the default calibration: ready to serve within 2x
     # Llama's load (issue 45)
     ("realistic-load", "realistic_default_ready_over_llama_load", "<=", 2.0),
+    # the same shape: exactness's cost back to back, a second turn against Llama, and the
+    # host time of a request at 4 slots of 4k (every step's host work counted)
+    ("realistic", "exact_over_inexact_ttft", "<=", 1.3),
+    ("realistic", "llama_over_exact_second_turn", ">=", 1.0),
+    ("realistic", "host_ms_per_request_exact", "<=", 2.0),
+    ("realistic", "host_ms_per_request_lean", "<=", 2.0),
     # 6 sessions on 2 slots, rounds 2-3: parking against the 6-slot floor (first-token time,
     # reuse in percentage points), a restore's own time (ms per 1,000 tokens, the slowest),
     # and llama-server's --cache-ram on the same turns
