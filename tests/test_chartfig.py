@@ -321,3 +321,20 @@ def test_kvcache_slots_and_history_show_their_table_then_their_chart():
     assert str(slots) == "slots table"
     drawn = {t["meta"]["nbkv"] for t in slots.figure["data"]}
     assert {"system", "user", "assistant", "reused"} <= drawn  # messages, and the last request
+
+
+def test_previews_kept_by_prefix_hash_are_those_of_the_messages():
+    """A message's preview is kept by its prefix hash: the same text as computed afresh, and
+    a changed message (a new hash) gets its own."""
+    from nbkv.core.messages import prefix_hashes
+    from nbkv.kv.segments import message_segments
+
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi " * 80}]
+    fresh = message_segments(msgs, [12, 20], 24, 20, 30, "Hello.")
+    keys = prefix_hashes(msgs)
+    assert message_segments(msgs, [12, 20], 24, 20, 30, "Hello.", keys) == fresh
+    assert message_segments(msgs, [12, 20], 24, 20, 30, "Hello.", keys) == fresh  # kept
+    edited = [msgs[0], {"role": "user", "content": "Bye"}]
+    again = message_segments(edited, [12, 20], 24, 20, 30, "Hello.", prefix_hashes(edited))
+    assert again == message_segments(edited, [12, 20], 24, 20, 30, "Hello.")
+    assert again[-3].preview == "Bye" != fresh[-3].preview

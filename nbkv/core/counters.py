@@ -3,8 +3,8 @@
 :class:`KVCounters` is kept by the llama.cpp context (:mod:`nbkv.llama.backend`): every
 ``llama_decode`` adds one call, its rows and the time spent inside llama.cpp; every state read
 or write adds its bytes; every ``seq_cp`` one copy. The engine's parts wrap their host work in
-:meth:`KVCounters.part` ("placement", "parking", "planning", "sampling", "lifecycle",
-"rewrite", "shadow", "gc"; "step" is a step's own work outside those: its batch, the KV's
+:meth:`KVCounters.part` ("placement", "parking", "sampling", "lifecycle", "rewrite",
+"shadow", "gc"; "step" is a step's own work outside those: its plan, its batch, the KV's
 bookkeeping): the part's wall time less what llama.cpp spent inside it (and less
 any part nested in it) is its *host time*. Work done while no request is queued or running (a
 reply's rewrite, a park's copy made ahead, a garbage collection: ``idle=True``) is host time
@@ -24,8 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PARTS = ("placement", "parking", "planning", "sampling", "lifecycle", "rewrite", "shadow", "step",
-         "gc")
+PARTS = ("placement", "parking", "sampling", "lifecycle", "rewrite", "shadow", "step", "gc")
 
 
 @dataclass

@@ -95,8 +95,11 @@ def for_template(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
     return out
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=repr)  # made once
+
+
 def _canonical(message: Mapping[str, Any]) -> bytes:
-    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=repr).encode()
+    return _CANONICAL.encode(message).encode()
 
 
 def prefix_hashes(messages: Sequence[Mapping[str, Any]], start: Sequence[str] = ()) -> list[str]:

@@ -275,13 +275,12 @@ class Scheduler:
                 if job.drop_pieces():  # drop the part of an image decoded so far
                     job.placed_slot.kv.resync()
                 self.life.finish(job, "cancelled")
-        with self.res.ctx.counters.part("planning"):
-            active = self.active
-            if all(j.state is JobState.GENERATE for j in active):  # no prompt to read
-                plan, generating = _GENERATE, list(active)
-            else:
-                plan, generating = self._plan()
-            self.res.ctx.sampling.use(self._sampled_in_graph())
+        active = self.active  # planning it is the step's own host work (part "step")
+        if all(j.state is JobState.GENERATE for j in active):  # no prompt to read
+            plan, generating = _GENERATE, list(active)
+        else:
+            plan, generating = self._plan()
+        self.res.ctx.sampling.use(self._sampled_in_graph())
         ran = False
         if plan.prefill is not None:
             job = next(j for j in self.active if j.id == plan.prefill)

@@ -85,8 +85,11 @@ class Shadow:
         if job.done.is_set() or job.slot is None:
             return
         units = job.slot.kv.tokens
-        take = invariance.block_chunk(units, len(self.kv), self.res.rule, self.chunk_cap())
-        if take < self.chunk_cap():
+        cap = self.chunk_cap()
+        if len(units) - len(self.kv) < cap:  # not a whole chunk yet (the usual step)
+            return
+        take = invariance.block_chunk(units, len(self.kv), self.res.rule, cap)
+        if take < cap:
             return
         toks = units[len(self.kv):len(self.kv) + take]
         batch = self.res.batch
@@ -118,12 +121,14 @@ class Shadow:
             return False
         kv = job.slot.kv
         units = kv.tokens
-        if kv.settled >= len(units) or not all(isinstance(u, int) for u in units[kv.settled:]):
-            return False  # nothing to rewrite, or an image after the settled prefix
         # the copy pays off once a first chunk is there (a reply shorter than that is left
         # to the idle rewrite, or the next request)
-        return invariance.block_chunk(units, kv.settled, self.res.rule,
-                                      self.chunk_cap()) >= self.chunk_cap()
+        cap = self.chunk_cap()
+        if len(units) - kv.settled < cap:
+            return False
+        if not all(isinstance(u, int) for u in units[kv.settled:]):
+            return False  # an image after the settled prefix
+        return invariance.block_chunk(units, kv.settled, self.res.rule, cap) >= cap
 
     def _attach(self) -> bool:
         """Copy the followed slot's KV into the shadow, cut back to its settled prefix."""

@@ -16,17 +16,36 @@ from nbkv.core.messages import preview
 from nbkv.media.units import spans
 from nbkv.prompt.builder import Prompt
 
+#: a message's preview by its prefix hash (:func:`nbkv.core.messages.prefix_hashes`): a
+#: conversation's messages are previewed again at every turn, twice
+_PREVIEWS: dict[str, str] = {}
+_PREVIEWS_MAX = 4096
+
+
+def _preview(message: Mapping[str, Any], key: str | None) -> str:
+    if key is None:
+        return preview(message)
+    text = _PREVIEWS.get(key)
+    if text is None:
+        if len(_PREVIEWS) >= _PREVIEWS_MAX:
+            _PREVIEWS.clear()
+        text = _PREVIEWS[key] = preview(message)
+    return text
+
 
 def message_segments(messages: Sequence[Mapping[str, Any]], ends: Sequence[int],
-                     n_prompt: int, reuse: int, n: int, reply: str) -> tuple[Segment, ...]:
+                     n_prompt: int, reuse: int, n: int, reply: str,
+                     keys: Sequence[str] = ()) -> tuple[Segment, ...]:
     """A slot's KV map: a span per message and the reply, split by reused/prefilled/generated.
 
     The prompt has ``n_prompt`` positions, the first ``reuse`` from cache; the slot holds ``n``
     (the reply's after the prompt). Text only: the engine splits image positions out itself.
+    ``keys``: the messages' prefix hashes, where known (their previews are kept by them).
     """
     spans, start = [], 0
     for i, end in enumerate(ends):
-        spans.append((start, end, i, messages[i]["role"], preview(messages[i])))
+        key = keys[i] if i < len(keys) else None
+        spans.append((start, end, i, messages[i]["role"], _preview(messages[i], key)))
         start = end
     k = len(messages)
     said = preview({"content": reply})
@@ -50,7 +69,7 @@ def prompt_segments(p: Prompt, reuse: int, n: int, reply: str, marker: str = "\0
 
     ``marker`` is the projector's image placeholder text, shown as ``[image]`` in previews.
     """
-    out = message_segments(p.messages, p.ends, len(p.tokens), reuse, n, reply)
+    out = message_segments(p.messages, p.ends, len(p.tokens), reuse, n, reply, p.hashes)
     if p.media is None:  # a prompt holds image positions only with its media (nbkv.prompt)
         return out
     runs = [(s.start, s.end, s.image_hash, s.n_tokens)
