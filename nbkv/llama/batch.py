@@ -56,10 +56,11 @@ class Batch:
         end = n + k
         if end > self.capacity:
             raise OverflowError("batch full")
-        self._token[n:end] = tokens
-        self._pos[n:end] = range(start_pos, start_pos + k)
-        self._seq[n:end] = (seq,) * k
-        self._logits[n:end] = bytes(k)
+        # ctypes takes any sequence of the slice's length (its stubs say a list)
+        self._token[n:end] = tokens  # type: ignore[call-overload]
+        self._pos[n:end] = range(start_pos, start_pos + k)  # type: ignore[call-overload]
+        self._seq[n:end] = (seq,) * k  # type: ignore[call-overload]
+        self._logits[n:end] = bytes(k)  # type: ignore[call-overload]
         if logits_last and k:
             self._logits[end - 1] = 1
         self.n = end
