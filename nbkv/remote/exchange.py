@@ -1,6 +1,6 @@
 """One request on a llama-server slot: steering, the completion itself, what it left behind.
 
-:class:`Exchange` carries out what :class:`~nbkv.remote.llama_server.LlamaServerEngine`
+:class:`Exchange` carries out what :class:`~nbkv.remote.llama_server.LlamaLlamaServerEngine`
 decided (the slot, the reusable prefix): in exact mode it first makes the slot's common
 prefix with the prompt end at a canonical start (:mod:`nbkv.remote.steering`), then streams
 the completion, then reads the server's own figures (``timings.cache_n``) against the plan
@@ -13,17 +13,20 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nbkv.core.errors import IncompleteReplyError, ServerError
+from nbkv.core.errors import IncompleteReplyError
 from nbkv.core.events import Progress, RequestRecord
 from nbkv.kv import policy, reasons
 from nbkv.kv.segments import message_segments
 from nbkv.prompt.builder import Prompt
 from nbkv.remote import steering
 from nbkv.remote.base import UNKNOWN, RemoteJob
-from nbkv.remote.server_slot import DRAIN_S, SERVER_RAM, ServerEngine, ServerSlot, SlotView
+from nbkv.remote.server_slot import DRAIN_S, SERVER_RAM, ServerSlot, SlotView
 from nbkv.remote.steering import Offered, Step
+
+if TYPE_CHECKING:
+    from nbkv.remote.llama_server import LlamaServerEngine
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -49,7 +52,7 @@ class Outcome:
 class Exchange:
     """The HTTP side of one request: steering requests, then the streamed completion."""
 
-    def __init__(self, engine: ServerEngine, job: RemoteJob, prompt: Prompt,
+    def __init__(self, engine: LlamaServerEngine, job: RemoteJob, prompt: Prompt,
                  slot: ServerSlot) -> None:
         self.engine, self.job, self.p, self.slot = engine, job, prompt, slot
         self.out = Outcome()
@@ -406,19 +409,14 @@ class Exchange:
         It lets go at its next write to the closed connection: a token later, or on a
         loaded machine many seconds later; after ``wait`` s the count is unknown.
         """
-        index = self.slot.index
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            try:
-                data = self.engine.client.get("/slots", timeout=5.0)
-            except ServerError:
+            seen = self.engine.watch.read()
+            v = seen.get(self.slot.index) if seen is not None else None
+            if v is None:
                 return None
-            info = next((s for s in data if s.get("id") == index), None)
-            if info is None:
-                return None
-            if not info.get("is_processing"):
-                n = info.get("n_prompt_tokens")
-                return n if isinstance(n, int) else None
+            if not v.processing:
+                return v.n_tokens
             time.sleep(0.05)
         return None
 

@@ -13,9 +13,7 @@ names the restart; otherwise ``/metrics`` does, when the server has ``--metrics`
 :class:`ServerChecks`, a mixin of :class:`~nbkv.remote.llama_server.LlamaServerEngine` (the
 engine owns the slot table), compares the two: at connect, slots the server already fills
 are not trusted; every second, and before and after each request in exact mode, ``/slots``
-is compared with the table; a restart empties it. :class:`ServerEngine` is the narrow view
-of the engine that :mod:`nbkv.remote.exchange` and :mod:`nbkv.remote.settle` take, so that
-they sit below the engine instead of importing it.
+is compared with the table; a restart empties it.
 """
 
 from __future__ import annotations
@@ -23,9 +21,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from nbkv.core.errors import EngineClosedError, ServerError, ServerUnsupportedError
 from nbkv.core.events import EventBus, SlotsChanged
@@ -34,10 +32,6 @@ from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.remote.facts import ServerFacts
 from nbkv.remote.http_client import ServerClient
 from nbkv.remote.steering import Ledger
-
-if TYPE_CHECKING:
-    from nbkv.kv.invariance import PrefillRule
-    from nbkv.remote.base import RemoteJob
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -344,52 +338,3 @@ class ServerChecks:
                     slot.forget(note)
                     slot.verified = False
         return seen, note
-
-
-class ServerEngine(Protocol):
-    """What one request's exchange and the idle-time rewrite use of the engine."""
-
-    table: SlotTable[ServerSlot]
-    watch: ServerWatch
-    events: EventBus
-    _cv: threading.Condition
-    draining: set[int]
-    restart_note: str
-    client: ServerClient
-    url: str
-    closed: bool
-    facts: ServerFacts
-    ledger: Ledger
-    rule: PrefillRule | None
-    why_not_exact: str
-    _turn: threading.Lock
-
-    @property
-    def has_slots_endpoint(self) -> bool:
-        """The server answers ``/slots``."""
-
-    def drain(self, deadline: float) -> bool:
-        """Wait for the server to let go of the answers nbkv closed; True when none is left."""
-
-    def _restarted(self, seen: Mapping[int, SlotView]) -> bool:
-        """If the server restarted, forget what its slots held; True if it did."""
-
-    def waiting(self) -> bool:
-        """A request is waiting for its turn on the server (exact mode)."""
-
-    def offer_states(self, target: ServerSlot, sent: Sequence[int]) -> None:
-        """A task with ``sent`` starts on ``target``: note what the server may cache now."""
-
-    def proven(self, sent: Sequence[int], told: int, held: Sequence[int]) -> int | None:
-        """Rows of a server restore proven canonical (None: no restore can explain them)."""
-
-    def steer_slot(self, slot: ServerSlot, sent: list[int], fresh: bool,
-                   session: str | None) -> int:
-        """Send one steering request; its ``cache_n``."""
-
-    def _events(self, job: RemoteJob, path: str, body: dict[str, Any]
-                ) -> Iterator[dict[str, Any]]:
-        """The answer's events until the request is cancelled."""
-
-    def _delta(self, job: RemoteJob, text: str) -> None:
-        """A piece of the reply's text arrived."""
