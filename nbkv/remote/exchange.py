@@ -385,9 +385,7 @@ class Exchange:
         with eng._cv:
             if error is not None and not isinstance(error, KeyboardInterrupt) or n is None \
                     or n > len(held):
-                slot.forget(f"slot {slot.index}: the last request failed, so its content is "
-                            f"not known; the next request re-verifies it")
-                slot.session = job.session
+                eng.lose(slot, job.session, "the last request failed")  # (the lock is reentrant)
                 slot.failed = type(error).__name__ if error is not None else "interrupted"
                 return
             slot.held = held[:n]

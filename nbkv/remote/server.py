@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from nbkv.core.errors import NbkvError, ServerError
-from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import default_threads
 from nbkv.remote import build
@@ -154,6 +153,7 @@ class LlamaServer(ServerProcess):
             self.argv += ["-fa", flash_attn]
         # also what lets /slots/N?action=erase work (%kvcache clear)
         self.slot_save_path = slot_save_path or self._temp(tempfile.mkdtemp(prefix="nbkv-slots-"))
+        self.folders = (self.slot_save_path,)
         Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)
         self.argv += ["--slot-save-path", self.slot_save_path]
         self.argv += list(extra)
@@ -177,18 +177,9 @@ class LlamaServer(ServerProcess):
         return [*self.argv, "--ui-config", advert(self.argv, rule, memory,
                                                   _build(), self.same_build)]
 
-    def start(self, timeout: float = 120.0, progress: Reporter | bool | None = None
-              ) -> LlamaServer:
-        """Start the process and wait (at most ``timeout`` s) until ``/health`` says ok.
-
-        ``progress``: where the wait is shown (:func:`nbkv.core.progress.resolve`).
-        """
-        Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)  # a start again
-        self._spawn()
-        with Task(resolve(progress), f"starting llama-server on port {self.port}",
-                  f"it loads {Path(self.model).name} for {self.slots} slots", tick=0.5):
-            self.wait_ready(timeout)
-        return self
+    def _starting(self) -> dict[str, Any]:
+        return {"what": f"starting llama-server on port {self.port}",
+                "why": f"it loads {Path(self.model).name} for {self.slots} slots", "tick": 0.5}
 
 
 def main(argv: list[str] | None = None) -> int:
