@@ -373,7 +373,7 @@ class Exchange:
         held = list(p.tokens) + job.generated
         n: int | None = len(held) - 1 if final and job.generated else (
             len(p.tokens) if final else None)
-        if not final and error is None and eng.has_slots_endpoint:  # interrupted
+        if not final and error is None and eng.watch.has_slots:  # interrupted
             n = self.server_length()
             if n is None:  # the server has not let it go yet: nothing runs beside it
                 with eng._cv:

@@ -148,11 +148,6 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         self.settler = Settler(self)
 
     @property
-    def has_slots_endpoint(self) -> bool:
-        """The server answers ``/slots`` (nbkv's checks and slot cards need it)."""
-        return self.watch.has_slots
-
-    @property
     def server_slots(self) -> list[dict[str, Any]]:
         """The server's last ``/slots`` answer."""
         return self.watch.raw
