@@ -388,15 +388,12 @@ class Exchange:
                 eng.lose(slot, job.session, "the last request failed")  # (the lock is reentrant)
                 slot.failed = type(error).__name__ if error is not None else "interrupted"
                 return
-            slot.held = held[:n]
-            slot.settled = min(settled, n)
-            slot.junk = False
+            slot.hold(held[:n], settled)
             slot.failed = ""
             eng.table.replied(slot, p, job.text, n)
             slot.segments = message_segments(p.messages, p.ends, len(p.tokens),
                                               min(reused, n), n, job.text)
-            slot.known, slot.verified, slot.note = True, verified, note if not verified else ""
-            slot.version += 1
+            slot.verified, slot.note = verified, note if not verified else ""
             for info in eng.watch.raw:  # what /slots will say, until the next poll
                 if info.get("id") == slot.index:
                     info.update(n_prompt_tokens=n, is_processing=False)

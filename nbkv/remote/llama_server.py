@@ -420,20 +420,11 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         now, _ = steering.observed(sent, told, held, settled, rule, junk=True,
                                    ubatch=self.facts.plan_ubatch,
                                    proven=self.proven(sent, told, held))
-        self.hold(slot, sent, now, junk=True)
+        with self._cv:
+            slot.hold(sent, now, junk=True)
         log.debug("steer slot[%d]: sent %d, kept %d, settled %d", slot.index, len(sent), told,
                   now)
         return told
-
-    def hold(self, slot: ServerSlot, tokens: Sequence[int], settled: int, junk: bool = False
-             ) -> None:
-        """Slot ``slot`` now holds ``tokens``, the first ``settled`` canonical."""
-        with self._cv:
-            slot.held = list(tokens)
-            slot.junk = junk
-            slot.settled = min(settled, len(slot.held))
-            slot.known = True
-            slot.version += 1
 
     def lose(self, slot: ServerSlot, session: str | None, why: str) -> None:
         """A request on ``slot`` failed: its content is not known any more."""

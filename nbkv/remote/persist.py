@@ -54,11 +54,6 @@ MANIFEST = "remote.json"
 IDENTITY = ("model_path", "build_info", "n_ctx")
 
 
-def _identity(engine: LlamaServerEngine) -> dict[str, Any]:
-    return {"model_path": engine.model_path, "build_info": engine.build_info,
-            "n_ctx": engine.n_ctx}
-
-
 def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
          sessions: Any = None) -> SaveReport:
     """Have the server save each idle slot, and write nbkv's table next to the notebook."""
@@ -102,7 +97,8 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
                         ) from e
     created = time.time()
     body = {"format": FORMAT, "version": VERSION, "created": created, "url": engine.url,
-            "server": _identity(engine), "slots": slots_json, "sessions": sess_json}
+            "server": {k: getattr(engine, k) for k in IDENTITY}, "slots": slots_json,
+            "sessions": sess_json}
     data = manifest_text(body).encode()
     try:
         written = write_file(root / MANIFEST, [data])
@@ -129,7 +125,7 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     body, why = _read(root)
     if why is not None and not trust:
         raise UntrustedSaveError(untrusted_message(root, why))
-    now = _identity(engine)
+    now = {k: getattr(engine, k) for k in IDENTITY}
     diffs = [f"{k}: saved {body['server'].get(k)!r}, the server has {now[k]!r}"
              for k in IDENTITY if body.get("server", {}).get(k) != now[k]]
     if diffs:

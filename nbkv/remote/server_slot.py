@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,14 @@ class ServerSlot(TableSlot):
         return SlotInfo(self.index, self.index, self.capacity,
                         self.conversation(settled=self.settled), self.pending, memory="server",
                         verified=self.verified, note=self.note)
+
+    def hold(self, tokens: Sequence[int], settled: int, *, junk: bool = False) -> None:
+        """Hold ``tokens`` now, the first ``settled`` canonical (known again; a new version)."""
+        self.held = list(tokens)
+        self.settled = min(settled, len(self.held))
+        self.junk = junk
+        self.known = True
+        self.version += 1
 
     def forget(self, note: str = "") -> None:
         """Hold nothing; a ``note`` says why the server's content is not known any more."""
