@@ -9,18 +9,16 @@ import time
 import pytest
 
 from nbkv.core.events import GENERATED, PREFILLED, REUSED, Segment
-from nbkv.remote.kv_events import (
-    batch_events,
-    event_source,
-    replay_endpoint,
-    subscribe_endpoint,
-)
 from nbkv.remote.server_cache import (
     BlockMirror,
+    batch_events,
     block_segments,
     cache_facts,
     cacheable,
+    event_source,
     read_metrics,
+    replay_endpoint,
+    subscribe_endpoint,
 )
 
 METRICS = """\
@@ -119,7 +117,7 @@ def test_listener_replays_then_follows_and_notices_a_restart(tmp_path):
     """A publisher speaking vLLM's wire format (PUB + replay ROUTER) in this process."""
     msgpack = pytest.importorskip("msgpack")
     zmq = pytest.importorskip("zmq")
-    from nbkv.remote.kv_events import KVEventListener
+    from nbkv.remote.server_cache import KVEventListener
 
     ctx = zmq.Context.instance()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)

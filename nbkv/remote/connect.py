@@ -19,8 +19,6 @@ server cancels the task) and keeps the partial reply, as the in-kernel engine do
 
 from __future__ import annotations
 
-import logging
-
 from nbkv.core.errors import (
     InvalidRequestError,
     ServerError,
@@ -29,10 +27,6 @@ from nbkv.core.errors import (
 from nbkv.remote.http_client import ServerClient
 from nbkv.remote.llama_server import LlamaServerEngine, ServerVocab
 from nbkv.remote.openai import OpenAIEngine
-
-log = logging.getLogger("nbkv.remote.connect")
-
-#: a KV position whose token the server did not send (decoded after an interrupt)
 
 __all__ = ["LlamaServerEngine", "OpenAIEngine", "ServerVocab", "connect"]
 

@@ -1,6 +1,6 @@
 """One request on a llama-server slot: steering, the completion itself, what it left behind.
 
-:class:`Exchange` carries out what :class:`~nbkv.remote.llama_server.LlamaServerEngine`
+:class:`Exchange` carries out what :class:`~nbkv.remote.llama_server.LlamaLlamaServerEngine`
 decided (the slot, the reusable prefix): in exact mode it first makes the slot's common
 prefix with the prompt end at a canonical start (:mod:`nbkv.remote.steering`), then streams
 the completion, then reads the server's own figures (``timings.cache_n``) against the plan
@@ -13,18 +13,20 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nbkv.core.errors import IncompleteReplyError, ServerError
+from nbkv.core.errors import IncompleteReplyError
 from nbkv.core.events import Progress, RequestRecord
 from nbkv.kv import policy, reasons
 from nbkv.kv.segments import message_segments
 from nbkv.prompt.builder import Prompt
 from nbkv.remote import steering
 from nbkv.remote.base import UNKNOWN, RemoteJob
-from nbkv.remote.server_slot import DRAIN_S, SERVER_RAM, ServerEngine, ServerSlot
+from nbkv.remote.server_slot import DRAIN_S, SERVER_RAM, ServerSlot, SlotView
 from nbkv.remote.steering import Offered, Step
-from nbkv.remote.watch import SlotView
+
+if TYPE_CHECKING:
+    from nbkv.remote.llama_server import LlamaServerEngine
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -50,7 +52,7 @@ class Outcome:
 class Exchange:
     """The HTTP side of one request: steering requests, then the streamed completion."""
 
-    def __init__(self, engine: ServerEngine, job: RemoteJob, prompt: Prompt,
+    def __init__(self, engine: LlamaServerEngine, job: RemoteJob, prompt: Prompt,
                  slot: ServerSlot) -> None:
         self.engine, self.job, self.p, self.slot = engine, job, prompt, slot
         self.out = Outcome()
@@ -371,7 +373,7 @@ class Exchange:
         held = list(p.tokens) + job.generated
         n: int | None = len(held) - 1 if final and job.generated else (
             len(p.tokens) if final else None)
-        if not final and error is None and eng.has_slots_endpoint:  # interrupted
+        if not final and error is None and eng.watch.has_slots:  # interrupted
             n = self.server_length()
             if n is None:  # the server has not let it go yet: nothing runs beside it
                 with eng._cv:
@@ -383,21 +385,15 @@ class Exchange:
         with eng._cv:
             if error is not None and not isinstance(error, KeyboardInterrupt) or n is None \
                     or n > len(held):
-                slot.forget(f"slot {slot.index}: the last request failed, so its content is "
-                            f"not known; the next request re-verifies it")
-                slot.session = job.session
+                eng.lose(slot, job.session, "the last request failed")  # (the lock is reentrant)
                 slot.failed = type(error).__name__ if error is not None else "interrupted"
                 return
-            slot.held = held[:n]
-            slot.settled = min(settled, n)
-            slot.junk = False
+            slot.hold(held[:n], settled)
             slot.failed = ""
             eng.table.replied(slot, p, job.text, n)
             slot.segments = message_segments(p.messages, p.ends, len(p.tokens),
                                               min(reused, n), n, job.text)
-            slot.known, slot.verified, slot.note = True, verified, note if not verified else ""
-            slot.server_tokens = n
-            slot.version += 1
+            slot.verified, slot.note = verified, note if not verified else ""
             for info in eng.watch.raw:  # what /slots will say, until the next poll
                 if info.get("id") == slot.index:
                     info.update(n_prompt_tokens=n, is_processing=False)
@@ -408,19 +404,14 @@ class Exchange:
         It lets go at its next write to the closed connection: a token later, or on a
         loaded machine many seconds later; after ``wait`` s the count is unknown.
         """
-        index = self.slot.index
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            try:
-                data = self.engine.client.get("/slots", timeout=5.0)
-            except ServerError:
+            seen = self.engine.watch.read()
+            v = seen.get(self.slot.index) if seen is not None else None
+            if v is None:
                 return None
-            info = next((s for s in data if s.get("id") == index), None)
-            if info is None:
-                return None
-            if not info.get("is_processing"):
-                n = info.get("n_prompt_tokens")
-                return n if isinstance(n, int) else None
+            if not v.processing:
+                return v.n_tokens
             time.sleep(0.05)
         return None
 

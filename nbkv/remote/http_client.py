@@ -33,12 +33,12 @@ CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 600.0
 
 
-
 def _timeout(timeout: float | None) -> dict[str, Any]:
     """The ``timeout`` argument of an httpx call with its own limit (none: the client's)."""
     if timeout is None:
         return {}
     return {"timeout": httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT))}
+
 
 class ServerClient:
     """One server's base URL, its API key, and a pooled connection."""
@@ -288,10 +288,6 @@ class EventStream:
         """
         self.closed = True
         stream = self._resp.extensions.get("network_stream")
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        if sock is not None and not self._resp.is_closed:  # (its own: ServerClient.stream)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already closed by either side
-                pass
+        if stream is not None and not self._resp.is_closed:  # (its own: ServerClient.stream)
+            _shut(stream.get_extra_info("socket"))
         self._resp.close()

@@ -33,14 +33,12 @@ from nbkv.prompt.builder import Prompt, PromptBuilder
 from nbkv.prompt.templates import ChatTemplate
 from nbkv.remote import steering
 from nbkv.remote.base import POLL_INTERVAL, PROBE, RemoteBase, RemoteJob
-from nbkv.remote.checks import ServerChecks
 from nbkv.remote.exchange import Exchange
 from nbkv.remote.facts import ServerFacts
 from nbkv.remote.http_client import ServerClient
-from nbkv.remote.server_slot import SERVER_RAM, ServerSlot
+from nbkv.remote.server_slot import SERVER_RAM, ServerChecks, ServerSlot, ServerWatch
 from nbkv.remote.settle import Settler
 from nbkv.remote.steering import Ledger, Offered
-from nbkv.remote.watch import ServerWatch
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -150,11 +148,6 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         self.settler = Settler(self)
 
     @property
-    def has_slots_endpoint(self) -> bool:
-        """The server answers ``/slots`` (nbkv's checks and slot cards need it)."""
-        return self.watch.has_slots
-
-    @property
     def server_slots(self) -> list[dict[str, Any]]:
         """The server's last ``/slots`` answer."""
         return self.watch.raw
@@ -234,7 +227,6 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
                 slot.settled = min((settled or {}).get(st.index, 0), len(slot.held))
                 self.table.adopt(slot, st)
                 slot.known, slot.verified, slot.note = True, True, ""
-                slot.server_tokens = len(slot.held)
                 slot.version += 1
                 self.watch.loaded.add(st.index)
 
@@ -428,21 +420,11 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         now, _ = steering.observed(sent, told, held, settled, rule, junk=True,
                                    ubatch=self.facts.plan_ubatch,
                                    proven=self.proven(sent, told, held))
-        self.hold(slot, sent, now, junk=True)
+        with self._cv:
+            slot.hold(sent, now, junk=True)
         log.debug("steer slot[%d]: sent %d, kept %d, settled %d", slot.index, len(sent), told,
                   now)
         return told
-
-    def hold(self, slot: ServerSlot, tokens: Sequence[int], settled: int, junk: bool = False
-             ) -> None:
-        """Slot ``slot`` now holds ``tokens``, the first ``settled`` canonical."""
-        with self._cv:
-            slot.held = list(tokens)
-            slot.junk = junk
-            slot.settled = min(settled, len(slot.held))
-            slot.known = True
-            slot.server_tokens = len(slot.held)
-            slot.version += 1
 
     def lose(self, slot: ServerSlot, session: str | None, why: str) -> None:
         """A request on ``slot`` failed: its content is not known any more."""

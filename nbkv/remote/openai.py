@@ -9,7 +9,8 @@ are the server's ``usage.prompt_tokens_details.cached_tokens``. On vLLM nbkv als
 - the prompt's and the reply's token ids (``return_token_ids``), and where each message
   ends (``/tokenize``), so a request's map shows which message the cached part ends in;
 - with ``--kv-events-config``, the blocks it stores and evicts, live
-  (:mod:`nbkv.remote.kv_events`): which blocks of each conversation the server holds now.
+  (:class:`~nbkv.remote.server_cache.KVEventListener`): which blocks of each conversation
+  the server holds now.
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ from nbkv.remote.base import RemoteBase, RemoteJob
 from nbkv.remote.http_client import ServerClient
 from nbkv.remote.server_cache import (
     CacheFacts,
+    KVEventListener,
     block_segments,
     cache_facts,
     cacheable,
+    event_source,
     read_metrics,
+    replay_endpoint,
+    subscribe_endpoint,
 )
 
 log = logging.getLogger("nbkv.remote.connect")
@@ -185,8 +190,6 @@ class OpenAIEngine(RemoteBase):
         """Follow the server's KV cache events when it publishes them (vLLM)."""
         if not self.server.startswith("vLLM"):
             return
-        from nbkv.remote.kv_events import event_source, subscribe_endpoint
-
         try:
             cfg = event_source(self.client.get("/kv_event_sources", timeout=5.0))
         except ServerError:
@@ -200,8 +203,6 @@ class OpenAIEngine(RemoteBase):
             self.live_note = why
             return
         try:
-            from nbkv.remote.kv_events import KVEventListener, replay_endpoint
-
             self.listener = KVEventListener(endpoint, str(cfg.get("topic") or ""),
                                             on_change=self._blocks_changed,
                                             replay=replay_endpoint(cfg, self.url))

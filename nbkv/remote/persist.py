@@ -21,9 +21,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import RestoreError, SaveError, ServerError, UntrustedSaveError
 from nbkv.kv.conversation import Conversation
@@ -46,48 +45,13 @@ from nbkv.store.persist import (
 )
 from nbkv.store.session_state import check_session_state, kernel_sessions
 
-
-class LlamaServerEngine(Protocol):
-    """What a save needs of a llama-server engine (:class:`nbkv.remote.LlamaServerEngine`)."""
-
-    url: str
-    model_path: str
-    build_info: str
-    n_ctx: int
-    client: Any
-    events: Any
-    last_save: Any
-    last_restore: Any
-
-    @property
-    def n_slots(self) -> int:
-        """Slots nbkv uses on the server."""
-
-    def export_slots(self) -> tuple[tuple[int, ...], list[SlotState]]:
-        """The busy slots, and each idle slot's bookkeeping."""
-
-    def settled_of(self, index: int) -> int:
-        """Leading positions of slot ``index`` whose KV is canonical."""
-
-    def import_slots(self, states: Sequence[SlotState],
-                     settled: Mapping[int, int] | None = None) -> None:
-        """Replace the slots' bookkeeping (``settled``: each slot's canonical prefix)."""
-
-    def busy_slots(self) -> list[int]:
-        """Slots serving a request now."""
-
-    def forget_slot(self, index: int, note: str) -> None:
-        """Forget what ``index`` holds (``note`` says why)."""
+if TYPE_CHECKING:
+    from nbkv.remote.llama_server import LlamaServerEngine
 
 FORMAT = "nbkv-remote-save"
 VERSION = 2  # 2: checksummed and signed ({"checksum", "signature", "body"})
 MANIFEST = "remote.json"
 IDENTITY = ("model_path", "build_info", "n_ctx")
-
-
-def _identity(engine: LlamaServerEngine) -> dict[str, Any]:
-    return {"model_path": engine.model_path, "build_info": engine.build_info,
-            "n_ctx": engine.n_ctx}
 
 
 def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
@@ -133,7 +97,8 @@ def save(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
                         ) from e
     created = time.time()
     body = {"format": FORMAT, "version": VERSION, "created": created, "url": engine.url,
-            "server": _identity(engine), "slots": slots_json, "sessions": sess_json}
+            "server": {k: getattr(engine, k) for k in IDENTITY}, "slots": slots_json,
+            "sessions": sess_json}
     data = manifest_text(body).encode()
     try:
         written = write_file(root / MANIFEST, [data])
@@ -160,7 +125,7 @@ def restore(engine: LlamaServerEngine, path: str | os.PathLike | None = None,
     body, why = _read(root)
     if why is not None and not trust:
         raise UntrustedSaveError(untrusted_message(root, why))
-    now = _identity(engine)
+    now = {k: getattr(engine, k) for k in IDENTITY}
     diffs = [f"{k}: saved {body['server'].get(k)!r}, the server has {now[k]!r}"
              for k in IDENTITY if body.get("server", {}).get(k) != now[k]]
     if diffs:

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from nbkv.core.errors import ServerError
-from nbkv.core.progress import Task
+from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.core.signals import close_on_signal, release
 
 log = logging.getLogger("nbkv")
@@ -64,6 +65,13 @@ def die_with_parent() -> Callable[[], None] | None:
     return in_child
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def log_tail(path: str, n: int) -> str:
     """The last ``n`` lines of a server's log file."""
     try:
@@ -75,8 +83,9 @@ def log_tail(path: str, n: int) -> str:
 class ServerProcess:
     """A server child process on ``127.0.0.1:port``, logging to ``log_path``.
 
-    A subclass builds its command line (:meth:`command`) and ``env``, and starts it with
-    :meth:`_spawn` and :meth:`wait_ready`; this class stops it by its PID with bounded waits.
+    A subclass builds its command line (:meth:`command`), ``env`` and the words of its start
+    (:meth:`_starting`); this class starts it, waits for it, and stops it by its PID with
+    bounded waits.
     ``GROUP``: the server is the leader of a new process group (vLLM's engine core and worker),
     and the whole group is killed when it stops.
     """
@@ -86,9 +95,12 @@ class ServerProcess:
     argv: list[str]
     proc: subprocess.Popen[bytes] | None
     env: dict[str, str] | None = None
+    folders: tuple[str, ...] = ()  # made again by each start
+    start_s = 0.0  # how long the last start took, to /health answering 200
     NAME = "server"  # in messages
     GROUP = False
     POLL_S = 0.1  # between two looks at /health
+    START_S = 120.0  # the default wait for /health to answer
     STOP_S = 10.0  # the default wait for SIGTERM to end it
     TAIL = 15  # log lines shown by default
 
@@ -180,9 +192,25 @@ class ServerProcess:
         """The same as :meth:`stop` (what ``atexit`` and the signal handlers call)."""
         self.stop()
 
-    def start(self, timeout: float = 120.0) -> Self:
-        """Start the process and wait until it answers."""
-        raise NotImplementedError
+    def start(self, timeout: float | None = None, progress: Reporter | bool | None = None
+              ) -> Self:
+        """Start it and wait (at most ``timeout`` s, default ``START_S``) for ``/health``.
+
+        ``progress``: where the wait is shown (:func:`nbkv.core.progress.resolve`), in the
+        words of :meth:`_starting`.
+        """
+        t0 = time.monotonic()
+        for folder in self.folders:  # (removed by the last stop: a start again)
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        self._spawn()
+        with Task(resolve(progress), **self._starting()) as task:
+            self.wait_ready(self.START_S if timeout is None else timeout, task)
+        self.start_s = time.monotonic() - t0
+        return self
+
+    def _starting(self) -> dict[str, Any]:
+        """The start's progress task: what it does and why it takes time (``Task``'s words)."""
+        return {"what": f"starting {self.NAME} on port {self.port}", "why": ""}
 
     def stop(self, timeout: float | None = None) -> None:
         """SIGTERM it by its PID, SIGKILL after ``timeout`` s (default ``STOP_S``); idempotent.

@@ -28,7 +28,6 @@ import argparse
 import importlib.metadata
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from nbkv.core.errors import NbkvError, ServerError
-from nbkv.core.progress import Reporter, Task, resolve
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import default_threads
+from nbkv.remote import build
 from nbkv.remote.facts import advert, flags_of
-from nbkv.remote.process import ServerProcess
+from nbkv.remote.process import ServerProcess, free_port
 
 SERVER_FLAGS = ("--no-kv-unified", "--metrics", "--slots", "--no-webui")
 NO_BINARY = ("no llama-server binary: build one from the installed llama-cpp-python's llama.cpp "
@@ -54,30 +53,21 @@ def binary() -> Path | None:
     env = os.environ.get("NBKV_LLAMA_SERVER")
     if env:
         return Path(env) if Path(env).is_file() else None
-    try:
-        ver = importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        ver = ""
-    here = Path(sys.prefix) / f"llama-server-{ver}" / "llama-server"
-    if ver and here.is_file():
+    return _own_binary()
+
+
+def _own_binary() -> Path | None:
+    """The llama-server built from the installed llama-cpp-python's own sources, else PATH's."""
+    here = build.target() if _build() else None
+    if here is not None and here.is_file():
         return here
     found = shutil.which("llama-server")
     return Path(found) if found else None
 
 
-def _own_binary() -> Path | None:
-    """The llama-server built from the installed llama-cpp-python's own sources, if any."""
-    env = os.environ.pop("NBKV_LLAMA_SERVER", None)
-    try:
-        return binary()
-    finally:
-        if env is not None:
-            os.environ["NBKV_LLAMA_SERVER"] = env
-
-
 def _build() -> str:
     try:
-        return importlib.metadata.version("llama-cpp-python")
+        return build.version()
     except importlib.metadata.PackageNotFoundError:
         return ""
 
@@ -115,13 +105,6 @@ def calibrate_for(model: str, flags: dict[str, Any]) -> tuple[PrefillRule | None
             return PrefillRule(exact=False, reason=f"the calibration failed: {e}"), kind
     finally:
         m.close()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer(ServerProcess):
@@ -170,6 +153,7 @@ class LlamaServer(ServerProcess):
             self.argv += ["-fa", flash_attn]
         # also what lets /slots/N?action=erase work (%kvcache clear)
         self.slot_save_path = slot_save_path or self._temp(tempfile.mkdtemp(prefix="nbkv-slots-"))
+        self.folders = (self.slot_save_path,)
         Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)
         self.argv += ["--slot-save-path", self.slot_save_path]
         self.argv += list(extra)
@@ -193,18 +177,9 @@ class LlamaServer(ServerProcess):
         return [*self.argv, "--ui-config", advert(self.argv, rule, memory,
                                                   _build(), self.same_build)]
 
-    def start(self, timeout: float = 120.0, progress: Reporter | bool | None = None
-              ) -> LlamaServer:
-        """Start the process and wait (at most ``timeout`` s) until ``/health`` says ok.
-
-        ``progress``: where the wait is shown (:func:`nbkv.core.progress.resolve`).
-        """
-        Path(self.slot_save_path).mkdir(parents=True, exist_ok=True)  # a start again
-        self._spawn()
-        with Task(resolve(progress), f"starting llama-server on port {self.port}",
-                  f"it loads {Path(self.model).name} for {self.slots} slots", tick=0.5):
-            self.wait_ready(timeout)
-        return self
+    def _starting(self) -> dict[str, Any]:
+        return {"what": f"starting llama-server on port {self.port}",
+                "why": f"it loads {Path(self.model).name} for {self.slots} slots", "tick": 0.5}
 
 
 def main(argv: list[str] | None = None) -> int:

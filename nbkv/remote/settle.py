@@ -18,10 +18,14 @@ import logging
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from nbkv.core.events import SlotRewritten
 from nbkv.remote import steering
-from nbkv.remote.server_slot import ServerEngine, ServerSlot
+from nbkv.remote.server_slot import ServerSlot
+
+if TYPE_CHECKING:
+    from nbkv.remote.llama_server import LlamaServerEngine
 
 log = logging.getLogger("nbkv.remote.connect")
 
@@ -29,7 +33,7 @@ log = logging.getLogger("nbkv.remote.connect")
 class Settler:
     """A thread that rewrites finished replies on the server while nothing else runs."""
 
-    def __init__(self, engine: ServerEngine) -> None:
+    def __init__(self, engine: LlamaServerEngine) -> None:
         self._ref = weakref.ref(engine)
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -66,7 +70,7 @@ class Settler:
             del eng
 
     @staticmethod
-    def _pick(eng: ServerEngine) -> tuple[ServerSlot, list[steering.Step]] | None:
+    def _pick(eng: LlamaServerEngine) -> tuple[ServerSlot, list[steering.Step]] | None:
         rule = eng.rule
         if rule is None:
             return None
@@ -81,7 +85,7 @@ class Settler:
                     return s, steps
         return None
 
-    def _one(self, eng: ServerEngine) -> bool:
+    def _one(self, eng: LlamaServerEngine) -> bool:
         """Rewrite one slot's reply (or as much as it can before a request comes)."""
         found = self._pick(eng)
         if found is None or eng.waiting():

