@@ -62,6 +62,7 @@ class Scheduler:
         self.cv = table.lock
         self.held = 0  # hold_admission() depth: requests queue but are not admitted
         self.thread: threading.Thread | None = None
+        #: the parts it shares with the control calls (built by the core)
         self.replays, self.parker, self.rewriter = core.replays, core.parker, core.rewriter
         #: admits requests into slots
         self.placer = Placer(res, settings, table, core.spc, core.parking, core.events,
