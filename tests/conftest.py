@@ -125,7 +125,7 @@ def assert_consistent(engine):
     def read():
         return [(s, engine.ctx.seq_pos_min(s.seq_id), engine.ctx.seq_pos_max(s.seq_id))
                 for s in engine.slots()]
-    for s, lo, hi in engine.scheduler.call(read):
+    for s, lo, hi in engine.core.call(read):
         assert not s.pending, f"slot {s.index} left pending"
         assert hi + 1 == s.n_tokens - s.rewriting, f"slot {s.index} KV mismatch"
         if s.memory == "plain":

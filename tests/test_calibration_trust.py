@@ -100,7 +100,7 @@ def test_background_serves_at_once_unproven_then_exact(proven, off):
 def test_closing_while_proving_ends_the_proof(model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("NBKV_CACHE_DIR", str(tmp_path))
     e = Engine(model_path, calibration="background", **KW)
-    proof = e.scheduler.proof
+    proof = e.core.proof
     assert proof is not None and proof.thread.is_alive()
     e.close()
     assert not proof.thread.is_alive() and not (tmp_path / FILE).exists()
@@ -153,7 +153,7 @@ def test_nothing_grouped_unproven_is_saved_or_spilled_as_proven(model_path, prov
     e = Engine(model_path, calibration="background", park_dir=str(park), **KW)
     try:
         r = e.chat([{"role": "user", "content": ASKS[0]}], session="a", max_tokens=4)
-        assert r.record.exact is False and e.scheduler.proof.pending()
+        assert r.record.exact is False and e.core.proof.pending()
         e.settle()
         state = e.export_state()
         assert state.slots and all(s.kv.settled == 0 and s.kv.exact_len == 0
@@ -176,7 +176,7 @@ def test_background_with_the_rule_cached_is_exact_from_the_first_request(
     monkeypatch.setenv("NBKV_CACHE_DIR", str(d))
     monkeypatch.delenv("NBKV_CALIBRATION", raising=False)
     with Engine(model_path, **KW) as e:
-        assert e.scheduler.proof is None and e.wait_proven(0)
+        assert e.core.proof is None and e.wait_proven(0)
         assert e.prefill_rule == proven["rule"]
         assert (d / FILE).is_file()
         r = e.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASKS[0]}],

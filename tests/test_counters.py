@@ -90,7 +90,7 @@ def test_a_due_collection_runs_in_idle_time_counted_apart(monkeypatch, model_pat
         for _ in range(200):  # the idle pass runs once the thread looks at its work
             if collected:
                 break
-            e.scheduler.call(lambda: None)
+            e.core.call(lambda: None)
             time.sleep(0.01)
         snap = e.counters()
     assert collected == [1]
@@ -159,7 +159,7 @@ def test_exact_path_counts(model_path):
         first = talk(e, msgs, "What is a CPU?", "a", max_tokens=6).record
         second = talk(e, msgs, "And memory?", "a", max_tokens=6).record
         rewritten = idle_rewrite.wait(120)  # the last reply's, in idle time
-        e.scheduler.call(lambda: None)  # after the pass that rewrote it
+        e.core.call(lambda: None)  # after the pass that rewrote it
         snap = e.counters()
     for rec in (first, second):
         assert rec.path == "exact" and rec.exact is True

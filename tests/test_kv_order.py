@@ -63,7 +63,7 @@ def test_a_copy_and_a_restore_admitted_in_one_pass_both_get_their_own_kv(family,
         bob = conv(ASTRO, "What is Jupiter?")
         passes = []
         unsub = e.subscribe(lambda ev: isinstance(ev, RequestStarted) and passes.append(
-            (ev.record.session, len(e.scheduler.queue))))
+            (ev.record.session, len(e.core.queue))))
         with e.hold_admission():
             streams = e.chat_many([bob, carol], ["bob", "carol"], stream=True, max_tokens=8,
                                   temperature=0)
@@ -107,7 +107,7 @@ def test_the_kv_layer_refuses_a_state_write_into_a_copy_that_waits(model_path):
             ctx.try_seq_rm(0, len(src), -1)
             return errors, ctx.copy_queued(0), ctypes.sizeof(ctx.state_get(1)) > 0
 
-        errors, still, readable = e.scheduler.call(race)
+        errors, still, readable = e.core.call(race)
         assert len(errors) == 2 and "copy" in errors[0] and "copy" in errors[1]
         assert not still and readable
         verified(e)

@@ -179,7 +179,7 @@ def test_a_budget_eviction_is_counted_announced_and_listed(model, oracle, tier, 
     with Engine(model, n_slots=2, n_ctx=N_CTX, park_ram=0) as probe:
         say(probe, oracle, [{"role": "system", "content": OTHERS[0]}], QUESTIONS[0], "p")
         probe.settle()
-        size = probe.scheduler.call(lambda: probe.table[0].kv.snapshot().nbytes)
+        size = probe.core.call(lambda: probe.table[0].kv.snapshot().nbytes)
     budget = {"park_ram": int(1.5 * size)} if tier == "ram" else {
         "park_ram": 0, "park_dir": str(tmp_path), "park_disk": int(1.5 * size)}
     heard = []
@@ -225,7 +225,7 @@ def test_the_least_recently_used_leaves_first_after_a_restart(model, tmp_path):
     with Engine(model, n_slots=2, n_ctx=N_CTX, park_ram=0) as probe:
         probe.chat([{"role": "system", "content": "You are agent p0."}, user("Hi")],
                    session="p0", max_tokens=2, temperature=0)
-        size = probe.scheduler.call(lambda: probe.table[0].kv.snapshot().nbytes)
+        size = probe.core.call(lambda: probe.table[0].kv.snapshot().nbytes)
     budget = int(3.5 * size)
     first = run_py(OPEN_PARK_CLOSE, model, root, budget, json.dumps(["p1", "p2", "p3", "p4",
                                                                       "p5"]))

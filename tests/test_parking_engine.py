@@ -97,7 +97,7 @@ def say(engine, oracle, msgs, text, session):
 def state_size(engine, session):
     """Bytes of the state llama.cpp gives for ``session``'s slot (its whole sequence)."""
     slot = next(s.index for s in engine.slots() if s.session == session)
-    return engine.scheduler.call(lambda: ctypes.sizeof(engine.ctx.state_get(slot)))
+    return engine.core.call(lambda: ctypes.sizeof(engine.ctx.state_get(slot)))
 
 
 @pytest.fixture(scope="module")
@@ -644,7 +644,7 @@ def test_parking_a_session_by_hand_then_its_request_restores_it(engine, oracle):
 def idle_passes(engine, n=3):
     """Let the scheduler run a few idle iterations (it copies out the next park there)."""
     for _ in range(n):
-        engine.scheduler.call(lambda: None)
+        engine.core.call(lambda: None)
         time.sleep(0.05)
 
 

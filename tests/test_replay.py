@@ -231,7 +231,7 @@ def test_an_exact_false_engine_never_replays(model_path):
         msgs = [SYSTEM, user("Name a fruit.")]
         e.chat(msgs, session="x", max_tokens=4, temperature=0)
         r = e.chat(msgs, session="x", max_tokens=4, temperature=0, replay=True).record
-        assert r.reason != "replayed" and len(e.scheduler.replies) == 0
+        assert r.reason != "replayed" and len(e.core.replays.replies) == 0
 
 
 def test_a_parked_conversation_restored_for_another_session_stays_parked(model_path):

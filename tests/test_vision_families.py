@@ -79,7 +79,7 @@ def assert_kv_exact(engine, session, prompt_msgs, probe=42):
     assert_consistent(engine)
     (slot,) = [s for s in engine.slots() if s.session == session]
     cached = np.array(engine.probe(slot.index, probe))
-    prompt = engine.scheduler.call(lambda: engine._prepare(prompt_msgs, "error", 1))
+    prompt = engine.core.call(lambda: engine._prepare(prompt_msgs, "error", 1))
     units = list(slot.tokens)
     assert units[:len(prompt.tokens)] == list(prompt.tokens)
     ctx, batch = Context(engine.model, 2048, 1, 256), Batch(256)
@@ -440,7 +440,7 @@ def test_mrope_image_kv_equals_libmtmd_helper_decode(proj):
             image_msg("What is here?", picture(3, size=48))]
     with Engine(text, mmproj=mmproj, n_slots=1, n_ctx=512, n_threads=1) as e:
         p = e.projector
-        prompt = e.scheduler.call(lambda: e._prepare(msgs, "error", 1))
+        prompt = e.core.call(lambda: e._prepare(msgs, "error", 1))
         logits, ends = [], []
         for via_helper in (False, True):
             ctx, batch = Context(e.model, 512, 1, 256), Batch(256)

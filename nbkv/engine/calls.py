@@ -2,8 +2,9 @@
 
 Parking by hand, clearing, the probe, the rewrite of finished replies on demand, and the
 caches as data (a save's and a restore's :mod:`nbkv.engine.state`, the replies a save
-keeps). Each runs on the scheduler thread (``scheduler.call``): the
-:class:`~nbkv.engine.facade.Engine` inherits them from :class:`ControlCalls`.
+keeps). Each runs on the scheduler thread (:meth:`~nbkv.engine.core.EngineCore.call`), over
+the engine's :class:`~nbkv.engine.core.EngineCore`: the :class:`~nbkv.engine.facade.Engine`
+inherits them from :class:`ControlCalls`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from nbkv.engine import verify
 if TYPE_CHECKING:
     from nbkv.core.config import EngineSettings
     from nbkv.core.events import EventBus
-    from nbkv.engine.control import Composed
+    from nbkv.engine.core import EngineCore
     from nbkv.engine.slots import EngineTable
     from nbkv.kv.slot_table import EngineState, SlotState
     from nbkv.kv.spc import SavedPrompt, SystemPromptStore
@@ -30,9 +31,9 @@ if TYPE_CHECKING:
 
 
 class ControlCalls:
-    """The engine's control calls, over its scheduler, slots and caches (a mixin)."""
+    """The engine's control calls, over its core: slots, caches and thread (a mixin)."""
 
-    scheduler: Composed
+    core: EngineCore
     table: EngineTable
     spc: SystemPromptStore
     parking: ParkingLot | None
@@ -43,14 +44,14 @@ class ControlCalls:
     def park(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Park ``session``'s slot (or every idle slot with ``all``) now: by hand, to show it."""
         lot = self._parking_lot()
-        text = self.scheduler.call(lambda: self.scheduler.parker.park_sessions(lot, session, all))
+        text = self.core.call(lambda: self.core.parker.park_sessions(lot, session, all))
         self.events.publish(SlotsChanged("parked"))
         return text
 
     def unpark(self, session: str | None = None, all: bool = False) -> str:  # noqa: A002
         """Bring parked conversations back into slots now (an empty slot, else the LRU's)."""
         lot = self._parking_lot()
-        text = self.scheduler.call(lambda: self.scheduler.parker.unpark_sessions(lot, session, all))
+        text = self.core.call(lambda: self.core.parker.unpark_sessions(lot, session, all))
         self.events.publish(SlotsChanged("unparked"))
         return text
 
@@ -85,7 +86,7 @@ class ControlCalls:
             forgot = self.parking.clear() if parked and self.parking is not None else 0
             return gone, spc, forgot
 
-        gone, spc, forgot = self.scheduler.call(do)
+        gone, spc, forgot = self.core.call(do)
         self.events.publish(SlotsChanged("cleared"))
         what = (f"slot {slot}" if slot is not None else "every idle slot") + (
             f": {', '.join(gone)}" if gone else " (empty)")
@@ -102,7 +103,7 @@ class ControlCalls:
     def clear_parked(self) -> str:
         """Forget every parked conversation, in RAM and on disk; the slots stay as they are."""
         lot = self._parking_lot()
-        n = self.scheduler.call(lot.clear)
+        n = self.core.call(lot.clear)
         self.events.publish(SlotsChanged("cleared"))
         return f"forgot {counted(n, 'parked conversation')}"
 
@@ -116,7 +117,7 @@ class ControlCalls:
         """
         index = self.table.index(slot)
         token = validate.token("token", token, self.model.n_vocab)
-        return self.scheduler.call(lambda: verify.probe(self.scheduler, index, token))
+        return self.core.call(lambda: verify.probe(self.core, index, token))
 
     def settle(self) -> None:
         """Rewrite every finished reply's KV now instead of in idle time (exact mode).
@@ -125,15 +126,7 @@ class ControlCalls:
         does this on its own when it has nothing else to do; call it to measure, or before
         reading the KV directly.
         """
-        def settle() -> None:
-            # the caller gives the engine time now: as a user reading would (rewrite="auto"
-            # then leaves the next replies to idle time)
-            self.scheduler.pace.back_to_back = False
-            for s in self.table:
-                s.reply_rows = 0
-            self.scheduler.rewriter.settle_all()
-
-        self.scheduler.call(settle)
+        self.core.call(self.core.rewriter.settle_now)
 
     def export_state(self, only_if_idle: bool = False) -> EngineState:
         """Every idle slot's KV and bookkeeping, and the system prompt cache, as data.
@@ -142,8 +135,7 @@ class ControlCalls:
         ``only_if_idle``: raise :class:`~nbkv.engine.state.EngineBusy` instead of waiting
         for requests in flight.
         """
-        return self.scheduler.call(lambda: engine_state.export_state(self.scheduler,
-                                                                     only_if_idle))
+        return self.core.call(lambda: engine_state.export_state(self.core, only_if_idle))
 
     def import_state(self, placed: Sequence[tuple[int, SlotState]],
                      spc: Sequence[tuple[str, SavedPrompt]] = (), recompute: bool = False
@@ -155,8 +147,8 @@ class ControlCalls:
         placed slot's KV by a full prefill of its tokens before any request can use it (an
         untrusted save); returns a :class:`~nbkv.engine.recompute.Recomputation` per slot.
         """
-        return self.scheduler.call(lambda: engine_state.import_state(
-            self.scheduler, placed, spc, recompute))
+        return self.core.call(lambda: engine_state.import_state(self.core, placed, spc,
+                                                                recompute))
 
     def export_replies(self, holders: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
         """The replies ``holders`` still hold, as JSON (what a save keeps).
@@ -164,9 +156,9 @@ class ControlCalls:
         ``holders``: the units of the saved slots and parked conversations. A cell run again
         after a restore is then replayed.
         """
-        return self.scheduler.call(
-            lambda: [m.as_json() for m in self.scheduler.replies.kept_by(holders)])
+        return self.core.call(
+            lambda: [m.as_json() for m in self.core.replays.replies.kept_by(holders)])
 
     def import_replies(self, memos: Sequence[Any]) -> None:
         """Remember replies a save kept (checked :class:`~nbkv.kv.replies.ReplyMemo` s)."""
-        self.scheduler.call(lambda: self.scheduler.replies.imported(memos))
+        self.core.call(lambda: self.core.replays.replies.imported(memos))

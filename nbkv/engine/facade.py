@@ -36,6 +36,7 @@ from nbkv.core.requests import SamplingParams
 from nbkv.core.streams import ChatStream
 from nbkv.engine import verify
 from nbkv.engine.calls import ControlCalls
+from nbkv.engine.core import EngineCore
 from nbkv.engine.drafts import NgramDrafter
 from nbkv.engine.jobs import Job
 from nbkv.engine.native import Resources, close_at_exit, forget_at_exit
@@ -156,12 +157,13 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         shadow = None  # the sequence that rewrites replies while they are generated
         if self.res.shadow_seq is not None:
             shadow = SlotKV(self.ctx, self.res.shadow_seq, self.memory, slots.max_checkpoints)
-        self.scheduler = Scheduler(self.res, self.table, self.spc, self.events, self.settings,
-                                   self.parking, self._prompts, shadow)
+        #: what the scheduler and the control calls share (nbkv.engine.core)
+        self.core = core = EngineCore(self.res, self.settings, self.table, self.events,
+                                      self.spc, self.parking, self._prompts)
+        self.scheduler = Scheduler(core, shadow)
         self.scheduler.start(self)
         before = {i.key: i for i in self.parking.entries()} if self.parking is not None else {}
-        self.scheduler.proof = self.res.start_proof(self.scheduler.busy, self.scheduler.wake,
-                                                    before)
+        core.proof = self.res.start_proof(core.busy, self.scheduler.wake, before)
 
     @property
     def cache(self) -> str:
@@ -207,7 +209,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         True once :attr:`prefill_rule` is final (at once if nothing was left to prove);
         False if ``timeout`` seconds passed first.
         """
-        proof = self.scheduler.proof
+        proof = self.core.proof
         return proof is None or proof.wait(timeout)
 
     @property
@@ -284,7 +286,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         probe = validate.token("probe", probe, self.model.n_vocab)
         targets = [self.table.index(slot)] if slot is not None else [
             s.index for s in self.slots() if not s.empty]
-        return [verify.verify_slot(self.scheduler, i, probe) for i in targets]
+        return [verify.verify_slot(self.core, i, probe) for i in targets]
 
     def explain(self, request: int | None = None) -> reasons.Explanation:
         """The full story of request ``request`` (default: the latest).
@@ -362,7 +364,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         From :class:`nbkv.core.counters.KVCounters`, read between steps, plus ``path``:
         ``"exact"`` or ``"lean"`` (exactness not proven or not asked for).
         """
-        snap = self.scheduler.call(self.ctx.counters.snapshot)
+        snap = self.core.call(self.ctx.counters.snapshot)
         return {**snap, "path": self.res.path}
 
     def close(self) -> None:
@@ -371,20 +373,20 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
         Optional: an engine nobody references is closed by garbage collection, and one
         still open at interpreter exit by an ``atexit`` hook.
         """
-        if self.scheduler.closed:
+        if self.core.closed:
             return
         lot = self.parking
         on_thread = threading.current_thread() is self.scheduler.thread  # (a subscriber)
         if lot is not None and lot.disk is not None and not on_thread:  # slots, RAM: to disk
             def spill() -> int:
-                proof = self.scheduler.proof
+                proof = self.core.proof
                 if proof is not None and proof.pending():  # never spill unproven KV
                     forget(proof, self.table, self.spc, lot, self.scheduler.shadow)
-                self.scheduler.rewriter.settle_all()  # whole replies parked: rewritten first
-                return self.scheduler.parker.spill_all()
+                self.core.rewriter.settle_all()  # whole replies parked: rewritten first
+                return self.core.parker.spill_all()
 
             try:
-                self.scheduler.call(spill)
+                self.core.call(spill)
             except Exception:  # noqa: BLE001 - closing must not fail
                 log.exception("could not spill the parked conversations to disk at close")
         self.scheduler.stop()
@@ -397,7 +399,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
     @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
-        return self.scheduler.closed
+        return self.core.closed
 
     def wake(self) -> None:
         """Let the scheduler look at its requests now (a stream was cancelled)."""
@@ -411,10 +413,10 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
 
     def _prepare(self, messages: Sequence[Mapping[str, Any]], overflow: str, max_tokens: int
                  ) -> Prompt:
-        if self.scheduler.closed:
+        if self.core.closed:
             raise EngineClosedError("this engine is closed")
         prompt = self._prompts.prepare(messages, overflow, max_tokens)
-        images = self.scheduler.images
+        images = self.core.images
         for im in prompt.media.images if prompt.media is not None else ():
             images[im.hash] = im
             images.move_to_end(im.hash)

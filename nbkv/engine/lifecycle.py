@@ -19,14 +19,10 @@ from nbkv.core.events import Progress, RequestFinished
 from nbkv.kv.policy import PREFIX_SALVAGE
 
 if TYPE_CHECKING:
-    from nbkv.core.events import EventBus
+    from nbkv.engine.core import EngineCore
     from nbkv.engine.jobs import Job
-    from nbkv.engine.native import Resources
     from nbkv.engine.placement import Placer
-    from nbkv.engine.replay import Replays
-    from nbkv.engine.rewrite import Rewriter
     from nbkv.engine.shadow import Shadow
-    from nbkv.engine.slots import EngineTable
 
 log = logging.getLogger("nbkv")
 
@@ -34,23 +30,21 @@ log = logging.getLogger("nbkv")
 class Lifecycle:
     """Progress, sampling and the end of the requests placed in slots (scheduler thread).
 
-    Given the engine's resources, slot table, event bus, the parts a request's end settles
-    (:class:`~nbkv.engine.rewrite.Rewriter`, the :class:`~nbkv.engine.shadow.Shadow` or
-    None, :class:`~nbkv.engine.replay.Replays`, the :class:`~nbkv.engine.placement.Placer`'s
-    map) and the scheduler's list of ``active`` requests (a finished one leaves it).
+    Given the engine's core (its resources, slot table, event bus, rewriter, replays, and
+    ``active`` requests: a finished one leaves them) and the other parts a request's end
+    settles: the :class:`~nbkv.engine.shadow.Shadow` or None, and the
+    :class:`~nbkv.engine.placement.Placer`'s map.
     """
 
-    def __init__(self, res: Resources, table: EngineTable, events: EventBus,
-                 rewriter: Rewriter, shadow: Shadow | None, replays: Replays, placer: Placer,
-                 active: list[Job]) -> None:
-        self.res = res
-        self.table = table
-        self.events = events
-        self.rewriter = rewriter
+    def __init__(self, core: EngineCore, shadow: Shadow | None, placer: Placer) -> None:
+        self.core = core
+        self.res = core.res
+        self.table = core.table
+        self.events = core.events
+        self.rewriter = core.rewriter
         self.shadow = shadow
-        self.replays = replays
+        self.replays = core.replays
         self.placer = placer
-        self.active = active
 
     def wake(self) -> None:
         """Have the scheduler thread look at its requests now."""
@@ -110,8 +104,9 @@ class Lifecycle:
         if job.done.is_set():
             return
         job.finished()
-        if job in self.active:
-            self.active.remove(job)
+        active = self.core.active
+        if job in active:
+            active.remove(job)
         if job.sampler is not None:
             job.sampler.close()
         tail = job.text.flush()
@@ -124,7 +119,7 @@ class Lifecycle:
         if slot is not None and self.res.ctx.ptr:  # a guessed position may follow
             try:
                 slot.kv.resync()
-                if slot.kv.copy_queued and not self.active:  # ended before its first decode
+                if slot.kv.copy_queued and not active:  # ended before its first decode
                     slot.kv.run_queued_copy()  # no later decode is coming to run the queued copy
             except BaseException:  # noqa: BLE001 - the request must still end
                 log.exception("slot[%d]: could not trim past its tokens", slot.index)

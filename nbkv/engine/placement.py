@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
     from nbkv.engine.replay import Replays
-    from nbkv.engine.rewrite import Pace
+    from nbkv.engine.rewrite import Rewriter
     from nbkv.engine.slot_parking import Parker
     from nbkv.engine.slots import EngineSlot, EngineTable
     from nbkv.kv.invariance import PrefillRule
@@ -55,22 +55,23 @@ class Placer:
     """Admits requests into slots: the slot table's plan carried out on the KV.
 
     Runs on the scheduler thread. Given the engine's resources, serve settings, slot
-    table, system prompt store (SPC), parking lot (None: parking off), event bus and
-    :class:`~nbkv.engine.rewrite.Pace`, the :class:`~nbkv.engine.slot_parking.Parker` (a
-    displaced conversation is parked, a parked one restored) and the
+    table, system prompt store (SPC), parking lot (None: parking off), event bus, the
+    :class:`~nbkv.engine.rewrite.Rewriter` (it keeps the engine's pace), the
+    :class:`~nbkv.engine.slot_parking.Parker` (a displaced conversation is parked, a parked
+    one restored) and the
     :class:`~nbkv.engine.replay.Replays` (a re-run answered from the cache).
     """
 
     def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
                  spc: SystemPromptStore, parking: ParkingLot | None, events: EventBus,
-                 pace: Pace, parker: Parker, replays: Replays) -> None:
+                 rewriter: Rewriter, parker: Parker, replays: Replays) -> None:
         self.res = res
         self.settings = settings
         self.table = table
         self.spc = spc
         self.parking = parking
         self.events = events
-        self.pace = pace
+        self.rewriter = rewriter
         self.parker = parker
         self.replays = replays
         self.executor = Executor(res, settings, table, spc, parking, parker, replays)
@@ -86,8 +87,7 @@ class Placer:
         donor = table[plan.donor] if plan.donor is not None else None
         if donor is None and entry is None and slot.session == job.session and slot.reply_rows:
             # this conversation continues: did its last reply have idle time to be rewritten in?
-            self.pace.back_to_back = (job.t_submit - slot.t_replied
-                                       < slot.reply_rows * self.pace.row_s)
+            self.rewriter.continued(slot, job.t_submit)
         adm = admission.admit(plan, holder(slot), holder(donor) if donor is not None else None,
                               job.session, job.prompt.tokens, self.res.rule, cache=cfg.slots.cache,
                               exact=cfg.exactness.exact and not self.res.lean, taken=taken)

@@ -18,31 +18,31 @@ from nbkv.kv import invariance
 from nbkv.kv.slot_kv import trim_valid
 
 if TYPE_CHECKING:
-    from nbkv.engine.control import Runs
+    from nbkv.engine.core import EngineCore
     from nbkv.engine.slots import EngineSlot
 
 
-def prefill_run(sched: Runs, units: Sequence[Any], pos: int, seq: int, row: int | None
+def prefill_run(core: EngineCore, units: Sequence[Any], pos: int, seq: int, row: int | None
                 ) -> Iterator[tuple[int, int]]:
     """Prefill ``units[pos:]`` (text) into ``seq`` in canonical chunks.
 
     Yields each decoded chunk's ``(from, to)``; ``row`` is the one position whose logits
     are computed.
     """
-    b = sched.res.batch
+    b = core.res.batch
     while pos < len(units):
         if not isinstance(units[pos], int):
             raise NbkvError("an image after a slot's settled KV cannot be re-read here")
-        n = invariance.next_chunk(units, pos, sched.res.rule, b.capacity)
+        n = invariance.next_chunk(units, pos, core.res.rule, b.capacity)
         b.clear()
         for k in range(pos, pos + n):
             b.add(units[k], k, seq, k == row)
-        sched.res.ctx.decode(b)
+        core.res.ctx.decode(b)
         yield pos, pos + n
         pos += n
 
 
-def extension_logits(sched: Runs, s: EngineSlot, units: Sequence[Any], row: int
+def extension_logits(core: EngineCore, s: EngineSlot, units: Sequence[Any], row: int
                      ) -> np.ndarray:
     """The logits of ``units[row]`` prefilled over ``s``'s KV, as a request would.
 
@@ -51,16 +51,16 @@ def extension_logits(sched: Runs, s: EngineSlot, units: Sequence[Any], row: int
     can be cut is cut and its tail prefilled again (canonically), other memory gets its
     whole state back (scheduler thread).
     """
-    kv, rule = s.kv, sched.res.rule
-    sched.res.ctx.sampling.use(())  # the host reads this row (the next step attaches again)
+    kv, rule = s.kv, core.res.rule
+    core.res.ctx.sampling.use(())  # the host reads this row (the next step attaches again)
     tokens = list(kv.tokens)
     snap = kv.snapshot() if kv.memory.checkpoints else None
     out = None
     try:
-        pos = trim_valid(kv, units, min(servable(sched.settings.exactness.exact, kv), row), rule)
-        for lo, hi in prefill_run(sched, units, pos, kv.seq_id, row):
+        pos = trim_valid(kv, units, min(servable(core.settings.exactness.exact, kv), row), rule)
+        for lo, hi in prefill_run(core, units, pos, kv.seq_id, row):
             if lo <= row < hi:
-                out = np.array(sched.res.ctx.logits(row - lo))
+                out = np.array(core.res.ctx.logits(row - lo))
     finally:
         if snap is not None:
             kv.put_back(snap)
@@ -70,7 +70,7 @@ def extension_logits(sched: Runs, s: EngineSlot, units: Sequence[Any], row: int
                 # from where a canonical prefill of the slot's own tokens may begin: the cut
                 # made for ``units`` can leave too few rows of ``tokens`` for one chunk
                 trim_valid(kv, tokens, len(kv), rule)
-            for lo, hi in prefill_run(sched, tokens, len(kv), kv.seq_id, None):
+            for lo, hi in prefill_run(core, tokens, len(kv), kv.seq_id, None):
                 kv.extend(tokens[lo:hi], settled=invariance.stable_end(tokens, hi, rule))
     assert out is not None
     return out

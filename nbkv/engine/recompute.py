@@ -24,7 +24,7 @@ from nbkv.kv.invariance import next_chunk, stable_end
 from nbkv.kv.slot_kv import SlotKV
 
 if TYPE_CHECKING:
-    from nbkv.engine.control import Controls, Runs
+    from nbkv.engine.core import EngineCore
     from nbkv.engine.slots import EngineSlot
 
 PROBE = 42  # the token appended to compare the saved KV with the recomputed one
@@ -58,9 +58,9 @@ class Recomputation:
                 f"{self.seconds:.2f} s; {said}")
 
 
-def recompute(sched: Controls, index: int) -> Recomputation:
+def recompute(core: EngineCore, index: int) -> Recomputation:
     """Replace slot ``index``'s KV by a full prefill of its tokens (scheduler thread)."""
-    s: EngineSlot = sched.table[index]
+    s: EngineSlot = core.table[index]
     session, tokens = s.session, list(s.kv.tokens)
     units = [*tokens, PROBE, PROBE]  # never a lone probe row
     fits = len(units) <= s.capacity
@@ -68,16 +68,16 @@ def recompute(sched: Controls, index: int) -> Recomputation:
     try:
         if not all(isinstance(u, int) for u in tokens):
             raise ValueError("it holds an image, which is encoded only by a request")
-        saved = extension_logits(sched, s, units, len(tokens)) if fits else None
+        saved = extension_logits(core, s, units, len(tokens)) if fits else None
         s.kv.clear()
         t0 = time.perf_counter()
-        prefill_all(sched, s.kv, tokens, s.msg_ends)
+        prefill_all(core, s.kv, tokens, s.msg_ends)
         seconds = time.perf_counter() - t0
         if not s.kv.verify():
             raise RuntimeError("the recomputed KV does not hold the slot's positions")
-        fresh = extension_logits(sched, s, units, len(tokens)) if fits else None
+        fresh = extension_logits(core, s, units, len(tokens)) if fits else None
     except Exception as e:  # noqa: BLE001 - the slot is emptied, the engine goes on serving
-        sched.table.reset(s)
+        core.table.reset(s)
         return Recomputation(index, session, len(tokens),
                              time.perf_counter() - t0 if t0 else 0.0, None,
                              error=f"{type(e).__name__}: {e}")
@@ -88,14 +88,14 @@ def recompute(sched: Controls, index: int) -> Recomputation:
                          bool(np.array_equal(saved, fresh)), diff)
 
 
-def prefill_all(sched: Runs, kv: SlotKV, tokens: Sequence[Any], stops: Iterable[int]
+def prefill_all(core: EngineCore, kv: SlotKV, tokens: Sequence[Any], stops: Iterable[int]
                 ) -> None:
     """Prefill ``tokens`` (text only) into the empty ``kv`` as requests would.
 
     Canonical chunks that end at the message ends ``stops`` where the grouping allows, and
     a checkpoint there when the memory keeps them (hybrid, recurrent).
     """
-    rule, batch = sched.res.rule, sched.res.batch
+    rule, batch = core.res.rule, core.res.batch
     ends = sorted(set(stops))
     while len(kv) < len(tokens):
         pos = len(kv)
@@ -103,7 +103,7 @@ def prefill_all(sched: Runs, kv: SlotKV, tokens: Sequence[Any], stops: Iterable[
         run = tokens[pos:pos + n]
         batch.clear()
         batch.add_run(run, pos, kv.seq_id, False)
-        sched.res.ctx.decode(batch)
+        core.res.ctx.decode(batch)
         kv.extend(run, settled=stable_end(tokens, pos + n, rule))
         if pos + n in ends and kv.settled == pos + n:
             kv.checkpoint()

@@ -37,18 +37,15 @@ REWRITE_CHUNK = 16  # positions per idle-time rewrite step: what a new request m
 
 
 class Pace:
-    """How fast the engine prefills, and whether requests have been coming back to back.
+    """How fast the engine prefills: the time a canonical prefill row takes.
 
-    Prefill chunks (requests', rewrites', the shadow's) note their time per row; placement
-    compares a conversation's idle time with what rewriting its last reply took.
+    Prefill chunks (requests', rewrites', the shadow's) note their time per row; the
+    :class:`Rewriter` compares a conversation's idle time with what rewriting its last reply
+    took.
     """
 
     def __init__(self) -> None:
         self.row_s = 0.0  # seconds a canonical prefill row takes (recent chunks)
-        #: requests have been coming back to back: the last reply had no idle time to be
-        #: rewritten in (rewrite="auto" then rewrites the next one while it is generated);
-        #: what a fresh engine assumes (a notebook's Run All, an agent loop)
-        self.back_to_back = True
 
     def note_rows(self, rows: int, seconds: float) -> None:
         """A canonical chunk of ``rows`` took ``seconds``: keep the per-row estimate."""
@@ -58,15 +55,30 @@ class Pace:
 
 
 class Rewriter:
-    """Rewrites finished replies' KV as canonical prefills, one chunk at a time."""
+    """Rewrites finished replies' KV as canonical prefills, one chunk at a time.
+
+    It keeps the engine's pace: how fast rows prefill, and whether requests have been
+    coming back to back (the shadow then rewrites replies while they are generated).
+    """
 
     def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
-                 events: EventBus, pace: Pace) -> None:
+                 events: EventBus) -> None:
         self.res = res
         self.settings = settings
         self.table = table
         self.events = events
-        self.pace = pace
+        self.pace = Pace()
+        #: requests have been coming back to back: the last reply had no idle time to be
+        #: rewritten in (rewrite="auto" then rewrites the next one while it is generated);
+        #: what a fresh engine assumes (a notebook's Run All, an agent loop)
+        self.back_to_back = True
+
+    def continued(self, slot: EngineSlot, t_submit: float) -> None:
+        """``slot``'s conversation continues with a request sent at ``t_submit``.
+
+        Notes whether its last reply had idle time to be rewritten in.
+        """
+        self.back_to_back = t_submit - slot.t_replied < slot.reply_rows * self.pace.row_s
 
     def settling_slot(self) -> EngineSlot | None:
         """An idle slot whose KV still holds token-by-token decodes (exact mode, IMC).
@@ -139,3 +151,13 @@ class Rewriter:
         """Rewrite every finished reply's KV now (scheduler thread)."""
         while (slot := self.settling_slot()) is not None:
             self.settle(slot)
+
+    def settle_now(self) -> None:
+        """:meth:`settle_all` because the caller gives the engine time now.
+
+        As a user reading would: ``rewrite="auto"`` then leaves the next replies to idle time.
+        """
+        self.back_to_back = False
+        for s in self.table:
+            s.reply_rows = 0
+        self.settle_all()

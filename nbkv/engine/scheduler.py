@@ -13,10 +13,11 @@ requests come back to back, one chunk of a reply's rewrite into the shadow seque
 slot's ``tokens`` list is the truth about its KV: it is extended only after a successful
 decode, and on any failure the KV is trimmed back to it.
 
-The scheduler keeps the queue, the control calls and the loop, and composes its parts once,
-each given what it uses: :class:`~nbkv.engine.replay.Replays`,
-:class:`~nbkv.engine.slot_parking.Parker`, :class:`~nbkv.engine.placement.Placer`,
-:class:`~nbkv.engine.rewrite.Rewriter`, :class:`~nbkv.engine.shadow.Shadow`,
+The scheduler runs the loop over the engine's :class:`~nbkv.engine.core.EngineCore` (its
+requests, the control calls waiting, the shared parts :class:`~nbkv.engine.replay.Replays`,
+:class:`~nbkv.engine.slot_parking.Parker` and :class:`~nbkv.engine.rewrite.Rewriter`), and
+composes the parts of a step once, each given what it uses:
+:class:`~nbkv.engine.placement.Placer`, :class:`~nbkv.engine.shadow.Shadow`,
 :class:`~nbkv.engine.lifecycle.Lifecycle` (a request's progress, tokens and end) and
 :class:`~nbkv.engine.decoder.Decoder`. None of them imports this module; only the facade
 does (an import-linter contract).
@@ -29,83 +30,50 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
-from nbkv.core.config import EngineSettings
 from nbkv.core.errors import EngineClosedError, SlotTimeoutError
-from nbkv.core.events import EventBus
+from nbkv.engine.core import EngineCore
 from nbkv.engine.decoder import Decoder
 from nbkv.engine.jobs import READING, Job, JobState
 from nbkv.engine.lifecycle import Lifecycle
 from nbkv.engine.native import Resources
 from nbkv.engine.placement import Placer
-from nbkv.engine.proving import BackgroundProof, adopt
-from nbkv.engine.replay import Replays
-from nbkv.engine.rewrite import Pace, Rewriter
+from nbkv.engine.proving import adopt
 from nbkv.engine.shadow import Shadow
-from nbkv.engine.slot_parking import Parker
-from nbkv.engine.slots import EngineTable
 from nbkv.kv.batching import Prefilling, StepPlan, plan_step
 from nbkv.kv.invariance import next_chunk
 from nbkv.kv.slot_kv import SlotKV
-from nbkv.kv.spc import SystemPromptStore
-from nbkv.prompt.builder import PromptBuilder
-from nbkv.store.parking import ParkingLot
 
 log = logging.getLogger("nbkv")
 
-T = TypeVar("T")
 _GENERATE = StepPlan(generate=True)  # the plan while every active request generates
 
 
 class Scheduler:
     """Queue, admission, decode steps and idle rewrites of one engine, on its own thread."""
 
-    def __init__(self, res: Resources, table: EngineTable, spc: SystemPromptStore,
-                 events: EventBus, settings: EngineSettings,
-                 parking: ParkingLot | None = None, prompts: PromptBuilder | None = None,
-                 shadow_kv: SlotKV | None = None) -> None:
-        self.res = res
-        self.table = table
-        self.spc = spc
-        self.parking = parking  # conversations that lost their slot (None: parking off)
-        self.events = events
-        self.settings = settings
-        #: the table's lock: it guards the queue as well, and wakes the thread
+    def __init__(self, core: EngineCore, shadow_kv: SlotKV | None = None) -> None:
+        self.core = core
+        self.res = res = core.res
+        self.table = table = core.table
+        self.settings = settings = core.settings
+        #: the table's lock: it guards the core's requests as well, and wakes the thread
         self.cv = table.lock
-        self.queue: list[Job] = []
-        self.active: list[Job] = []
-        self.control: list[tuple[Callable[[], Any], Future[Any]]] = []
-        self.closed = False
         self.held = 0  # hold_admission() depth: requests queue but are not admitted
-        #: pictures of recent prompts by hash (verify() re-decodes them from scratch)
-        self.images: OrderedDict[str, Any] = OrderedDict()
         self.thread: threading.Thread | None = None
-        #: how fast rows prefill, and whether requests come back to back
-        self.pace = Pace()
-        #: replies a re-run of the same prompt and settings may be answered with
-        self.replays = Replays(res, settings, table, events)
-        self.replies = self.replays.replies
-        #: parks slots' conversations, restores parked ones
-        self.parker = Parker(res, settings, table, parking, prompts, self.replays)
+        #: the parts it shares with the control calls (built by the core)
+        self.replays, self.parker, self.rewriter = core.replays, core.parker, core.rewriter
         #: admits requests into slots
-        self.placer = Placer(res, settings, table, spc, parking, events, self.pace, self.parker,
-                             self.replays)
-        #: finished replies' KV rewritten as canonical prefills, in idle time
-        self.rewriter = Rewriter(res, settings, table, events, self.pace)
+        self.placer = Placer(res, settings, table, core.spc, core.parking, core.events,
+                             self.rewriter, self.parker, self.replays)
         #: rewrites replies while they are generated (None: no shadow sequence)
-        self.shadow = (Shadow(shadow_kv, res, settings, table, self.pace)
+        self.shadow = (Shadow(shadow_kv, res, settings, table, self.rewriter)
                        if shadow_kv is not None else None)
-        #: a request's progress, sampled tokens and end (``active`` is never rebound)
-        self.life = Lifecycle(res, table, events, self.rewriter, self.shadow, self.replays,
-                              self.placer, self.active)
+        #: a request's progress, sampled tokens and end
+        self.life = Lifecycle(core, self.shadow, self.placer)
         #: the requests' steps into the KV; it reports to the lifecycle
-        self.decoder = Decoder(res, settings, spc, self.pace, self.life)
-        #: the exactness proof running in the background, if any (nbkv.engine.proving)
-        self.proof: BackgroundProof | None = None
+        self.decoder = Decoder(res, settings, core.spc, self.rewriter.pace, self.life)
         #: requests ran since the last idle pass that looked for a due garbage collection
         self.gc_pending = True
 
@@ -122,9 +90,9 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue ``job`` for admission."""
         with self.cv:
-            if self.closed:
+            if self.core.closed:
                 raise EngineClosedError("this engine is closed")
-            self.queue.append(job)
+            self.core.queue.append(job)
             self.cv.notify_all()
 
     def wake(self) -> None:
@@ -132,55 +100,45 @@ class Scheduler:
         with self.cv:
             self.cv.notify_all()
 
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the scheduler thread between decode steps; return its result."""
-        fut: Future[T] = Future()
-        with self.cv:
-            if self.closed:
-                raise EngineClosedError("this engine is closed")
-            self.control.append((fn, fut))
-            self.cv.notify_all()
-        return fut.result()
-
     def stop(self) -> None:
         """Cancel every request and end the thread (it then frees the native objects)."""
+        core = self.core
         with self.cv:
-            if self.closed:
+            if core.closed:
                 return
-            self.closed = True
-            for j in self.queue + self.active:
+            core.closed = True
+            for j in core.queue + core.active:
                 j.cancel.set()
             self.cv.notify_all()
         if self.thread is not None and threading.current_thread() is not self.thread:
             self.thread.join()
 
-    def busy(self) -> bool:
-        """Requests queued or running, or a reply's KV still to rewrite (scheduler thread)."""
-        return bool(self.queue or self.active or self.rewriter.settling_slot() is not None)
-
     # --------------------------------------------------------------- the thread
 
     def has_work(self) -> bool:
         """Anything for the scheduler to do (call with ``cv`` held)."""
-        return bool(self.queue or self.active or self.control or self.closed
-                    or (self.proof is not None and self.proof.ready())
+        core = self.core
+        return bool(core.queue or core.active or core.control or core.closed
+                    or (core.proof is not None and core.proof.ready())
                     or self.rewriter.settling_slot() is not None
                     or self.parker.prepark_slot(busy=False) is not None  # (none queued)
                     or self.gc_pending)
 
     def run_once(self) -> bool:
         """One scheduler iteration; False once the engine is closed (the thread then ends)."""
+        core = self.core
         with self.cv:
-            closed = self.closed
+            closed = core.closed
             if closed:
-                jobs, self.queue = self.queue + self.active, []
-                self.active.clear()
-                for _, fut in self.control:
+                jobs = core.queue + core.active
+                core.queue.clear()
+                core.active.clear()
+                for _, fut in core.control:
                     fut.set_exception(EngineClosedError("this engine is closed"))
-                self.control.clear()
+                core.control.clear()
             else:
                 jobs = []
-                control, self.control = self.control, []
+                control, core.control = core.control, []
         if closed:
             for j in jobs:
                 self.life.finish(j, "cancelled")
@@ -191,22 +149,22 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
         self._admit()
-        if self.active or self.queue:
+        if core.active or core.queue:
             self.gc_pending = True
-        if self.active:
+        if core.active:
             # the step's host work outside its named parts (building batches, the KV's
             # bookkeeping) counts too, shared by the step's requests
-            with self.res.ctx.counters.part("step", tuple(j.counts for j in self.active)):
+            with self.res.ctx.counters.part("step", tuple(j.counts for j in core.active)):
                 ran = self._step()
             if not ran:  # every active request waits for the vision encoder
                 with self.cv:
                     self.cv.wait(0.05)
-        elif self.queue:
+        elif core.queue:
             with self.cv:  # every slot busy: wait for a change, or a deadline
                 self.cv.wait(0.05)
-        elif self.proof is not None and self.proof.ready():  # idle, and proven meanwhile
-            adopt(self.proof, self.res, self.table, self.spc, self.parking, self.shadow,
-                  self.events)
+        elif core.proof is not None and core.proof.ready():  # idle, and proven meanwhile
+            adopt(core.proof, self.res, self.table, core.spc, core.parking, self.shadow,
+                  core.events)
         else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), copy
             slot = self.rewriter.settling_slot()  # out the conversation parked next, or run
             counters = self.res.ctx.counters  # the garbage collection due soonest
@@ -238,9 +196,10 @@ class Scheduler:
         if self.held:
             return
         now = time.monotonic()
-        for job in list(self.queue):
+        queue, active = self.core.queue, self.core.active
+        for job in list(queue):
             if job.cancel.is_set():
-                self.queue.remove(job)
+                queue.remove(job)
                 self.life.fail(job, None, "cancelled")
                 continue
             counters = self.res.ctx.counters
@@ -249,18 +208,18 @@ class Scheduler:
                 with counters.part("placement", job.counts):
                     started = self.placer.start(job)
             except BaseException as e:  # noqa: BLE001 - reported to the requester
-                self.queue.remove(job)
+                queue.remove(job)
                 self.life.fail(job, e, "error")
                 continue
             job.counts.kv_bytes += counters.bytes_moved - moved
             if started:
-                self.queue.remove(job)
+                queue.remove(job)
                 if job.state is JobState.REPLAY:  # the cached reply: nothing to decode
                     self.replays.finish(job)
                 else:
-                    self.active.append(job)
+                    active.append(job)
             elif now > job.deadline:
-                self.queue.remove(job)
+                queue.remove(job)
                 self.life.fail(job, SlotTimeoutError(
                     f"no slot became free within the wait limit ({len(self.table)} slots, "
                     f"all busy)"), "error")
@@ -270,12 +229,12 @@ class Scheduler:
 
         False if nothing could run (every active request waits for the vision encoder).
         """
-        for job in list(self.active):
+        active = self.core.active  # planning it is the step's own host work (part "step")
+        for job in list(active):
             if job.cancel.is_set():
                 if job.drop_pieces():  # drop the part of an image decoded so far
                     job.placed_slot.kv.resync()
                 self.life.finish(job, "cancelled")
-        active = self.active  # planning it is the step's own host work (part "step")
         if all(j.state is JobState.GENERATE for j in active):  # no prompt to read
             plan, generating = _GENERATE, list(active)
         else:
@@ -283,7 +242,7 @@ class Scheduler:
         self.res.ctx.sampling.use(self._sampled_in_graph())
         ran = False
         if plan.prefill is not None:
-            job = next(j for j in self.active if j.id == plan.prefill)
+            job = next(j for j in active if j.id == plan.prefill)
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
             if job.state is JobState.PREFILL:
@@ -308,15 +267,16 @@ class Scheduler:
         greedily, has no image and decodes no guess (one output row a sequence), else none.
         """
         if all(j.sampler is not None and j.sampler.greedy and j.prompt.media is None
-               and j.drafter is None for j in self.active):
+               and j.drafter is None for j in self.core.active):
             return range(self.res.ctx.n_seq_max)
         return range(0)
 
     def _plan(self) -> tuple[StepPlan, list[Job]]:
         """The next step (:func:`nbkv.kv.batching.plan_step`) and the generating requests."""
-        generating = [j for j in self.active if j.state is JobState.GENERATE]
+        active = self.core.active
+        generating = [j for j in active if j.state is JobState.GENERATE]
         prefilling = []
-        for j in self.active:
+        for j in active:
             if j.state not in READING:
                 continue
             image = j.state is not JobState.PREFILL

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from nbkv.core.config import EngineSettings
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
-    from nbkv.engine.rewrite import Pace
+    from nbkv.engine.rewrite import Rewriter
     from nbkv.engine.slots import EngineTable
 
 log = logging.getLogger("nbkv")
@@ -50,12 +50,13 @@ class Shadow:
     """The engine's shadow sequence, and the reply it is rewriting (one at a time)."""
 
     def __init__(self, kv: SlotKV, res: Resources, settings: EngineSettings, table: EngineTable,
-                 pace: Pace) -> None:
+                 rewriter: Rewriter) -> None:
         self.kv = kv  # its tokens are its KV, as a slot's are
         self.res = res
         self.settings = settings
         self.table = table  # a finished reply's slot takes the shadow's KV (hand_over)
-        self.pace = pace
+        self.rewriter = rewriter  # whether requests come back to back
+        self.pace = rewriter.pace  # where each chunk's time per row is noted
         self.job: Job | None = None  # the generating request it follows
         self.start = 0  # the followed slot's settled prefix, where the shadow's rows begin
         self.rows = 0  # rows it has decoded since
@@ -115,7 +116,7 @@ class Shadow:
         if not (cfg.exactness.exact and cfg.slots.cache == "imc" and rule.exact and rule.mixed
                 and not rule.single_row and cfg.exactness.rewrite != "idle"):
             return False
-        if cfg.exactness.rewrite == "auto" and not self.pace.back_to_back:
+        if cfg.exactness.rewrite == "auto" and not self.rewriter.back_to_back:
             return False
         if job.done.is_set() or job.slot is None or not job.slot.kv.memory.can_trim:
             return False

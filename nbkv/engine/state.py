@@ -21,19 +21,19 @@ from nbkv.kv.spc import SavedPrompt
 from nbkv.store.parked import ParkedEntry
 
 if TYPE_CHECKING:
-    from nbkv.engine.control import Controls
+    from nbkv.engine.core import EngineCore
     from nbkv.engine.slots import EngineSlot
 
 log = logging.getLogger("nbkv")
 
 
-def export_state(sched: Controls, only_if_idle: bool = False) -> EngineState:
+def export_state(core: EngineCore, only_if_idle: bool = False) -> EngineState:
     """Copy every idle slot's state and bookkeeping (only proven KV: rewrites run first)."""
-    if only_if_idle and sched.busy():
+    if only_if_idle and core.busy():
         raise EngineBusy("the engine is busy")
-    sched.rewriter.settle_all()
+    core.rewriter.settle_all()
     slots, busy = [], []
-    for s in sched.table:
+    for s in core.table:
         if s.phase in (SlotPhase.SERVING, SlotPhase.REWRITING):
             busy.append(s.index)
             continue
@@ -43,13 +43,13 @@ def export_state(sched: Controls, only_if_idle: bool = False) -> EngineState:
             log.warning("slot[%d]: KV does not match its tokens; not saved", s.index)
             continue
         snap = s.kv.snapshot()
-        if sched.proof is not None and sched.proof.pending():  # grouped by an unproven rule:
+        if core.proof is not None and core.proof.pending():  # grouped by an unproven rule:
             snap = replace(snap, settled=0, exact_len=0)  # ... recomputed before any reuse
-        slots.append(sched.table.state_of(s, snap))
-    return EngineState(tuple(slots), tuple(busy), tuple(sched.spc.items()))
+        slots.append(core.table.state_of(s, snap))
+    return EngineState(tuple(slots), tuple(busy), tuple(core.spc.items()))
 
 
-def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
+def import_state(core: EngineCore, placed: Sequence[tuple[int, SlotState]],
                  spc: Sequence[tuple[str, SavedPrompt]], recompute: bool = False
                  ) -> list[Recomputation]:
     """Replace every slot's content: ``placed`` gives each state its slot; all or nothing.
@@ -60,20 +60,20 @@ def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
     ``recompute`` (an untrusted save): each placed slot's KV is then replaced by a full
     prefill of its tokens, in the same scheduler call, so no request sees the saved KV.
     """
-    if sched.active or any(s.pending for s in sched.table):
+    if core.active or any(s.pending for s in core.table):
         raise RestoreError("the engine is serving requests: restore when it is idle")
-    sched.rewriter.settle_all()  # what is parked below is proven KV
-    if sched.parking is not None:
-        for s in sched.table:  # cut where a parked state goes back exactly (cut_for_park)
+    core.rewriter.settle_all()  # what is parked below is proven KV
+    if core.parking is not None:
+        for s in core.table:  # cut where a parked state goes back exactly (cut_for_park)
             if s.tokens:
-                sched.parker.cut_for_park(s)
-    backup = [(s, s.kv.snapshot() if s.tokens else None, sched.table.state_of(s, None))
-              for s in sched.table]
+                core.parker.cut_for_park(s)
+    backup = [(s, s.kv.snapshot() if s.tokens else None, core.table.state_of(s, None))
+              for s in core.table]
     try:
-        for s in sched.table:
-            sched.table.reset(s)
+        for s in core.table:
+            core.table.reset(s)
         for i, state in sorted(placed, key=lambda p: p[1].last_used):
-            slot = sched.table[i]
+            slot = core.table[i]
             saved = state.kv
             if saved is None:
                 raise RestoreError(f"slot {i}: the saved state holds no KV")
@@ -84,25 +84,25 @@ def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
                 raise RestoreError(f"slot {i}: the restored KV does not hold the saved "
                                    f"{len(saved.tokens)} positions")
             if held:  # a sliding-window state may go back to a checkpoint (SlotKV.put_back)
-                sched.table.adopt(slot, held_state(state, held))
+                core.table.adopt(slot, held_state(state, held))
     except BaseException as e:
         for s, snap, state in backup:
-            _roll_back(sched, s, snap, state)
+            _roll_back(core, s, snap, state)
         if isinstance(e, RestoreError):
             raise
         raise RestoreError(f"llama.cpp refused a saved state ({e}); the engine is unchanged"
                            ) from e
-    sched.spc.clear()
+    core.spc.clear()
     for key, entry in spc:
-        sched.spc.put(key, entry.state, entry.tokens)
-    if sched.parking is not None:  # what the slots held is parked, not lost
+        core.spc.put(key, entry.state, entry.tokens)
+    if core.parking is not None:  # what the slots held is parked, not lost
         # a session the restore put back in a slot goes on from its saved conversation: the
         # one it had since (parked, or in a slot the restore displaced) stays as an unnamed
         # branch (as an edit's old branch does), so that neither supersedes the other in
         # the lot (by its later use, the newer one would have: the restored one, parked
         # next, was not kept, without a word)
         restored = {state.session for _, state in placed if state.session is not None}
-        lot = sched.parking
+        lot = core.parking
         for name in restored:
             info = lot.find(name)
             since = lot.take(info.key) if info is not None else None
@@ -113,17 +113,17 @@ def import_state(sched: Controls, placed: Sequence[tuple[int, SlotState]],
             if snap is not None:
                 part = held_state(state, len(snap.tokens))  # the messages it still holds
                 who = None if part.session in restored else part.session
-                sched.parking.park(ParkedEntry.from_snapshot(
+                core.parking.park(ParkedEntry.from_snapshot(
                     snap, session=who, hashes=part.hashes,
                     msg_ends=part.msg_ends, segments=part.segments,
                     last_request=part.last_request, last_used=part.last_used,
                     used_at=part.used_at))
-    return [recompute_slot(sched, i) for i, _ in placed] if recompute else []
+    return [recompute_slot(core, i) for i, _ in placed] if recompute else []
 
 
-def _roll_back(sched: Controls, s: EngineSlot, snap: KVSnapshot | None,
+def _roll_back(core: EngineCore, s: EngineSlot, snap: KVSnapshot | None,
                state: SlotState) -> None:
-    sched.table.reset(s)
+    core.table.reset(s)
     if snap is None:
         return
     try:
@@ -132,7 +132,7 @@ def _roll_back(sched: Controls, s: EngineSlot, snap: KVSnapshot | None,
         log.exception("slot[%d]: could not put its state back after a failed restore", s.index)
         return
     if s.kv.tokens:
-        sched.table.put_back(s, held_state(state, len(s.kv)))
+        core.table.put_back(s, held_state(state, len(s.kv)))
 
 
 def held_state(state: SlotState, n: int) -> SlotState:

@@ -20,78 +20,78 @@ from nbkv.kv.oracle import Verification, scratch_logits, scratch_rows
 from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:
-    from nbkv.engine.control import Controls
+    from nbkv.engine.core import EngineCore
     from nbkv.engine.slots import EngineSlot
 
 
-def ready_slot(sched: Controls, index: int) -> EngineSlot:
+def ready_slot(core: EngineCore, index: int) -> EngineSlot:
     """Slot ``index`` with its pending rewrite done (scheduler thread).
 
     Its KV is then what a request would be served.
     """
-    s = sched.table[index]
+    s = core.table[index]
     if s.phase is SlotPhase.SERVING:
         raise NbkvError(f"slot {index} is serving a request")
-    while s.phase is SlotPhase.REWRITING or (sched.settings.exactness.exact
+    while s.phase is SlotPhase.REWRITING or (core.settings.exactness.exact
                                              and s.phase is SlotPhase.UNSETTLED):
-        sched.rewriter.settle(s)
+        core.rewriter.settle(s)
     return s
 
 
-def probe(sched: Controls, index: int, token: int) -> list[float]:
+def probe(core: EngineCore, index: int, token: int) -> list[float]:
     """Logits of ``token`` appended to slot ``index`` (scheduler thread; KV unchanged)."""
-    s = ready_slot(sched, index)
+    s = ready_slot(core, index)
     units = [*s.kv.tokens, token, token]
     if len(units) > s.capacity:
         raise NbkvError(f"slot {index} is full")
-    return list(extension_logits(sched, s, units, len(s.kv)))
+    return list(extension_logits(core, s, units, len(s.kv)))
 
 
-def scratch_settings(sched: Controls, units: Sequence[Any]) -> dict[str, Any]:
+def scratch_settings(core: EngineCore, units: Sequence[Any]) -> dict[str, Any]:
     """Keywords for :func:`nbkv.kv.oracle.scratch_rows` matching this engine.
 
     Its grouping, batch, context settings and, for images, projector and pictures.
     """
-    res = sched.res
+    res = core.res
     kw: dict[str, Any] = {"rule": res.rule, "n_batch": res.batch.capacity, **res.settings}
     hashes = {u.key.image_hash for u in units if isinstance(u, MediaUnit)}
     if hashes:
-        if hashes - sched.images.keys():
+        if hashes - core.images.keys():
             raise NbkvError("cannot verify: the slot holds an image this engine no "
                             "longer keeps")
-        kw.update(projector=res.projector, images=dict(sched.images))
+        kw.update(projector=res.projector, images=dict(core.images))
     return kw
 
 
-def verify_slot(sched: Controls, index: int, probe_token: int) -> Verification:
+def verify_slot(core: EngineCore, index: int, probe_token: int) -> Verification:
     """Compare slot ``index``'s probe logits with a fresh decode (caller's thread)."""
     def take() -> tuple[list[Any], str | None, int, np.ndarray]:
-        s = ready_slot(sched, index)
+        s = ready_slot(core, index)
         units = [*s.kv.tokens, probe_token, probe_token]
         if len(units) > s.capacity:
             raise NbkvError(f"slot {index} is full")
-        return (list(s.kv.tokens), s.session, servable(sched.settings.exactness.exact, s.kv),
-                extension_logits(sched, s, units, len(s.kv)))
-    tokens, session, kept, cached = sched.call(take)
-    fresh = scratch_logits(sched.res.model, tokens, probe_token,
-                           **scratch_settings(sched, tokens))
+        return (list(s.kv.tokens), s.session, servable(core.settings.exactness.exact, s.kv),
+                extension_logits(core, s, units, len(s.kv)))
+    tokens, session, kept, cached = core.call(take)
+    fresh = scratch_logits(core.res.model, tokens, probe_token,
+                           **scratch_settings(core, tokens))
     same = bool(np.array_equal(cached, fresh))
     first = None
-    if not same and sched.res.memory.can_trim:
-        first = _first_difference(sched, index, tokens, kept)
+    if not same and core.res.memory.can_trim:
+        first = _first_difference(core, index, tokens, kept)
     return Verification(index, session, len(tokens), same,
                         float(np.abs(cached - fresh).max()), first,
-                        sched.settings.exactness.exact and sched.res.rule.exact)
+                        core.settings.exactness.exact and core.res.rule.exact)
 
 
-def _first_difference(sched: Controls, index: int, tokens: list[Any], kept: int
+def _first_difference(core: EngineCore, index: int, tokens: list[Any], kept: int
                       ) -> tuple[int, int] | None:
     """Narrow down where ``index``'s KV first differs from a fresh decode.
 
     Rows ending on the grid are recomputed over the cached KV before them and compared
     with a fresh run (bisection; the slot must not change meanwhile).
     """
-    rule = sched.res.rule
+    rule = core.res.rule
     step = max(16 // rule.align, 1) * rule.align
     ends = sorted({g for g in (invariance.valid_start(tokens, x, rule)
                                for x in range(step, kept + 1, step))
@@ -99,19 +99,19 @@ def _first_difference(sched: Controls, index: int, tokens: list[Any], kept: int
                    and isinstance(tokens[g - 1], int)})
     if not ends:
         return (0, len(tokens))
-    fresh = scratch_rows(sched.res.model, tokens, [g - 1 for g in ends],
-                         **scratch_settings(sched, tokens))
+    fresh = scratch_rows(core.res.model, tokens, [g - 1 for g in ends],
+                         **scratch_settings(core, tokens))
 
     def kept_equal(g: int) -> tuple[bool, int]:
         def run() -> tuple[bool, int]:
-            s = sched.table[index]
+            s = core.table[index]
             if s.pending or s.kv.tokens[:g] != tokens[:g]:
                 raise NbkvError("the slot changed during verification")
             v = invariance.valid_start(
-                tokens[:g], min(servable(sched.settings.exactness.exact, s.kv), g - 1), rule)
-            return bool(np.array_equal(extension_logits(sched, s, tokens[:g], g - 1),
+                tokens[:g], min(servable(core.settings.exactness.exact, s.kv), g - 1), rule)
+            return bool(np.array_equal(extension_logits(core, s, tokens[:g], g - 1),
                                        fresh[g - 1])), v
-        return sched.call(run)
+        return core.call(run)
 
     lo_i, hi_i, lo_pos, hi_pos = -1, len(ends), 0, len(tokens)
     while hi_i - lo_i > 1:
