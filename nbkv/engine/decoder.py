@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from nbkv.core.errors import MediaError
@@ -51,6 +50,9 @@ class Steps(Protocol):
 
     def sample(self, job: Job, idx: int) -> None:
         """:meth:`on_logits` inside the caller's host-time part."""
+
+    def take(self, job: Job, token: int, now: float) -> None:
+        """:meth:`sample` for a token already picked (by the graph), at time ``now``."""
 
     def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
         """End ``job`` with ``error``."""
@@ -99,11 +101,11 @@ class Decoder:
         read = rec.prefilled_tokens - len(job.todo)
         lo, hi = rec.reprefilled_tokens, rec.reprefilled_tokens + rec.rewrite_absorbed
         overlap = min(hi, read + take) - max(lo, read)
-        if overlap > 0:
-            job.record = replace(rec, rewrite_absorbed_s=rec.rewrite_absorbed_s
-                                 + overlap / take * (time.perf_counter() - t0))
+        if overlap > 0:  # into the record as it finishes
+            job.absorbed_s += overlap / take * (time.perf_counter() - t0)
         end = len(kv) + take  # only now are these positions really in the KV
-        kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, self.res.rule))
+        kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, self.res.rule,
+                                                      job.prompt.media is None))
         job.read(take)
         try:
             if end in job.stops and kv.settled == end:
@@ -181,6 +183,8 @@ class Decoder:
         """Decode the next token of every generating request."""
         if not jobs:
             return
+        if len(jobs) == 1 and jobs[0].drafter is None and self.res.ctx.sampling.seqs:
+            return self._generate_one(jobs[0])
         if len(jobs) > 1:  # one micro-batch (see nbkv.kv.batching)
             jobs.sort(key=lambda j: j.placed_slot.seq_id)
         # more rows than the calibration proved would take another kernel: split the step
@@ -196,6 +200,31 @@ class Decoder:
         return (cfg.exactness.exact and self.res.speculative and rule.exact and not rule.single_row
                 and rule.threshold <= 2 and rule.align == 1)
 
+
+    def _generate_one(self, job: Job) -> None:
+        """One request's generation decode, its token picked by the graph: the usual step.
+
+        What :meth:`_generate_rows` does for one row with no guess, in one function: after
+        a decode every line of Python runs with cold caches, and a step's host time is
+        mostly the code and objects it touches. Its sampling counts in the step's part.
+        """
+        res = self.res
+        ctx, kv = res.ctx, job.placed_slot.kv
+        tok = job.take_token()
+        pos = len(kv.tokens)
+        batch = res.batch
+        batch.clear()
+        batch.add(tok, pos, kv.seq_id, True)
+        counts = job.counts
+        counts.decode_calls += 1
+        counts.rows += 1
+        try:
+            ctx.decode(batch)
+            exact = res.rule.single_row
+            kv.extend((tok,), exact=exact, settled=pos + 1 if exact else None)
+            self.steps.take(job, ctx.sampling.token(0), time.perf_counter())
+        except BaseException as e:  # noqa: BLE001 - the request fails cleanly
+            self.steps.fail(job, e, "error")
 
     def _generate_rows(self, jobs: list[Job]) -> None:
         """One generation decode for ``jobs`` (see :func:`generate`)."""

@@ -78,6 +78,7 @@ class Job(Request):
         self._pieces = 0  # IMAGE_PART: sub-batches of the image already in KV
         self.t_prefill = 0.0
         self.first_decode_s = 0.0  # sampling the first token from the prefill's last logits
+        self.absorbed_s = 0.0  # of the prefill: re-reading the previous reply (not rewritten)
         self.t_last_progress = 0.0
         self.drafter = drafter  # speculative guesses from the prompt and reply (None: off)
         self.drafted = 0  # guesses decoded (speculative, exact mode)

@@ -66,13 +66,17 @@ class Lifecycle:
     def sample(self, job: Job, idx: int) -> None:
         """:meth:`on_logits` inside a part the caller opened (one for a step's requests)."""
         now = time.perf_counter()
-        model = self.res.model
-        slot, sampler = job.placed_slot, job.sampler
+        sampler = job.sampler
         assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
         token = sampler.sample(self.res.ctx, idx)
         if not job.t_first:  # the first token counts once it is sampled
             job.t_first = time.perf_counter()
             job.first_decode_s = job.t_first - now  # into the record as it finishes
+        self.take(job, token, now)
+
+    def take(self, job: Job, token: int, now: float) -> None:
+        """:meth:`sample` for a token already picked (the graph's), at time ``now``."""
+        model, slot = self.res.model, job.placed_slot
         if model.is_eog(token):
             return self.finish(job, "stop")
         job.generated.append(token)
@@ -169,6 +173,7 @@ def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None
     return replace(
         rec,
         first_decode_s=job.first_decode_s if job.t_first else rec.first_decode_s,
+        rewrite_absorbed_s=rec.rewrite_absorbed_s + job.absorbed_s,
         generated_tokens=len(job.generated),
         prefilled_tokens=rec.prefilled_tokens - len(job.todo),
         ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,

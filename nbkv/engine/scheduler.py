@@ -283,7 +283,7 @@ class Scheduler:
             stops = j.stops if j.capture_at is None else (*j.stops, j.capture_at)
             take = 0 if image else next_chunk(
                 j.prompt.tokens, len(j.placed_slot.kv), self.res.rule, self.res.batch.capacity,
-                stops)
+                stops, j.prompt.media is None)
             prefilling.append(Prefilling(j.id, len(j.todo), j.ready(), image, take))
         return plan_step(prefilling, len(generating)), generating
 

@@ -110,9 +110,12 @@ def _all_text(units: Sequence[Any], lo: int, hi: int) -> bool:
     return set(map(type, units[lo:hi])) <= {int}
 
 
-def run_start(units: Sequence[Any], pos: int) -> int:
-    """First position of the text run holding ``pos`` (just after the previous image)."""
-    if _all_text(units, 0, pos):
+def run_start(units: Sequence[Any], pos: int, text: bool = False) -> int:
+    """First position of the text run holding ``pos`` (just after the previous image).
+
+    ``text``: the caller knows ``units`` holds no image (no scan then).
+    """
+    if text or _all_text(units, 0, pos):
         return 0
     i = pos
     while i > 0 and _text(units[i - 1]):
@@ -120,10 +123,10 @@ def run_start(units: Sequence[Any], pos: int) -> int:
     return i
 
 
-def run_end(units: Sequence[Any], pos: int) -> int:
+def run_end(units: Sequence[Any], pos: int, text: bool = False) -> int:
     """End of the text run from ``pos``: the next image position at or after it, or the end."""
     i, n = pos, len(units)
-    if _all_text(units, pos, n):
+    if text or _all_text(units, pos, n):
         return n
     while i < n and _text(units[i]):
         i += 1
@@ -152,34 +155,36 @@ def valid_start(units: Sequence[Any], want: int, rule: PrefillRule) -> int:
     return max(r, start)
 
 
-def stable_end(units: Sequence[Any], end: int, rule: PrefillRule) -> int:
+def stable_end(units: Sequence[Any], end: int, rule: PrefillRule, text: bool = False) -> int:
     """Positions before ``end`` whose KV stays exact whatever follows (its *settled* prefix).
 
     ``units[:end]`` must have been prefilled canonically: every chunk's block rows are
-    settled; the remainder rows of the last run are not (the run may still grow).
+    settled; the remainder rows of the last run are not (the run may still grow). ``text``:
+    ``units`` holds no image (known to the caller: no scan for one).
     """
     if end <= 0:
         return 0
     if not _text(units[end - 1]):
         return end
-    start = run_start(units, end - 1)
+    start = run_start(units, end - 1, text)
     if end - start < rule.threshold:
         return start
     return start + (end - start) // rule.align * rule.align
 
 
 def next_chunk(units: Sequence[Any], pos: int, rule: PrefillRule, cap: int,
-               stops: Iterable[int] = ()) -> int:
+               stops: Iterable[int] = (), text: bool = False) -> int:
     """Rows the next canonical prefill chunk of ``units`` takes from ``pos``.
 
     ``pos`` is a valid start (:func:`valid_start`) or where a previous chunk ended, and
     ``units[pos]`` is text. ``cap``: the batch size. ``stops``: positions where a chunk
     should end (checkpoints, the system-prompt capture); honoured where the grouping allows
     (a multiple of ``align`` from the run's start, ``threshold`` rows on both sides).
+    ``text``: ``units`` holds no image (no scan for one).
     """
     a, t = rule.align, rule.threshold
-    start = run_start(units, pos)
-    end = run_end(units, pos)
+    start = run_start(units, pos, text)
+    end = run_end(units, pos, text)
     left = end - pos
     if left <= cap:
         n = left
