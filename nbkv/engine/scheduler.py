@@ -127,22 +127,23 @@ class Scheduler:
     def run_once(self) -> bool:
         """One scheduler iteration; False once the engine is closed (the thread then ends)."""
         core = self.core
-        with self.cv:
-            closed = core.closed
-            if closed:
-                jobs = core.queue + core.active
-                core.queue.clear()
-                core.active.clear()
-                for _, fut in core.control:
-                    fut.set_exception(EngineClosedError("this engine is closed"))
-                core.control.clear()
-            else:
-                jobs = []
-                control, core.control = core.control, []
-        if closed:
-            for j in jobs:
-                self.life.finish(j, "cancelled")
-            return False
+        control: list[Any] = []
+        jobs: list[Job] | None = None  # set once closed: the requests to cancel
+        if core.closed or core.control:  # (read without the lock: only a peek)
+            with self.cv:
+                if core.closed:
+                    jobs = core.queue + core.active
+                    core.queue.clear()
+                    core.active.clear()
+                    for _, fut in core.control:
+                        fut.set_exception(EngineClosedError("this engine is closed"))
+                    core.control.clear()
+                else:
+                    control, core.control = core.control, []
+            if jobs is not None:
+                for j in jobs:
+                    self.life.finish(j, "cancelled")
+                return False
         for fn, fut in control:
             try:
                 fut.set_result(fn())
@@ -193,7 +194,7 @@ class Scheduler:
         One pass: a request that finds no slot free, or whose plan must wait for a queued
         copy to run (:meth:`nbkv.engine.placement.Placer.must_wait`), stays queued for the next.
         """
-        if self.held:
+        if self.held or not self.core.queue:
             return
         now = time.monotonic()
         queue, active = self.core.queue, self.core.active
@@ -317,11 +318,12 @@ def _schedule(ref: weakref.ref[Any], cv: threading.Condition, res: Resources) ->
             if engine is None:
                 break
             sched = engine.scheduler
-            with cv:
-                if not sched.has_work():
-                    del engine, sched
-                    cv.wait()
-                    continue
+            if not sched.core.active:  # (only this thread changes it: no lock to read it)
+                with cv:
+                    if not sched.has_work():
+                        del engine, sched
+                        cv.wait()
+                        continue
             go = sched.run_once()
             del engine, sched
             if not go:
