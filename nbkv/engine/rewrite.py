@@ -7,7 +7,8 @@ canonical chunks, one chunk per idle iteration. A request that arrives meanwhile
 between two chunks: it waits for one chunk at most (:data:`REWRITE_CHUNK`), keeps what is
 rewritten and re-reads only the rest (``record.rewrite_absorbed``). When requests come back
 to back the reply is rewritten while it is generated instead (:mod:`nbkv.engine.shadow`);
-what is left of it then is finished here.
+what is left of it then waits a moment for the next request (:meth:`Rewriter.grace`), and is
+finished here if none comes.
 
 The :class:`Rewriter` owns this work; the pending rewrite of each slot is its ``redo`` (the
 positions cut back and not yet prefilled again), changed through the table's locked methods
@@ -34,6 +35,9 @@ log = logging.getLogger("nbkv")
 
 REWRITE_CHUNK = 16  # positions per idle-time rewrite step: what a new request may wait for
 # (a prefill row costs about as much in chunks of 16 as of 64 on a CPU)
+#: while requests come back to back, how long a finished reply's idle rewrite waits for the
+#: next request (seconds): one that comes reads the rows itself, in its own prefill
+GRACE_S = 0.25
 
 
 class Pace:
@@ -79,6 +83,19 @@ class Rewriter:
         Notes whether its last reply had idle time to be rewritten in.
         """
         self.back_to_back = t_submit - slot.t_replied < slot.reply_rows * self.pace.row_s
+
+    def grace(self, slot: EngineSlot) -> float:
+        """Seconds before ``slot``'s idle rewrite may start (0 or less: now).
+
+        While requests come back to back (an agent loop, a notebook's Run All), the next one
+        usually follows its reply at once. Its prefill then reads the reply's rows not yet
+        rewritten with its own (``record.rewrite_absorbed``), which costs less than waiting
+        for a rewrite chunk begun in the instant between the two. So the rewrite waits
+        :data:`GRACE_S` after the reply ended, then runs as usual.
+        """
+        if not self.back_to_back:
+            return 0.0
+        return slot.t_replied + GRACE_S - time.perf_counter()
 
     def settling_slot(self) -> EngineSlot | None:
         """An idle slot whose KV still holds token-by-token decodes (exact mode, IMC).

@@ -169,7 +169,11 @@ class Scheduler:
         else:  # idle: rewrite one chunk of a finished reply's KV (see Engine's exact), copy
             slot = self.rewriter.settling_slot()  # out the conversation parked next, or run
             counters = self.res.ctx.counters  # the garbage collection due soonest
-            if slot is not None:  # no request waits for any of them
+            if slot is not None and (wait := self.rewriter.grace(slot)) > 0:
+                with self.cv:  # back to back: the next request may read the reply itself
+                    if not (core.queue or core.control or core.closed):
+                        self.cv.wait(wait)
+            elif slot is not None:  # no request waits for any of them
                 with counters.part("rewrite", idle=True):
                     self.rewriter.settle(slot)
             elif (slot := self.parker.prepark_slot(busy=False)) is not None:
