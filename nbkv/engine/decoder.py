@@ -183,8 +183,8 @@ class Decoder:
         """Decode the next token of every generating request."""
         if not jobs:
             return
-        if len(jobs) == 1 and jobs[0].drafter is None and self.res.ctx.sampling.seqs:
-            return self._generate_one(jobs[0])
+        if len(jobs) == 1 and self.one_row(jobs[0]):
+            return self.generate_one(jobs[0])
         if len(jobs) > 1:  # one micro-batch (see nbkv.kv.batching)
             jobs.sort(key=lambda j: j.placed_slot.seq_id)
         # more rows than the calibration proved would take another kernel: split the step
@@ -201,7 +201,11 @@ class Decoder:
                 and rule.threshold <= 2 and rule.align == 1)
 
 
-    def _generate_one(self, job: Job) -> None:
+    def one_row(self, job: Job) -> bool:
+        """Whether ``job``'s step is one row whose token the graph picks (:meth:`generate_one`)."""
+        return job.drafter is None and bool(self.res.ctx.sampling.seqs)
+
+    def generate_one(self, job: Job) -> None:
         """One request's generation decode, its token picked by the graph: the usual step.
 
         What :meth:`_generate_rows` does for one row with no guess, in one function: after

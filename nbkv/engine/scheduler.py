@@ -245,6 +245,9 @@ class Scheduler:
         else:
             plan, generating = self._plan()
         self.res.ctx.sampling.use(self._sampled_in_graph())
+        if plan is _GENERATE and len(generating) == 1 and self.decoder.one_row(generating[0]):
+            self._generate_run(generating[0])
+            return True
         ran = False
         if plan.prefill is not None:
             job = next(j for j in active if j.id == plan.prefill)
@@ -264,6 +267,24 @@ class Scheduler:
                     self.shadow.step([j for j in generating if not j.done.is_set()])
             ran = True
         return ran
+
+    def _generate_run(self, job: Job) -> None:
+        """Generate ``job``'s tokens, one decode a step, while it is the only request.
+
+        The usual steps of one conversation, in one loop: the scheduler's iteration (its
+        lock, admission, plan) runs again as soon as anything else has to be looked at (a
+        request queued, a control call, a cancel, the engine closing) or the reply ends.
+        """
+        core, shadow, generate = self.core, self.shadow, self.decoder.generate_one
+        part = self.res.ctx.counters.part
+        while True:
+            generate(job)
+            if shadow is not None and not job.done.is_set():
+                with part("shadow"):
+                    shadow.step([job])
+            if (job.state is not JobState.GENERATE or core.queue or core.control or core.closed
+                    or job.cancel.is_set()):
+                return
 
     def _sampled_in_graph(self) -> range:
         """The sequences whose tokens llama.cpp's graph picks (``DeviceGreedy``).
