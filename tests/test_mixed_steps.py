@@ -10,6 +10,7 @@ slot must verify bit-identical.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -178,6 +179,34 @@ def test_rewrite_idle_keeps_no_shadow(model_path):
         assert turns[1][1].record.rewrite_absorbed > 0  # the reply was re-read
     with pytest.raises(Exception, match="rewrite must be one of"):
         Engine(model_path, n_slots=1, n_ctx=256, rewrite="sometimes")
+
+
+def test_back_to_back_the_idle_rewrite_waits_for_the_next_request(model_path, monkeypatch):
+    """While requests come back to back, a reply's idle rewrite waits (``GRACE_S``): the next
+    request reads the reply in its own prefill, and waits for no rewrite chunk begun in the
+    instant between the two. Once the caller gives the engine time, it rewrites at once."""
+    monkeypatch.setattr(rewrite, "GRACE_S", 600.0)
+    rewrites = []
+    with Engine(model_path, n_slots=1, n_ctx=1024, rewrite="idle") as e:
+        e.subscribe(lambda ev: rewrites.append(ev) if isinstance(ev, SlotRewritten) else None)
+        msgs = first_turn()
+        first = e.chat(msgs, session="g", max_tokens=REPLY, temperature=0)
+        time.sleep(0.5)  # idle, but within the grace: nothing rewritten
+        slot = e.slots()[0]
+        assert not rewrites and slot.settled < len(slot.tokens)
+        msgs += [first.message, user("And the sky?")]
+        second = e.chat(msgs, session="g", max_tokens=REPLY, temperature=0)
+        assert second.record.rewrite_absorbed > 0 and not rewrites
+        assert second.text == scratch_reply(model_path, msgs, max_tokens=REPLY)
+        e.settle()  # the caller gives the engine time: no more back to back
+        assert len(rewrites) == 1
+        msgs += [second.message, user("And the stars?")]
+        e.chat(msgs, session="g", max_tokens=REPLY, temperature=0)
+        deadline = time.monotonic() + 120
+        while len(rewrites) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(rewrites) == 2  # rewritten in idle time, with no grace
+        assert all(v.identical for v in e.verify())
 
 
 def test_a_request_preempts_the_idle_rewrite_between_chunks(model_path, monkeypatch):

@@ -357,3 +357,14 @@ def test_the_words_say_the_decided_reason():
             f"checkpoint {d.shortfall} tokens earlier" in r.text), (d, r.text)
         seen.add(d.code)
     assert seen == set(SAYS) and set(SAYS) == set(reasons.REASONS) - {reasons.REPLAYED}
+
+
+def test_a_record_evolves_as_replace_would():
+    from nbkv.core.events import RequestRecord
+
+    rec = RequestRecord(1, "a", "miss", 0, 10, 0, 10, 0)
+    new = rec.evolve(ttft_s=0.5, generated_tokens=3)
+    assert new == replace(rec, ttft_s=0.5, generated_tokens=3)
+    assert (rec.ttft_s, rec.generated_tokens) == (0.0, 0)  # the original stays as it was
+    with pytest.raises(TypeError, match="no field nope"):
+        rec.evolve(nope=1)

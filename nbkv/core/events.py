@@ -11,7 +11,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Union
 
 log = logging.getLogger("nbkv.core.events")
@@ -204,6 +204,23 @@ class RequestRecord:
     def read_s(self) -> float:
         """Of the first-token time: reading this prompt's own new tokens (prefill)."""
         return max(self.prefill_s - self.rewrite_absorbed_s - self.first_decode_s, 0.0)
+
+    def evolve(self, **changes: Any) -> RequestRecord:
+        """A copy with ``changes``: :func:`dataclasses.replace` without a second ``__init__``.
+
+        A request's end copies its record with a score of figures on the scheduler's thread;
+        ``replace`` would pass all of its sixty fields through ``__init__`` again.
+        """
+        unknown = changes.keys() - _RECORD_FIELDS
+        if unknown:
+            raise TypeError(f"RequestRecord has no field {', '.join(sorted(unknown))}")
+        new = object.__new__(RequestRecord)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(RequestRecord))
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,7 @@ def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None
     ``mixed``: the reply rows the shadow rewrote as the reply was generated.
     """
     t_first = job.t_first or now
-    return replace(
-        rec,
+    return rec.evolve(
         first_decode_s=job.first_decode_s if job.t_first else rec.first_decode_s,
         rewrite_absorbed_s=rec.rewrite_absorbed_s + job.absorbed_s,
         generated_tokens=len(job.generated),

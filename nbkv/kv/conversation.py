@@ -142,6 +142,16 @@ class HoldsConversation:
         return self.conversation.used_at
 
     @property
+    def recency(self) -> tuple[float, int]:
+        """Its place in LRU order (smaller: used longer ago): wall clock, then LRU clock.
+
+        The wall clock orders conversations across processes and restarts; the engine's
+        clock breaks ties within one.
+        """
+        c = self.conversation
+        return (c.used_at, c.last_used)
+
+    @property
     def settled(self) -> int:
         """Leading positions whose KV equals a batched prefill of the tokens."""
         return self.conversation.settled

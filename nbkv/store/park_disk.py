@@ -263,10 +263,10 @@ class DiskTier:
         newest entries stay, as the budget keeps them.
         """
         older = [r for k, r in self._index.items() if k != newer.key
-                 and (r.info.used_at, r.info.last_used) <= (newer.used_at, newer.last_used)]
+                 and r.info.recency <= newer.recency]
         if not older:
             return 0
-        victim = min(older, key=lambda r: (r.info.used_at, r.info.last_used)).info
+        victim = min(older, key=lambda r: r.info.recency).info
         log.info("disk full: parked entry %s (%s) deleted to make room for %s", victim.key,
                  victim.session or "-", newer.key)
         self.delete(victim.key)
@@ -341,7 +341,7 @@ class DiskTier:
         """Delete the least recently used entries (not ``keep``) until within the budget."""
         while self.used > self.budget and len(self._index) > (keep is not None):
             victim = min((r for k, r in self._index.items() if k != keep),
-                         key=lambda r: (r.info.used_at, r.info.last_used))
+                         key=lambda r: r.info.recency)
             log.info("disk budget: parked entry %s (%s, %d tokens) deleted", victim.info.key,
                      victim.info.session or "-", victim.info.n_tokens)
             self.delete(victim.info.key)

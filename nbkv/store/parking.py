@@ -177,8 +177,7 @@ class ParkingLot:
               ) -> ParkedInfo | None:
         if entry.session is not None:
             newer = self.find(entry.session)
-            if newer is not None and not force and (newer.used_at, newer.last_used) > (
-                    entry.used_at, entry.last_used):
+            if newer is not None and not force and newer.recency > entry.recency:
                 return newer  # an older conversation of a session: its newer one stands
             self.drop_session(entry.session)  # its older conversation: superseded
         n = next(self._seq)
@@ -197,7 +196,7 @@ class ParkingLot:
         return entry.info(DISK) if self.disk is not None and entry.key in self.disk else None
 
     def _lru(self, e: ParkedEntry) -> tuple[float, int, int]:
-        return (e.used_at, e.last_used, self._order.get(e.key, 0))
+        return (*e.recency, self._order.get(e.key, 0))
 
     def _spill(self, entry: ParkedEntry, drop: bool = True) -> bool:
         """Move an entry leaving RAM to disk; False when it is dropped (or handed back)."""
@@ -472,7 +471,7 @@ class ParkingLot:
             if replace:
                 self.clear()
             out: list[ParkedInfo | None] = []
-            for e in sorted(entries, key=lambda e: (e.used_at, e.last_used)):
+            for e in sorted(entries, key=lambda e: e.recency):
                 same = None if e.session is not None else next(
                     (i for i in self.entries() if i.session is None and i.tokens == e.tokens
                      and i.settled == e.settled), None)
