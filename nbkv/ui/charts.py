@@ -178,6 +178,24 @@ def nice_step(span: float, ticks: int = 5) -> float:
     return 10 * power
 
 
+def axis(top: float, ticks: int = 5) -> tuple[float, list[float]]:
+    """An axis from 0: its end (at least one step) and its round ticks (:func:`nice_step`)."""
+    step = nice_step(top, ticks)
+    top = max(top, step)
+    return top, steps(0, top, step)
+
+
+def row_ys(rows: Sequence[str], top: float, row: int, gap: int) -> tuple[dict[str, float], float]:
+    """The KV map's rows from ``top`` down (a wider gap after each slot's pair): (y per row,
+    the y below the last)."""
+    ys: dict[str, float] = {}
+    y = top
+    for i, label in enumerate(rows):
+        ys[label] = y
+        y += row + gap + (gap * 2 if i % 2 else 0)
+    return ys, y
+
+
 def svg_root(width: int, height: int, body: str, cls: str, label: str) -> str:
     """An ``<svg>`` element of ``width`` x ``height`` around ``body``."""
     return (f'<svg class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{width}" '
@@ -303,11 +321,7 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
     right = m.right
     pw = width - left - right_pad
     x = lambda pos: left + pw * min(pos, right) / right  # noqa: E731
-    ys: dict[str, float] = {}
-    y = top
-    for i, label in enumerate(m.rows):
-        ys[label] = y
-        y += row + gap + (gap * 2 if i % 2 else 0)
+    ys, y = row_ys(m.rows, top, row, gap)
     out: list[str] = []
     for label in m.rows:
         out.append(svg_text(left - 6, ys[label] + row / 2 + 4, label, "end"))
@@ -342,11 +356,9 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
         out.append(f'<text class="nbkv-unverified-mark" x="{left + 2}" y="{ys[label] + 15}" '
                    f'font-size="14" fill="{COLORS["trimmed"]}">✗<title>not verified: '
                    f"{esc(note)}</title></text>")
-    step = nice_step(right)
     ticks = "".join(
         f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{y}" stroke="{RULE}"/>'
-        + svg_text(x(t), y + 12, f"{int(t)}", "middle", 10, MUTED)
-        for t in steps(0, right, step))
+        + svg_text(x(t), y + 12, f"{int(t)}", "middle", 10, MUTED) for t in axis(right)[1])
     title = m.title
     body = svg_text(left, 18, title, size=13, color=INK) + ticks + "".join(out)
     if m.bars["held"]:
@@ -497,13 +509,12 @@ def _panel(body: list[str], cols: _Columns, y0: float, title: str, h: int, ymax:
     top = y0 + 18
     left, pw = cols.left, cols.pw
     body.append(svg_text(left + pw / 2, y0 + 12, title, "middle", 12, INK))
-    step = nice_step(ymax, 3)
-    ymax = max(ymax, step)
+    ymax, ticks = axis(ymax, 3)
 
     def yv(v: float) -> float:
         return top + h - h * v / ymax
 
-    for t in steps(0, ymax, step):
+    for t in ticks:
         body.append(f'<line x1="{left}" x2="{left + pw}" y1="{yv(t):.1f}" '
                     f'y2="{yv(t):.1f}" stroke="{RULE}"/>')
         body.append(svg_text(left - 4, yv(t) + 3, f"{t:g}", "end", 10, MUTED))
