@@ -11,13 +11,13 @@ message, role, token range and text. Colours from :mod:`nbkv.ui.palette`, words 
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nbkv.core.events import GENERATED, KEPT, PREFILLED, REUSED, RequestRecord, Segment
 from nbkv.ui import vocabulary as vocab
+from nbkv.ui.display import esc, tip
 from nbkv.ui.figures import ttft_text
 from nbkv.ui.map_rows import held_caption, held_text, map_title, row_labels
 from nbkv.ui.palette import (
@@ -39,17 +39,6 @@ TODO = "todo"  # prompt positions of a request in flight not read yet
 STATE_COLORS = {REUSED: COLORS["reused"], PREFILLED: COLORS["prefilled"], TODO: TODO_COLOR,
                 GENERATED: COLORS["generated"], "trimmed": COLORS["trimmed"]}
 _FONT = "font-family:sans-serif"
-
-
-def esc(text: Any) -> str:
-    """HTML-escaped text, quotes included (safe in attributes)."""
-    return html.escape(str(text), quote=True)
-
-
-def tip(text: str, body: str, cls: str = "") -> str:
-    """``body`` with ``text`` as its tooltip."""
-    c = f' class="{cls}"' if cls else ""
-    return f'<span{c} title="{esc(text)}" style="cursor:help">{body}</span>'
 
 
 # ------------------------------------------------------------------ what each piece shows
@@ -186,8 +175,7 @@ def axis(top: float, ticks: int = 5) -> tuple[float, list[float]]:
 
 
 def row_ys(rows: Sequence[str], top: float, row: int, gap: int) -> tuple[dict[str, float], float]:
-    """The KV map's rows from ``top`` down (a wider gap after each slot's pair): (y per row,
-    the y below the last)."""
+    """The KV map's rows from ``top`` down, a wider gap after each slot's pair: (ys, the end)."""
     ys: dict[str, float] = {}
     y = top
     for i, label in enumerate(rows):

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkv.ui.charts import axis, esc, svg_rect, svg_root, svg_text
+from nbkv.ui.charts import axis, svg_rect, svg_root, svg_text
+from nbkv.ui.display import esc
 from nbkv.ui.palette import COLORS, INK, MUTED, NEUTRAL, PAPER, ROLE_COLORS, RULE, TEXT
 
 #: the colours series get when none is given, in order
