@@ -19,7 +19,7 @@ from nbkv.core.events import GENERATED, KEPT, PREFILLED, REUSED, RequestRecord, 
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import esc, tip
 from nbkv.ui.figures import ttft_text
-from nbkv.ui.map_rows import held_caption, held_text, map_title, row_labels
+from nbkv.ui.map_rows import held_caption, held_text, map_rows, map_title, row_labels
 from nbkv.ui.palette import (
     CAPACITY,
     COLORS,
@@ -295,12 +295,12 @@ def kvmap_model(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Req
     return m
 
 
-def kvmap_svg(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, RequestRecord],
-              running: Mapping[int, Any] | None = None, fit: bool = True,
-              width: int = 720, server: bool = False, block_size: int | None = None) -> str:
-    """Every slot's KV positions: who wrote each span, and what the latest request did."""
-    return draw_kvmap(kvmap_model(slots, n_ctx, last_by_slot, running, fit, server,
-                                  block_size), width)
+def engine_map(engine: Any, last_by_slot: Mapping[int, RequestRecord],
+               running: Mapping[int, Any] | None = None, fit: bool = True) -> MapModel:
+    """:func:`kvmap_model` of an engine: its slots, or a server's sessions (:func:`map_rows`)."""
+    rows, server = map_rows(engine)
+    return kvmap_model(rows, engine.n_ctx, last_by_slot, running, fit, server,
+                       getattr(engine, "block_size", None))
 
 
 def draw_kvmap(m: MapModel, width: int = 720) -> str:

@@ -67,6 +67,15 @@ def tip(text: str, body: str, cls: str = "") -> str:
     return f'<span{c} title="{esc(text)}" style="cursor:help">{body}</span>'
 
 
+def reuse_bar(r: RequestRecord, width: int) -> str:
+    """A prompt's tokens in ``width`` px: reused (green), then read new (orange)."""
+    total = max(r.prompt_tokens, 1)
+    return "".join(
+        f'<span style="display:inline-block;height:8px;width:{width * n / total:.1f}px;'
+        f'background:{COLORS[k]}"></span>'
+        for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n)
+
+
 def lru_ranks(slots: Sequence[Any]) -> tuple[dict[int, int], int]:
     """Each used slot's LRU rank (1 = most recently used) and the number of used slots."""
     order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)

@@ -17,7 +17,8 @@ from nbkv.core.events import RequestRecord
 from nbkv.core.protocol import Parks
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.charts import (  # noqa: F401 - request_text, trimmed_text: re-exported
-    kvmap_svg,
+    draw_kvmap,
+    engine_map,
     request_text,
     timeline_svg,
     trimmed_text,
@@ -31,7 +32,6 @@ from nbkv.ui.display import (
     slots_label,
     tip,
 )
-from nbkv.ui.map_rows import map_rows
 from nbkv.ui.palette import (
     CARD_BORDER,
     COLORS,
@@ -200,10 +200,8 @@ def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: 
     slots = engine.slots()
     parts = [header_html(engine, len(running)), legend_html(),
              cards_html(slots, last, running, parked_of(engine))]
-    rows, server = map_rows(engine)
-    if charts and (rows or engine.n_slots):
-        parts.append(kvmap_svg(rows, engine.n_ctx, last, running, server=server,
-                               block_size=getattr(engine, "block_size", None)))
     if charts:
+        m = engine_map(engine, last, running)
+        parts += [draw_kvmap(m)] if m.rows or engine.n_slots else []
         parts.append(timeline_svg(engine.history))
     return frame("".join(parts) + extra, "nbkv-dashboard-static", caption)
