@@ -25,7 +25,6 @@ from nbkv.ui.charts import BARS, MapModel  # noqa: F401 - the map's bars, for ca
 from nbkv.ui.display import esc, legend_html
 from nbkv.ui.palette import COLORS
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
-from nbkv.ui.widgets.snapshot import register
 
 
 class KVMap(FeedView, W.VBox):
@@ -53,14 +52,11 @@ class KVMap(FeedView, W.VBox):
         self.view = W.HTML()
         self.view.add_class("nbkv-kvmap-view")
         self.note = W.HTML()
-        self._own_feed = feed is None
-        parts = [self.hider, *([W.HTML(legend_html())] if self._own_feed else []), self.view,
+        parts = [self.hider, *([W.HTML(legend_html())] if feed is None else []), self.view,
                  self.note]
         super().__init__(parts, **kw)
         self.add_class("nbkv-kvmap")
-        self.feed = feed or Feed(engine)
-        self.feed.attach(self)
-        register(self)
+        self.follow(engine, feed)
 
     def render(self, state: LiveState) -> None:
         """Redraw from the slot snapshots and the requests in flight (sent if it changed)."""
@@ -107,10 +103,3 @@ class KVMap(FeedView, W.VBox):
             return static.frame(legend_html(), "nbkv-kvmap-static")
         return static.frame(legend_html() + charts.draw_kvmap(self.map_model(state)),
                             "nbkv-kvmap-static")
-
-    def close(self) -> None:
-        """Close the map and its parts."""
-        for w in self.children:
-            if w not in (self.note, self.hider):
-                w.close()
-        super().close()
