@@ -215,11 +215,11 @@ def progress_text(phase: str, done: int, total: int) -> str:
     return f"{what}: prefilled {done}/{total} tokens ({pct:.0f}%)"
 
 
-def progress_html(phase: str, done: int, total: int) -> str:
-    """A progress bar for a prefill."""
+def progress_html(text: str, value: str = "", top: str = "1") -> str:
+    """A progress bar (indeterminate without ``value``) and its line of ``text``."""
+    at = f'value="{value}" max="{top}" ' if value else ""
     return (f'<div class="nbkv-progress" style="font:12px monospace;color:{NEUTRAL}">'
-            f'<progress value="{done}" max="{max(total, 1)}" style="width:200px"></progress> '
-            f"{html.escape(progress_text(phase, done, total))}</div>")
+            f'<progress {at}style="width:200px"></progress> {html.escape(text)}</div>')
 
 
 # ---------------------------------------------------------------- tables of engine state
