@@ -299,6 +299,10 @@ class FeedView(Displayed):
     feed: Feed
     _own_feed: bool
 
+    def render(self, state: LiveState) -> None:
+        """Redraw the piece from ``state`` (each piece draws its own)."""
+        raise NotImplementedError
+
     def follow(self, engine: Any, feed: Feed | None) -> None:
         """Draw from ``feed`` (one of its own when None) and join the kernel's views."""
         self._own_feed = feed is None
