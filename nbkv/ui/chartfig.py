@@ -251,14 +251,11 @@ class WithChart:
 
 def slots_chart(shown: Any, engine: Any) -> WithChart:
     """``shown`` (the slots table), then the engine's KV map as a chart."""
-    from nbkv.ui.charts import kvmap_model
-    from nbkv.ui.map_rows import map_rows
+    from nbkv.ui.charts import engine_map
     from nbkv.ui.raster import kvmap_png
     from nbkv.ui.static import last_by_slot
 
-    rows, server = map_rows(engine)
-    m = kvmap_model(rows, engine.n_ctx, {} if server else last_by_slot(engine), None, True,
-                    server, getattr(engine, "block_size", None))
+    m = engine_map(engine, last_by_slot(engine))
     return WithChart(shown, kvmap_figure(m), lambda: kvmap_png(m), f"KV map: {m.title}")
 
 

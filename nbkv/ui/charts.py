@@ -11,15 +11,15 @@ message, role, token range and text. Colours from :mod:`nbkv.ui.palette`, words 
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nbkv.core.events import GENERATED, KEPT, PREFILLED, REUSED, RequestRecord, Segment
 from nbkv.ui import vocabulary as vocab
+from nbkv.ui.display import esc, tip
 from nbkv.ui.figures import ttft_text
-from nbkv.ui.map_rows import held_caption, held_text, map_title, row_labels
+from nbkv.ui.map_rows import held_caption, held_text, map_rows, map_title, row_labels
 from nbkv.ui.palette import (
     CAPACITY,
     COLORS,
@@ -39,17 +39,6 @@ TODO = "todo"  # prompt positions of a request in flight not read yet
 STATE_COLORS = {REUSED: COLORS["reused"], PREFILLED: COLORS["prefilled"], TODO: TODO_COLOR,
                 GENERATED: COLORS["generated"], "trimmed": COLORS["trimmed"]}
 _FONT = "font-family:sans-serif"
-
-
-def esc(text: Any) -> str:
-    """HTML-escaped text, quotes included (safe in attributes)."""
-    return html.escape(str(text), quote=True)
-
-
-def tip(text: str, body: str, cls: str = "") -> str:
-    """``body`` with ``text`` as its tooltip."""
-    c = f' class="{cls}"' if cls else ""
-    return f'<span{c} title="{esc(text)}" style="cursor:help">{body}</span>'
 
 
 # ------------------------------------------------------------------ what each piece shows
@@ -178,6 +167,23 @@ def nice_step(span: float, ticks: int = 5) -> float:
     return 10 * power
 
 
+def axis(top: float, ticks: int = 5) -> tuple[float, list[float]]:
+    """An axis from 0: its end (at least one step) and its round ticks (:func:`nice_step`)."""
+    step = nice_step(top, ticks)
+    top = max(top, step)
+    return top, steps(0, top, step)
+
+
+def row_ys(rows: Sequence[str], top: float, row: int, gap: int) -> tuple[dict[str, float], float]:
+    """The KV map's rows from ``top`` down, a wider gap after each slot's pair: (ys, the end)."""
+    ys: dict[str, float] = {}
+    y = top
+    for i, label in enumerate(rows):
+        ys[label] = y
+        y += row + gap + (gap * 2 if i % 2 else 0)
+    return ys, y
+
+
 def svg_root(width: int, height: int, body: str, cls: str, label: str) -> str:
     """An ``<svg>`` element of ``width`` x ``height`` around ``body``."""
     return (f'<svg class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{width}" '
@@ -289,12 +295,12 @@ def kvmap_model(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, Req
     return m
 
 
-def kvmap_svg(slots: Sequence[Any], n_ctx: int, last_by_slot: Mapping[int, RequestRecord],
-              running: Mapping[int, Any] | None = None, fit: bool = True,
-              width: int = 720, server: bool = False, block_size: int | None = None) -> str:
-    """Every slot's KV positions: who wrote each span, and what the latest request did."""
-    return draw_kvmap(kvmap_model(slots, n_ctx, last_by_slot, running, fit, server,
-                                  block_size), width)
+def engine_map(engine: Any, last_by_slot: Mapping[int, RequestRecord],
+               running: Mapping[int, Any] | None = None, fit: bool = True) -> MapModel:
+    """:func:`kvmap_model` of an engine: its slots, or a server's sessions (:func:`map_rows`)."""
+    rows, server = map_rows(engine)
+    return kvmap_model(rows, engine.n_ctx, last_by_slot, running, fit, server,
+                       getattr(engine, "block_size", None))
 
 
 def draw_kvmap(m: MapModel, width: int = 720) -> str:
@@ -303,11 +309,7 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
     right = m.right
     pw = width - left - right_pad
     x = lambda pos: left + pw * min(pos, right) / right  # noqa: E731
-    ys: dict[str, float] = {}
-    y = top
-    for i, label in enumerate(m.rows):
-        ys[label] = y
-        y += row + gap + (gap * 2 if i % 2 else 0)
+    ys, y = row_ys(m.rows, top, row, gap)
     out: list[str] = []
     for label in m.rows:
         out.append(svg_text(left - 6, ys[label] + row / 2 + 4, label, "end"))
@@ -342,11 +344,9 @@ def draw_kvmap(m: MapModel, width: int = 720) -> str:
         out.append(f'<text class="nbkv-unverified-mark" x="{left + 2}" y="{ys[label] + 15}" '
                    f'font-size="14" fill="{COLORS["trimmed"]}">✗<title>not verified: '
                    f"{esc(note)}</title></text>")
-    step = nice_step(right)
     ticks = "".join(
         f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{y}" stroke="{RULE}"/>'
-        + svg_text(x(t), y + 12, f"{int(t)}", "middle", 10, MUTED)
-        for t in steps(0, right, step))
+        + svg_text(x(t), y + 12, f"{int(t)}", "middle", 10, MUTED) for t in axis(right)[1])
     title = m.title
     body = svg_text(left, 18, title, size=13, color=INK) + ticks + "".join(out)
     if m.bars["held"]:
@@ -497,13 +497,12 @@ def _panel(body: list[str], cols: _Columns, y0: float, title: str, h: int, ymax:
     top = y0 + 18
     left, pw = cols.left, cols.pw
     body.append(svg_text(left + pw / 2, y0 + 12, title, "middle", 12, INK))
-    step = nice_step(ymax, 3)
-    ymax = max(ymax, step)
+    ymax, ticks = axis(ymax, 3)
 
     def yv(v: float) -> float:
         return top + h - h * v / ymax
 
-    for t in steps(0, ymax, step):
+    for t in ticks:
         body.append(f'<line x1="{left}" x2="{left + pw}" y1="{yv(t):.1f}" '
                     f'y2="{yv(t):.1f}" stroke="{RULE}"/>')
         body.append(svg_text(left - 4, yv(t) + 3, f"{t:g}", "end", 10, MUTED))

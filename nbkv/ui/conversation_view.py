@@ -20,9 +20,9 @@ from typing import Any, Protocol
 from nbkv.core.codes import common_prefix
 from nbkv.core.messages import preview
 from nbkv.ui import vocabulary as vocab
+from nbkv.ui.display import reuse_bar
 from nbkv.ui.palette import (
     BRANCH_COLOR,
-    COLORS,
     FREE,
     MUTED,
     NEUTRAL,
@@ -156,13 +156,9 @@ def _bar(turn: Turn) -> str:
     tip = html.escape(f"prompt {r.prompt_tokens} tokens: reused {r.reused_tokens} from the "
                       f"cache, read {r.prefilled_tokens} new (request #{r.id}, slot {r.slot})",
                       quote=True)
-    parts = "".join(
-        f'<span style="display:inline-block;height:8px;width:{60 * n / r.prompt_tokens:.1f}px;'
-        f'background:{COLORS[k]}"></span>'
-        for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n)
     return (f'<span class="nbkv-turn-bar" title="{tip}" style="display:inline-block;'
             f'width:60px;flex:none;white-space:nowrap;background:{TRACK};line-height:0">'
-            f"{parts}</span>"
+            f"{reuse_bar(r, 60)}</span>"
             f'<span style="color:{MUTED};min-width:76px;white-space:nowrap">'
             f"{r.salvage_pct:.0f}% reused</span>")
 

@@ -51,6 +51,43 @@ def _html(v: Any) -> str:
     return v.html if isinstance(v, Cell) else html.escape(str(v))
 
 
+def _rows_html(rows: Iterable[Sequence[Any]]) -> str:
+    return "".join("<tr>" + "".join(f'<td style="{_CELL}">{_html(v)}</td>' for v in r)
+                   + "</tr>" for r in rows)
+
+
+def esc(text: Any) -> str:
+    """HTML-escaped text, quotes included (safe in attributes)."""
+    return html.escape(str(text), quote=True)
+
+
+def tip(text: str, body: str, cls: str = "") -> str:
+    """``body`` with ``text`` as its tooltip."""
+    c = f' class="{cls}"' if cls else ""
+    return f'<span{c} title="{esc(text)}" style="cursor:help">{body}</span>'
+
+
+def reuse_bar(r: RequestRecord, width: int) -> str:
+    """A prompt's tokens in ``width`` px: reused (green), then read new (orange)."""
+    total = max(r.prompt_tokens, 1)
+    return "".join(
+        f'<span style="display:inline-block;height:8px;width:{width * n / total:.1f}px;'
+        f'background:{COLORS[k]}"></span>'
+        for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n)
+
+
+def lru_ranks(slots: Sequence[Any]) -> tuple[dict[int, int], int]:
+    """Each used slot's LRU rank (1 = most recently used) and the number of used slots."""
+    order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)
+    return {s.index: i + 1 for i, s in enumerate(order)}, len(order)
+
+
+def strip_span(slots: Sequence[Any]) -> int:
+    """Positions a table's KV strips cover: those in use plus a quarter, at least cap / 8."""
+    cap = max((s.capacity for s in slots), default=1) or 1
+    return min(cap, max(max((s.n_tokens for s in slots), default=0) * 5 // 4, cap // 8, 1))
+
+
 @dataclass(frozen=True)
 class Table:
     """A small titled table."""
@@ -65,20 +102,15 @@ class Table:
     def _repr_html_(self) -> str:
         head = "".join(f'<th style="{_CELL}">{html.escape(c)}</th>' for c in self.columns)
         head = f"<thead><tr>{head}</tr></thead>" if any(self.columns) else ""
-        body = "".join(
-            "<tr>" + "".join(f'<td style="{_CELL}">{_html(v)}</td>' for v in r)
-            + "</tr>" for r in self.rows
-        )
+        body = _rows_html(self.rows)
         note = self.html_note or (
             f'<div style="color:{MUTED};font-size:90%">{html.escape(self.note)}</div>'
             if self.note else "")
         more = ""
         if self.details:
-            rows = "".join("<tr>" + "".join(f'<td style="{_CELL}">{_html(v)}</td>' for v in r)
-                           + "</tr>" for r in self.details)
             more = (f'<details><summary style="cursor:pointer;color:{MUTED};font-size:90%">'
                     f'details</summary><table style="border-collapse:collapse;font-size:90%">'
-                    f"<tbody>{rows}</tbody></table></details>")
+                    f"<tbody>{_rows_html(self.details)}</tbody></table></details>")
         return (f'<div class="nbkv-table"><b>{html.escape(self.title)}</b>'
                 f'<table style="border-collapse:collapse;font-size:90%">{head}'
                 f"<tbody>{body}</tbody></table>{more}{note}</div>")
@@ -183,11 +215,11 @@ def progress_text(phase: str, done: int, total: int) -> str:
     return f"{what}: prefilled {done}/{total} tokens ({pct:.0f}%)"
 
 
-def progress_html(phase: str, done: int, total: int) -> str:
-    """A progress bar for a prefill."""
+def progress_html(text: str, value: str = "", top: str = "1") -> str:
+    """A progress bar (indeterminate without ``value``) and its line of ``text``."""
+    at = f'value="{value}" max="{top}" ' if value else ""
     return (f'<div class="nbkv-progress" style="font:12px monospace;color:{NEUTRAL}">'
-            f'<progress value="{done}" max="{max(total, 1)}" style="width:200px"></progress> '
-            f"{html.escape(progress_text(phase, done, total))}</div>")
+            f'<progress {at}style="width:200px"></progress> {html.escape(text)}</div>')
 
 
 # ---------------------------------------------------------------- tables of engine state
@@ -214,9 +246,8 @@ def kv_strip(slot: SlotInfo, width: int = 48, span: int | None = None) -> Cell:
         if seg.is_media and seg.embeddings and seg.embeddings != seg.length:  # M-RoPE
             where = f"positions {seg.start}–{seg.end} ({seg.embeddings} image tokens)"
         state = vocab.STATES[seg.state].words if seg.state in vocab.STATES else seg.state
-        tip = html.escape(f"message {seg.message} · {seg.role} · {where} "
-                          f"· {state}: {what}", quote=True)
-        spans.append(f'<span title="{tip}" style="display:inline-block;height:12px;'
+        hover = esc(f"message {seg.message} · {seg.role} · {where} · {state}: {what}")
+        spans.append(f'<span title="{hover}" style="display:inline-block;height:12px;'
                      f"width:{100 * seg.length / cap:.2f}%;background:{color};{style}"
                      f'border-right:1px solid white;box-sizing:border-box"></span>')
         c = "i" if seg.is_media else _ROLE_CHARS.get(seg.role, "?")
@@ -390,20 +421,15 @@ def threads_text(n_threads: int) -> str:
 def slots_table(engine: EngineLike) -> Table:
     """One row per slot: session, messages, tokens, LRU rank, pending, images, checkpoints."""
     slots = engine.slots()
-    order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)
-    rank = {s.index: i + 1 for i, s in enumerate(order)}
-    cap = max((s.capacity for s in slots), default=1)
-    span = min(cap, max(max((s.n_tokens for s in slots), default=0) * 5 // 4, cap // 8, 1))
+    rank, n_used = lru_ranks(slots)
+    span = strip_span(slots)
     memory = getattr(engine, "memory", None)
     used = bool(getattr(memory, "takes_checkpoints", False))
     server = {x.get("id"): x for x in getattr(engine, "server_slots", None) or ()}
 
     def lru(s: Any) -> Any:
         r = rank.get(s.index)
-        if r is None:
-            return "-"
-        tip = html.escape(vocab.lru_tip(r, len(order)), quote=True)
-        return Cell(f'<span title="{tip}" style="cursor:help">{r}</span>', str(r))
+        return "-" if r is None else Cell(tip(vocab.lru_tip(r, n_used), str(r)), str(r))
 
     rows = tuple(
         (s.index, (s.session or "-") + ("" if s.verified else f" (not verified: {s.note})"),
@@ -432,8 +458,7 @@ def server_sessions_table(engine: Any) -> Table:
     if not rows:
         return Table("slots", ("",), (), note=note)
     block = getattr(engine, "block_size", None)
-    cap = max((s.capacity for s in rows), default=1) or 1
-    span = min(cap, max(max(s.n_tokens for s in rows) * 5 // 4, cap // 8, 1))
+    span = strip_span(rows)
     live = any(s.server_cached is not None for s in rows)
     out = tuple(
         (s.session or "-", len(s.msg_ends) or "?", s.n_tokens,
@@ -522,9 +547,7 @@ def history_table(records: Sequence[RequestRecord], last: int = 20,
 
     def event(r: RequestRecord) -> Cell:
         words = vocab.event(r).words
-        tip = html.escape(vocab.reason_line(r), quote=True)
-        return Cell(f'<span title="{tip}" style="cursor:help">{html.escape(words)}</span>',
-                    words)
+        return Cell(tip(vocab.reason_line(r), html.escape(words)), words)
 
     def took(r: RequestRecord) -> str:
         return (r.evicted_session or "") if vocab.took(r) else ""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.codes import CONTINUED, RESTORED
 from nbkv.ui import vocabulary as vocab
-from nbkv.ui.display import swatch
+from nbkv.ui.display import reuse_bar, swatch
 from nbkv.ui.palette import (
     COLORS,
     FAINT,
@@ -186,12 +186,6 @@ class Figures:
 
     def _repr_html_(self) -> str:
         r = self.record
-        total = max(r.prompt_tokens, 1)
-        bar = "".join(
-            f'<span style="display:inline-block;height:8px;width:{80 * n / total:.1f}px;'
-            f'background:{COLORS[k]}"></span>'
-            for k, n in (("reused", r.reused_tokens), ("prefilled", r.prefilled_tokens)) if n
-        )
         # each field stays whole (nowrap); a long line wraps only at the separators
         fields = " · ".join(
             f'<span class="nbkv-field" title="{html.escape(tip)}" '
@@ -204,7 +198,8 @@ class Figures:
                 f'display:flex;align-items:flex-start">'
                 f'<span title="prompt tokens: {reused} (green), {read} (orange)" '
                 f'style="flex:none;display:inline-block;width:80px;background:{TRACK};'
-                f'margin:4px 6px 0 0;line-height:0">{bar}</span><div style="min-width:0">'
+                f'margin:4px 6px 0 0;line-height:0">{reuse_bar(r, 80)}</span>'
+                '<div style="min-width:0">'
                 f"{fields}"
                 + (f'<div class="nbkv-why">why: {html.escape(why)}</div>' if why else "")
                 + "</div></div>")

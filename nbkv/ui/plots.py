@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkv.ui.charts import esc, nice_step, steps, svg_rect, svg_root, svg_text
+from nbkv.ui.charts import axis, svg_rect, svg_root, svg_text
+from nbkv.ui.display import esc
 from nbkv.ui.palette import COLORS, INK, MUTED, NEUTRAL, PAPER, ROLE_COLORS, RULE, TEXT
 
 #: the colours series get when none is given, in order
@@ -45,13 +46,12 @@ class Plot:
         left, right, top, bottom = 54, 12, 30, 40
         pw, ph = self.width - left - right, self.height - top - bottom
         n = max((len(v) for v in self.series.values()), default=0) or 1
-        ymax = self.y_max or max([y for v in self.series.values() for y in v] + [1.0])
-        step = nice_step(ymax, 4)
-        ymax = max(ymax, step)
+        ymax, ticks = axis(self.y_max or max([y for v in self.series.values() for y in v]
+                                             + [1.0]), 4)
         yv = lambda v: top + ph - ph * min(v, ymax) / ymax  # noqa: E731
         cx = lambda i: left + pw * (i + 0.5) / n  # noqa: E731
         body = [svg_text(left, 18, self.title, size=13, color=INK)]
-        for t in steps(0, ymax, step):
+        for t in ticks:
             body.append(f'<line x1="{left}" x2="{left + pw}" y1="{yv(t):.1f}" y2="{yv(t):.1f}" '
                         f'stroke="{RULE}"/>' + svg_text(left - 4, yv(t) + 3, f"{t:g}", "end", 10,
                                                       MUTED))
@@ -61,9 +61,8 @@ class Plot:
         body.append(f'<text x="12" y="{top + ph / 2:.1f}" font-size="11" fill="{TEXT}" '
                     f'transform="rotate(-90 12 {top + ph / 2:.1f})" text-anchor="middle">'
                     f"{esc(self.y_title)}</text>")
-        k = max(len(self.series), 1)
         slot = pw / n
-        bw = slot * 0.8 / k
+        bw = slot * 0.8 / max(len(self.series), 1)
         for j, (name, values) in enumerate(self.series.items()):
             color = self.color(j, name)
             if self.kind == "lines":

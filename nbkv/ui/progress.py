@@ -12,24 +12,13 @@ with a summary.
 
 from __future__ import annotations
 
-import html
 import sys
 import threading
 import time
 from typing import Any, TextIO
 
 from nbkv.core.progress import Step, TerminalLine
-from nbkv.ui.display import Message
-from nbkv.ui.palette import NEUTRAL
-
-
-def step_html(step: Step) -> str:
-    """A bar and the step's line (an indeterminate bar when the end is not known)."""
-    frac = step.fraction
-    bar = (f'<progress value="{frac:.3f}" max="1" style="width:200px"></progress>'
-           if frac is not None else '<progress style="width:200px"></progress>')
-    return (f'<div class="nbkv-progress" style="font:12px monospace;color:{NEUTRAL}">'
-            f"{bar} {html.escape(step.text())}</div>")
+from nbkv.ui.display import Message, progress_html
 
 
 class ProgressBar:
@@ -64,8 +53,9 @@ class ProgressBar:
             if step.final:
                 self._handle.update({"text/plain": ""}, raw=True)
             else:
-                self._handle.update({"text/html": step_html(step), "text/plain": step.text()},
-                                    raw=True)
+                frac = step.fraction
+                html = progress_html(step.text(), "" if frac is None else f"{frac:.3f}")
+                self._handle.update({"text/html": html, "text/plain": step.text()}, raw=True)
 
     def done(self, summary: Any, note: str | None = None) -> None:
         """Replace the bar with ``summary`` (a displayable), then show ``note`` if any."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbkv.ui import vocabulary as vocab
-from nbkv.ui.charts import BARS, MapModel, Point, bar_term, nice_step, steps
+from nbkv.ui.charts import BARS, MapModel, Point, axis, bar_term, row_ys
 from nbkv.ui.palette import CAPACITY, COLORS, ESTIMATE, INK, MUTED, NEUTRAL, PAPER, RULE, TEXT
 
 if TYPE_CHECKING:
@@ -146,17 +146,13 @@ def legend(c: Canvas, x: float, y: float, items: Sequence[tuple[str, str, str]])
 def kvmap_png(m: MapModel, width: int = WIDTH) -> bytes:
     """:class:`MapModel` as a PNG: the rows, their spans, marks, axis and legend."""
     left, pad, top, row, gap = 110, 12, 30, 20, 4
-    ys: dict[str, float] = {}
-    y = float(top)
-    for i, label in enumerate(m.rows):
-        ys[label] = y
-        y += row + gap + (gap * 2 if i % 2 else 0)
+    ys, y = row_ys(m.rows, float(top), row, gap)
     shown = [name for name, bars in m.bars.items() if bars]
     c = Canvas(width, int(y + 40 + 16 * (1 + len(shown) // 5)))
     pw = width - left - pad
     x = lambda pos: left + pw * min(pos, m.right) / max(m.right, 1)  # noqa: E731
     c.text(left, 18, m.title, 13, INK)
-    for t in steps(0, m.right, nice_step(m.right)):
+    for t in axis(m.right)[1]:
         c.line([(x(t), top), (x(t), y)], RULE)
         c.text(x(t), y + 12, f"{int(t)}", 10, MUTED, "ms")
     for label in m.rows:
@@ -208,10 +204,9 @@ def timeline_png(pts: Sequence[Point], width: int = WIDTH) -> bytes:
         c.text(left, y0 + 11, title, 11, INK)
         values = ([100.0] if k == 0 else [p.ttft_ms for p in pts] + [
             p.estimate_ms or 0.0 for p in pts] if k == 1 else [float(p.prompt) for p in pts])
-        step = nice_step(max(values + [1.0]), 3)
-        ymax = max(max(values + [1.0]), step)
+        ymax, ticks = axis(max(values + [1.0]), 3)
         yv = lambda v, top=top, h=h, ymax=ymax: top + h - h * v / ymax  # noqa: E731
-        for t in steps(0, ymax, step):
+        for t in ticks:
             c.line([(left, yv(t)), (left + pw, yv(t))], RULE)
             c.text(left - 4, yv(t) + 3, f"{t:g}", 10, MUTED, "rs")
         for i, p in enumerate(pts):
@@ -259,21 +254,18 @@ def plot_png(p: Plot) -> bytes:
     c = Canvas(p.width, p.height + 16)
     pw, ph = p.width - left - right, p.height - top - bottom
     n = max((len(v) for v in p.series.values()), default=0) or 1
-    ymax = p.y_max or max([y for v in p.series.values() for y in v] + [1.0])
-    step = nice_step(ymax, 4)
-    ymax = max(ymax, step)
+    ymax, ticks = axis(p.y_max or max([y for v in p.series.values() for y in v] + [1.0]), 4)
     yv = lambda v: top + ph - ph * min(v, ymax) / ymax  # noqa: E731
     cx = lambda i: left + pw * (i + 0.5) / n  # noqa: E731
     c.text(left, 18, p.title, 13, INK)
-    for t in steps(0, ymax, step):
+    for t in ticks:
         c.line([(left, yv(t)), (left + pw, yv(t))], RULE)
         c.text(left - 4, yv(t) + 3, f"{t:g}", 10, MUTED, "rs")
     for i in range(n):
         c.text(cx(i), top + ph + 14, str(i + 1), 10, MUTED, "ms")
     c.text(left + pw / 2, top + ph + 30, p.x_title, 11, TEXT, "ms")
-    k = max(len(p.series), 1)
     slot = pw / n
-    bw = slot * 0.8 / k
+    bw = slot * 0.8 / max(len(p.series), 1)
     for j, (name, values) in enumerate(p.series.items()):
         color = p.color(j, name)
         if p.kind == "lines":

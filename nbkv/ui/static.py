@@ -17,15 +17,21 @@ from nbkv.core.events import RequestRecord
 from nbkv.core.protocol import Parks
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.charts import (  # noqa: F401 - request_text, trimmed_text: re-exported
-    esc,
-    kvmap_svg,
+    draw_kvmap,
+    engine_map,
     request_text,
     timeline_svg,
-    tip,
     trimmed_text,
 )
-from nbkv.ui.display import engine_label, legend_html, size_text, slots_label
-from nbkv.ui.map_rows import map_rows
+from nbkv.ui.display import (
+    engine_label,
+    esc,
+    legend_html,
+    lru_ranks,
+    size_text,
+    slots_label,
+    tip,
+)
 from nbkv.ui.palette import (
     CARD_BORDER,
     COLORS,
@@ -104,14 +110,7 @@ def memory_html(s: Any) -> str:
     """:func:`memory_text` with the memory class explained in a tooltip."""
     term = vocab.MEMORY.get(s.memory)
     text = f"{s.memory} memory: {term.tip}" if term else s.memory
-    return (f'<span class="nbkv-memory" title="{esc(text)}" style="cursor:help">'
-            f"{esc(memory_text(s))}</span>")
-
-
-def lru_ranks(slots: Sequence[Any]) -> tuple[dict[int, int], int]:
-    """Each used slot's LRU rank (1 = most recently used) and the number of used slots."""
-    order = sorted((s for s in slots if not s.empty), key=lambda s: -s.last_used)
-    return {s.index: i + 1 for i, s in enumerate(order)}, len(order)
+    return tip(text, esc(memory_text(s)), "nbkv-memory")
 
 
 def cards_html(slots: Sequence[Any], last_by_slot: Mapping[int, RequestRecord],
@@ -201,10 +200,8 @@ def dashboard_html(engine: Any, state: Any = None, caption: bool = True, extra: 
     slots = engine.slots()
     parts = [header_html(engine, len(running)), legend_html(),
              cards_html(slots, last, running, parked_of(engine))]
-    rows, server = map_rows(engine)
-    if charts and (rows or engine.n_slots):
-        parts.append(kvmap_svg(rows, engine.n_ctx, last, running, server=server,
-                               block_size=getattr(engine, "block_size", None)))
     if charts:
+        m = engine_map(engine, last, running)
+        parts += [draw_kvmap(m)] if m.rows or engine.n_slots else []
         parts.append(timeline_svg(engine.history))
     return frame("".join(parts) + extra, "nbkv-dashboard-static", caption)

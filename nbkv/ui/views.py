@@ -157,8 +157,9 @@ class NotebookChatView(ChatView):
 
     def _show_progress(self, phase: str, done: int, total: int) -> None:
         self._progress_shown = True
-        self._handle.update({"text/html": progress_html(phase, done, total),
-                             "text/plain": progress_text(phase, done, total)}, raw=True)
+        text = progress_text(phase, done, total)
+        self._handle.update({"text/html": progress_html(text, str(done), str(max(total, 1))),
+                             "text/plain": text}, raw=True)
 
     def _show_text(self, text: str, first: bool = False, final: bool = False,
                    note: str = "") -> None:

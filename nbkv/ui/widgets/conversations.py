@@ -10,7 +10,6 @@ from traitlets import Int
 from nbkv.store.session_state import kernel_sessions
 from nbkv.ui.conversation_view import conversation_html
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
-from nbkv.ui.widgets.snapshot import register
 
 
 def _nothing() -> None:
@@ -40,13 +39,10 @@ class Conversations(FeedView, W.VBox):
         self.hider = W.HTML()
         super().__init__([self.hider, self.view, self.note], **kw)
         self.add_class("nbkv-conversation-view")
-        self._own_feed = feed is None
-        self.feed = feed or Feed(engine)
+        self.follow(engine, feed)
         # a store follows its sessions' turns; with none in use there is nothing to follow
-        follow = getattr(self.sessions, "subscribe", None)
-        self._unsubscribe = follow(self.feed.push) if follow is not None else _nothing
-        self.feed.attach(self)
-        register(self)
+        subscribe = getattr(self.sessions, "subscribe", None)
+        self._unsubscribe = subscribe(self.feed.push) if subscribe is not None else _nothing
 
     def static_html(self) -> str:
         """The conversations as static HTML, as they are now (the saved notebook's view)."""
@@ -70,5 +66,4 @@ class Conversations(FeedView, W.VBox):
     def close(self) -> None:
         """Stop following the sessions, then close."""
         self._unsubscribe()
-        self.view.close()
         super().close()

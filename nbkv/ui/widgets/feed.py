@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from nbkv.core.events import Progress, RequestFinished, RequestRecord, RequestStarted, SlotsChanged
 from nbkv.ui.palette import ERROR
-from nbkv.ui.widgets.snapshot import INTERVAL, Displayed, close_parts
+from nbkv.ui.widgets.snapshot import INTERVAL, Displayed, close_parts, register
 
 log = logging.getLogger("nbkv.ui.widgets")
 
@@ -299,6 +299,17 @@ class FeedView(Displayed):
     feed: Feed
     _own_feed: bool
 
+    def render(self, state: LiveState) -> None:
+        """Redraw the piece from ``state`` (each piece draws its own)."""
+        raise NotImplementedError
+
+    def follow(self, engine: Any, feed: Feed | None) -> None:
+        """Draw from ``feed`` (one of its own when None) and join the kernel's views."""
+        self._own_feed = feed is None
+        self.feed = feed or Feed(engine)
+        self.feed.attach(self)
+        register(self)
+
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         return with_static(super()._repr_mimebundle_(**kwargs),  # type: ignore[misc]
                            self.static_html)
@@ -308,10 +319,8 @@ class FeedView(Displayed):
         self.note.value = f'<span style="color:{ERROR}">{html.escape(message)}</span>'
 
     def close(self) -> None:
-        """Close the piece (and its feed, if it owns it)."""
+        """Close the piece, every part of it (:func:`close_parts`), and its own feed."""
         if self._own_feed:
             self.feed.close()
-        for w in (self.note, self.hider):
-            w.close()
         super().close()  # type: ignore[misc]
         close_parts(self)

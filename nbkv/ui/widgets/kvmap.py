@@ -22,11 +22,9 @@ from traitlets import Bool, Int, observe
 from nbkv.core.codes import counted
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import BARS, MapModel  # noqa: F401 - the map's bars, for callers
-from nbkv.ui.display import legend_html
-from nbkv.ui.map_rows import map_rows
+from nbkv.ui.display import esc, legend_html
 from nbkv.ui.palette import COLORS
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
-from nbkv.ui.widgets.snapshot import register
 
 
 class KVMap(FeedView, W.VBox):
@@ -54,14 +52,11 @@ class KVMap(FeedView, W.VBox):
         self.view = W.HTML()
         self.view.add_class("nbkv-kvmap-view")
         self.note = W.HTML()
-        self._own_feed = feed is None
-        parts = [self.hider, *([W.HTML(legend_html())] if self._own_feed else []), self.view,
+        parts = [self.hider, *([W.HTML(legend_html())] if feed is None else []), self.view,
                  self.note]
         super().__init__(parts, **kw)
         self.add_class("nbkv-kvmap")
-        self.feed = feed or Feed(engine)
-        self.feed.attach(self)
-        register(self)
+        self.follow(engine, feed)
 
     def render(self, state: LiveState) -> None:
         """Redraw from the slot snapshots and the requests in flight (sent if it changed)."""
@@ -72,7 +67,7 @@ class KVMap(FeedView, W.VBox):
             self.segments = m.segments
             self.note.value = "engine closed" if state.closed else "".join(
                 f'<div class="nbkv-unverified" style="color:{COLORS["trimmed"]};'
-                f'font-size:12px">✗ {static.esc(row)}: not verified: {static.esc(note)}</div>'
+                f'font-size:12px">✗ {esc(row)}: not verified: {esc(note)}</div>'
                 for row, note in m.unverified)
 
     @observe("svg")
@@ -83,9 +78,7 @@ class KVMap(FeedView, W.VBox):
     def map_model(self, state: LiveState) -> MapModel:
         """What the map shows in ``state``: every slot's rows (requests in flight drawn)."""
         running = {run.record.slot: run for run in state.running.values()}
-        rows, server = map_rows(self.engine)
-        return charts.kvmap_model(rows, self.engine.n_ctx, state.last_by_slot, running,
-                                  self.fit, server, getattr(self.engine, "block_size", None))
+        return charts.engine_map(self.engine, state.last_by_slot, running, self.fit)
 
     def chart_views(self) -> list[Any]:
         """Displayed, the map is a chart output of its own."""
@@ -108,15 +101,5 @@ class KVMap(FeedView, W.VBox):
             return static.frame("engine closed", "nbkv-kvmap-static")
         if not self.svg:
             return static.frame(legend_html(), "nbkv-kvmap-static")
-        running = {run.record.slot: run for run in state.running.values()}
-        rows, server = map_rows(self.engine)
-        return static.frame(legend_html() + static.kvmap_svg(
-            rows, self.engine.n_ctx, state.last_by_slot, running, self.fit, server=server,
-            block_size=getattr(self.engine, "block_size", None)), "nbkv-kvmap-static")
-
-    def close(self) -> None:
-        """Close the map and its parts."""
-        for w in self.children:
-            if w not in (self.note, self.hider):
-                w.close()
-        super().close()
+        return static.frame(legend_html() + charts.draw_kvmap(self.map_model(state)),
+                            "nbkv-kvmap-static")

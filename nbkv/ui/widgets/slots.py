@@ -9,7 +9,6 @@ from traitlets import Int
 
 from nbkv.ui import static
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
-from nbkv.ui.widgets.snapshot import register
 
 
 class SlotCards(FeedView, W.VBox):
@@ -36,10 +35,7 @@ class SlotCards(FeedView, W.VBox):
         self.row = W.Box(self.cards, layout=W.Layout(flex_flow="row wrap"))
         super().__init__([self.hider, self.row, self.shelf, self.note], **kw)
         self.add_class("nbkv-slot-cards")
-        self._own_feed = feed is None
-        self.feed = feed or Feed(engine)
-        self.feed.attach(self)
-        register(self)
+        self.follow(engine, feed)
 
     def render(self, state: LiveState) -> None:
         """Redraw every card (a card whose HTML did not change sends nothing)."""
@@ -67,10 +63,3 @@ class SlotCards(FeedView, W.VBox):
         return static.frame(static.cards_html(self.engine.slots(), state.last_by_slot, running,
                                               static.parked_of(self.engine)),
                             "nbkv-slot-cards-static")
-
-
-    def close(self) -> None:
-        """Close the cards and their parts."""
-        for w in (*self.cards, self.row, self.shelf):
-            w.close()
-        super().close()

@@ -19,7 +19,6 @@ from nbkv.core.codes import counted
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import Point
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
-from nbkv.ui.widgets.snapshot import register
 
 prefill_rate = charts.prefill_rate
 no_cache_ttft = charts.no_cache_ttft
@@ -52,10 +51,7 @@ class Timeline(FeedView, W.VBox):
         super().__init__([self.hider, self.view, self.note], **kw)
         self.max_requests = max_requests
         self.add_class("nbkv-timeline")
-        self._own_feed = feed is None
-        self.feed = feed or Feed(engine)
-        self.feed.attach(self)
-        register(self)
+        self.follow(engine, feed)
 
     @validate("max_requests")
     def _at_least_one(self, proposal: Any) -> int:
@@ -102,8 +98,3 @@ class Timeline(FeedView, W.VBox):
             return ""
         return static.frame(static.timeline_svg(self.engine.history, self.max_requests),
                             "nbkv-timeline-static")
-
-    def close(self) -> None:
-        """Close the timeline and its parts."""
-        self.view.close()
-        super().close()
