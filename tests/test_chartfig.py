@@ -96,10 +96,12 @@ def test_the_first_token_breakdown_adds_up_as_written():
     # a request that waited, had a parked conversation restored, read its prompt, sampled
     counts = SimpleNamespace(decode_calls=1, rows=5, prefill_calls=1, prefill_rows=5,
                              kv_bytes=0, host_s={})
-    # (the first token's sampling time is the job's until the record is finished)
+    # (the first token's sampling time, and a re-read reply's, are the job's until the record
+    # is finished)
     job = SimpleNamespace(t_submit=100.0, t_prefill=100.0131, t_first=100.0184,
-                          first_decode_s=0.0011, generated=[1, 2], todo=[], encoder_runs=0,
-                          embedding_hits=0, drafted=0, accepted=0, counts=counts)
+                          first_decode_s=0.0011, absorbed_s=0.0, generated=[1, 2], todo=[],
+                          encoder_runs=0, embedding_hits=0, drafted=0, accepted=0,
+                          counts=counts)
     started = rec(7, "restored", 40, 5, restore_s=0.0052, first_decode_s=0.0,
                   wait_s=0.0, ttft_s=0.0, prefill_s=0.0)
     done = finished_record(job, started, "stop", None, 100.03, ())

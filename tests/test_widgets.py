@@ -29,6 +29,7 @@ from nbkv.core.events import (
     RequestStarted,
     SlotRewritten,
 )
+from nbkv.engine import rewrite
 from nbkv.engine.facade import SlotInfo
 from nbkv.fixtures import make_mmproj, make_text_model
 from nbkv.kv.conversation import Conversation
@@ -174,6 +175,9 @@ def story(engine):
         return r
 
     unsubscribe = engine.subscribe(watch)  # after the feed: it has queued each event
+    grace = pytest.MonkeyPatch()
+    # back to back: each reply's rewrite waits for the next request, however long a draw takes
+    grace.setattr(rewrite, "GRACE_S", 600.0)
     try:
         alice = [SYSTEM, user("What is a CPU?")]
         alice += [ask("first", alice, "alice").message, user("And memory?")]
@@ -183,6 +187,7 @@ def story(engine):
         ask("image", [user("Describe it.", picture(3))], "eve")
     finally:
         unsubscribe()
+        grace.undo()
     late = KVMap(engine, Feed(engine, live=False))  # drawn once, right away: no flush
     out.late_divergence = [(pos, row) for row, pos, _ in late.model.divergences]
     late.close()
@@ -284,7 +289,12 @@ def test_kv_map_shows_messages_states_and_progress(engine, story):
     # the last sampled token is never decoded, so the KV can end one short of the reply
     assert done.bars["generated"] == [(row, rec.prompt_tokens,
                                        done.slots[rec.slot].n_tokens)]
-    assert done.bars["trimmed"] == [] and done.divergence == []
+    # back to back: the first reply's token-by-token rows, cut and read again canonically,
+    # show as a thin band where they were
+    assert 0 < rec.trimmed_tokens == rec.rewrite_absorbed
+    assert done.bars["trimmed"] == [(row, rec.reused_tokens,
+                                     rec.reused_tokens + rec.trimmed_tokens)]
+    assert done.divergence == []
     # an edited earlier message: the cut-off KV as a thin band, a mark where it diverged
     ed = story.records["edited"]
     done = story.at[("edited", "finished")]

@@ -10,6 +10,7 @@ from traitlets import Int
 from nbkv.store.session_state import kernel_sessions
 from nbkv.ui.conversation_view import conversation_html
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
+from nbkv.ui.widgets.snapshot import register
 
 
 def _nothing() -> None:
@@ -39,10 +40,14 @@ class Conversations(FeedView, W.VBox):
         self.hider = W.HTML()
         super().__init__([self.hider, self.view, self.note], **kw)
         self.add_class("nbkv-conversation-view")
-        self.follow(engine, feed)
-        # a store follows its sessions' turns; with none in use there is nothing to follow
+        self._own_feed = feed is None
+        self.feed = feed or Feed(engine)
+        # a store follows its sessions' turns (before the first draw: no turn falls between);
+        # with none in use there is nothing to follow
         subscribe = getattr(self.sessions, "subscribe", None)
         self._unsubscribe = subscribe(self.feed.push) if subscribe is not None else _nothing
+        self.feed.attach(self)
+        register(self)
 
     def static_html(self) -> str:
         """The conversations as static HTML, as they are now (the saved notebook's view)."""
