@@ -292,20 +292,20 @@ def test_a_sliding_window_state_parked_whole_goes_back_to_its_checkpoint(gemma3)
     e.clear(parked=True)
     librarian(e)
     b = pirate(e)
-    sched = e.scheduler
-    (slot,) = [s for s in sched.table if s.session == "b"]
+    core = e.scheduler.core
+    (slot,) = [s for s in core.table if s.session == "b"]
     mem, n = e.memory, len(slot.kv)
     cps = [c for c in slot.kv.checkpoints.positions if restorable(mem.kind, mem.n_swa, c)]
     assert not restorable(mem.kind, mem.n_swa, n) and cps, (n, cps)
 
     def park_whole():
         k = sum(1 for x in slot.msg_ends if x <= n)
-        sched.parking.park(ParkedEntry.from_snapshot(
+        core.parking.park(ParkedEntry.from_snapshot(
             slot.kv.snapshot(), session="b", hashes=slot.hashes[:k],
             msg_ends=slot.msg_ends[:k], segments=slot.segments))
-        sched.table.reset(slot)
+        core.table.reset(slot)
 
-    sched.call(park_whole)
+    core.call(park_whole)
     r = e.chat(b, session="b", max_tokens=3, temperature=0)
     assert r.text == off.chat(b, max_tokens=3, temperature=0).text
     rec = r.record

@@ -210,7 +210,8 @@ class Decoder:
 
         What :meth:`_generate_rows` does for one row with no guess, in one function: after
         a decode every line of Python runs with cold caches, and a step's host time is
-        mostly the code and objects it touches. Its sampling counts in the step's part.
+        mostly the code and objects it touches. The request's sampler reads the graph's
+        token; its sampling counts in the step's part.
         """
         res = self.res
         ctx, kv = res.ctx, job.placed_slot.kv
@@ -226,7 +227,9 @@ class Decoder:
             ctx.decode(batch)
             exact = res.rule.single_row
             kv.extend((tok,), exact=exact, settled=pos + 1 if exact else None)
-            self.steps.take(job, ctx.sampling.token(0), time.perf_counter())
+            sampler = job.sampler
+            assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
+            self.steps.take(job, sampler.sample(ctx, 0), time.perf_counter())
         except BaseException as e:  # noqa: BLE001 - the request fails cleanly
             self.steps.fail(job, e, "error")
 
