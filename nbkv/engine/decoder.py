@@ -52,7 +52,7 @@ class Steps(Protocol):
         """:meth:`on_logits` inside the caller's host-time part."""
 
     def take(self, job: Job, token: int, now: float) -> None:
-        """:meth:`sample` for a token already picked (by the graph), at time ``now``."""
+        """:meth:`sample` for a token already sampled (from row 0), at time ``now``."""
 
     def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
         """End ``job`` with ``error``."""

@@ -75,7 +75,7 @@ class Lifecycle:
         self.take(job, token, now)
 
     def take(self, job: Job, token: int, now: float) -> None:
-        """:meth:`sample` for a token already picked (the graph's), at time ``now``."""
+        """:meth:`sample` for a token already sampled, at time ``now``: stream it, or finish."""
         model, slot = self.res.model, job.placed_slot
         if model.is_eog(token):
             return self.finish(job, "stop")
