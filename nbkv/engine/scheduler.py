@@ -7,8 +7,10 @@ ones by one step (:func:`nbkv.kv.batching.plan_step`), dispatched on each reques
 (:class:`nbkv.engine.jobs.JobState`): one prefill chunk or image piece and one generation
 decode for every generating request (the :class:`~nbkv.engine.decoder.Decoder`), and, when
 requests come back to back, one chunk of a reply's rewrite into the shadow sequence
-(:mod:`nbkv.engine.shadow`). With nothing to do it rewrites finished replies' KV (the
-:class:`~nbkv.engine.rewrite.Rewriter`). Slots change only through the table's locked methods
+(:mod:`nbkv.engine.shadow`). A request generating alone runs its steps in one loop, back to
+the iteration as soon as anything else needs a look. With nothing to do it rewrites finished
+replies' KV (the :class:`~nbkv.engine.rewrite.Rewriter`; back to back, after a grace for the
+next request). Slots change only through the table's locked methods
 (:class:`~nbkv.engine.slots.EngineTable`); ``cv`` (the same lock) guards this queue. A
 slot's ``tokens`` list is the truth about its KV: it is extended only after a successful
 decode, and on any failure the KV is trimmed back to it.
