@@ -15,14 +15,12 @@ next request). Slots change only through the table's locked methods
 slot's ``tokens`` list is the truth about its KV: it is extended only after a successful
 decode, and on any failure the KV is trimmed back to it.
 
-The scheduler runs the loop over the engine's :class:`~nbkv.engine.core.EngineCore` (its
-requests, the control calls waiting, the shared parts :class:`~nbkv.engine.replay.Replays`,
-:class:`~nbkv.engine.slot_parking.Parker` and :class:`~nbkv.engine.rewrite.Rewriter`), and
-composes the parts of a step once, each given what it uses:
+The loop runs over the engine's :class:`~nbkv.engine.core.EngineCore` (requests, control
+calls, :class:`~nbkv.engine.replay.Replays`, :class:`~nbkv.engine.slot_parking.Parker`,
+:class:`~nbkv.engine.rewrite.Rewriter`) and composes a step's parts once:
 :class:`~nbkv.engine.placement.Placer`, :class:`~nbkv.engine.shadow.Shadow`,
 :class:`~nbkv.engine.lifecycle.Lifecycle` (a request's progress, tokens and end) and
-:class:`~nbkv.engine.decoder.Decoder`. None of them imports this module; only the facade
-does (an import-linter contract).
+:class:`~nbkv.engine.decoder.Decoder`. Only the facade imports this module (import-linter).
 """
 
 from __future__ import annotations
