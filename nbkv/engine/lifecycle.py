@@ -76,21 +76,24 @@ class Lifecycle:
 
     def take(self, job: Job, token: int, now: float) -> None:
         """:meth:`sample` for a token already sampled, at time ``now``: stream it, or finish."""
-        model, slot = self.res.model, job.placed_slot
-        if model.is_eog(token):
+        piece = self.res.model.emitted(token)
+        if piece is None:
             return self.finish(job, "stop")
-        job.generated.append(token)
+        generated = job.generated
+        generated.append(token)
         if job.drafter is not None:
             job.drafter.append(token)
-        delta = job.text.push(model.text_piece(token))
+        text = job.text
+        delta = text.push(piece)
         if delta:
             job.out.put(("delta", delta))
-        if job.text.stopped is not None:
+        if text.stopped is not None:
             return self.finish(job, "stop")
         # as llama-server stops (process_token): when the token just sampled would take the
         # slot's last position, so that both engines give a reply at the edge the same length
-        full = len(slot.kv) + 1 >= slot.capacity
-        if len(job.generated) >= job.params.max_tokens or full:
+        slot = job.placed_slot
+        if (len(generated) >= job.params.max_tokens
+                or len(slot.kv.tokens) + 1 >= slot.capacity):
             return self.finish(job, "length")
         job.sampled(token)
         if now - job.t_last_progress > 0.25:

@@ -206,6 +206,7 @@ class Model:
         self._pieces: dict[int, bytes] = {}
         self._text: dict[int, bytes] = {}  # text_piece, cached as piece
         self._eog: dict[int, bool] = {}  # is_eog, cached
+        self._emitted: dict[int, bytes | None] = {}  # emitted, cached
         self.bos_text = self._special_text(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos_text = self._special_text(llama_cpp.llama_vocab_eos(self.vocab))
 
@@ -289,6 +290,17 @@ class Model:
     def detokenize(self, tokens: Iterable[int]) -> str:
         """Tokens back to text, special tokens included."""
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def emitted(self, token: int) -> bytes | None:
+        """A generated token's bytes in the reply (:meth:`text_piece`); None: it ends it.
+
+        One cached lookup for a generation step's two questions.
+        """
+        try:
+            return self._emitted[token]
+        except KeyError:
+            p = self._emitted[token] = None if self.is_eog(token) else self.text_piece(token)
+            return p
 
     def is_eog(self, token: int) -> bool:
         """End-of-generation token (EOS, EOT, ``<|im_end|>``...)."""
