@@ -267,35 +267,6 @@ def test_clear_one_slot_and_all(engine):
     assert_consistent(engine)
 
 
-def test_a_slot_snapshot_is_copied_again_only_when_its_slot_changed(engine):
-    """Placement reuses a slot's last snapshot while nothing it shows changed, never after."""
-    core = engine.scheduler.core
-    table = core.table
-
-    def taken():  # on the scheduler thread: no idle rewrite runs meanwhile
-        cached = table.snapshots()
-        fresh = []
-        for slot in table.slots:  # each taken from scratch, for comparison
-            slot._snap = None
-            fresh.append(slot.snapshot())
-        return cached, tuple(fresh)
-
-    engine.clear()
-    msgs = [user("hello")]
-    msgs.append(engine.chat(msgs, session="snap", max_tokens=2).message)
-    first, cached = core.call(lambda: (table.snapshots(), table.snapshots()))
-    assert all(a is b for a, b in zip(first, cached))  # nothing changed: the same copy
-    idx = next(s.index for s in first if s.session == "snap")
-    engine.chat([*msgs, user("again")], session="snap", max_tokens=2)
-    after, fresh = core.call(taken)
-    assert after[idx] is not first[idx] and len(after[idx].tokens) > len(first[idx].tokens)
-    assert after == fresh and after[idx].tokens == tuple(table[idx].kv.tokens)
-    engine.clear(idx)
-    cleared, fresh = core.call(taken)
-    assert cleared[idx].empty and cleared == fresh
-    assert_consistent(engine)
-
-
 def test_spc_and_imc_are_exclusive(model_path):
     with pytest.raises(InvalidRequestError, match="mutually exclusive"):
         Engine(model_path, cache="imc", system_prompt_cache=True)

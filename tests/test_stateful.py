@@ -54,7 +54,7 @@ from nbkv import Engine
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import ParkingDropped
 from nbkv.engine.slots import REPLY_TAIL
-from nbkv.kv import reasons
+from nbkv.kv import policy, reasons
 from nbkv.kv.policy import common_prefix
 from nbkv.kv.reach import SWA, SWA_CELLS
 from nbkv.store import park_disk, parking
@@ -352,6 +352,11 @@ class EngineMachine(RuleBasedStateMachine):
         if rec.restored_from:
             assert rec.restored_tokens == rec.reused_tokens
         want = min(kept, len(prompt) - 1) - self.slack
+        if c.session is None and rec.reason == reasons.SHARED and rec.donor_slot is None:
+            # an unnamed conversation's holder that this prompt would cut short is copied
+            # (the conversation it holds stays); a slot that another conversation carries
+            # on in place wins unless the copy serves COPY_MARGIN positions more
+            want -= policy.COPY_MARGIN
         kind = self.e.memory.kind
         if kind == "plain":
             assert rec.reused_tokens >= want, (

@@ -54,9 +54,6 @@ class EngineSlot(TableSlot):
     rewrite_mixed: int = 0  # positions of the rewrite done while the reply was generated
     t_replied: float = 0.0  # when its last reply ended (time.perf_counter)
     reply_rows: int = 0  # positions that rewriting its last reply's KV takes
-    #: the last snapshot and what it was taken from (see :meth:`snapshot`)
-    _snap: tuple[tuple[Any, ...], SlotInfo] | None = field(default=None, repr=False,
-                                                           compare=False)
 
     @property
     def phase(self) -> SlotPhase:
@@ -80,30 +77,14 @@ class EngineSlot(TableSlot):
         return self.kv.tokens
 
     def snapshot(self) -> SlotInfo:
-        """An immutable copy for the caller's thread.
-
-        The same copy again while nothing it shows has changed: every placement takes one of
-        each slot, and copying a long conversation's tokens is most of its cost. What it is
-        taken from is compared by value, the lists and tuples by identity first: a list is
-        only ever replaced or grown and cut (the KV's ``version`` and length tell), and the
-        key holds each, so a new one never takes an old one's identity.
-        """
+        """An immutable copy for the caller's thread."""
         kv = self.kv  # a reply being rewritten is still this slot's (see nbkv.engine.rewrite)
-        cps = kv.checkpoints.items
-        key = (kv.version, kv.tokens, len(kv.tokens), kv.settled, kv.cut_floor, cps, len(cps),
-               self.redo, len(self.redo), self.pending, self.session, self.hashes,
-               self.msg_ends, self.segments, self.last_used, self.last_request, self.used_at)
-        last = self._snap
-        if last is not None and last[0] == key:
-            return last[1]
-        info = SlotInfo(
+        return SlotInfo(
             self.index, kv.seq_id, self.capacity,
             self.conversation((*kv.tokens, *self.redo), kv.settled, kv.checkpoints.positions),
             self.pending, kv.checkpoints.nbytes, kv.memory.kind, len(self.redo),
             cut_floor=kv.cut_floor,
         )
-        self._snap = (key, info)
-        return info
 
     def reset(self) -> None:
         """Forget everything (the KV too)."""
