@@ -645,6 +645,11 @@ class EngineMachine(RuleBasedStateMachine):
     def nothing_silently_lost(self):
         if self.e is None:
             return
+        if self.e.parking is not None:
+            # the spills the writer thread still holds are written, or their failure is
+            # announced, before the drops heard are applied: else one announced between
+            # the two reads would look silent
+            self.e.parking.flush()
         self.apply_drops()
         lost = [c.name for c in self.convs.values() if not c.excused and not self.held(c)]
         assert not lost, f"lost without a word: {lost}"

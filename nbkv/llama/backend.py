@@ -205,7 +205,6 @@ class Model:
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self._pieces: dict[int, bytes] = {}
         self._text: dict[int, bytes] = {}  # text_piece, cached as piece
-        self._eog: dict[int, bool] = {}  # is_eog, cached
         self._emitted: dict[int, bytes | None] = {}  # emitted, cached
         self.bos_text = self._special_text(llama_cpp.llama_vocab_bos(self.vocab))
         self.eos_text = self._special_text(llama_cpp.llama_vocab_eos(self.vocab))
@@ -292,22 +291,13 @@ class Model:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def emitted(self, token: int) -> bytes | None:
-        """A generated token's bytes in the reply (:meth:`text_piece`); None: it ends it.
-
-        One cached lookup for a generation step's two questions.
-        """
+        """A generated token's reply bytes (:meth:`text_piece`), cached; None: it ends the reply."""
         try:
             return self._emitted[token]
         except KeyError:
-            p = self._emitted[token] = None if self.is_eog(token) else self.text_piece(token)
+            eog = llama_cpp.llama_vocab_is_eog(self.vocab, token)
+            p = self._emitted[token] = None if eog else self.text_piece(token)
             return p
-
-    def is_eog(self, token: int) -> bool:
-        """End-of-generation token (EOS, EOT, ``<|im_end|>``...)."""
-        eog = self._eog.get(token)
-        if eog is None:
-            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
-        return eog
 
     @property
     def is_recurrent(self) -> bool:
