@@ -90,7 +90,7 @@ def test_the_first_token_breakdown_adds_up_as_written():
     import random
     import re
 
-    from nbkv.engine.lifecycle import finished_record
+    from nbkv.engine.jobs import finished_record
     from nbkv.ui.figures import ttft_text
 
     # a request that waited, had a parked conversation restored, read its prompt, sampled

@@ -4,9 +4,10 @@ One prefill chunk of a prompt, in the canonical chunks of :mod:`nbkv.kv.invarian
 (:meth:`Decoder.prefill`); an image's embeddings, in sub-batches between the other requests'
 steps (:meth:`Decoder.decode_image`); one generation decode for every generating request
 (:meth:`Decoder.generate`). It owns what decoding needs (the context, its batch, the prefill
-rule, the projector: :class:`~nbkv.engine.native.Resources`) and reports what happened to a
-request through :class:`Steps` (the request lifecycle, :mod:`nbkv.engine.lifecycle`). The
-system prompt's state is saved here when a prefill reaches it (:func:`spc_capture`).
+rule, the projector: :class:`~nbkv.engine.native.Resources`) and returns what a step left to
+do: the batch row whose logits give a request's next token (the scheduler samples it and
+streams the token), or nothing; a failure is raised with the KV as it was before the step.
+The system prompt's state is saved here when a prefill reaches it (:func:`spc_capture`).
 
 Generation decodes: one row per generating request, with an optional guess beside it.
 
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from nbkv.core.errors import MediaError
 from nbkv.engine.jobs import Job, JobState
@@ -41,42 +43,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nbkv")
 
-
-class Steps(Protocol):
-    """What the decoder reports to: the lifecycle of the requests it advances."""
-
-    def on_logits(self, job: Job, idx: int) -> None:
-        """Batch row ``idx`` holds ``job``'s next logits: sample, stream, or finish."""
-
-    def sample(self, job: Job, idx: int) -> None:
-        """:meth:`on_logits` inside the caller's host-time part."""
-
-    def take(self, job: Job, token: int, now: float) -> None:
-        """:meth:`sample` for a token already sampled (from row 0), at time ``now``."""
-
-    def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
-        """End ``job`` with ``error``."""
-
-    def progress(self, job: Job) -> None:
-        """Publish how far ``job``'s prefill is."""
-
-    def wake(self) -> None:
-        """Look at the requests again (the vision encoder finished)."""
+#: a request's rows in a generation decode: ``(job, its row, its guess, the guess's row)``
+Row = tuple[Job, int, int | None, int | None]
 
 
 class Decoder:
     """Decodes the requests' steps into their slots' KV (see the module's docstring)."""
 
     def __init__(self, res: Resources, settings: EngineSettings, spc: SystemPromptStore,
-                 pace: Pace, steps: Steps) -> None:
+                 pace: Pace, wake: Callable[[], None]) -> None:
         self.res = res
         self.settings = settings
         self.spc = spc  # SPC: where a system prompt's state is saved once prefilled
         self.pace = pace  # where each prefill chunk's time per row is noted
-        self.steps = steps
+        self.wake = wake  # the scheduler looks again (an image's embeddings are ready)
 
-    def prefill(self, job: Job, take: int) -> None:
-        """Decode the next ``take`` prompt positions of ``job`` as one batch."""
+    def prefill(self, job: Job, take: int) -> int | None:
+        """Decode the next ``take`` prompt positions of ``job`` as one batch.
+
+        Returns the batch row of the prompt's last logits once the whole prompt is read
+        (None: more to read).
+        """
         kv = job.placed_slot.kv
         toks = job.todo[:take]
         batch = self.res.batch
@@ -89,11 +76,7 @@ class Decoder:
         counts.rows += take
         counts.prefill_calls += 1
         counts.prefill_rows += take
-        try:
-            self.res.ctx.decode(batch)
-        except BaseException as e:  # noqa: BLE001
-            self.steps.fail(job, e, "error")
-            return
+        self.res.ctx.decode(batch)
         self.pace.note_rows(take, time.perf_counter() - t0)
         rec = job.started
         # the positions re-read first: settled ones the grouping needs, then the previous
@@ -107,19 +90,13 @@ class Decoder:
         kv.extend(toks, settled=invariance.stable_end(job.prompt.tokens, end, self.res.rule,
                                                       job.prompt.media is None))
         job.read(take)
-        try:
-            if end in job.stops and kv.settled == end:
-                kv.checkpoint()
-            if job.capture_at is not None and end >= job.capture_at:
-                if end == job.capture_at and kv.settled == end:
-                    spc_capture(self.spc, job)
-                job.spc_captured()
-            if done:
-                self.steps.on_logits(job, last)
-            else:
-                self.steps.progress(job)
-        except BaseException as e:  # noqa: BLE001
-            self.steps.fail(job, e, "error")
+        if end in job.stops and kv.settled == end:
+            kv.checkpoint()
+        if job.capture_at is not None and end >= job.capture_at:
+            if end == job.capture_at and kv.settled == end:
+                spc_capture(self.spc, job)
+            job.spc_captured()
+        return last if done else None
 
     def decode_image(self, job: Job) -> bool:
         """Decode the image at the head of ``job``'s prefill, if its embeddings are ready.
@@ -127,33 +104,28 @@ class Decoder:
         Where a picture starts, the projector's embedding service is asked once: held by the
         request or cached (a hit), else it encodes on its own thread (a run; the other requests
         keep decoding meanwhile); it counts either in ``job``. False while the encoder is still
-        at work.
+        at work (nothing ran).
         """
         projector, ctx = self.res.projector, self.res.ctx
         unit = job.todo[0]
         chunk = job.prompt.chunk_for(unit)
         n = chunk.n_pos
         if n >= len(job.todo):
-            self.steps.fail(job, MediaError("a prompt must not end with an image"), "error")
-            return True
+            raise MediaError("a prompt must not end with an image")
         image = chunk.image
         assert image is not None  # chunk_for gives image chunks only
         h = image.hash
         fut = job.take_encoding()  # done: the step skips the job until then
-        try:
-            if fut is None and (h not in job.embeddings
-                                or (chunk.sub_index == 0 and not job.image_piece)):
-                fut = projector.embeddings.fetch(image, job.prompt.media,
-                                                 held=job.embeddings, tally=job, wait=False)
-                if not fut.done():
-                    job.wait_encoder(fut)
-                    fut.add_done_callback(lambda _: self.steps.wake())
-                    return False
-            if fut is not None:
-                job.embeddings[h] = fut.result()
-        except BaseException as e:  # noqa: BLE001
-            self.steps.fail(job, e, "error")
-            return True
+        if fut is None and (h not in job.embeddings
+                            or (chunk.sub_index == 0 and not job.image_piece)):
+            fut = projector.embeddings.fetch(image, job.prompt.media,
+                                             held=job.embeddings, tally=job, wait=False)
+            if not fut.done():
+                job.wait_encoder(fut)
+                fut.add_done_callback(lambda _: self.wake())
+                return False
+        if fut is not None:
+            job.embeddings[h] = fut.result()
         emb = job.embeddings[h]
         slot = job.placed_slot
         # a big causal image goes in sub-batches, one per step, between the other
@@ -166,33 +138,28 @@ class Decoder:
                                    embedding=emb, piece=piece if total > 1 else None)
             job.counts.decode_calls += ctx.counters.decode_calls - calls
             job.counts.rows += ctx.counters.rows - rows
-        except BaseException as e:  # noqa: BLE001 - decode_chunk removed what it decoded
+        except BaseException:  # decode_chunk removed what it decoded
             job.drop_pieces()
-            self.steps.fail(job, e, "error")
-            return True
+            raise
         if piece + 1 < total:
             job.piece_read()
             return True
         slot.kv.extend(job.todo[:n], settled=len(slot.kv) + n)
         job.read(n)
         slot.kv.checkpoint()  # a follow-up question never re-decodes the image
-        self.steps.progress(job)
         return True
 
-    def generate(self, jobs: list[Job]) -> None:
-        """Decode the next token of every generating request."""
-        if not jobs:
-            return
-        if len(jobs) == 1 and self.one_row(jobs[0]):
-            return self.generate_one(jobs[0])
-        if len(jobs) > 1:  # one micro-batch (see nbkv.kv.batching)
+    def batches(self, jobs: list[Job]) -> list[list[Job]]:
+        """The generating requests' micro-batches for one step: one decode each.
+
+        One batch by slot order (see :mod:`nbkv.kv.batching`), split where it holds more rows
+        than the calibration proved (more would take another kernel).
+        """
+        if len(jobs) > 1:
             jobs.sort(key=lambda j: j.placed_slot.seq_id)
-        # more rows than the calibration proved would take another kernel: split the step
         limit = self.res.rule.gen_rows
         size = max(limit // (2 if self.res.speculative else 1), 1) if limit else len(jobs)
-        for i in range(0, len(jobs), size):
-            self._generate_rows(jobs[i:i + size])
-
+        return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
     def two_row_exact(self) -> bool:
         """Exact mode with guesses on a rule whose two-row chunks are canonical (see above)."""
@@ -200,18 +167,17 @@ class Decoder:
         return (cfg.exactness.exact and self.res.speculative and rule.exact and not rule.single_row
                 and rule.threshold <= 2 and rule.align == 1)
 
-
     def one_row(self, job: Job) -> bool:
         """Whether ``job``'s step is one row whose token the graph picks (:meth:`generate_one`)."""
         return job.drafter is None and bool(self.res.ctx.sampling.seqs)
 
-    def generate_one(self, job: Job) -> None:
+    def generate_one(self, job: Job) -> int:
         """One request's generation decode, its token picked by the graph: the usual step.
 
-        What :meth:`_generate_rows` does for one row with no guess, in one function: after
-        a decode every line of Python runs with cold caches, and a step's host time is
-        mostly the code and objects it touches. The request's sampler reads the graph's
-        token; its sampling counts in the step's part.
+        What :meth:`generate` does for one row with no guess, in one function: after a
+        decode every line of Python runs with cold caches, and a step's host time is mostly
+        the code and objects it touches. Returns the token the request's sampler reads from
+        the graph (its sampling counts in the step's part).
         """
         res = self.res
         ctx, kv = res.ctx, job.placed_slot.kv
@@ -223,22 +189,26 @@ class Decoder:
         counts = job.counts
         counts.decode_calls += 1
         counts.rows += 1
-        try:
-            ctx.decode(batch)
-            exact = res.rule.single_row
-            kv.extend((tok,), exact=exact, settled=pos + 1 if exact else None)
-            sampler = job.sampler
-            assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
-            self.steps.take(job, sampler.sample(ctx, 0), time.perf_counter())
-        except BaseException as e:  # noqa: BLE001 - the request fails cleanly
-            self.steps.fail(job, e, "error")
+        ctx.decode(batch)
+        exact = res.rule.single_row
+        kv.extend((tok,), exact=exact, settled=pos + 1 if exact else None)
+        sampler = job.sampler
+        assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
+        return sampler.sample(ctx, 0)
 
-    def _generate_rows(self, jobs: list[Job]) -> None:
-        """One generation decode for ``jobs`` (see :func:`generate`)."""
+    def generate(self, jobs: list[Job]) -> tuple[list[Row], bool]:
+        """One generation decode for a micro-batch of :meth:`batches`.
+
+        Returns each request's :data:`Row` (its row of logits, and its guess and the guess's
+        row, if any) and whether every request decoded two rows (then each row is computed
+        as a canonical two-row chunk). Raises what the decode raised: every request in it
+        then fails.
+        """
         batch = self.res.batch
         batch.clear()
-        plan = []
+        rows: list[Row] = []
         pairs = self.two_row_exact()
+        toks = []
         for job in jobs:
             tok = job.take_token()
             slot = job.placed_slot
@@ -251,48 +221,40 @@ class Decoder:
                     guess = tok  # a second row all the same: it keeps the step canonical
                 if guess is not None:
                     extra = batch.add(guess, len(kv) + 1, kv.seq_id, True)
-            plan.append((job, tok, idx, guess, extra))
+            rows.append((job, idx, guess, extra))
+            toks.append(tok)
         # llama.cpp gives every sequence of a micro-batch the same rows: only if each holds two
         # is each one's token row a two-row (canonical) computation
-        pairs = pairs and all(p[4] is not None for p in plan)
-        for job, _, _, _, extra in plan:
+        pairs = pairs and all(r[3] is not None for r in rows)
+        for job, _, _, extra in rows:
             job.counts.decode_calls += 1
             job.counts.rows += 1 + (extra is not None)
-        try:
-            self.res.ctx.decode(batch)
-        except BaseException as e:  # noqa: BLE001 - every request in the batch fails cleanly
-            for job, *_ in plan:
-                self.steps.fail(job, e, "error")
-            return
+        self.res.ctx.decode(batch)
         # a one-row decode is a canonical row where the calibration says so; a row decoded
         # beside another of its sequence is one where two-row chunks are
         exact = self.res.rule.single_row or pairs
-        for job, tok, *_ in plan:
+        for (job, *_), tok in zip(rows, toks):
             kv = job.placed_slot.kv
             kv.extend([tok], exact=exact, settled=len(kv) + 1 if exact else None)
-        # one part for the step's tokens, shared by its requests: a part per token would cost
-        # as much as the sampling it counts
-        sample = self.steps.sample
-        with self.res.ctx.counters.part("sampling", tuple(p[0].counts for p in plan)):
-            for job, _, idx, guess, extra in plan:
-                try:
-                    sample(job, idx)
-                    if guess is not None:
-                        self._guessed(job, guess, extra, pairs)
-                except BaseException as e:  # noqa: BLE001
-                    self.steps.fail(job, e, "error")
+        return rows, pairs
 
-    def _guessed(self, job: Job, guess: int, extra: int | None, pairs: bool) -> None:
-        """``job`` decoded a guess beside its token (row ``extra``): keep it, or drop it."""
+    def guessed(self, job: Job, guess: int, extra: int | None, pairs: bool) -> int | None:
+        """``job`` decoded a guess beside its token, which was sampled and taken: keep it or not.
+
+        Kept when it is the token sampled (and the request goes on): its position joins the
+        KV and its row (``extra``, returned) gives the next token. Else its position is
+        dropped and None returned.
+        """
         kv = job.placed_slot.kv
         job.drafted += 1
         if extra is not None and job.next_token == guess:
             job.accepted += 1
             job.take_token()
             kv.extend([guess], exact=pairs, settled=len(kv) + 1 if pairs else None)
-            self.steps.sample(job, extra)
-        elif job.state is not JobState.DONE:
+            return extra
+        if job.state is not JobState.DONE:
             kv.resync()  # drop the wrong guess's position
+        return None
 
 
 def spc_capture(spc: SystemPromptStore, job: Job) -> None:

@@ -239,3 +239,37 @@ class Job(Request):
         self._next = None
         self._encoding = None
         self.state = JobState.DONE
+
+
+def finished_record(job: Job, rec: Any, reason: str, error: BaseException | None, now: float,
+                    segments: Any, mixed: int = 0) -> Any:
+    """``rec`` completed with what the request did: tokens, timings, encoder and guesses.
+
+    ``mixed``: the reply rows the shadow rewrote as the reply was generated.
+    """
+    t_first = job.t_first or now
+    return rec.evolve(
+        first_decode_s=job.first_decode_s if job.t_first else rec.first_decode_s,
+        rewrite_absorbed_s=rec.rewrite_absorbed_s + job.absorbed_s,
+        generated_tokens=len(job.generated),
+        prefilled_tokens=rec.prefilled_tokens - len(job.todo),
+        ttft_s=(t_first - job.t_submit) if job.t_first else 0.0,
+        prefill_s=(t_first - job.t_prefill) if job.t_prefill and job.t_first else 0.0,
+        wait_s=max(job.t_prefill - job.t_submit - rec.restore_s, 0.0) if job.t_prefill
+        else 0.0,
+        decode_s=(now - t_first) if job.t_first else 0.0,
+        finish_reason=reason,
+        encoder_runs=job.encoder_runs,
+        embedding_cache_hits=job.embedding_hits,
+        draft_tokens=job.drafted,
+        draft_accepted=job.accepted,
+        error=None if error is None else f"{type(error).__name__}: {error}",
+        segments=segments,
+        decode_calls=job.counts.decode_calls,
+        rows_computed=job.counts.rows,
+        prefill_calls=job.counts.prefill_calls,
+        prefill_rows=job.counts.prefill_rows,
+        kv_bytes=job.counts.kv_bytes,
+        host_parts=tuple(sorted(job.counts.host_s.items())),
+        rewrite_mixed=mixed,
+    )

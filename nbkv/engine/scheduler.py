@@ -5,22 +5,19 @@ here. Each iteration runs the control calls (``Engine.probe``, saves, ...), admi
 requests into slots (the :class:`~nbkv.engine.placement.Placer`), then advances the active
 ones by one step (:func:`nbkv.kv.batching.plan_step`), dispatched on each request's state
 (:class:`nbkv.engine.jobs.JobState`): one prefill chunk or image piece and one generation
-decode for every generating request (the :class:`~nbkv.engine.decoder.Decoder`), and, when
-requests come back to back, one chunk of a reply's rewrite into the shadow sequence
-(:mod:`nbkv.engine.shadow`). A request generating alone runs its steps in one loop, back to
-the iteration as soon as anything else needs a look. With nothing to do it rewrites finished
-replies' KV (the :class:`~nbkv.engine.rewrite.Rewriter`; back to back, after a grace for the
-next request). Slots change only through the table's locked methods
-(:class:`~nbkv.engine.slots.EngineTable`); ``cv`` (the same lock) guards this queue. A
-slot's ``tokens`` list is the truth about its KV: it is extended only after a successful
-decode, and on any failure the KV is trimmed back to it.
+decode for every generating request. The :class:`~nbkv.engine.decoder.Decoder` decodes and
+returns the rows of logits; the scheduler samples them, streams the tokens and finishes
+the requests (:meth:`Scheduler.finish`: the slot trimmed back to what it holds, its map,
+the reply kept for a replay, the record published, the slot freed). Back to back, one chunk
+of a reply's rewrite goes into the shadow sequence (:mod:`nbkv.engine.shadow`); idle, the
+:class:`~nbkv.engine.rewrite.Rewriter` rewrites finished replies' KV. A request generating
+alone runs its steps in one loop, back to the iteration as soon as anything else needs a
+look. Slots change only through the table's locked methods; ``cv`` (the same lock) guards
+the queue. A slot's ``tokens`` list is the truth about its KV: it is extended only after a
+successful decode, and on any failure the KV is trimmed back to it.
 
 The loop runs over the engine's :class:`~nbkv.engine.core.EngineCore` (requests, control
-calls, :class:`~nbkv.engine.replay.Replays`, :class:`~nbkv.engine.slot_parking.Parker`,
-:class:`~nbkv.engine.rewrite.Rewriter`) and composes a step's parts once:
-:class:`~nbkv.engine.placement.Placer`, :class:`~nbkv.engine.shadow.Shadow`,
-:class:`~nbkv.engine.lifecycle.Lifecycle` (a request's progress, tokens and end) and
-:class:`~nbkv.engine.decoder.Decoder`. Only the facade imports this module (import-linter).
+calls, replays, parking, rewriter). Only the facade imports this module (import-linter).
 """
 
 from __future__ import annotations
@@ -30,19 +27,21 @@ import logging
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import Any
 
-from nbkv.core.errors import EngineClosedError, SlotTimeoutError
+from nbkv.core.errors import EngineClosedError, NbkvError, SlotTimeoutError
+from nbkv.core.events import Progress, RequestFinished
 from nbkv.engine.core import EngineCore
 from nbkv.engine.decoder import Decoder
-from nbkv.engine.jobs import READING, Job, JobState
-from nbkv.engine.lifecycle import Lifecycle
+from nbkv.engine.jobs import READING, Job, JobState, finished_record
 from nbkv.engine.native import Resources
 from nbkv.engine.placement import Placer
 from nbkv.engine.proving import adopt
 from nbkv.engine.shadow import Shadow
 from nbkv.kv.batching import Prefilling, StepPlan, plan_step
 from nbkv.kv.invariance import next_chunk
+from nbkv.kv.policy import PREFIX_SALVAGE
 from nbkv.kv.slot_kv import SlotKV
 
 log = logging.getLogger("nbkv")
@@ -70,10 +69,8 @@ class Scheduler:
         #: rewrites replies while they are generated (None: no shadow sequence)
         self.shadow = (Shadow(shadow_kv, res, settings, table, self.rewriter)
                        if shadow_kv is not None else None)
-        #: a request's progress, sampled tokens and end
-        self.life = Lifecycle(core, self.shadow, self.placer)
-        #: the requests' steps into the KV; it reports to the lifecycle
-        self.decoder = Decoder(res, settings, core.spc, self.rewriter.pace, self.life)
+        #: the requests' steps into the KV
+        self.decoder = Decoder(res, settings, core.spc, self.rewriter.pace, self.wake)
         #: requests ran since the last idle pass that looked for a due garbage collection
         self.gc_pending = True
 
@@ -142,7 +139,7 @@ class Scheduler:
                     control, core.control = core.control, []
             if jobs is not None:
                 for j in jobs:
-                    self.life.finish(j, "cancelled")
+                    self.finish(j, "cancelled")
                 return False
         for fn, fut in control:
             try:
@@ -205,7 +202,7 @@ class Scheduler:
         for job in list(queue):
             if job.cancel.is_set():
                 queue.remove(job)
-                self.life.fail(job, None, "cancelled")
+                self.fail(job, None, "cancelled")
                 continue
             counters = self.res.ctx.counters
             moved = counters.bytes_moved
@@ -214,7 +211,7 @@ class Scheduler:
                     started = self.placer.start(job)
             except BaseException as e:  # noqa: BLE001 - reported to the requester
                 queue.remove(job)
-                self.life.fail(job, e, "error")
+                self.fail(job, e, "error")
                 continue
             job.counts.kv_bytes += counters.bytes_moved - moved
             if started:
@@ -225,7 +222,7 @@ class Scheduler:
                     active.append(job)
             elif now > job.deadline:
                 queue.remove(job)
-                self.life.fail(job, SlotTimeoutError(
+                self.fail(job, SlotTimeoutError(
                     f"no slot became free within the wait limit ({len(self.table)} slots, "
                     f"all busy)"), "error")
 
@@ -239,7 +236,7 @@ class Scheduler:
             if job.cancel.is_set():
                 if job.drop_pieces():  # drop the part of an image decoded so far
                     job.placed_slot.kv.resync()
-                self.life.finish(job, "cancelled")
+                self.finish(job, "cancelled")
         if all(j.state is JobState.GENERATE for j in active):  # no prompt to read
             plan, generating = _GENERATE, list(active)
         else:
@@ -253,20 +250,72 @@ class Scheduler:
             job = next(j for j in active if j.id == plan.prefill)
             if not job.t_prefill:
                 job.t_prefill = time.perf_counter()
-            if job.state is JobState.PREFILL:
-                self.decoder.prefill(job, plan.take)
-                ran = True
-            else:
-                ran = self.decoder.decode_image(job)
+            ran = self._read(job, plan.take)
         if plan.generate:
             if plan.prefill is not None:  # what it ran may have ended requests meanwhile
                 generating = [j for j in generating if j.state is JobState.GENERATE]
-            self.decoder.generate(generating)
+            self._generate(generating)
             if self.shadow is not None:
                 with self.res.ctx.counters.part("shadow"):
                     self.shadow.step([j for j in generating if not j.done.is_set()])
             ran = True
         return ran
+
+    def _read(self, job: Job, take: int) -> bool:
+        """Read ``take`` prompt positions of ``job``, or a piece of the image it is at.
+
+        Its first token is sampled once the whole prompt is read. False while the vision
+        encoder is still at work (nothing ran).
+        """
+        todo = len(job.todo)
+        try:
+            if job.state is JobState.PREFILL:
+                row = self.decoder.prefill(job, take)
+                if row is not None:
+                    with self.res.ctx.counters.part("sampling", job.counts):
+                        self.sample(job, row)
+                    return True
+            elif not self.decoder.decode_image(job):
+                return False
+        except BaseException as e:  # noqa: BLE001 - the request fails cleanly
+            self.fail(job, e, "error")
+            return True
+        if len(job.todo) < todo:
+            self.progress(job)
+        return True
+
+    def _generate(self, jobs: list[Job]) -> None:
+        """Decode the next token of every generating request, and take the tokens sampled."""
+        if not jobs:
+            return
+        if len(jobs) == 1 and self.decoder.one_row(jobs[0]):
+            return self._generate_one(jobs[0])
+        for batch in self.decoder.batches(jobs):
+            try:
+                rows, pairs = self.decoder.generate(batch)
+            except BaseException as e:  # noqa: BLE001 - every request in it fails cleanly
+                for job in batch:
+                    self.fail(job, e, "error")
+                continue
+            # one part for the step's tokens, shared by its requests: a part per token would
+            # cost as much as the sampling it counts
+            with self.res.ctx.counters.part("sampling", tuple(job.counts for job in batch)):
+                for job, row, guess, extra in rows:
+                    try:
+                        self.sample(job, row)
+                        if guess is not None and (after := self.decoder.guessed(
+                                job, guess, extra, pairs)) is not None:
+                            self.sample(job, after)
+                    except BaseException as e:  # noqa: BLE001
+                        self.fail(job, e, "error")
+        return None
+
+    def _generate_one(self, job: Job) -> None:
+        """:meth:`Decoder.generate_one`, its token taken (a failure fails ``job`` alone)."""
+        try:
+            self.take(job, self.decoder.generate_one(job), time.perf_counter())
+        except BaseException as e:  # noqa: BLE001 - the request fails cleanly
+            self.fail(job, e, "error")
 
     def _generate_run(self, job: Job) -> None:
         """Generate ``job``'s tokens, one decode a step, while it is the only request.
@@ -275,7 +324,7 @@ class Scheduler:
         lock, admission, plan) runs again as soon as anything else has to be looked at (a
         request queued, a control call, a cancel, the engine closing) or the reply ends.
         """
-        core, shadow, generate = self.core, self.shadow, self.decoder.generate_one
+        core, shadow, generate = self.core, self.shadow, self._generate_one
         part = self.res.ctx.counters.part
         while True:
             generate(job)
@@ -312,6 +361,115 @@ class Scheduler:
                 stops, j.prompt.media is None)
             prefilling.append(Prefilling(j.id, len(j.todo), j.ready(), image, take))
         return plan_step(prefilling, len(generating)), generating
+
+    # ------------------------------------------------------------ a request's tokens and end
+
+    def progress(self, job: Job) -> None:
+        """Publish how far ``job``'s prefill is."""
+        total = job.started.prefilled_tokens
+        phase = "extend" if job.reuse else "rebuild"
+        self.core.events.publish(Progress(job.id, job.placed_slot.index, phase,
+                                          total - len(job.todo), total))
+
+    def sample(self, job: Job, row: int) -> None:
+        """Sample ``job``'s next token from batch ``row`` (inside a part the caller opened)."""
+        now = time.perf_counter()
+        sampler = job.sampler
+        assert sampler is not None  # placed with its sampler (nbkv.engine.placement)
+        token = sampler.sample(self.res.ctx, row)
+        if not job.t_first:  # the first token counts once it is sampled
+            job.t_first = time.perf_counter()
+            job.first_decode_s = job.t_first - now  # into the record as it finishes
+        self.take(job, token, now)
+
+    def take(self, job: Job, token: int, now: float) -> None:
+        """A token sampled for ``job`` at time ``now``: stream it, or finish."""
+        piece = self.res.model.emitted(token)
+        if piece is None:
+            return self.finish(job, "stop")
+        generated = job.generated
+        generated.append(token)
+        if job.drafter is not None:
+            job.drafter.append(token)
+        text = job.text
+        delta = text.push(piece)
+        if delta:
+            job.out.put(("delta", delta))
+        if text.stopped is not None:
+            return self.finish(job, "stop")
+        # as llama-server stops (process_token): when the token just sampled would take the
+        # slot's last position, so that both engines give a reply at the edge the same length
+        slot = job.placed_slot
+        if (len(generated) >= job.params.max_tokens
+                or len(slot.kv.tokens) + 1 >= slot.capacity):
+            return self.finish(job, "length")
+        job.sampled(token)
+        if now - job.t_last_progress > 0.25:
+            job.t_last_progress = now
+            self.core.events.publish(Progress(job.id, slot.index, "generate",
+                                              len(job.generated), job.params.max_tokens))
+        return None
+
+    def fail(self, job: Job, error: BaseException | None, reason: str) -> None:
+        """End ``job`` with ``error``, its slot trimmed back to what it really holds."""
+        if job.slot is not None:
+            job.slot.kv.resync()
+        self.finish(job, reason, error)
+
+    def finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        """Close a request: settle its slot's bookkeeping, publish the record, free the slot."""
+        with self.res.ctx.counters.part("lifecycle", job.counts):
+            self._finish(job, reason, error)
+
+    def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        if job.done.is_set():
+            return
+        job.finished()
+        active = self.core.active
+        if job in active:
+            active.remove(job)
+        if job.sampler is not None:
+            job.sampler.close()
+        tail = job.text.flush()
+        if tail:
+            job.out.put(("delta", tail))
+        now = time.perf_counter()
+        slot, rec = job.slot, job.record
+        mixed = settled = 0
+        if slot is not None and self.res.ctx.ptr:  # a guessed position may follow
+            try:
+                slot.kv.resync()
+                if slot.kv.copy_queued and not active:  # ended before its first decode
+                    slot.kv.run_queued_copy()  # no later decode is coming to run the queued copy
+            except BaseException:  # noqa: BLE001 - the request must still end
+                log.exception("slot[%d]: could not trim past its tokens", slot.index)
+                self.table.reset(slot)
+            settled = slot.kv.settled
+            if self.shadow is not None:  # the reply's KV, rewritten while it was generated
+                mixed = self.shadow.hand_over(job, error is None)
+        if slot is not None and rec is not None:
+            n = len(slot.tokens) + len(slot.redo)
+            self.table.replied(
+                slot, job.prompt, job.text.text, n,
+                segments=tuple(s if s.end <= n else replace(s, end=n)
+                               for s in self.placer.segments(job, n) if min(s.end, n) > s.start),
+                t_replied=now, reply_rows=n - settled if self.res.ctx.ptr else 0)
+            rec = job.record = finished_record(job, rec, reason, error, now, slot.segments, mixed)
+            self.replays.remember(job)
+            if rec.strategy == PREFIX_SALVAGE:
+                log.debug("imc-partial-rebuilt: total_cached=%d salvaged_prefix=%d "
+                          "salvaged_pct=%.0f", n, rec.reused_tokens, rec.salvage_pct)
+            self.core.events.publish(RequestFinished(rec))
+            if mixed and not slot.redo:  # the shadow did the whole rewrite
+                self.rewriter.finished(slot)
+        if error is not None:
+            job.out.put(("error", error))
+        elif rec is not None:
+            job.out.put(("done", rec))
+        else:
+            job.out.put(("error", NbkvError("request cancelled before it started")))
+        job.done.set()
+        self.wake()
 
 
 def gc_due() -> int | None:
