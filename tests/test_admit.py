@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from nbkv.core.config import EngineSettings
-from nbkv.engine.admit import Executor
+from nbkv.engine.placement import Executor
 from nbkv.kv import admission as ad
 from nbkv.kv import policy
 from nbkv.kv.invariance import PrefillRule

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbkv.kv.batching import Prefilling, StepPlan, plan_step
+from nbkv.kv.invariance import Prefilling, StepPlan, plan_step
 from nbkv.kv.slot_kv import CheckpointSet
 
 

@@ -225,7 +225,7 @@ def test_explain_draws_a_replayed_reply_as_reused_not_trimmed():
 
 
 def test_counts_are_words_never_s_in_brackets():
-    from nbkv.core.codes import counted
+    from nbkv.core.events import counted
 
     assert [counted(n, "message") for n in (0, 1, 3)] == ["0 messages", "1 message",
                                                           "3 messages"]
@@ -284,7 +284,7 @@ def test_one_hatch_per_kind_of_event_and_mirror_images_never_both():
 
 
 def test_the_latest_replys_span_says_the_reply_not_generation_prompt():
-    from nbkv.kv.segments import message_segments
+    from nbkv.kv.slot_table import message_segments
 
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
     segs = message_segments(msgs, [12, 20], 24, 20, 30, "Hello there.")
@@ -329,7 +329,7 @@ def test_previews_kept_by_prefix_hash_are_those_of_the_messages():
     """A message's preview is kept by its prefix hash: the same text as computed afresh, and
     a changed message (a new hash) gets its own."""
     from nbkv.core.messages import prefix_hashes
-    from nbkv.kv.segments import message_segments
+    from nbkv.kv.slot_table import message_segments
 
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi " * 80}]
     fresh = message_segments(msgs, [12, 20], 24, 20, 30, "Hello.")

@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from nbkv.core.requests import SamplingParams
+from nbkv.core.streams import SamplingParams, TextStream
 from nbkv.engine.jobs import READING, Job, JobState, JobStateError
 from nbkv.media.units import MediaKey, position_units
-from nbkv.prompt.textstream import TextStream
 
 IMAGE = MediaKey("h", 0, 3, 3)
 

@@ -27,7 +27,7 @@ from nbkv import Engine
 from nbkv.core.events import ParkingDropped, RequestStarted
 from nbkv.engine.slot_parking import Parker
 from nbkv.engine.slots import REPLY_TAIL
-from nbkv.kv import policy, reach
+from nbkv.kv import policy
 from nbkv.kv.reasons import EVICTED, RESTORED
 from nbkv.llama.models import default_model_path
 from nbkv.store.blobstore import BLOBS, manifest_text
@@ -167,7 +167,7 @@ def test_six_sessions_on_two_slots_restore_from_ram_exactly(family):
                 assert 0 < rec.unpark_s <= rec.restore_s - rec.park_s
                 # at least the previous prompt: only the unrewritten reply may be read again
                 # (sliding-window states are parked where their window puts back exactly)
-                swa = reach.SWA_CELLS if engine.memory.kind == "sliding-window" else 0
+                swa = policy.SWA_CELLS if engine.memory.kind == "sliding-window" else 0
                 assert rec.reused_tokens >= last[s].prompt_tokens - slack(engine) - swa, (
                     name, s, rnd, rec.reused_tokens, last[s].prompt_tokens)
                 assert rec.prefilled_tokens == rec.prompt_tokens - rec.reused_tokens
@@ -218,7 +218,7 @@ def test_sliding_window_an_edited_message_goes_back_no_further_than_it_must(park
             info = held["s0"]
             cut = max(c for c in info.checkpoints if c <= div)
             assert rec.restored_from == "ram" and rec.checkpoint_pos == cut > 0
-            assert rec.reused_tokens == cut and reach.restorable("sliding-window", 8, cut)
+            assert rec.reused_tokens == cut and policy.restorable("sliding-window", 8, cut)
             assert info.n_tokens > div  # parked past the edit: the checkpoint was needed
         else:
             assert rec.checkpoint_pos is None

@@ -324,7 +324,6 @@ def test_a_whole_parked_prompt_keeps_its_last_token_for_logits():
 
 # ------------------------------------------------------------------ what a candidate serves
 
-from nbkv.kv import reach  # noqa: E402
 
 GROUPED = PrefillRule(threshold=8, align=4)  # Q4_K_M-like: 8+ rows in 4-aligned chunks
 
@@ -332,33 +331,33 @@ GROUPED = PrefillRule(threshold=8, align=4)  # Q4_K_M-like: 8+ rows in 4-aligned
 def test_reach_follows_the_grouping_the_memory_and_its_checkpoints():
     units = list(range(200))
     one = PrefillRule()
-    assert reach.reach(units, 150, one, 180, floor=0) == 150  # plain: cut anywhere
-    assert reach.reach(units, 150, GROUPED, 180, floor=0) == 148  # 4-aligned
+    assert policy.reach(units, 150, one, 180, floor=0) == 150  # plain: cut anywhere
+    assert policy.reach(units, 150, GROUPED, 180, floor=0) == 148  # 4-aligned
     # a state put back whole cuts only at its end, else at a checkpoint that is itself a
     # valid start (a checkpoint at 97 is not: back to the one at 60)
-    assert reach.reach(units, 150, one, 180, floor=180, checkpoints=(60, 97, 170)) == 97
-    assert reach.reach(units, 150, GROUPED, 180, floor=180, checkpoints=(60, 97, 170)) == 60
-    assert reach.reach(units, 150, one, 180, floor=180) == 0
-    assert reach.reach(units, 180, one, 180, floor=reach.NO_CUT) == 180  # no cut needed
+    assert policy.reach(units, 150, one, 180, floor=180, checkpoints=(60, 97, 170)) == 97
+    assert policy.reach(units, 150, GROUPED, 180, floor=180, checkpoints=(60, 97, 170)) == 60
+    assert policy.reach(units, 150, one, 180, floor=180) == 0
+    assert policy.reach(units, 180, one, 180, floor=policy.NO_CUT) == 180  # no cut needed
     # a run too short after the cut for one chunk: the cut moves back
-    assert reach.reach(units[:153], 150, GROUPED, 180, floor=0) == 144
+    assert policy.reach(units[:153], 150, GROUPED, 180, floor=0) == 144
 
 
 def test_a_restored_sliding_window_state_holds_only_the_window_before_its_end():
     # ... in the sequence's first cells: later tokens compute as from scratch only when it
     # starts a multiple of SWA_CELLS cells in
-    assert reach.restorable(reach.SWA, 512, 400) and reach.restorable(reach.SWA, 512, 528)
-    assert not reach.restorable(reach.SWA, 512, 520)
-    assert reach.restorable(reach.PLAIN, 0, 521) and reach.restorable(reach.HYBRID, 0, 3)
+    assert policy.restorable(policy.SWA, 512, 400) and policy.restorable(policy.SWA, 512, 528)
+    assert not policy.restorable(policy.SWA, 512, 520)
+    assert policy.restorable(policy.PLAIN, 0, 521) and policy.restorable(policy.HYBRID, 0, 3)
     units = list(range(600))
-    assert reach.restore_point(units, 527, GROUPED, reach.SWA, 512) == 512
-    assert reach.restore_point(units, 527, GROUPED, reach.PLAIN, 0) == 524
-    assert reach.restored_floor(reach.PLAIN, 0, 900) == 0
-    assert reach.restored_floor(reach.SWA, 512, 400) == 0  # all of it is in the window
-    assert reach.restored_floor(reach.SWA, 512, 900) == 900
-    assert reach.restored_floor(reach.HYBRID, 0, 900) == reach.NO_CUT
-    assert reach.window_floor(reach.SWA, 512, 0) == 0  # a live slot keeps every cell
-    assert reach.window_floor(reach.SWA, 512, 388) == 900
+    assert policy.restore_point(units, 527, GROUPED, policy.SWA, 512) == 512
+    assert policy.restore_point(units, 527, GROUPED, policy.PLAIN, 0) == 524
+    assert policy.restored_floor(policy.PLAIN, 0, 900) == 0
+    assert policy.restored_floor(policy.SWA, 512, 400) == 0  # all of it is in the window
+    assert policy.restored_floor(policy.SWA, 512, 900) == 900
+    assert policy.restored_floor(policy.HYBRID, 0, 900) == policy.NO_CUT
+    assert policy.window_floor(policy.SWA, 512, 0) == 0  # a live slot keeps every cell
+    assert policy.window_floor(policy.SWA, 512, 388) == 900
 
 
 @dataclass
@@ -371,7 +370,7 @@ class Held:
 
 def test_the_judge_scores_each_way_of_serving_on_sliding_window_memory():
     units = list(range(300))
-    judge = reach.Judge(units, PrefillRule(), True, reach.SWA, 8)
+    judge = policy.Judge(units, PrefillRule(), True, policy.SWA, 8)
     live = Held(units[:250], settled=240, checkpoints=(100, 200))
     assert judge(live, 249, policy.IN_PLACE) == 240  # only settled KV serves (exact mode)
     assert judge(live, 230, policy.COPY) == 230
@@ -379,7 +378,7 @@ def test_the_judge_scores_each_way_of_serving_on_sliding_window_memory():
     put_back = Held(units[:250], settled=250, checkpoints=(100, 200), cut_floor=250)
     assert judge(put_back, 230, policy.IN_PLACE) == 200
     assert judge(put_back, 230, policy.COPY) == 0  # a copy never restores a checkpoint
-    assert reach.Judge(units, PrefillRule(), False, reach.SWA, 8)(live, 249,
+    assert policy.Judge(units, PrefillRule(), False, policy.SWA, 8)(live, 249,
                                                                    policy.IN_PLACE) == 249
 
 
@@ -393,7 +392,7 @@ def test_a_parked_state_the_prompt_leaves_never_beats_a_copy():
                     last_used=5)
     carol = slot_with(1, conv("other", "qc"), [7, 7, 7], [2, 3], session="carol", last_used=3)
     drifted = ALICE_TOKENS[:-3] + [-1, -1, -1]  # its reply's end re-tokenized differently
-    judge = reach.Judge(tokens, PrefillRule(), True, reach.SWA, 16)  # windows of 16
+    judge = policy.Judge(tokens, PrefillRule(), True, policy.SWA, 16)  # windows of 16
     for cps, restored in (((), False), ((144, 208), True)):
         p = FakeParked("alice#1", tuple(drifted), tuple(prefix_hashes(ALICE[:2])),
                        (150, 210), "alice", checkpoints=cps)
@@ -443,14 +442,14 @@ def test_a_reply_start_that_merges_keeps_the_own_slot_and_its_checkpoint():
     msgs = conv("sys", "q1", "reply")
     old = SYS + [1, 2, 3, 4, 5, 6, 7, 8]  # its prompt: the question, then 3 of the template
     own = slot_with(0, msgs, old + [9, 9, 9], [150, 155, 158], session="x", last_used=2,
-                    checkpoints=(150, 154, 158), settled=161, cut_floor=reach.NO_CUT)
+                    checkpoints=(150, 154, 158), settled=161, cut_floor=policy.NO_CUT)
     other = slot_with(1, conv("sys", "qo"), SYS + [40, 41], [150, 152], session="o",
-                      last_used=3, checkpoints=(150,), settled=152, cut_floor=reach.NO_CUT)
+                      last_used=3, checkpoints=(150,), settled=152, cut_floor=policy.NO_CUT)
     parked = FakeParked("p#1", tuple(SYS + [60, 61]), tuple(prefix_hashes(conv("sys", "qp"))),
                         (150, 152), "p", checkpoints=(150,))
     req = msgs + [{"role": "user", "content": "q2"}]
     tokens = old[:-1] + [77, 9, 9, 20, 21, 22]  # the merge: a new token at 157
-    judge = reach.Judge(tokens, PrefillRule(), True, reach.HYBRID)
+    judge = policy.Judge(tokens, PrefillRule(), True, policy.HYBRID)
     plan = policy.select([own, other], tokens, prefix_hashes(req), "x", min_tokens=20,
                          parked=[parked], judge=judge)
     assert plan.slot == 0 and plan.donor is None and plan.parked is None

@@ -226,7 +226,7 @@ def test_a_cut_short_llama_server_reply_is_never_exact(monkeypatch):
 def test_a_cancel_that_closes_the_stream_under_its_reader_is_a_cancel_not_an_error():
     """ChatStream.close shuts the HTTP stream from another thread; the reader's read then
     fails ("incomplete chunked read"). That is the cancel taking effect, not a server fault."""
-    from nbkv.core.requests import SamplingParams
+    from nbkv.core.streams import SamplingParams
     from nbkv.remote.base import RemoteBase, RemoteJob
     from nbkv.remote.http_client import ServerUnreachableError
 

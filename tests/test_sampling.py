@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from nbkv.core.requests import SamplingParams
+from nbkv.core.streams import SamplingParams
 from nbkv.llama import sampling
 from nbkv.llama.sampling import Sampler
 

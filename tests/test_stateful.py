@@ -55,8 +55,7 @@ from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import ParkingDropped
 from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import policy, reasons
-from nbkv.kv.policy import common_prefix
-from nbkv.kv.reach import SWA, SWA_CELLS
+from nbkv.kv.policy import SWA, SWA_CELLS, common_prefix
 from nbkv.store import park_disk, parking
 
 N_CTX = 512
@@ -611,7 +610,7 @@ class EngineMachine(RuleBasedStateMachine):
     def park_slack(self):
         """A parked sliding-window state (and a slot it is put back into) ends where it can be
         put back exactly: the canonical cut, brought down until its window starts a multiple
-        of SWA_CELLS cells in (nbkv.kv.reach.restorable), so up to SWA_CELLS - 1 lower."""
+        of SWA_CELLS cells in (nbkv.kv.policy.restorable), so up to SWA_CELLS - 1 lower."""
         return SWA_CELLS - 1 if self.e.memory.kind == SWA else 0
 
     def held(self, c):

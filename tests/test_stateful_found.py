@@ -82,7 +82,7 @@ def test_a_parked_sliding_window_state_longer_than_the_window_is_served_exactly(
     back = e.chat(msgs, session="a", max_tokens=2, temperature=0)
     assert back.text == off.chat(msgs, max_tokens=2, temperature=0).text
     consistent(back.record)
-    # restored only where its window continues exactly (nbkv.kv.reach: a checkpoint, or a
+    # restored only where its window continues exactly (nbkv.kv.policy: a checkpoint, or a
     # point where the put-back cells line up), else rebuilt: either way what is served is
     # a prefill's KV
     assert e.verify()[0].identical if not back.record.restored_from else True
@@ -259,7 +259,7 @@ def test_a_slot_displaced_by_a_restore_is_parked_where_it_is_put_back_exactly(ge
     SWA_CELLS cells in does not continue exactly, so the returning conversation was read
     again from 0 ("first: nothing of session b was cached"). It is now parked where its
     next turn resumes (as ``park()`` does), and restored from there."""
-    from nbkv.kv.reach import restorable
+    from nbkv.kv.policy import restorable
 
     e, off = gemma3
     e.clear(parked=True)
@@ -285,7 +285,7 @@ def test_a_sliding_window_state_parked_whole_goes_back_to_its_checkpoint(gemma3)
     exactly (as a restore parked displaced slots, and as a save's extra slots are) goes
     back to its newest checkpoint that does, as the placement counted on: it was thrown
     away ("did not restore; rebuilding") and the conversation read again from 0."""
-    from nbkv.kv.reach import restorable
+    from nbkv.kv.policy import restorable
     from nbkv.store.parked import ParkedEntry
 
     e, off = gemma3

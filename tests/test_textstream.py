@@ -1,6 +1,6 @@
 """UTF-8 reassembly and stop strings, without a model."""
 
-from nbkv.prompt.textstream import TextStream
+from nbkv.core.streams import TextStream
 
 
 def feed(stream, pieces):

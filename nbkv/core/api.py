@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 from nbkv.core import validate
-from nbkv.core.codes import FIRST, MISS
 from nbkv.core.errors import InvalidRequestError
-from nbkv.core.events import EventBus, RequestRecord, Subscriber
+from nbkv.core.events import FIRST, MISS, EventBus, RequestRecord, Subscriber
 from nbkv.core.streams import AsyncChatStream, ChatResult, ChatStream
 
 
@@ -161,7 +160,7 @@ class TemplatedAPI:
 def request_totals(history: Sequence[RequestRecord]) -> dict[str, Any]:
     """Totals over records: requests by strategy and event, tokens, restores of parked ones.
 
-    ``events`` counts requests by reason code (:mod:`nbkv.core.codes`), most frequent first.
+    ``events`` counts requests by reason code (:mod:`nbkv.core.events`), most frequent first.
     """
     prompt = sum(r.prompt_tokens for r in history)
     reused = sum(r.reused_tokens for r in history)

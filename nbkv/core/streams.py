@@ -1,20 +1,107 @@
-"""What a caller holds while a reply is generated: a stream of text deltas, then a result.
+"""A request as every engine sees it, and what its caller holds while the reply is generated.
 
+A :class:`Request` carries its :class:`SamplingParams`, output queue and record.
 :class:`ChatStream` (threads) and :class:`AsyncChatStream` (asyncio) read what the engine's
-scheduler thread puts in the request's queue; closing one early cancels the request.
+scheduler thread puts in the request's queue: text deltas, then a result; closing one early
+cancels the request. The deltas are a :class:`TextStream`'s: generated token bytes turned
+into text, UTF-8 sequences and stop strings held until they are whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import itertools
+import math
+import numbers
 import queue
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import RequestRecord
-from nbkv.core.requests import Request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature=0`` is greedy (deterministic)."""
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "stop":
+                stop = (v,) if isinstance(v, str) else v
+                if not isinstance(stop, (list, tuple)) or not all(
+                        isinstance(x, str) for x in stop):
+                    raise InvalidRequestError(
+                        f"stop must be a string or a list of strings, not {v!r}")
+                object.__setattr__(self, "stop", tuple(stop))
+                continue
+            want = float if f.type in ("float", float) else int
+            ok = isinstance(v, numbers.Real if want is float else numbers.Integral)
+            if not ok or isinstance(v, bool):
+                raise InvalidRequestError(
+                    f"{f.name} must be {'a number' if want is float else 'an integer'}, "
+                    f"not {v!r}")
+            if want is float and not math.isfinite(v):  # inf passes ">= 0"; nan fails all
+                raise InvalidRequestError(f"{f.name} must be a finite number, not {v!r}")
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+            (self.repeat_penalty > 0, "repeat_penalty must be > 0 (1 disables it)"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InvalidRequestError(msg)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> SamplingParams:
+        """Build from keyword arguments, rejecting unknown names with a clear error."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling argument(s) {unknown}; known: {sorted(names)}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+class Request:
+    """What every engine's request has: its id, deadline, output queue and record.
+
+    ``out`` carries ``("delta", text)``, then ``("done", record)`` or ``("error", exc)``.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, session: str | None, params: SamplingParams, timeout: float) -> None:
+        self.id = next(self._ids)
+        self.session = session
+        self.params = params
+        self.deadline = time.monotonic() + timeout
+        self.out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.cancel = threading.Event()
+        self.done = threading.Event()
+        self.record: RequestRecord | None = None
+        self.t_submit = time.perf_counter()
+        self.t_first = 0.0
+        self.generated: list[int] = []
 
 
 class Waker(Protocol):
@@ -225,3 +312,59 @@ class AsyncChatStream:
             pass
         assert self.stream.record is not None
         return ChatResult(self.stream.text, self.stream.record.finish_reason, self.stream.record)
+
+
+class TextStream:
+    """Accumulates token pieces (bytes) and releases text that is safe to show.
+
+    A multi-byte character split across tokens is held until complete. Text that could be
+    the start of a stop string is held until it is clear that it is not one; when a stop
+    string appears, the text before it is released and :attr:`stopped` becomes true.
+    """
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = [s for s in stop if s]
+        self._held = ""
+        self.text = ""  # everything released so far
+        self.stopped: str | None = None
+
+    def push(self, piece: bytes) -> str:
+        """Add one token's bytes; return the newly releasable text (maybe empty)."""
+        if self.stopped is not None:
+            return ""
+        if not self._stop:  # nothing to hold back but a split character (the decoder's)
+            out = self._decoder.decode(piece)
+            self.text += out
+            return out
+        self._held += self._decoder.decode(piece)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """End of generation: release whatever is held (incomplete UTF-8 becomes U+FFFD)."""
+        if self.stopped is None:
+            self._held += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        held = self._held
+        cut = len(held)
+        for s in self._stop:
+            i = held.find(s)
+            if i != -1 and i < cut:
+                cut = i
+                self.stopped = s
+        if self.stopped is not None:
+            out, self._held = held[:cut], ""
+        elif final:
+            out, self._held = held, ""
+        else:
+            keep = 0  # longest tail of `held` that is a proper prefix of some stop string
+            for s in self._stop:
+                for n in range(min(len(s) - 1, len(held)), keep, -1):
+                    if held.endswith(s[:n]):
+                        keep = n
+                        break
+            out, self._held = held[: len(held) - keep], held[len(held) - keep :]
+        self.text += out
+        return out

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbkv.core import validate
-from nbkv.core.codes import counted
 from nbkv.core.errors import InvalidRequestError
-from nbkv.core.events import SlotsChanged
+from nbkv.core.events import SlotsChanged, counted
 from nbkv.engine import state as engine_state
 from nbkv.engine import verify
 

@@ -152,7 +152,7 @@ class Decoder:
     def batches(self, jobs: list[Job]) -> list[list[Job]]:
         """The generating requests' micro-batches for one step: one decode each.
 
-        One batch by slot order (see :mod:`nbkv.kv.batching`), split where it holds more rows
+        One batch by slot order (see :mod:`nbkv.kv.invariance`), split where it holds more rows
         than the calibration proved (more would take another kernel).
         """
         if len(jobs) > 1:

@@ -32,8 +32,7 @@ from nbkv.core.errors import EngineClosedError, InvalidRequestError
 from nbkv.core.events import EventBus, ParkingDropped, SlotsChanged
 from nbkv.core.progress import Reporter
 from nbkv.core.progress import resolve as resolve_progress
-from nbkv.core.requests import SamplingParams
-from nbkv.core.streams import ChatStream
+from nbkv.core.streams import ChatStream, SamplingParams, TextStream
 from nbkv.engine import verify
 from nbkv.engine.calls import ControlCalls
 from nbkv.engine.core import EngineCore
@@ -53,7 +52,6 @@ from nbkv.llama.hardware import offload_warnings
 from nbkv.media.embeddings import EmbeddingCache
 from nbkv.media.units import MediaUnit
 from nbkv.prompt.builder import Prompt, PromptBuilder
-from nbkv.prompt.textstream import TextStream
 from nbkv.store.parking import Dropped, ParkedInfo, ParkingLot, parking_stats
 
 log = logging.getLogger("nbkv")

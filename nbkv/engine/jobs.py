@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any
 from nbkv.core.counters import RequestCounts
 from nbkv.core.errors import NbkvError
 from nbkv.core.events import RequestRecord
-from nbkv.core.requests import Request, SamplingParams
+from nbkv.core.streams import Request, SamplingParams
 from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:
+    from nbkv.core.streams import TextStream
     from nbkv.engine.drafts import NgramDrafter
     from nbkv.engine.slots import EngineSlot
     from nbkv.llama.sampling import Sampler
     from nbkv.prompt.builder import Prompt
-    from nbkv.prompt.textstream import TextStream
 
 
 class JobState(enum.Enum):

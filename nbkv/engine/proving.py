@@ -24,8 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nbkv.core.codes import PROVEN
-from nbkv.core.events import SlotsChanged
+from nbkv.core.events import PROVEN, SlotsChanged
 from nbkv.kv import calibrate
 from nbkv.kv.invariance import PrefillRule
 

@@ -3,7 +3,7 @@
 Requests are prepared in the caller's thread (template, tokens, message hashes) and queued
 here. Each iteration runs the control calls (``Engine.probe``, saves, ...), admits queued
 requests into slots (the :class:`~nbkv.engine.placement.Placer`), then advances the active
-ones by one step (:func:`nbkv.kv.batching.plan_step`), dispatched on each request's state
+ones by one step (:func:`nbkv.kv.invariance.plan_step`), dispatched on each request's state
 (:class:`nbkv.engine.jobs.JobState`): one prefill chunk or image piece and one generation
 decode for every generating request. The :class:`~nbkv.engine.decoder.Decoder` decodes and
 returns the rows of logits; the scheduler samples them, streams the tokens and finishes
@@ -39,8 +39,7 @@ from nbkv.engine.native import Resources
 from nbkv.engine.placement import Placer
 from nbkv.engine.proving import adopt
 from nbkv.engine.shadow import Shadow
-from nbkv.kv.batching import Prefilling, StepPlan, plan_step
-from nbkv.kv.invariance import next_chunk
+from nbkv.kv.invariance import Prefilling, StepPlan, next_chunk, plan_step
 from nbkv.kv.policy import PREFIX_SALVAGE
 from nbkv.kv.slot_kv import SlotKV
 
@@ -227,7 +226,7 @@ class Scheduler:
                     f"all busy)"), "error")
 
     def _step(self) -> bool:
-        """Advance the active requests by one step (:func:`nbkv.kv.batching.plan_step`).
+        """Advance the active requests by one step (:func:`nbkv.kv.invariance.plan_step`).
 
         False if nothing could run (every active request waits for the vision encoder).
         """
@@ -347,7 +346,7 @@ class Scheduler:
         return range(0)
 
     def _plan(self) -> tuple[StepPlan, list[Job]]:
-        """The next step (:func:`nbkv.kv.batching.plan_step`) and the generating requests."""
+        """The next step (:func:`nbkv.kv.invariance.plan_step`) and the generating requests."""
         active = self.core.active
         generating = [j for j in active if j.state is JobState.GENERATE]
         prefilling = []

@@ -21,7 +21,7 @@ from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.engine.slots import SlotPhase
 from nbkv.kv import policy
 from nbkv.kv.invariance import valid_start
-from nbkv.kv.reach import restore_point
+from nbkv.kv.policy import restore_point
 from nbkv.kv.slot_kv import SWA, KVSnapshot
 from nbkv.kv.slot_table import SlotState
 from nbkv.store.parked import ParkedEntry, ParkedInfo
@@ -94,7 +94,7 @@ class Parker:
         Its proven KV; on sliding-window memory, the point where the next turn resumes
         (:meth:`resume_point`). A sliding-window state put back whole cannot be cut (only the
         window before its end is saved) and continues exactly only from a
-        :func:`nbkv.kv.reach.restorable` end: parked whole at any other length, it would go
+        :func:`nbkv.kv.policy.restorable` end: parked whole at any other length, it would go
         back to its newest checkpoint when put back.
         """
         kv = slot.kv
@@ -167,7 +167,7 @@ class Parker:
         differ from the generated tokens at its start (merged with the template's last token)
         or its end (a template that trims it). In exact mode, rounded down to where a
         canonical chunk ends and a window put back continues exactly
-        (:func:`nbkv.kv.reach.restore_point`).
+        (:func:`nbkv.kv.policy.restore_point`).
         """
         kv, rule = slot.kv, self.res.rule
         units = [*kv.tokens, *slot.redo]
@@ -244,7 +244,7 @@ class Parker:
         All of them, or (sliding-window memory: a state parked whole where its window does not
         continue exactly, e.g. a slot that a restore displaced) its first ones, up to the
         newest checkpoint that does (:meth:`nbkv.kv.slot_kv.SlotKV.put_back`): what the
-        placement counted on (:class:`nbkv.kv.reach.Judge`). 0: the state did not restore
+        placement counted on (:class:`nbkv.kv.policy.Judge`). 0: the state did not restore
         (the slot is emptied).
         """
         kv = slot.kv

@@ -3,7 +3,7 @@
 The policy (:func:`nbkv.kv.policy.select`) chooses the slot and the candidate; :func:`admit`
 turns that choice into one complete decision, an :class:`Admission`: its source, the ordered
 KV steps that make the slot hold exactly the reusable prefix, and the length kept. It is pure
-(no model, no llama.cpp): the engine's executor (:mod:`nbkv.engine.admit`) applies the steps
+(no model, no llama.cpp): the engine's executor (:mod:`nbkv.engine.placement`) applies the steps
 in the order stated, and the request's record is built from the admission and the outcome.
 Its reason is decided here too (:func:`decide`): the code and the facts its words need, from
 the admission, what the steps kept and what the engine remembers of the session (a
@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nbkv.core.codes import common_prefix
-from nbkv.core.events import WINDOW, Divergence
+from nbkv.core.events import WINDOW, Divergence, common_prefix
 from nbkv.kv import invariance, policy, reasons
 
 #: where the reused KV comes from: kept in the slot, copied from another slot, a parked

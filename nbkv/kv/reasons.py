@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbkv.core.codes import (
+from nbkv.core.events import (
     CHECKPOINT,
     CLEARED,
     CONTINUED,
@@ -28,15 +28,16 @@ from nbkv.core.codes import (
     RELOADED,
     REPLAYED,
     RESTORED,
+    REUSED,
     SHARED,
     SYSTEM_CHANGED,
     TEMPLATE_DRIFT,
     UNCACHED,
+    Divergence,
     common_prefix,
     counted,
     tier_words,
 )
-from nbkv.core.events import REUSED, Divergence
 
 __all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
            "IMAGE_CHANGED", "OVERFLOW", "PARKED", "PROVEN", "REASONS", "RELOADED", "REPLAYED",

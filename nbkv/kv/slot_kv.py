@@ -34,7 +34,7 @@ from typing import Any
 
 from nbkv.core.errors import ModelLoadError
 from nbkv.kv import invariance
-from nbkv.kv.reach import (
+from nbkv.kv.policy import (
     HYBRID,
     MEMORY_CLASSES,
     PLAIN,
@@ -261,7 +261,7 @@ class SlotKV:
         self.exact_len = 0
         self.checkpoints = CheckpointSet(max_checkpoints, max_bytes=checkpoint_bytes)
         self.last_restore: int | None = None  # position of the checkpoint the last trim used
-        #: the lowest position a trim reaches without a checkpoint (see nbkv.kv.reach);
+        #: the lowest position a trim reaches without a checkpoint (see nbkv.kv.policy);
         #: kept up to date on the scheduler thread, read by slot snapshots
         self.cut_floor = self._empty_floor()
         #: changes whenever the KV, its tokens or its checkpoints do (a snapshot taken at one

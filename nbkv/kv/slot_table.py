@@ -10,6 +10,10 @@ which their slot subclasses add.
 
 Every method that changes a slot takes the table's lock (the engine's condition variable),
 so :meth:`SlotTable.snapshots` never sees half an update.
+
+A slot's KV map is built here too (:func:`prompt_segments`, :func:`message_segments`): which
+positions hold which message, reused, prefilled or generated; presentation data the records
+carry for the views, built by both engines from a prompt and one request's counts.
 """
 
 from __future__ import annotations
@@ -18,16 +22,17 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from nbkv.core.errors import InvalidRequestError, NbkvError
-from nbkv.core.events import RequestRecord, Segment
-from nbkv.core.messages import prefix_hashes
+from nbkv.core.events import GENERATED, PREFILLED, REUSED, RequestRecord, Segment
+from nbkv.core.messages import prefix_hashes, preview
 from nbkv.kv import admission, policy, reasons
 from nbkv.kv.conversation import Conversation, HoldsConversation
-from nbkv.media.units import MediaUnit
+from nbkv.media.units import MediaUnit, spans
 from nbkv.prompt.builder import Prompt
 
 
@@ -192,7 +197,7 @@ class SlotTable(Generic[S]):
         reuse nothing of it. ``copies=False`` (a server cannot copy a prefix between slots)
         turns a donor copy into a rebuild in the target slot, keeping what it shares.
         ``parked`` conversations are candidates too (:mod:`nbkv.store.parking`); ``judge``
-        says what each candidate really serves (:class:`nbkv.kv.reach.Judge`).
+        says what each candidate really serves (:class:`nbkv.kv.policy.Judge`).
         """
         if cache != "imc":
             target = policy.pick_free(snaps, session)
@@ -350,3 +355,85 @@ class SlotTable(Generic[S]):
             media_reused=sum(1 for u in prompt.tokens[:reuse]
                              if isinstance(u, MediaUnit) and u.offset == 0),
             reason=why.code, reason_text=why.text, divergence=why.divergence, **fields)
+
+
+# -- a slot's KV map (see the module docstring) ---------------------------------------------
+
+#: a message's preview by its prefix hash (:func:`nbkv.core.messages.prefix_hashes`): a
+#: conversation's messages are previewed again at every turn, twice
+_PREVIEWS: dict[str, str] = {}
+_PREVIEWS_MAX = 4096
+
+
+def _preview(message: Mapping[str, Any], key: str | None) -> str:
+    if key is None:
+        return preview(message)
+    text = _PREVIEWS.get(key)
+    if text is None:
+        if len(_PREVIEWS) >= _PREVIEWS_MAX:
+            _PREVIEWS.clear()
+        text = _PREVIEWS[key] = preview(message)
+    return text
+
+
+def message_segments(messages: Sequence[Mapping[str, Any]], ends: Sequence[int],
+                     n_prompt: int, reuse: int, n: int, reply: str,
+                     keys: Sequence[str] = ()) -> tuple[Segment, ...]:
+    """A slot's KV map: a span per message and the reply, split by reused/prefilled/generated.
+
+    The prompt has ``n_prompt`` positions, the first ``reuse`` from cache; the slot holds ``n``
+    (the reply's after the prompt). Text only: the engine splits image positions out itself.
+    ``keys``: the messages' prefix hashes, where known (their previews are kept by them).
+    """
+    spans, start = [], 0
+    for i, end in enumerate(ends):
+        key = keys[i] if i < len(keys) else None
+        spans.append((start, end, i, messages[i]["role"], _preview(messages[i], key)))
+        start = end
+    k = len(messages)
+    said = preview({"content": reply})
+    # the reply's message begins with the generation prompt: its span says the reply too
+    # (the views merge the two into one message), until there is none yet
+    spans.append((start, n_prompt, k, "assistant", said or "(generation prompt)"))
+    spans.append((n_prompt, max(n, n_prompt), k, "assistant", said))
+    out = []
+    for a, b, i, role, text in spans:
+        for lo, hi, state in ((a, min(b, reuse), REUSED),
+                              (max(a, reuse), min(b, n_prompt), PREFILLED),
+                              (max(a, n_prompt), b, GENERATED)):
+            if hi > lo:
+                out.append(Segment(lo, hi, i, role, state, text))
+    return tuple(out)
+
+
+def prompt_segments(p: Prompt, reuse: int, n: int, reply: str, marker: str = "\0"
+                    ) -> tuple[Segment, ...]:
+    """:func:`message_segments` of a prompt, with its image positions split out.
+
+    ``marker`` is the projector's image placeholder text, shown as ``[image]`` in previews.
+    """
+    out = message_segments(p.messages, p.ends, len(p.tokens), reuse, n, reply, p.hashes)
+    if p.media is None:  # a prompt holds image positions only with its media (nbkv.prompt)
+        return out
+    runs = [(s.start, s.end, s.image_hash, s.n_tokens)
+            for s in spans(p.tokens) if s.kind == "image"]
+    if not runs:
+        return out
+    names = {im.hash: Path(im.source).name for im in (p.media.images if p.media else ())
+             if im.source and not im.source.startswith("data:")}
+    split = []
+    for seg in out:
+        seg = replace(seg, preview=seg.preview.replace(marker, "[image]"))
+        pos = seg.start
+        for a, b, h, n_emb in runs:
+            lo, hi = max(a, seg.start), min(b, seg.end)
+            if hi <= lo:
+                continue
+            if lo > pos:
+                split.append(replace(seg, start=pos, end=lo))
+            split.append(replace(seg, start=lo, end=hi, kind="image", image_hash=h,
+                                 image_name=names.get(h or "", ""), embeddings=n_emb))
+            pos = hi
+        if pos < seg.end:
+            split.append(replace(seg, start=pos, end=seg.end))
+    return tuple(split)

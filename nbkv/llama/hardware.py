@@ -12,7 +12,6 @@ import logging
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import llama_cpp
 
@@ -122,9 +121,3 @@ def describe_devices(devs: Sequence[Device]) -> str:
                if d.kind != "cpu" and d.total else "")
         parts.append(f"{d.name} ({d.description}{mem})")
     return ", ".join(parts) or "unknown"
-
-
-def as_options(**kwargs: Any) -> HardwareSettings:
-    """:class:`HardwareSettings` from Engine keyword arguments (``None`` = the default)."""
-    return HardwareSettings(**{k: v for k, v in kwargs.items() if v is not None
-                              or k == "n_gpu_layers"})

@@ -9,7 +9,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from nbkv.core.requests import SamplingParams
+from nbkv.core.streams import SamplingParams
 
 
 class DeviceGreedy:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.codes import counted
 from nbkv.core.config import EngineSettings
 from nbkv.core.errors import InvalidRequestError, NbkvError
+from nbkv.core.events import counted
 from nbkv.core.protocol import ClearsParked, Parks, Saves, Verifiable
 from nbkv.ui import display as disp
 from nbkv.ui import vocabulary as vocab

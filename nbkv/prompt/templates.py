@@ -26,8 +26,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nbkv.core.codes import common_prefix
 from nbkv.core.errors import TemplateError, TemplateLimitError
+from nbkv.core.events import common_prefix
 from nbkv.core.messages import for_template
 
 #: Used only when a model ships no template at all.

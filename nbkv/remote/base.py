@@ -20,8 +20,7 @@ from nbkv.core.events import (
     RequestRecord,
     SlotsChanged,
 )
-from nbkv.core.requests import Request, SamplingParams
-from nbkv.core.streams import ChatStream
+from nbkv.core.streams import ChatStream, Request, SamplingParams
 from nbkv.kv import reasons
 from nbkv.remote.http_client import EventStream, Opening, ServerClient
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from nbkv.core.errors import IncompleteReplyError
 from nbkv.core.events import Progress, RequestRecord
 from nbkv.kv import policy, reasons
-from nbkv.kv.segments import message_segments
+from nbkv.kv.slot_table import message_segments
 from nbkv.prompt.builder import Prompt
 from nbkv.remote import steering
 from nbkv.remote.base import UNKNOWN, RemoteJob

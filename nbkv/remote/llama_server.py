@@ -26,8 +26,7 @@ from nbkv.core.events import (
 )
 from nbkv.core.messages import normalize
 from nbkv.kv import policy, reasons
-from nbkv.kv.segments import message_segments
-from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable
+from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable, message_segments
 from nbkv.media.messages import contains_images
 from nbkv.prompt.builder import Prompt, PromptBuilder
 from nbkv.prompt.templates import ChatTemplate

@@ -39,10 +39,9 @@ from nbkv.core.events import (
     SlotsChanged,
 )
 from nbkv.core.messages import normalize
-from nbkv.core.requests import SamplingParams
+from nbkv.core.streams import SamplingParams
 from nbkv.kv.conversation import Conversation
-from nbkv.kv.segments import message_segments
-from nbkv.kv.slot_table import SlotInfo
+from nbkv.kv.slot_table import SlotInfo, message_segments
 from nbkv.media.messages import contains_images
 from nbkv.remote.base import RemoteBase, RemoteJob
 from nbkv.remote.http_client import ServerClient

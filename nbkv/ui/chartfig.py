@@ -14,7 +14,7 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
-from nbkv.core.codes import counted
+from nbkv.core.events import counted
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.charts import BARS, MapModel, Point, bar_term
 from nbkv.ui.palette import (

@@ -17,7 +17,7 @@ import html
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from nbkv.core.codes import common_prefix
+from nbkv.core.events import common_prefix
 from nbkv.core.messages import preview
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import reuse_bar

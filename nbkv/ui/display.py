@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.codes import counted
+from nbkv.core.events import counted
 from nbkv.core.protocol import ServerBacked, ServerCacheRows
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.palette import (

@@ -10,7 +10,7 @@ import html
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.codes import CONTINUED, RESTORED
+from nbkv.core.events import CONTINUED, RESTORED
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import reuse_bar, swatch
 from nbkv.ui.palette import (

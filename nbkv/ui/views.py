@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from nbkv.core.codes import counted
-from nbkv.core.events import Progress
+from nbkv.core.events import Progress, counted
 from nbkv.core.progress import is_terminal
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.display import progress_html, progress_text

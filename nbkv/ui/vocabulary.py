@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from nbkv.core.codes import TIERS
+from nbkv.core.events import TIERS
 from nbkv.ui.palette import (
     COLORS,
     INK,

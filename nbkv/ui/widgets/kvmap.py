@@ -19,7 +19,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Bool, Int, observe
 
-from nbkv.core.codes import counted
+from nbkv.core.events import counted
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import BARS, MapModel  # noqa: F401 - the map's bars, for callers
 from nbkv.ui.display import esc, legend_html

@@ -15,7 +15,7 @@ from typing import Any
 import ipywidgets as W
 from traitlets import Bool, Int, observe, validate
 
-from nbkv.core.codes import counted
+from nbkv.core.events import counted
 from nbkv.ui import chartfig, charts, raster, static
 from nbkv.ui.charts import Point
 from nbkv.ui.widgets.feed import Feed, FeedView, LiveState
