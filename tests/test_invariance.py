@@ -113,7 +113,7 @@ def test_next_chunk_leaves_the_last_chunk_threshold_rows_and_honours_stops():
 @pytest.mark.parametrize("cap", [8, 16, 32])
 def test_a_reply_rewritten_in_block_chunks_while_it_grows_is_a_fresh_prefill(rule, cap):
     """Mixed steps: the shadow takes block chunks of the reply as it grows one row per step
-    (nbkv.engine.shadow), then the rest is prefilled from a valid start as the next request
+    (nbkv.engine.rewrite), then the rest is prefilled from a valid start as the next request
     would: every row gets the kernel class a from-scratch prefill of the finished reply
     gives it, and every row a block chunk took is settled in the end."""
     cap = max(cap, rule.min_chunk)

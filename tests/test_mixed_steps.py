@@ -2,7 +2,7 @@
 
 A reply is decoded one row per step (as plain llama.cpp does) and its KV rewritten as a
 batch before a cached request may serve it. With mixed steps the rewrite runs while the
-reply is generated, in a shadow sequence (nbkv.engine.shadow); in idle time it runs in
+reply is generated, in a shadow sequence (nbkv.engine.rewrite); in idle time it runs in
 chunks a new request preempts. Either way replies must equal cache-off replies and every
 slot must verify bit-identical.
 """
@@ -19,7 +19,7 @@ from conftest import SYSTEM, assert_consistent, scratch_reply
 from nbkv import Engine
 from nbkv.core.events import RequestFinished, SlotRewritten
 from nbkv.engine import rewrite
-from nbkv.engine.shadow import SHADOW_CHUNK
+from nbkv.engine.rewrite import SHADOW_CHUNK
 from nbkv.kv import calibrate, invariance
 from nbkv.kv.invariance import PrefillRule
 from nbkv.llama.backend import Batch, Context, Model

@@ -69,7 +69,7 @@ def test_calibration_proves_a_grouping_that_explains_its_table(engine):
 def test_back_to_back_replies_rewritten_while_generated_are_exact(path):
     """Mixed steps on this weight type: the reply's rows go into the shadow in canonical
     chunks while it is generated; the next turn re-reads only the last chunk's worth."""
-    from nbkv.engine.shadow import SHADOW_CHUNK
+    from nbkv.engine.rewrite import SHADOW_CHUNK
 
     with Engine(path, n_slots=1, n_ctx=1024, rewrite="mixed") as e:
         msgs = [{"role": "system", "content": SYSTEM}, user("Tell me a story about a CPU.")]

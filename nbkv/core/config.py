@@ -29,7 +29,7 @@ CACHE_MODES = ("imc", "spc", "off")  # whole conversations, system prompt only, 
 OVERFLOW_POLICIES = ("error", "slide")  # raise, or drop the oldest turns
 #: (none stored) proven while serving, or the stored answer else measured at load, or anew
 CALIBRATIONS = ("background", "cached", "fresh")
-#: when a reply's KV is rewritten as a batch in exact mode (nbkv.engine.shadow)
+#: when a reply's KV is rewritten as a batch in exact mode (nbkv.engine.rewrite)
 REWRITE_MODES = ("auto", "mixed", "idle")
 
 
@@ -303,7 +303,7 @@ class ExactnessSettings(Group):
     rewrite: str = setting(
         "auto", "when the reply's KV is rewritten as a batch (exact mode, IMC). `\"auto\"` "
         "(default): in idle time, and, when requests come back to back, while the reply is "
-        "generated, in a shadow sequence (`nbkv/engine/shadow.py`; it takes one slot's KV "
+        "generated, in a shadow sequence (`nbkv/engine/rewrite.py`; it takes one slot's KV "
         "memory more, and the reply then decodes slower by what its rows cost); `\"mixed\"`: "
         "always while the reply is generated; `\"idle\"`: only in idle time (or by the next "
         "request), with no shadow sequence", choices=REWRITE_MODES)

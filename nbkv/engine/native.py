@@ -61,7 +61,7 @@ class Resources:
         exactness = settings.exactness
         #: exactness asked for (``exact=True``): the exact path where the rule is proven
         self.exact = exactness.exact
-        #: the sequence that rewrites replies while they are generated (nbkv.engine.shadow),
+        #: the sequence that rewrites replies while they are generated (nbkv.engine.rewrite),
         #: after the slots' (None: none; wanted in exact IMC mode unless rewrite="idle",
         #: kept where the memory can be cut)
         self.shadow_seq: int | None = None

@@ -9,7 +9,7 @@ decode for every generating request. The :class:`~nbkv.engine.decoder.Decoder` d
 returns the rows of logits; the scheduler samples them, streams the tokens and finishes
 the requests (:meth:`Scheduler.finish`: the slot trimmed back to what it holds, its map,
 the reply kept for a replay, the record published, the slot freed). Back to back, one chunk
-of a reply's rewrite goes into the shadow sequence (:mod:`nbkv.engine.shadow`); idle, the
+of a reply's rewrite goes into the shadow sequence (:mod:`nbkv.engine.rewrite`); idle, the
 :class:`~nbkv.engine.rewrite.Rewriter` rewrites finished replies' KV. A request generating
 alone runs its steps in one loop, back to the iteration as soon as anything else needs a
 look. Slots change only through the table's locked methods; ``cv`` (the same lock) guards
@@ -38,7 +38,7 @@ from nbkv.engine.jobs import READING, Job, JobState, finished_record
 from nbkv.engine.native import Resources
 from nbkv.engine.placement import Placer
 from nbkv.engine.proving import adopt
-from nbkv.engine.shadow import Shadow
+from nbkv.engine.rewrite import Shadow
 from nbkv.kv.invariance import Prefilling, StepPlan, next_chunk, plan_step
 from nbkv.kv.policy import PREFIX_SALVAGE
 from nbkv.kv.slot_kv import SlotKV

@@ -31,7 +31,7 @@ class MemoryPlan:
     recurrent_layers: int
     type_k: str
     type_v: str
-    shadow: int = 0  # sequences beside the slots, as large as one (nbkv.engine.shadow)
+    shadow: int = 0  # sequences beside the slots, as large as one (nbkv.engine.rewrite)
 
     @property
     def per_slot(self) -> int:

@@ -162,7 +162,7 @@ def restream(buf: Any, n_now: int) -> Any:
     ``buf`` is any buffer; the result is a ctypes array (what llama.cpp reads states from).
 
     A context has one KV stream per sequence: a slot each, and the shadow sequence of the
-    exact mode's rewrite (:mod:`nbkv.engine.shadow`), so the count is the state's own.
+    exact mode's rewrite (:mod:`nbkv.engine.rewrite`), so the count is the state's own.
 
     With ``kv_unified=False`` every slot has its own KV stream, and llama.cpp writes a
     sequence's state as the stream count followed by one section per stream, all empty (a
