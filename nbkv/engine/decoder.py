@@ -4,9 +4,9 @@ One prefill chunk of a prompt, in the canonical chunks of :mod:`nbkv.kv.invarian
 (:meth:`Decoder.prefill`); an image's embeddings, in sub-batches between the other requests'
 steps (:meth:`Decoder.decode_image`); one generation decode for every generating request
 (:meth:`Decoder.generate`). It owns what decoding needs (the context, its batch, the prefill
-rule, the projector: :class:`~nbkv.engine.native.Resources`) and returns what a step left to
-do: the batch row whose logits give a request's next token (the scheduler samples it and
-streams the token), or nothing; a failure is raised with the KV as it was before the step.
+rule, the projector: :class:`~nbkv.engine.native.Resources`) and returns the batch row whose
+logits give a request's next token (the scheduler samples and streams it), or nothing; a
+failure is raised (the scheduler fails the request, its KV trimmed back to its tokens).
 The system prompt's state is saved here when a prefill reaches it (:func:`spc_capture`).
 
 Generation decodes: one row per generating request, with an optional guess beside it.
