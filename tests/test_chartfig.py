@@ -207,7 +207,7 @@ def test_a_lessons_plot_is_a_figure_and_a_picture():
 
 
 def test_explain_draws_a_replayed_reply_as_reused_not_trimmed():
-    from nbkv.kv.reasons import explain_request
+    from nbkv.kv.admission import explain_request
     from nbkv.ui.figures import EXPLAIN_TRIMMED, ExplainReport
 
     history = session()

@@ -18,8 +18,8 @@ from test_parking_engine import MAX, N_CTX, Oracle, assert_verified, slack
 from conftest import run_py
 from nbkv import Engine
 from nbkv.core.events import ParkingDropped
-from nbkv.kv import reasons
-from nbkv.kv.reasons import FIRST, RESTORED
+from nbkv.kv import admission
+from nbkv.kv.admission import FIRST, RESTORED
 from nbkv.llama.models import default_model_path
 from nbkv.ui.figures import summary
 
@@ -305,14 +305,14 @@ def test_a_newcomer_that_keeps_a_shared_start_is_not_called_first(model, oracle,
         rec = say(one, oracle, [{"role": "system", "content": SHARED}], "Recommend a poem.",
                   "newcomer")
         assert rec.reused_tokens > 0 and rec.evicted_session == "x"
-        assert rec.reason == reasons.SHARED and "x's conversation" in rec.reason_text, \
+        assert rec.reason == admission.SHARED and "x's conversation" in rec.reason_text, \
             rec.reason_text
         assert rec.donor_slot is None and "copied" not in summary(rec)  # no copy ran
         assert "x" in parked(one)
         # x starts over with another system prompt: a new conversation, not an eviction
         x2 = [{"role": "system", "content": OTHERS[0]}]
         rec = say(one, oracle, x2, QUESTIONS[0], "x")
-        assert rec.reason in (FIRST, reasons.SHARED), rec.reason_text
+        assert rec.reason in (FIRST, admission.SHARED), rec.reason_text
 
 
 # ------------------------------------------------------------------ issue 32: the park dir

@@ -28,7 +28,7 @@ from nbkv.core.events import ParkingDropped, RequestStarted
 from nbkv.engine.slot_parking import Parker
 from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import policy
-from nbkv.kv.reasons import EVICTED, RESTORED
+from nbkv.kv.admission import EVICTED, RESTORED
 from nbkv.llama.models import default_model_path
 from nbkv.store.blobstore import BLOBS, manifest_text
 from nbkv.store.park_disk import ENTRIES, entry_file

@@ -18,7 +18,7 @@ import pytest
 from conftest import assert_consistent
 from nbkv import Engine
 from nbkv.bench.conversations import paragraph, system_prompt
-from nbkv.kv.reasons import RESTORED
+from nbkv.kv.admission import RESTORED
 
 #: who speaks at each turn: A stays in a slot, B and C take the other one in turns (B and C
 #: come back from parking at turns 5, 7, 9 and 10)

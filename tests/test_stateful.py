@@ -54,7 +54,7 @@ from nbkv import Engine
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import ParkingDropped
 from nbkv.engine.slots import REPLY_TAIL
-from nbkv.kv import policy, reasons
+from nbkv.kv import admission, policy
 from nbkv.kv.policy import SWA, SWA_CELLS, common_prefix
 from nbkv.store import park_disk, parking
 
@@ -350,16 +350,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     def check_record(self, rec, c, prompt, kept, alone):
         assert rec.prompt_tokens == len(prompt) and rec.session == c.session
-        if rec.reason == reasons.FIRST:
+        if rec.reason == admission.FIRST:
             assert rec.reused_tokens == 0, (rec.reason, rec.reason_text)
-        if rec.reason in (reasons.COPIED, reasons.SHARED, reasons.CONTINUED):
+        if rec.reason in (admission.COPIED, admission.SHARED, admission.CONTINUED):
             assert rec.reused_tokens > 0, (rec.reason, rec.reason_text)
-        if rec.reason == reasons.RESTORED:
+        if rec.reason == admission.RESTORED:
             assert rec.restored_from in ("ram", "disk"), rec
         if rec.restored_from:
             assert rec.restored_tokens == rec.reused_tokens
         want = min(kept, len(prompt) - 1) - self.slack
-        if c.session is None and rec.reason == reasons.SHARED and rec.donor_slot is None:
+        if c.session is None and rec.reason == admission.SHARED and rec.donor_slot is None:
             # an unnamed conversation's holder that this prompt would cut short is copied
             # (the conversation it holds stays); a slot that another conversation carries
             # on in place wins unless the copy serves COPY_MARGIN positions more

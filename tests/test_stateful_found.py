@@ -134,18 +134,18 @@ def test_reasons_say_what_was_done_after_a_rerun_of_a_parked_unnamed_conversatio
 
 
 def test_reason_words_for_a_copy_of_nothing_and_an_unnamed_evictor():
-    from nbkv.kv import admission, reasons
+    from nbkv.kv import admission
 
     def explain(trace, still_parked=False, **decided):
         story = admission.Story("s", (1, 2, 3, 4), ("h1", "h2"), (2, 4), ("system", "user"),
                                 trace=trace, still_parked=still_parked)
-        return reasons.words(admission.decide(story, reuse=0, wanted=0, **decided))
+        return admission.words(admission.decide(story, reuse=0, wanted=0, **decided))
 
     why = explain(None, donor_session="x")
-    assert why.code == reasons.FIRST
-    gone = reasons.Whereabouts(3, reasons.PARKED, None, 7, 0, "h1")
+    assert why.code == admission.FIRST
+    gone = admission.Whereabouts(3, admission.PARKED, None, 7, 0, "h1")
     why = explain(gone, still_parked=True)
-    assert why.code == reasons.EVICTED and "an unnamed request #7" in why.text
+    assert why.code == admission.EVICTED and "an unnamed request #7" in why.text
     assert "could not serve this prompt" in why.text and "gone" not in why.text
 
 

@@ -208,7 +208,7 @@ class RequestRecord:
     error: str | None = None
     segments: tuple[Segment, ...] = ()
     started_at: float = 0.0  # time.time() when the request was admitted
-    reason: str = ""  # why it reused what it reused (a code of nbkv.kv.reasons)
+    reason: str = ""  # why it reused what it reused (a code of nbkv.kv.admission)
     reason_text: str = ""  # the reason in plain words
     divergence: Divergence | None = None  # where the prompt left the cached conversation
     #: False when a remote server's figures disagree with what nbkv expected of the slot

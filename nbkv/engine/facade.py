@@ -42,7 +42,7 @@ from nbkv.engine.native import Resources, close_at_exit, forget_at_exit
 from nbkv.engine.proving import forget
 from nbkv.engine.scheduler import Scheduler
 from nbkv.engine.slots import EngineSlot, EngineTable
-from nbkv.kv import reasons
+from nbkv.kv import admission
 from nbkv.kv.invariance import PrefillRule
 from nbkv.kv.oracle import Verification
 from nbkv.kv.slot_kv import SlotKV
@@ -286,7 +286,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
             s.index for s in self.slots() if not s.empty]
         return [verify.verify_slot(self.core, i, probe) for i in targets]
 
-    def explain(self, request: int | None = None) -> reasons.Explanation:
+    def explain(self, request: int | None = None) -> admission.Explanation:
         """The full story of request ``request`` (default: the latest).
 
         Its reason, and the cached and new renderings split at the divergence point (kept

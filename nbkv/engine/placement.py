@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from nbkv.core.events import RequestRecord, RequestStarted, Segment
 from nbkv.engine import replay
 from nbkv.engine.slots import REPLY_TAIL
-from nbkv.kv import admission, invariance, policy, reasons
+from nbkv.kv import admission, invariance, policy
 from nbkv.kv.policy import Judge, restorable, restore_point
 from nbkv.kv.slot_kv import SWA, trim_valid
 from nbkv.kv.slot_table import prompt_segments
@@ -58,7 +58,7 @@ class Outcome:
     planned: int  # ... as planned before the trim (the admission's, or a restored state's)
     parked_to: ParkedInfo | None = None  # where the displaced conversation went
     branch: ParkedInfo | None = None  # the entry taken back, parked again as the edit's branch
-    restored: reasons.Restored | None = None  # the parked conversation put back
+    restored: admission.Restored | None = None  # the parked conversation put back
     memo: Any = None  # the reply replayed (nbkv.engine.replay), if any
     held_after: int = 0  # ... and how many of its tokens follow the prompt in the slot
     trimmed: int = 0  # positions cut off the slot's KV (cache "imc")
@@ -145,7 +145,7 @@ class Executor:
             t_put = time.perf_counter()
             held = self.parker.restore_into(slot, entry)  # (it empties the slot first)
             out.unpark_s += time.perf_counter() - t_put
-            out.restored = reasons.Restored(entry.session, entry.tier, reasons.Cached(
+            out.restored = admission.Restored(entry.session, entry.tier, admission.Cached(
                 tuple(entry.tokens), tuple(entry.hashes), tuple(entry.msg_ends)))
             out.reuse = out.planned = invariance.valid_start(p.tokens, min(
                 adm.plan.reuse,
@@ -205,8 +205,9 @@ class Executor:
         return len(slot.kv)
 
 
-def record(job: Job, adm: admission.Admission, out: Outcome, slot: EngineSlot, why: reasons.Reason,
-           segments: tuple[Segment, ...], *, exact: bool, path: str) -> RequestRecord:
+def record(job: Job, adm: admission.Admission, out: Outcome, slot: EngineSlot,
+           why: admission.Reason, segments: tuple[Segment, ...], *, exact: bool, path: str
+           ) -> RequestRecord:
     """``job``'s record as it starts: built from its admission and the outcome, nothing else.
 
     ``why`` is the reason the admission decided, in words; ``segments`` the slot's KV map;
@@ -344,7 +345,7 @@ class Placer:
 
     def _reason(self, job: Job, adm: admission.Admission, out: Outcome,
                 snaps: tuple[SlotInfo, ...], slot: EngineSlot, entry: ParkedEntry | None
-                ) -> reasons.Reason:
+                ) -> admission.Reason:
         """Why ``job`` kept what it kept: its admission's decision, in words.
 
         Decided from the admission and the outcome (:func:`nbkv.kv.admission.decide`); the

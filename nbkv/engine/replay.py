@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from nbkv.core.events import GENERATED, KEPT, REUSED, RequestFinished
 from nbkv.core.streams import TextStream
+from nbkv.kv.admission import REPLAYED, Reason
 from nbkv.kv.invariance import valid_start
 from nbkv.kv.policy import reuse_limit
-from nbkv.kv.reasons import REPLAYED, Reason
 from nbkv.kv.replies import ReplyBook, ReplyMemo, deterministic, digest, settings_key
 from nbkv.kv.slot_table import prompt_segments
 

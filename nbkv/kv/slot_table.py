@@ -3,7 +3,7 @@
 The in-kernel :class:`~nbkv.Engine` and :class:`~nbkv.remote.LlamaServerEngine` keep
 the same bookkeeping per slot (session, message hashes, where each message ends, LRU clock)
 and make the same decisions with it: placement through :mod:`nbkv.kv.policy`, the own-slot
-choice, the eviction and clear trail that :mod:`nbkv.kv.reasons` reads, the comparisons kept
+choice, the eviction and clear trail that :mod:`nbkv.kv.admission` reads, the comparisons kept
 for ``explain``, the hashes a slot holds after a reply, and the fields every request record
 starts with. They differ only in what holds the KV (a llama.cpp sequence, or a server slot),
 which their slot subclasses add.
@@ -30,7 +30,7 @@ from typing import Any, Generic, TypeVar
 from nbkv.core.errors import InvalidRequestError, NbkvError
 from nbkv.core.events import GENERATED, PREFILLED, REUSED, RequestRecord, Segment
 from nbkv.core.messages import prefix_hashes, preview
-from nbkv.kv import admission, policy, reasons
+from nbkv.kv import admission, policy
 from nbkv.kv.conversation import Conversation, HoldsConversation
 from nbkv.media.units import MediaUnit, spans
 from nbkv.prompt.builder import Prompt
@@ -156,7 +156,7 @@ class SlotTable(Generic[S]):
         self.lock = lock
         self.clock = itertools.count(1)
         #: per session: where its conversation went (for reasons)
-        self.whereabouts: dict[str, reasons.Whereabouts] = {}
+        self.whereabouts: dict[str, admission.Whereabouts] = {}
         #: request id -> (cached units, prompt units), for explain()
         self.compared: OrderedDict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = OrderedDict()
 
@@ -229,16 +229,16 @@ class SlotTable(Generic[S]):
     def reason(self, request: int, prompt: Prompt, session: str | None,
                own: SlotInfo | None, source: Sequence[Any], *, reuse: int, wanted: int,
                donor_session: str | None = None, can_trim: bool = True,
-               cache: str = "imc", restored: reasons.Restored | None = None,
-               kept_from: str | None = None, still_parked: bool = False) -> reasons.Reason:
+               cache: str = "imc", restored: admission.Restored | None = None,
+               kept_from: str | None = None, still_parked: bool = False) -> admission.Reason:
         """Why ``request`` reuses ``reuse`` positions; keeps the comparison for explain()."""
         story = admission.Story(
             session, prompt.tokens, prompt.hashes, prompt.ends,
             [m["role"] for m in prompt.messages], prompt.dropped,
             self.whereabouts.get(session) if session is not None else None,
-            reasons.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None else None,
+            admission.Cached(own.tokens, own.hashes, own.msg_ends) if own is not None else None,
             cache, kept_from, still_parked)
-        why = reasons.words(admission.decide(story, reuse=reuse, wanted=wanted,
+        why = admission.words(admission.decide(story, reuse=reuse, wanted=wanted,
                                              donor_session=donor_session, can_trim=can_trim,
                                              restored=restored))
         if restored is not None:
@@ -249,13 +249,13 @@ class SlotTable(Generic[S]):
     def compare(self, request: int, cached: Sequence[Any], new: Sequence[Any]) -> None:
         """Keep what ``request``'s prompt was compared with, for explain()."""
         self.compared[request] = (tuple(cached), tuple(new))
-        while len(self.compared) > reasons.EXPLAINED:
+        while len(self.compared) > admission.EXPLAINED:
             self.compared.popitem(last=False)
 
     def explain(self, history: Sequence[RequestRecord], text_of: Callable[[Sequence[Any]], str],
-                request: int | None) -> reasons.Explanation:
+                request: int | None) -> admission.Explanation:
         """The full story of ``request`` (default: the latest)."""
-        return reasons.explain_request(history, self.compared, text_of, request)
+        return admission.explain_request(history, self.compared, text_of, request)
 
     def claim(self, slot: S, request: int, session: str | None, prompt: Prompt, reuse: int,
               evicted: str | None, parked: bool = False,
@@ -268,12 +268,12 @@ class SlotTable(Generic[S]):
         """
         with self.lock:
             if evicted is not None and evicted != session:
-                self.whereabouts[evicted] = reasons.Whereabouts(
-                    self.whereabouts.get(evicted, reasons.Whereabouts(0)).request,
-                    reasons.PARKED if parked else reasons.EVICTED, session, request,
+                self.whereabouts[evicted] = admission.Whereabouts(
+                    self.whereabouts.get(evicted, admission.Whereabouts(0)).request,
+                    admission.PARKED if parked else admission.EVICTED, session, request,
                     slot.index, slot.hashes[0] if slot.hashes else None)
             if session is not None:
-                self.whereabouts[session] = reasons.Whereabouts(request)
+                self.whereabouts[session] = admission.Whereabouts(request)
             slot.session = session
             if keep is not None:
                 slot.hashes, slot.msg_ends = list(keep[0]), list(keep[1])
@@ -300,14 +300,14 @@ class SlotTable(Generic[S]):
         slot.last_used = self.tick()
         slot.used_at = time.time()
 
-    def cleared(self, slots: Iterable[S], fate: str = reasons.CLEARED) -> None:
+    def cleared(self, slots: Iterable[S], fate: str = admission.CLEARED) -> None:
         """Note that the conversations in ``slots`` were cleared (lock held).
 
         By the user, or (``fate=PROVEN``) when the engine's exactness was proven.
         """
         for s in slots:
             if s.session is not None and s.tokens:
-                self.whereabouts[s.session] = reasons.Whereabouts(s.last_request or 0, fate)
+                self.whereabouts[s.session] = admission.Whereabouts(s.last_request or 0, fate)
 
     def clear_targets(self, slot: int | None) -> list[S]:
         """The slots ``clear(slot)`` empties (lock held): one named slot must be idle."""
@@ -321,7 +321,7 @@ class SlotTable(Generic[S]):
     def carry_over(self, sessions: Iterable[str]) -> None:
         """Sessions another engine held before this one replaced it."""
         for name in sessions:
-            self.whereabouts.setdefault(name, reasons.Whereabouts(0, reasons.RELOADED))
+            self.whereabouts.setdefault(name, admission.Whereabouts(0, admission.RELOADED))
 
     # ------------------------------------------------------------------ state
 
@@ -343,7 +343,7 @@ class SlotTable(Generic[S]):
     # ------------------------------------------------------------------ records
 
     def record(self, request: int, session: str | None, prompt: Prompt, slot: S,
-               plan: policy.Plan, reuse: int, why: reasons.Reason, **fields: Any
+               plan: policy.Plan, reuse: int, why: admission.Reason, **fields: Any
                ) -> RequestRecord:
         """A request's record as it starts: what every engine says of it."""
         return RequestRecord(

@@ -21,7 +21,7 @@ from nbkv.core.events import (
     SlotsChanged,
 )
 from nbkv.core.streams import ChatStream, Request, SamplingParams
-from nbkv.kv import reasons
+from nbkv.kv import admission
 from nbkv.remote.http_client import EventStream, Opening, ServerClient
 
 log = logging.getLogger("nbkv.remote.connect")
@@ -184,7 +184,7 @@ class RemoteBase(ChatAPI):
         raise unsupported(self, "restore")  # no state API
 
 
-    def explain(self, request: int | None = None) -> reasons.Explanation:
+    def explain(self, request: int | None = None) -> admission.Explanation:
         """Why request ``request`` reused what it did (see :meth:`nbkv.Engine.explain`)."""
         raise InvalidRequestError(f"explain needs nbkv's own slot table: not available for a "
                                   f"{self.kind} engine")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import IncompleteReplyError
 from nbkv.core.events import Progress, RequestRecord
-from nbkv.kv import policy, reasons
+from nbkv.kv import admission, policy
 from nbkv.kv.slot_table import message_segments
 from nbkv.prompt.builder import Prompt
 from nbkv.remote import steering
@@ -286,8 +286,8 @@ class Exchange:
             whose = entry.session if entry is not None else source[-1].session
             kept = entry or source[-1]
             why = eng.table.reason(job.id, p, job.session, own, slot.tokens, reuse=reused,
-                                   wanted=plan.reuse, restored=reasons.Restored(
-                                       whose, SERVER_RAM, reasons.Cached(
+                                   wanted=plan.reuse, restored=admission.Restored(
+                                       whose, SERVER_RAM, admission.Cached(
                                            kept.tokens, kept.hashes, kept.msg_ends)))
             return dict(restored_from=SERVER_RAM, restored_tokens=restored_rows,
                         restored_session=whose, reason=why.code,
@@ -304,18 +304,18 @@ class Exchange:
         """The reason, where the slot's content was unknown or the server was restarted."""
         eng, job, slot, told = self.engine, self.job, self.slot, self.out.told
         failed = self.failed_before
-        if expected is None and record.reason == reasons.FIRST and failed:
+        if expected is None and record.reason == admission.FIRST and failed:
             if told:
-                return dict(reason=reasons.CONTINUED, reason_text=(
+                return dict(reason=admission.CONTINUED, reason_text=(
                     f"slot {slot.index}'s content was not known after its last request "
                     f"failed ({failed}); the server still held {told} tokens of this prompt "
                     f"and reused them"))
             return dict(reason_text=(
                 f"slot {slot.index}'s content was not known after its last request "
                 f"failed ({failed}), so the conversation was read again"))
-        if (record.reason == reasons.RELOADED or restarted) and eng.restart_note:
+        if (record.reason == admission.RELOADED or restarted) and eng.restart_note:
             who = f"session {job.session}" if job.session is not None else "this request"
-            return dict(reason=reasons.RELOADED, divergence=None,
+            return dict(reason=admission.RELOADED, divergence=None,
                         reason_text=f"{eng.restart_note}: {who}'s conversation was read again")
         return {}
 

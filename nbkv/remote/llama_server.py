@@ -25,7 +25,7 @@ from nbkv.core.events import (
     SlotsChanged,
 )
 from nbkv.core.messages import normalize
-from nbkv.kv import policy, reasons
+from nbkv.kv import admission, policy
 from nbkv.kv.slot_table import SlotInfo, SlotState, SlotTable, message_segments
 from nbkv.media.messages import contains_images
 from nbkv.prompt.builder import Prompt, PromptBuilder
@@ -249,7 +249,7 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
 
         return restore(self, path, sessions, trust=trust)
 
-    def explain(self, request: int | None = None) -> reasons.Explanation:
+    def explain(self, request: int | None = None) -> admission.Explanation:
         """Why request ``request`` (default: the latest) reused what it did."""
         return self.table.explain(self.history, self.vocab.detokenize, request)
 
@@ -443,7 +443,7 @@ class LlamaServerEngine(ServerChecks, TemplatedAPI, RemoteBase):
         entry = next((e for e in self._parked() if e.key == plan.parked), None) \
             if plan.parked is not None else None
         expected = plan.reuse if slot.known else None
-        restored = (reasons.Restored(entry.session, SERVER_RAM, reasons.Cached(
+        restored = (admission.Restored(entry.session, SERVER_RAM, admission.Cached(
             entry.tokens, entry.hashes, entry.msg_ends)) if entry is not None else None)
         why = self.table.reason(job.id, p, job.session, own, slot.tokens, reuse=plan.reuse,
                                 wanted=plan.reuse, restored=restored)

@@ -27,7 +27,7 @@ from typing import Any
 
 from nbkv.core.errors import EngineClosedError, ServerError, ServerUnsupportedError
 from nbkv.core.events import EventBus, SlotsChanged
-from nbkv.kv import reasons
+from nbkv.kv import admission
 from nbkv.kv.slot_table import SlotInfo, SlotTable, TableSlot
 from nbkv.remote.facts import ServerFacts
 from nbkv.remote.http_client import ServerClient
@@ -292,8 +292,8 @@ class ServerChecks:
             self.table.carry_over(x for x in lost if x is not None)
             for name in lost:  # their next turn: the cache started empty again
                 if name is not None:
-                    self.table.whereabouts[name] = reasons.Whereabouts(
-                        0, reasons.RELOADED)
+                    self.table.whereabouts[name] = admission.Whereabouts(
+                        0, admission.RELOADED)
         self.ledger.forget()
         self.events.publish(SlotsChanged("server restarted"))
         return True

@@ -1,6 +1,6 @@
 """What a request did, in plain words: the figures line under a reply, and ``explain``.
 
-Every phrase comes from :mod:`nbkv.ui.vocabulary` (keyed by :mod:`nbkv.kv.reasons`' codes), as
+Every phrase comes from :mod:`nbkv.ui.vocabulary` (keyed by :mod:`nbkv.kv.admission`' codes), as
 on the other surfaces; colours from :mod:`nbkv.ui.palette`.
 """
 
@@ -29,7 +29,7 @@ from nbkv.ui.palette import (
 
 if TYPE_CHECKING:
     from nbkv.core.events import RequestRecord
-    from nbkv.kv.reasons import Explanation
+    from nbkv.kv.admission import Explanation
 
 
 def ttft_parts(r: RequestRecord) -> list[tuple[str, float]]:
