@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_consistent
 from nbkv import Engine
 from nbkv.core.errors import InvalidRequestError
-from nbkv.llama.sampling import SamplingParams
+from nbkv.llama.tokens import SamplingParams
 from nbkv.notebook.sessions import SessionStore
 
 Q = [{"role": "user", "content": "Name a fruit."}]

@@ -199,7 +199,7 @@ def test_a_reply_that_starts_with_merging_newlines_keeps_its_own_slot(engine, pa
     the slot one token before the old prompt's end. The real options are compared: the
     session's own slot (cut there, or back to its checkpoint 3 tokens earlier), a copy of
     the shared system prompt from another session's slot, a parked conversation's."""
-    from nbkv.llama.sampling import Sampler
+    from nbkv.llama.tokens import Sampler
 
     newline = engine.model.tokenize("\n")[0]
     sample = Sampler.sample

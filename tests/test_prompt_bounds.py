@@ -172,7 +172,7 @@ def test_a_lone_surrogate_is_refused_naming_the_message():
 
 def test_the_vocabulary_bounds_hold_on_the_embedded_model(model_path):
     from nbkv.llama.backend import Model
-    from nbkv.llama.vocab import longest_piece, tokenize_up_to
+    from nbkv.llama.tokens import longest_piece, tokenize_up_to
 
     model = Model(model_path)
     longest = longest_piece(model)

@@ -23,7 +23,7 @@ from nbkv.kv.replies import (
     settings_key,
     text_digest,
 )
-from nbkv.llama.sampling import SamplingParams
+from nbkv.llama.tokens import SamplingParams
 from nbkv.media.units import MediaKey, MediaUnit
 from nbkv.ui import vocabulary as vocab
 from nbkv.ui.figures import ttft_parts

@@ -1,4 +1,4 @@
-"""Greedy sampling reads the logits row in place (nbkv.llama.sampling.Sampler).
+"""Greedy sampling reads the logits row in place (nbkv.llama.tokens.Sampler).
 
 Plain greedy sampling skips llama.cpp's sampler chain: the token is the row's first largest
 logit, as the chain's greedy sampler picks it; anything else (a NaN row, a temperature, a
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from nbkv.core.streams import SamplingParams
-from nbkv.llama import sampling
-from nbkv.llama.sampling import Sampler
+from nbkv.llama import tokens
+from nbkv.llama.tokens import Sampler
 
 CHAIN = -7  # what the stand-in chain answers
 
@@ -24,7 +24,7 @@ class Ctx:
 
     def __init__(self, seqs=(), token=23):
         self.ptr = None
-        self.sampling = sampling.DeviceGreedy(None, enabled=False)
+        self.sampling = tokens.DeviceGreedy(None, enabled=False)
         self.sampling.seqs = frozenset(seqs)
         self.sampling.token = lambda index: token
 
@@ -42,8 +42,8 @@ def logits(monkeypatch):
         calls.append(index)
         return CHAIN
 
-    monkeypatch.setattr(sampling.llama_cpp, "llama_get_logits_ith", get_logits_ith)
-    monkeypatch.setattr(sampling.llama_cpp, "llama_sampler_sample", sampler_sample)
+    monkeypatch.setattr(tokens.llama_cpp, "llama_get_logits_ith", get_logits_ith)
+    monkeypatch.setattr(tokens.llama_cpp, "llama_sampler_sample", sampler_sample)
     return row, calls
 
 

@@ -93,7 +93,7 @@ def _host_floor(path: str, steps: int = 24) -> float:
     import time
 
     from nbkv.llama.backend import Context, Model
-    from nbkv.llama.batch import Batch
+    from nbkv.llama.tokens import Batch
 
     model = Model(path)
     ctx = Context(model, 1024, 1, n_batch=256)

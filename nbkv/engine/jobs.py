@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from nbkv.core.streams import TextStream
     from nbkv.engine.drafts import NgramDrafter
     from nbkv.engine.slots import EngineSlot
-    from nbkv.llama.sampling import Sampler
+    from nbkv.llama.tokens import Sampler
     from nbkv.prompt.builder import Prompt
 
 

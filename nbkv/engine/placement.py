@@ -27,7 +27,7 @@ from nbkv.kv import admission, invariance, policy
 from nbkv.kv.policy import Judge, restorable, restore_point
 from nbkv.kv.slot_kv import SWA, trim_valid
 from nbkv.kv.slot_table import prompt_segments
-from nbkv.llama.sampling import Sampler
+from nbkv.llama.tokens import Sampler
 from nbkv.media.units import MediaUnit
 
 if TYPE_CHECKING:

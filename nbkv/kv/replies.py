@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nbkv.kv.policy import common_prefix
-from nbkv.llama.sampling import SamplingParams
+from nbkv.llama.tokens import SamplingParams
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a new seed on every request
 

@@ -21,11 +21,10 @@ import numpy as np
 
 from nbkv.core.counters import KVCounters
 from nbkv.core.errors import DecodeError, KVOrderError, ModelLoadError, ModelNotFoundError
-from nbkv.llama.batch import Batch
 from nbkv.llama.gguf_header import check_complete
 from nbkv.llama.models import display_name
-from nbkv.llama.sampling import DeviceGreedy
 from nbkv.llama.state_buffers import StateBuffers
+from nbkv.llama.tokens import Batch, DeviceGreedy
 
 log = logging.getLogger("nbkv.llama")
 # llama.cpp's and libmtmd's own log reach the user only through logging: without a handler
@@ -422,7 +421,7 @@ class Context:
         self.queued_copies: list[tuple[int, int]] = []
         #: decode calls, rows, time inside llama.cpp, state bytes and copies (nbkv.core.counters)
         self.counters = KVCounters()
-        #: greedy sampling in the graph for the sequences the engine names (nbkv.llama.sampling)
+        #: greedy sampling in the graph for the sequences the engine names (nbkv.llama.tokens)
         self.sampling = DeviceGreedy(ptr, device_sampling)
 
     def decode(self, batch: Batch, padded: int = 0) -> None:

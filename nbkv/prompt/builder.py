@@ -18,7 +18,7 @@ from nbkv.core.config import check_overflow
 from nbkv.core.errors import ContextOverflowError, MediaError
 from nbkv.core.messages import normalize, prefix_hashes
 from nbkv.llama.backend import Model
-from nbkv.llama.vocab import longest_piece, tokenize_up_to
+from nbkv.llama.tokens import longest_piece, tokenize_up_to
 from nbkv.media.messages import contains_images, extract_images
 from nbkv.media.units import MediaUnit, position_units
 

@@ -1,15 +1,127 @@
-"""The llama.cpp sampler chain of a request, and greedy sampling in llama.cpp's graph."""
+"""Tokens at llama.cpp's door: a text's bound, the batch that carries them in, the sampler.
+
+- What bounds a text's tokens, read from the vocabulary without tokenizing it whole, so that
+  a prompt that cannot fit a slot is refused before it costs memory: a token stands for at
+  most :func:`longest_piece` bytes, and :func:`tokenize_up_to` never holds more token ids
+  than the slot has room for.
+- :class:`Batch`: a reusable ``llama_batch`` for tokens of several sequences.
+- :class:`Sampler`: a request's sampler chain; :class:`DeviceGreedy`: greedy sampling in
+  llama.cpp's graph.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 import numpy as np
 
 from nbkv.core.streams import SamplingParams
+
+if TYPE_CHECKING:
+    from nbkv.llama.backend import Model
+
+_I32 = ctypes.c_int32
+_P32 = ctypes.POINTER(_I32)
+
+
+class Batch:
+    """A reusable ``llama_batch`` for tokens of several sequences.
+
+    Its arrays are owned here (one sequence a token): a run of a sequence's tokens is
+    written with slice assignments, in C, instead of a Python step a token.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.n = 0
+        self._token = (_I32 * capacity)()
+        self._pos = (_I32 * capacity)()
+        self._n_seq = (_I32 * capacity)(*([1] * capacity))
+        self._seq = (_I32 * capacity)()
+        base = ctypes.addressof(self._seq)
+        self._seq_ptrs = (_P32 * capacity)(
+            *[ctypes.cast(base + ctypes.sizeof(_I32) * i, _P32) for i in range(capacity)])
+        self._logits = (ctypes.c_int8 * capacity)()
+        self._b: llama_cpp.llama_batch | None = llama_cpp.llama_batch(
+            0, ctypes.cast(self._token, _P32), None, ctypes.cast(self._pos, _P32),
+            ctypes.cast(self._n_seq, _P32), ctypes.cast(self._seq_ptrs, ctypes.POINTER(_P32)),
+            ctypes.cast(self._logits, ctypes.POINTER(ctypes.c_int8)))
+
+    def clear(self) -> None:
+        """Empty the batch."""
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Append a token; returns its index in the batch (for reading its logits)."""
+        i = self.n
+        if i >= self.capacity:
+            raise OverflowError("batch full")
+        self._token[i] = token
+        self._pos[i] = pos
+        self._seq[i] = seq
+        self._logits[i] = logits
+        self.n = i + 1
+        return i
+
+    def add_run(self, tokens: Sequence[int], start_pos: int, seq: int, logits_last: bool) -> int:
+        """Append consecutive tokens of one sequence; returns the index of the last one."""
+        n, k = self.n, len(tokens)
+        end = n + k
+        if end > self.capacity:
+            raise OverflowError("batch full")
+        # ctypes takes any sequence of the slice's length (its stubs say a list)
+        self._token[n:end] = tokens  # type: ignore[call-overload]
+        self._pos[n:end] = range(start_pos, start_pos + k)  # type: ignore[call-overload]
+        self._seq[n:end] = (seq,) * k  # type: ignore[call-overload]
+        self._logits[n:end] = bytes(k)  # type: ignore[call-overload]
+        if logits_last and k:
+            self._logits[end - 1] = 1
+        self.n = end
+        return end - 1
+
+    @property
+    def raw(self) -> llama_cpp.llama_batch:
+        """The ``llama_batch`` struct, with ``n_tokens`` set."""
+        b = self._b
+        if b is None:
+            raise RuntimeError("this batch is closed")
+        b.n_tokens = self.n
+        return b
+
+    def close(self) -> None:
+        """Drop the struct (its arrays are Python's: nothing native to free)."""
+        self._b = None
+
+
+_LONGEST: dict[tuple[str, int], int] = {}  # longest_piece, by model file
+
+
+def longest_piece(model: Model) -> int:
+    """The most bytes one token of ``model`` stands for (special tokens as their text)."""
+    key = (str(model.path), model.n_vocab)
+    n = _LONGEST.get(key)
+    if n is None:
+        buf = ctypes.create_string_buffer(64)
+        n = 1
+        for t in range(model.n_vocab):  # a piece longer than the buffer answers its -length
+            n = max(n, abs(llama_cpp.llama_token_to_piece(model.vocab, t, buf, 64, 0, True)))
+        n = _LONGEST[key] = n
+    return n
+
+
+def tokenize_up_to(model: Model, text: str, limit: int) -> list[int] | int:
+    """``model.tokenize(text)``, or how many tokens it takes when that is more than ``limit``.
+
+    Only ``limit`` token ids are ever held here, however long ``text`` is.
+    """
+    data = text.encode("utf-8")
+    buf = (llama_cpp.llama_token * limit)()
+    n = llama_cpp.llama_tokenize(model.vocab, data, len(data), buf, limit, False, True)
+    return list(buf[:n]) if n >= 0 else -n
 
 
 class DeviceGreedy:
