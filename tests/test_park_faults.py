@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nbkv.core import validate
+from nbkv.core import api
 from nbkv.core.errors import InvalidRequestError
 from nbkv.store import blobstore, park_adopt, park_disk, persist
 from nbkv.store.park_disk import ENGINES, DiskTier, default_disk_budget
@@ -166,8 +166,8 @@ def test_a_park_dir_that_cannot_be_written_at_open_is_a_named_error(tmp_path, mo
 
 def test_a_session_name_with_a_lone_surrogate_is_refused_at_the_door():
     with pytest.raises(InvalidRequestError, match="lone surrogate"):
-        validate.session_name("bad\udcff")
-    assert validate.session_name("caf\u00e9 \u2603") == "caf\u00e9 \u2603"
+        api.session_name("bad\udcff")
+    assert api.session_name("caf\u00e9 \u2603") == "caf\u00e9 \u2603"
 
 
 def test_one_bad_entry_never_keeps_the_others_from_disk(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import partial
 from typing import Any, ClassVar
 
-from nbkv.core import validate
+from nbkv.core import api
 from nbkv.core.errors import InvalidRequestError
 
 #: KV cache types llama.cpp accepts, with their size in bytes per element
@@ -75,13 +75,13 @@ def check_value(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
     if choices and value not in choices:
         raise InvalidRequestError(f"{name} must be one of {choices}, not {value!r}")
     if meta.get("least") is not None:
-        validate.whole(name, value, meta["least"], meta["optional"], meta["hint"])
+        api.whole(name, value, meta["least"], meta["optional"], meta["hint"])
     if kind == "path":
-        validate.path(name, value)
+        api.path(name, value)
     elif kind == "directory":  # found wrong after the model loaded, else
-        validate.directory(name, value)
+        api.directory(name, value)
     elif kind == "seconds":
-        validate.seconds(name, value)
+        api.seconds(name, value)
     elif kind == "text" and value is not None and not isinstance(value, str):
         raise InvalidRequestError(f"{name} must be a Jinja2 chat template (a str) or None, "
                                   f"not {type(value).__name__}")

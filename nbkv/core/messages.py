@@ -7,8 +7,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nbkv.core.api import unicode_text
 from nbkv.core.errors import InvalidRequestError
-from nbkv.core.validate import unicode_text
 
 Message = dict[str, Any]
 

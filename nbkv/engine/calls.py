@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core import validate
+from nbkv.core import api
 from nbkv.core.errors import InvalidRequestError
 from nbkv.core.events import SlotsChanged, counted
 from nbkv.engine import state as engine_state
@@ -115,7 +115,7 @@ class ControlCalls:
         probe (:func:`nbkv.kv.oracle.scratch_logits`); :meth:`verify` compares them.
         """
         index = self.table.index(slot)
-        token = validate.token("token", token, self.model.n_vocab)
+        token = api.token("token", token, self.model.n_vocab)
         return self.core.call(lambda: verify.probe(self.core, index, token))
 
     def settle(self) -> None:

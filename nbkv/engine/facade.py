@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from nbkv.core import validate
+from nbkv.core import api
 from nbkv.core.api import ChatAPI, TemplatedAPI, request_totals, thrashing
 from nbkv.core.config import (
     EngineSettings,
@@ -281,7 +281,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
                 raise InvalidRequestError(
                     f"slot {rec.slot} no longer holds request #{request}'s conversation")
             slot = rec.slot
-        probe = validate.token("probe", probe, self.model.n_vocab)
+        probe = api.token("probe", probe, self.model.n_vocab)
         targets = [self.table.index(slot)] if slot is not None else [
             s.index for s in self.slots() if not s.empty]
         return [verify.verify_slot(self.core, i, probe) for i in targets]
