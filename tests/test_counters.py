@@ -1,4 +1,4 @@
-"""The engine's fixed cost, counted (nbkv.core.counters), and the lean path it shows.
+"""The engine's fixed cost, counted (nbkv.core.events), and the lean path it shows.
 
 On the lean path (exact=False, or no grouping proven) a request's new tokens are read in as
 few decodes as n_batch allows and nothing is read twice; on the exact path the counters show
@@ -16,8 +16,7 @@ import pytest
 
 from conftest import SYSTEM, talk
 from nbkv import Engine
-from nbkv.core.counters import KVCounters, RequestCounts
-from nbkv.core.events import SlotRewritten
+from nbkv.core.events import KVCounters, RequestCounts, SlotRewritten
 from nbkv.engine import scheduler as scheduler_mod
 from nbkv.kv import calibrate, invariance
 from nbkv.kv.invariance import PrefillRule

@@ -3,7 +3,7 @@
 ``realistic``: a 1.5B-shaped Q4_K_M (generated weights: :mod:`nbkv.fixtures.realistic`),
 turns back to back, exact against ``exact=False`` (the lean path), a second turn's first
 token against llama-cpp-python's ``Llama``, and host time per request at 4 slots and 4k
-context (:mod:`nbkv.core.counters`). ``fixed-shape``: every decode padded to one row count
+context (:mod:`nbkv.core.events`). ``fixed-shape``: every decode padded to one row count
 (``fixed_rows``), on whatever backend runs it: does calibration prove exactness then, and
 what does the first token cost against the unpadded engine, cache off and ``Llama``.
 """
@@ -30,7 +30,7 @@ FIXED_ROWS = (0, 16, 128)
 def _costs(runner: NbkvRunner, before: dict[str, Any], requests: int) -> dict[str, Any]:
     """Per request since ``before``: decode calls, rows, host time by part, bytes moved.
 
-    Host time is the requests' own (see :mod:`nbkv.core.counters`), as wall time and as the
+    Host time is the requests' own (see :mod:`nbkv.core.events`), as wall time and as the
     scheduler thread's CPU time (``host_cpu_s``: without waits for the interpreter's lock or
     a core); idle-time work, such as a reply's rewrite or a park's copy made ahead, is
     reported beside it (``idle_host_s_by_part``).

@@ -359,7 +359,7 @@ class Engine(TemplatedAPI, ChatAPI, ControlCalls):
     def counters(self) -> dict[str, Any]:
         """The fixed cost so far: decode calls, rows, host time by part, bytes moved.
 
-        From :class:`nbkv.core.counters.KVCounters`, read between steps, plus ``path``:
+        From :class:`nbkv.core.events.KVCounters`, read between steps, plus ``path``:
         ``"exact"`` or ``"lean"`` (exactness not proven or not asked for).
         """
         snap = self.core.call(self.ctx.counters.snapshot)

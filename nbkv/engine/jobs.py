@@ -19,9 +19,8 @@ import enum
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from nbkv.core.counters import RequestCounts
 from nbkv.core.errors import NbkvError
-from nbkv.core.events import RequestRecord
+from nbkv.core.events import RequestCounts, RequestRecord
 from nbkv.core.streams import Request, SamplingParams
 from nbkv.media.units import MediaUnit
 
@@ -90,7 +89,7 @@ class Job(Request):
         self.replay = replay  # may be answered with a reply the cache holds (nbkv.engine.replay)
         self._memo: Any = None  # the nbkv.kv.replies.ReplyMemo a replay answers it with
         self._memo_held = 0  # how many of the memo's tokens the slot holds after the prompt
-        self.counts = RequestCounts()  # its decodes, rows, host time, bytes (nbkv.core.counters)
+        self.counts = RequestCounts()  # its decodes, rows, host time, bytes (nbkv.core.events)
 
     # ------------------------------------------------------------------ reading
 

@@ -19,8 +19,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from nbkv.core.counters import KVCounters
 from nbkv.core.errors import DecodeError, KVOrderError, ModelLoadError, ModelNotFoundError
+from nbkv.core.events import KVCounters
 from nbkv.llama.gguf_header import check_complete
 from nbkv.llama.models import display_name
 from nbkv.llama.state_buffers import StateBuffers
@@ -419,7 +419,7 @@ class Context:
         self.buffers = StateBuffers()
         #: ``(src, dst)`` of the copies whose data llama.cpp runs at the next decode
         self.queued_copies: list[tuple[int, int]] = []
-        #: decode calls, rows, time inside llama.cpp, state bytes and copies (nbkv.core.counters)
+        #: decode calls, rows, time inside llama.cpp, state bytes and copies (nbkv.core.events)
         self.counters = KVCounters()
         #: greedy sampling in the graph for the sequences the engine names (nbkv.llama.tokens)
         self.sampling = DeviceGreedy(ptr, device_sampling)
