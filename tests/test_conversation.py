@@ -9,8 +9,7 @@ import pytest
 
 from nbkv.core.errors import RestoreError
 from nbkv.core.events import Segment
-from nbkv.kv.conversation import Conversation
-from nbkv.kv.slot_table import SlotState
+from nbkv.kv.slot_table import Conversation, SlotState
 from nbkv.store.blobstore import Blobs
 from nbkv.store.parked import ParkedEntry, entry_from_json, entry_json, info_from_json
 

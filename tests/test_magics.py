@@ -499,8 +499,8 @@ def test_slots_table_counts_checkpoints_and_marks_them_on_the_kv_strip():
 
     from nbkv.core.events import Segment
     from nbkv.engine.facade import SlotInfo
-    from nbkv.kv.conversation import Conversation
     from nbkv.kv.slot_kv import MemoryInfo
+    from nbkv.kv.slot_table import Conversation
     from nbkv.ui.display import slots_table
 
     segs = (Segment(0, 40, 0, "system", "reused", "Be brief."),

@@ -11,7 +11,7 @@ import pytest
 from conftest import QuietComm
 from nbkv.core.events import EventBus, RequestFinished, RequestRecord
 from nbkv.engine.facade import SlotInfo
-from nbkv.kv.conversation import Conversation
+from nbkv.kv.slot_table import Conversation
 from nbkv.store.parked import DISK, RAM, ParkedInfo
 from nbkv.ui import static, vocabulary
 from nbkv.ui.display import stats_table

@@ -32,7 +32,7 @@ from nbkv.core.events import (
 from nbkv.engine import rewrite
 from nbkv.engine.facade import SlotInfo
 from nbkv.fixtures import make_mmproj, make_text_model
-from nbkv.kv.conversation import Conversation
+from nbkv.kv.slot_table import Conversation
 from nbkv.ui import vocabulary
 from nbkv.ui.palette import COLORS
 from nbkv.ui.widgets import CacheDashboard, Conversations, Feed, KVMap, SlotCards, Timeline

@@ -40,8 +40,7 @@ from nbkv.core.events import (
 )
 from nbkv.core.messages import normalize
 from nbkv.core.streams import SamplingParams
-from nbkv.kv.conversation import Conversation
-from nbkv.kv.slot_table import SlotInfo, message_segments
+from nbkv.kv.slot_table import Conversation, SlotInfo, message_segments
 from nbkv.media.messages import contains_images
 from nbkv.remote.base import RemoteBase, RemoteJob
 from nbkv.remote.http_client import ServerClient

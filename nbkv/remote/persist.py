@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbkv.core.errors import RestoreError, SaveError, ServerError, UntrustedSaveError
-from nbkv.kv.conversation import Conversation
-from nbkv.kv.slot_table import SlotState
+from nbkv.kv.slot_table import Conversation, SlotState
 from nbkv.store.blobstore import (
     body_checksum,
     fsync_dir,

@@ -15,7 +15,7 @@ from typing import Any
 
 from nbkv.core.errors import RestoreError
 from nbkv.core.events import Segment
-from nbkv.kv.conversation import Conversation, HoldsConversation
+from nbkv.kv.slot_table import Conversation, HoldsConversation
 from nbkv.store.blobstore import (
     Blobs,
     decode_units,
@@ -54,7 +54,7 @@ class ParkedEntry(HoldsConversation):
     ``nbytes`` is computed from the buffers; ``key`` is given by the
     :class:`~nbkv.store.parking.ParkingLot` when the entry is parked; ``settled`` and ``exact_len``
     default to every token (only proven KV is parked). The conversation's bookkeeping is its
-    :class:`~nbkv.kv.conversation.Conversation` (``conversation``; its fields read through).
+    :class:`~nbkv.kv.slot_table.Conversation` (``conversation``; its fields read through).
     """
 
     def __init__(self, session: str | None, tokens: Sequence[Any], hashes: Sequence[str],
