@@ -53,7 +53,7 @@ class ChatAPI:
         ``timeout`` its wait for a slot. ``replay=True`` (engines whose ``replays`` is
         true): if this prompt was answered before with the same deterministic settings and
         the slot still holds that reply, give it again from the cache, decoding nothing
-        (:mod:`nbkv.engine.replay`; exact engines only).
+        (:mod:`nbkv.engine.decoder`; exact engines only).
         """
         self._check_request(session, timeout)
         s = self._submit(messages, session, overflow, timeout, **sampling)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from nbkv.core.errors import EngineClosedError
-from nbkv.engine.replay import Replays
+from nbkv.engine.decoder import Replays
 from nbkv.engine.rewrite import Rewriter
 from nbkv.engine.slot_parking import Parker
 

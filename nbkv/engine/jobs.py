@@ -86,7 +86,7 @@ class Job(Request):
         self.encoder_runs = 0  # images this request sent through the vision encoder
         self.embedding_hits = 0  # images whose embeddings came from the cache
         self.stops: tuple[int, ...] = ()  # KV positions where a checkpoint is taken
-        self.replay = replay  # may be answered with a reply the cache holds (nbkv.engine.replay)
+        self.replay = replay  # may be answered with a reply the cache holds (nbkv.engine.decoder)
         self._memo: Any = None  # the nbkv.kv.replies.ReplyMemo a replay answers it with
         self._memo_held = 0  # how many of the memo's tokens the slot holds after the prompt
         self.counts = RequestCounts()  # its decodes, rows, host time, bytes (nbkv.core.events)

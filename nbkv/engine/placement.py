@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbkv.core.events import RequestRecord, RequestStarted, Segment
-from nbkv.engine import replay
+from nbkv.engine.decoder import replay_reason
 from nbkv.engine.slots import REPLY_TAIL
 from nbkv.kv import admission, invariance, policy
 from nbkv.kv.policy import Judge, restorable, restore_point
@@ -33,9 +33,9 @@ from nbkv.media.units import MediaUnit
 if TYPE_CHECKING:
     from nbkv.core.config import EngineSettings
     from nbkv.core.events import EventBus
+    from nbkv.engine.decoder import Replays
     from nbkv.engine.jobs import Job
     from nbkv.engine.native import Resources
-    from nbkv.engine.replay import Replays
     from nbkv.engine.rewrite import Rewriter
     from nbkv.engine.slot_parking import Parker
     from nbkv.engine.slots import EngineSlot, EngineTable
@@ -59,7 +59,7 @@ class Outcome:
     parked_to: ParkedInfo | None = None  # where the displaced conversation went
     branch: ParkedInfo | None = None  # the entry taken back, parked again as the edit's branch
     restored: admission.Restored | None = None  # the parked conversation put back
-    memo: Any = None  # the reply replayed (nbkv.engine.replay), if any
+    memo: Any = None  # the reply replayed (nbkv.engine.decoder), if any
     held_after: int = 0  # ... and how many of its tokens follow the prompt in the slot
     trimmed: int = 0  # positions cut off the slot's KV (cache "imc")
     checkpoint_pos: int | None = None  # a checkpoint restored to cut the KV there
@@ -256,7 +256,7 @@ class Placer:
     :class:`~nbkv.engine.rewrite.Rewriter` (it keeps the engine's pace), the
     :class:`~nbkv.engine.slot_parking.Parker` (a displaced conversation is parked, a parked
     one restored) and the
-    :class:`~nbkv.engine.replay.Replays` (a re-run answered from the cache).
+    :class:`~nbkv.engine.decoder.Replays` (a re-run answered from the cache).
     """
 
     def __init__(self, res: Resources, settings: EngineSettings, table: EngineTable,
@@ -354,7 +354,7 @@ class Placer:
         p, table, lot, reuse = job.prompt, self.table, self.parking, out.reuse
         if out.memo is not None:
             table.compare(job.id, slot.kv.tokens, p.tokens)
-            return replay.reason(out.memo)
+            return replay_reason(out.memo)
         donor = adm.plan.donor if reuse else None  # a copy that kept nothing is not one
         still_parked = job.session is not None and lot is not None and (
             lot.find(job.session) is not None or (entry is not None and adm.taken))

@@ -28,8 +28,8 @@ from nbkv.store.parked import ParkedEntry, ParkedInfo
 
 if TYPE_CHECKING:
     from nbkv.core.config import EngineSettings
+    from nbkv.engine.decoder import Replays
     from nbkv.engine.native import Resources
-    from nbkv.engine.replay import Replays
     from nbkv.engine.slots import EngineSlot, EngineTable
     from nbkv.prompt.builder import PromptBuilder
     from nbkv.store.parking import ParkingLot
@@ -42,7 +42,7 @@ class Parker:
 
     Given the engine's resources, serve settings, slot table, parking lot (None: parking
     off), the prompt builder (how a conversation's next turn renders) and the
-    :class:`~nbkv.engine.replay.Replays` (whose replies a cut would lose).
+    :class:`~nbkv.engine.decoder.Replays` (whose replies a cut would lose).
     """
 
     @property
@@ -121,7 +121,7 @@ class Parker:
         if lot is None or at >= len(kv) or not self.replays.proven():
             return None  # nothing is cut (a plain continuation), or nothing would be replayed
         rule = self.res.rule
-        # a replay needs its prompt as far as the cache keeps one (nbkv.engine.replay.match)
+        # a replay needs its prompt as far as the cache keeps one (nbkv.engine.decoder.match)
         if not any(at < valid_start(kv.tokens[:m.n_prompt], policy.reuse_limit(m.n_prompt), rule)
                    for m in self.replays.replies.cut_by(kv.tokens, at)):
             return None

@@ -10,7 +10,7 @@ and settings, which tokens were generated and how the reply ended; :meth:`ReplyB
 answers only where a holder holds the prompt.
 
 Pure bookkeeping: no model, no llama.cpp. The engine decides when a request may be replayed
-(:mod:`nbkv.engine.replay`); nothing here is ever used with inexact KV.
+(:mod:`nbkv.engine.decoder`); nothing here is ever used with inexact KV.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ class Session:
         replaced when the reply ends; without, it is the next turn. ``new`` starts the
         conversation over first; ``system`` sets its system prompt. ``replay``: a cell that
         runs again may get the reply the cache holds for the same prompt and settings
-        (:mod:`nbkv.engine.replay`), on an engine that can replay.
+        (:mod:`nbkv.engine.decoder`), on an engine that can replay.
         """
         if new:
             self.reset(system)
