@@ -55,6 +55,15 @@ from nbkv.core.events import (
 )
 from nbkv.kv import invariance, policy
 
+#: the reason codes (defined with the records, :mod:`nbkv.core.events`) are read from here
+#: with the admission that decides them
+__all__ = ["CHECKPOINT", "CLEARED", "CONTINUED", "COPIED", "EDITED", "EVICTED", "FIRST",
+           "IMAGE_CHANGED", "OVERFLOW", "PARKED", "PROVEN", "RELOADED", "REPLAYED", "RESTORED",
+           "SHARED", "SYSTEM_CHANGED", "TEMPLATE_DRIFT", "UNCACHED", "Admission", "Cached",
+           "Decision", "Divergence", "Explanation", "Holder", "Reason", "Restored", "Story",
+           "Whereabouts", "admit", "decide", "displaced", "explain_request", "find_divergence",
+           "reply_reuse", "words"]
+
 
 @dataclass(frozen=True)
 class Reason:
