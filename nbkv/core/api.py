@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import numbers
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -262,31 +261,6 @@ def session_name(value: Any) -> Any:
             raise InvalidRequestError(
                 f"session must be valid text: {value!r} holds a lone surrogate "
                 f"({value[e.start:e.end]!r} at {e.start})") from None
-    return value
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def unicode_text(name: str, value: Any) -> Any:
-    """``value`` unless a str in it (or in its lists and dicts) holds a lone surrogate.
-
-    Such a str (as ``bytes.decode(errors="surrogateescape")`` makes of bytes that are not UTF-8)
-    is not text: it cannot be encoded, so it would fail later, unnamed, in a tokenizer or hash.
-    """
-    if isinstance(value, str):
-        bad = _SURROGATE.search(value)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"{name} holds a lone surrogate (U+{ord(bad.group()):04X}) at character "
-                f"{bad.start()}, which is not valid Unicode text: decode bytes with "
-                "errors='replace', or remove it")
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            unicode_text(f"{name}[{k!r}]", v)
-    elif isinstance(value, (list, tuple)):
-        for j, v in enumerate(value):
-            unicode_text(f"{name}[{j}]", v)
     return value
 
 

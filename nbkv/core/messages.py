@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nbkv.core.api import unicode_text
 from nbkv.core.errors import InvalidRequestError
 
 Message = dict[str, Any]
@@ -136,3 +136,28 @@ def preview(message: Mapping[str, Any], width: int = 60) -> str:
         n *= 4
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unicode_text(name: str, value: Any) -> Any:
+    """``value`` unless a str in it (or in its lists and dicts) holds a lone surrogate.
+
+    Such a str (as ``bytes.decode(errors="surrogateescape")`` makes of bytes that are not UTF-8)
+    is not text: it cannot be encoded, so it would fail later, unnamed, in a tokenizer or hash.
+    """
+    if isinstance(value, str):
+        bad = _SURROGATE.search(value)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{name} holds a lone surrogate (U+{ord(bad.group()):04X}) at character "
+                f"{bad.start()}, which is not valid Unicode text: decode bytes with "
+                "errors='replace', or remove it")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            unicode_text(f"{name}[{k!r}]", v)
+    elif isinstance(value, (list, tuple)):
+        for j, v in enumerate(value):
+            unicode_text(f"{name}[{j}]", v)
+    return value

@@ -14,15 +14,12 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import llama_cpp
 import numpy as np
 
 from nbkv.core.streams import SamplingParams
-
-if TYPE_CHECKING:
-    from nbkv.llama.backend import Model
 
 _I32 = ctypes.c_int32
 _P32 = ctypes.POINTER(_I32)
@@ -100,7 +97,15 @@ class Batch:
 _LONGEST: dict[tuple[str, int], int] = {}  # longest_piece, by model file
 
 
-def longest_piece(model: Model) -> int:
+class Vocabulary(Protocol):
+    """What the bounds read of a model (:class:`nbkv.llama.backend.Model` has it)."""
+
+    path: Any  # the model file
+    n_vocab: int
+    vocab: Any  # llama.cpp's ``llama_vocab`` pointer
+
+
+def longest_piece(model: Vocabulary) -> int:
     """The most bytes one token of ``model`` stands for (special tokens as their text)."""
     key = (str(model.path), model.n_vocab)
     n = _LONGEST.get(key)
@@ -113,7 +118,7 @@ def longest_piece(model: Model) -> int:
     return n
 
 
-def tokenize_up_to(model: Model, text: str, limit: int) -> list[int] | int:
+def tokenize_up_to(model: Vocabulary, text: str, limit: int) -> list[int] | int:
     """``model.tokenize(text)``, or how many tokens it takes when that is more than ``limit``.
 
     Only ``limit`` token ids are ever held here, however long ``text`` is.
